@@ -1,0 +1,196 @@
+"""Frozen configuration built once per process: the model's shape, the KV cache and the scheduler."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the setting and how to fix it."""
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """`auto` keeps the checkpoint's dtype on GPUs and uses float32 on CPU (bf16 matmuls are slow there)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.bfloat16)
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not supported: use auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _rope_scaling(hf: dict) -> dict | None:
+    """transformers 4.x writes `rope_scaling`, 5.x writes `rope_parameters`; both end up here."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling")
+    if not params:
+        return None
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    return {**params, "rope_type": rope_type}
+
+
+def _rope_theta(hf: dict) -> float:
+    params = hf.get("rope_parameters") or {}
+    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only model, read from a Hugging Face config.json."""
+
+    model_dir: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+    dtype: torch.dtype
+    checkpoint_dtype: str | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    hf_config: dict = field(repr=False, compare=False)
+
+    @classmethod
+    def from_hf(
+        cls,
+        model_dir: str | Path,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "cpu",
+        max_model_len: int | None = None,
+    ) -> "ModelConfig":
+        model_dir = Path(model_dir)
+        config_path = model_dir / "config.json"
+        if not config_path.is_file():
+            raise ConfigError(f"{model_dir} has no config.json: pass a Hugging Face model directory or hub id")
+        hf = json.loads(config_path.read_text())
+        text = hf.get("text_config")
+        if text and "hidden_size" not in hf:  # multimodal wrappers keep the LM's shape one level down
+            hf = {**text, "architectures": hf.get("architectures")}
+        architectures = hf.get("architectures") or []
+        if not architectures:
+            raise ConfigError(f"{config_path} names no `architectures`: add e.g. [\"LlamaForCausalLM\"]")
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        max_positions = int(hf.get("max_position_embeddings", 2048))
+        sliding_window = _sliding_window(hf)
+        model_len = _resolve_max_model_len(max_model_len, max_positions, sliding_window)
+        checkpoint_dtype = hf.get("torch_dtype") or hf.get("dtype")
+        return cls(
+            model_dir=str(model_dir),
+            architecture=architectures[0],
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(hf),
+            rope_scaling=_rope_scaling(hf),
+            max_position_embeddings=max_positions,
+            max_model_len=model_len,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_window=sliding_window,
+            dtype=resolve_dtype(dtype, checkpoint_dtype, torch.device(device)),
+            checkpoint_dtype=checkpoint_dtype,
+            eos_token_ids=_eos_token_ids(model_dir, hf),
+            bos_token_id=hf.get("bos_token_id"),
+            hf_config=hf,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token: 2 x layers x kv_heads x head_dim x dtype bytes."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+def _sliding_window(hf: dict) -> int | None:
+    window = hf.get("sliding_window")
+    if window is None or hf.get("use_sliding_window") is False:
+        return None
+    return int(window)
+
+
+def _resolve_max_model_len(requested: int | None, max_positions: int, sliding_window: int | None) -> int:
+    # pdserve's attention has no sliding-window mask yet: sequences are kept inside the window, where
+    # windowed and full attention agree.
+    limit = max_positions if sliding_window is None else min(max_positions, sliding_window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        why = f"the sliding window ({sliding_window})" if limit == sliding_window else "max_position_embeddings"
+        raise ConfigError(
+            f"max_model_len={requested} exceeds {why} = {limit}; pdserve does not implement sliding-window "
+            f"attention yet, so pass max_model_len <= {limit}"
+        )
+    return requested
+
+
+def _eos_token_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
+    """generation_config.json wins over config.json; either may hold one id or a list."""
+    eos = hf.get("eos_token_id")
+    generation = model_dir / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id", eos)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: num_blocks wins; otherwise memory_bytes of cache (default: 1 GiB on CPU,
+    gpu_memory_utilization of the free GPU memory after weights on CUDA)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size={self.block_size} must be a positive power of two (16 is usual)")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks={self.num_blocks} must be at least 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits. max_num_batched_tokens is the per-step token budget; a prompt
+    longer than that is prefilled in chunks of at most long_prefill_token_threshold tokens."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0 = only the step budget limits a chunk
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be at least 1")

@@ -1,0 +1,95 @@
+"""One engine: scheduler + KV cache manager + model runner, driven one step at a time. No sockets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnector
+from engine.model_runner import ModelRunner
+from engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from engine.scheduler import KVFailurePolicy, RequestDelta, Scheduler
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig = CacheConfig(),
+        scheduler_config: SchedulerConfig = SchedulerConfig(),
+        device: str = "cpu",
+        connector: KVConnector | None = None,
+        kv_failure_policy: KVFailurePolicy | str = KVFailurePolicy.RECOMPUTE,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.runner = ModelRunner(model_config, cache_config, device)
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            scheduler_config, self.kv_cache_manager, model_config.max_model_len, connector, kv_failure_policy
+        )
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Validate a request against this model and fill in what the model decides (eos, max_tokens)."""
+        config = self.model_config
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt is empty: send at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else config.max_model_len - num_prompt
+        if num_prompt + max(max_tokens, 1) > config.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the model's context "
+                f"length of {config.max_model_len} tokens: shorten the prompt or lower max_tokens"
+            )
+        self._check_fits_cache(num_prompt + max_tokens)
+        eos, *extra_eos = config.eos_token_ids or (None,)
+        if extra_eos and not params.ignore_eos:  # e.g. Llama 3's <|eot_id|> beside <|end_of_text|>
+            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + tuple(extra_eos))
+        return Request(request_id, list(prompt_token_ids), params, eos_token_id=eos, max_tokens=max_tokens)
+
+    def _check_fits_cache(self, num_tokens: int) -> None:
+        block_size = self.cache_config.block_size
+        capacity = self.runner.num_blocks * block_size
+        if num_tokens > capacity:
+            raise InvalidRequestError(
+                f"the request needs up to {num_tokens} tokens of KV cache but the whole cache holds {capacity}: "
+                "lower max_tokens or start the engine with a larger KV cache"
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestDelta]:
+        """Schedule, run the model once, and report every request's new tokens and endings."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return self.scheduler.take_pending()
+        sampled = self.runner.execute(plan)
+        return self.scheduler.update_from_output(plan, sampled)
+
+    def stats(self) -> dict:
+        scheduler = self.scheduler
+        queued_prefill = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+        return {
+            "num_waiting": len(scheduler.waiting),
+            "num_running": len(scheduler.running),
+            "num_waiting_for_remote_kv": len(scheduler.waiting_for_remote_kv),
+            "kv_blocks_used": self.kv_cache_manager.num_used_blocks,
+            "kv_blocks_total": self.runner.num_blocks,
+            "queued_prefill_tokens": queued_prefill,
+        }
+
+    def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+        self.scheduler.finish_externally(request_id, status)

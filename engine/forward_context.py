@@ -1,0 +1,51 @@
+"""Per-step attention metadata, installed around one forward pass.
+
+Models only call `self.attn(q, k, v)`; the attention layer finds slot mappings and block tables here.
+Tokens of a step are ordered decodes first (one token per sequence), then prefill chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each token's new K/V
+    num_decode_tokens: int  # the first num_decode_tokens tokens each belong to their own sequence
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32, context length including the new token
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, offsets into the prefill tokens
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32, context length including the chunk
+    # Called with the layer index right after that layer's K/V is in the cache (KV streaming).
+    on_layer_stored: Callable[[int], None] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+_current: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def use_forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    if _current is not None:
+        raise RuntimeError("a forward context is already installed: forward passes cannot nest")
+    _current = context
+    try:
+        yield context
+    finally:
+        _current = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention ran outside a forward pass: wrap the call in use_forward_context()")
+    return _current

@@ -1,0 +1,249 @@
+"""Per-request KV block tables on top of the BlockPool: prefix lookup, allocate_slots, free.
+
+Torch-free and counted in tokens. A request's blocks cover its tokens in this layout:
+
+    | computed | new computed (prefix hits) | external computed (remote prefill) | new (this step) |
+      request.num_computed_tokens
+
+A full block is published to the prefix cache (hash -> block) once its KV is (or will be, within
+the step in flight) valid; blocks waiting for remote KV are published later by cache_blocks().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool, KVBlock, KVCacheInvariantError, compute_block_hashes
+from engine.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative prefix-cache lookups, counted in tokens."""
+
+    num_requests: int = 0
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size={block_size} must be a positive number of tokens per block")
+        self.block_size = block_size
+        self.enable_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # request_id -> how many of its leading blocks are published in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # -- counts ---------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    # -- prefix lookup --------------------------------------------------------------------------
+
+    def _update_block_hashes(self, request: Request) -> list[bytes]:
+        """Extend request.block_hashes over its new full blocks (only those) and return it."""
+        hashes = request.block_hashes
+        if len(hashes) < request.num_tokens // self.block_size:
+            chain = compute_block_hashes(request.all_token_ids, self.block_size, hashes)
+            hashes.extend(chain[len(hashes):])
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request as (blocks, num_tokens); takes no references.
+
+        Hits stop before the last token (capped at num_tokens - 1, whole blocks) so that at least
+        one token is computed and yields logits.
+        """
+        if not self.enable_caching:
+            return [], 0
+        block_hashes = self._update_block_hashes(request)
+        max_hit_blocks = max(request.num_tokens - 1, 0) // self.block_size
+        hit_blocks = []
+        for block_hash in block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hit_blocks.append(block)
+        num_hit_tokens = len(hit_blocks) * self.block_size
+        self.prefix_cache_stats.num_requests += 1
+        self.prefix_cache_stats.num_query_tokens += request.num_tokens
+        self.prefix_cache_stats.num_hit_tokens += num_hit_tokens
+        return hit_blocks, num_hit_tokens
+
+    # -- allocation -----------------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVBlock] = (),
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> list[KVBlock] | None:
+        """Give the request blocks for every token up to the end of `new`; None (and no change) if
+        the pool cannot. Returns only the newly allocated blocks (not new_computed_blocks)."""
+        new_computed_blocks = list(new_computed_blocks)
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        self._check_allocate_args(
+            request, req_blocks, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+            num_external_computed_tokens,
+        )
+        num_total_tokens = (request.num_computed_tokens + num_new_computed_tokens
+                            + num_external_computed_tokens + num_new_tokens)
+        num_blocks_to_allocate = max(
+            0, _cdiv(num_total_tokens, self.block_size) - len(req_blocks) - len(new_computed_blocks)
+        )
+        # Touching a free cached hit takes it out of the free queue, so it counts against the supply.
+        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_blocks_to_allocate + num_free_hits > self.pool.num_free_blocks:
+            return None
+
+        self._append_computed_blocks(request.request_id, req_blocks, new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(num_blocks_to_allocate)
+        req_blocks.extend(new_blocks)
+        self.req_to_blocks[request.request_id] = req_blocks
+        if self.enable_caching and not delay_cache_blocks:
+            self.cache_blocks(request, min(num_total_tokens, request.num_tokens))
+        return new_blocks
+
+    def _check_allocate_args(
+        self,
+        request: Request,
+        req_blocks: list[KVBlock],
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: list[KVBlock],
+        num_external_computed_tokens: int,
+    ) -> None:
+        counts = {"num_new_tokens": num_new_tokens, "num_new_computed_tokens": num_new_computed_tokens,
+                  "num_external_computed_tokens": num_external_computed_tokens}
+        for name, value in counts.items():
+            if value < 0:
+                raise ValueError(f"allocate_slots: {name}={value} must be >= 0")
+        if num_new_computed_tokens != len(new_computed_blocks) * self.block_size:
+            raise ValueError(
+                f"allocate_slots: num_new_computed_tokens={num_new_computed_tokens} must equal "
+                f"{len(new_computed_blocks)} new_computed_blocks x block_size {self.block_size}; "
+                "pass exactly what get_computed_blocks returned"
+            )
+        if new_computed_blocks:
+            self._check_hits_fit(request, req_blocks, new_computed_blocks)
+
+    def _check_hits_fit(self, request: Request, req_blocks: list[KVBlock], hits: list[KVBlock]) -> None:
+        first = len(req_blocks)
+        if request.num_computed_tokens != first * self.block_size:
+            raise ValueError(
+                f"allocate_slots: request {request.request_id} has {request.num_computed_tokens} computed "
+                f"tokens in {first} blocks; prefix hits must start right after whole computed blocks"
+            )
+        block_hashes = self._update_block_hashes(request) if self.enable_caching else []
+        for offset, block in enumerate(hits):
+            index = first + offset
+            if index >= len(block_hashes) or block.block_hash != block_hashes[index]:
+                raise ValueError(
+                    f"allocate_slots: new_computed_blocks[{offset}] (block {block.block_id}) does not hold "
+                    f"request {request.request_id}'s cached block {index}: it was evicted or belongs to "
+                    "another prefix; call get_computed_blocks right before allocate_slots"
+                )
+
+    def _append_computed_blocks(self, request_id: str, req_blocks: list[KVBlock], hits: list[KVBlock]) -> None:
+        if not hits:
+            return
+        self.pool.touch(hits)
+        num_cached = self.num_cached_blocks.get(request_id, 0)
+        if num_cached == len(req_blocks):
+            # Hits are already published: the cached prefix grows by them.
+            self.num_cached_blocks[request_id] = num_cached + len(hits)
+        req_blocks.extend(hits)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the request's full blocks covering its first num_computed_tokens tokens."""
+        if not self.enable_caching:
+            return
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if req_blocks is None:
+            raise ValueError(
+                f"cache_blocks: request {request.request_id} holds no blocks; call allocate_slots first"
+            )
+        num_tokens = min(num_computed_tokens, request.num_tokens)
+        if num_tokens > len(req_blocks) * self.block_size:
+            raise ValueError(
+                f"cache_blocks: {num_tokens} tokens do not fit request {request.request_id}'s "
+                f"{len(req_blocks)} blocks of {self.block_size}"
+            )
+        num_full_blocks = num_tokens // self.block_size
+        num_cached = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full_blocks <= num_cached:
+            return
+        block_hashes = self._update_block_hashes(request)
+        self.pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full_blocks)
+        self.num_cached_blocks[request.request_id] = num_full_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first so its tail is evicted first; unknown: no-op."""
+        req_blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if req_blocks:
+            self.pool.free_blocks(reversed(req_blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while any request holds blocks."""
+        return self.pool.reset_prefix_cache()
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Pool invariants plus: each block's ref_cnt == number of requests holding it."""
+        self.pool.check_invariants()
+        problems = []
+        num_holders = [0] * self.pool.num_blocks
+        for request_id, req_blocks in self.req_to_blocks.items():
+            if len({block.block_id for block in req_blocks}) != len(req_blocks):
+                problems.append(f"request {request_id} holds a block twice")
+            if self.num_cached_blocks.get(request_id, 0) > len(req_blocks):
+                problems.append(f"request {request_id} has more cached blocks than blocks")
+            for block in req_blocks:
+                if not 0 <= block.block_id < self.num_blocks or self.pool.blocks[block.block_id] is not block:
+                    problems.append(f"request {request_id} holds a block {block.block_id} not from the pool")
+                    continue
+                if block.ref_cnt < 1:
+                    problems.append(f"request {request_id} holds block {block.block_id} with ref_cnt 0")
+                num_holders[block.block_id] += 1
+        for block in self.pool.blocks:
+            if block.ref_cnt != num_holders[block.block_id]:
+                problems.append(
+                    f"block {block.block_id} has ref_cnt {block.ref_cnt} but {num_holders[block.block_id]} holders"
+                )
+        if problems:
+            raise KVCacheInvariantError("KV cache manager is inconsistent:\n  " + "\n  ".join(problems))

@@ -1,0 +1,43 @@
+"""The scheduler-side hooks a KV connector implements (prefill and decode roles of disaggregation).
+
+The scheduler calls these; a connector never touches the scheduler's queues itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+
+@dataclass
+class ConnectorEvents:
+    """What the connector learned since the last step."""
+
+    # Decode role: requests whose external KV has fully landed, with the first token sampled remotely.
+    received: dict[str, int] = field(default_factory=dict)
+    # Decode role: requests whose external KV will never come (peer died, bad checksum, timeout).
+    failed: dict[str, str] = field(default_factory=dict)
+    # Prefill role: requests whose blocks the peer has acknowledged (or whose lease expired): free them now.
+    sent: set[str] = field(default_factory=set)
+
+
+class KVConnector:
+    """Base class: a connector that moves nothing. Subclasses override what their role needs."""
+
+    def num_external_tokens(self, request: Request, num_local_hit_tokens: int) -> int:
+        """Tokens of the prompt, after the local prefix hit, whose KV will be loaded from outside."""
+        return 0
+
+    def on_blocks_allocated(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """The request's blocks exist; a decode-role connector now asks the peer for the KV."""
+
+    def on_request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """A request ended. True keeps its blocks allocated until `ConnectorEvents.sent` names it."""
+        return False
+
+    def on_request_aborted(self, request: Request) -> None:
+        """A request was aborted at any stage; tell the peer so it frees its side too."""
+
+    def poll(self) -> ConnectorEvents:
+        return ConnectorEvents()

@@ -1,0 +1,162 @@
+"""Offline generation, colocated, shaped like vLLM's `LLM` so users feel at home.
+
+    from engine import LLM, SamplingParams
+    llm = LLM("path/to/hf-model", dtype="float32")
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+    print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_core import EngineCore
+from engine.loader import resolve_model_dir
+from engine.request import InvalidRequestError, RequestStatus, SamplingParams
+from engine.tokenizer import load_tokenizer
+
+PromptInput = str | dict
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Tracker:
+    """Per-request state the offline API keeps beside the engine: text and the final result."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str = "cpu",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        long_prefill_token_threshold: int = 0,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if model is None:
+            from engine.demo_model import default_demo_model
+
+            model = str(default_demo_model())
+        model_dir = resolve_model_dir(model)
+        torch.manual_seed(seed)
+        self.model_config = ModelConfig.from_hf(model_dir, dtype=dtype, device=device, max_model_len=max_model_len)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.engine = EngineCore(
+            self.model_config,
+            CacheConfig(block_size, num_kv_blocks, kv_cache_memory_bytes, enable_prefix_caching=enable_prefix_caching),
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, True, long_prefill_token_threshold),
+            device,
+        )
+        self._ids = itertools.count()
+
+    def _prompt_ids(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise InvalidRequestError("each prompt must be a string or a dict with 'prompt_token_ids' (or 'prompt')")
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt in one continuous batch; outputs come back in prompt order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params_list = self._params_for(len(prompts), sampling_params)
+        trackers: dict[str, _Tracker] = {}
+        try:
+            for prompt, params in zip(prompts, params_list):
+                self._add(prompt, params, trackers)
+            self._run(trackers)
+        except BaseException:
+            for request_id in trackers:
+                self.engine.abort(request_id)
+            raise
+        return [self._result(request_id, tracker) for request_id, tracker in trackers.items()]
+
+    @staticmethod
+    def _params_for(count: int, sampling_params) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise InvalidRequestError(f"got {len(sampling_params)} sampling params for {count} prompts")
+        return list(sampling_params)
+
+    def _add(self, prompt: PromptInput, params: SamplingParams, trackers: dict[str, _Tracker]) -> None:
+        text, token_ids = self._prompt_ids(prompt)
+        request_id = str(next(self._ids))
+        request = self.engine.make_request(request_id, token_ids, params)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.stop)
+        trackers[request_id] = _Tracker(text, token_ids, detokenizer)
+        self.engine.add_request(request)
+
+    def _run(self, trackers: dict[str, _Tracker]) -> None:
+        while self.engine.has_work():
+            for delta in self.engine.step():
+                tracker = trackers[delta.request_id]
+                tracker.token_ids.extend(delta.new_token_ids)
+                tracker.logprobs.extend(delta.new_logprobs)
+                tracker.detokenizer.add_tokens(delta.new_token_ids)
+                if delta.finish_reason is not None:
+                    tracker.finish_reason, tracker.stop_reason = delta.finish_reason, delta.stop_reason
+                elif tracker.detokenizer.stopped_by is not None:
+                    tracker.finish_reason, tracker.stop_reason = "stop", tracker.detokenizer.stopped_by
+                    self.engine.finish_request(delta.request_id, RequestStatus.FINISHED_STOPPED)
+
+    @staticmethod
+    def _result(request_id: str, tracker: _Tracker) -> RequestOutput:
+        completion = CompletionOutput(
+            0, tracker.detokenizer.text, tracker.token_ids, tracker.finish_reason, tracker.stop_reason,
+            tracker.logprobs or None,
+        )
+        return RequestOutput(request_id, tracker.prompt, tracker.prompt_token_ids, [completion])
+
+    @property
+    def kv_cache_manager(self):
+        return self.engine.kv_cache_manager

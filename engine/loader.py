@@ -1,0 +1,122 @@
+"""Hugging Face model directory (or hub id) -> pdserve nn.Module with every parameter loaded exactly once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.registry import resolve_model_class
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
+
+
+class ModelLoadError(ValueError):
+    """The model directory or its weights cannot be used; the message names the file or tensor."""
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """A local directory as is; otherwise a hub id fetched (or found in the local HF cache)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or str(model).count("/") != 1 or str(model).startswith((".", "/")):
+        raise ModelLoadError(f"model {model!r} is neither a model directory nor a Hugging Face hub id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(model), allow_patterns=_HUB_PATTERNS))
+    except Exception as exc:  # noqa: BLE001 - the hub raises many kinds; all mean "not available"
+        raise ModelLoadError(
+            f"could not fetch {model!r} from the Hugging Face hub ({type(exc).__name__}: {exc}); when offline, "
+            "pass a local model directory, or pre-download it and set HF_HUB_OFFLINE=1"
+        ) from exc
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} lists shards that are missing: {', '.join(missing)}; re-download the model")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"no *.safetensors weights in {model_dir}: pdserve loads safetensors only "
+            "(convert .bin checkpoints with transformers' save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error type for truncated/corrupt files
+            if isinstance(exc, ModelLoadError):
+                raise
+            raise ModelLoadError(
+                f"cannot read weights file {file} ({exc}): it is truncated or corrupt; re-download it"
+            ) from exc
+
+
+def _target_of(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
+    """Checkpoint name -> (our parameter name, shard id or None)."""
+    for fragment, (fused, shard_id) in packed.items():
+        token = f".{fragment}."
+        if token in name:
+            return name.replace(token, f".{fused}."), shard_id
+    return name, None
+
+
+def _expected_loads(model: nn.Module) -> set[tuple[str, object]]:
+    expected = set()
+    for name, param in model.named_parameters():  # tied parameters appear once
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        shards = getattr(owner, "shard_offsets", None)
+        expected.update((name, shard) for shard in shards) if shards else expected.add((name, None))
+    return expected
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules_mapping", {})
+    tied = model.config.tie_word_embeddings
+    loaded: set[tuple[str, object]] = set()
+    for name, tensor in weights:
+        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+            continue  # recomputed / shared with the embedding
+        target, shard_id = _target_of(name, packed)
+        param = params.get(target)
+        if param is None:
+            raise ModelLoadError(f"checkpoint has unexpected tensor {name}: it does not belong to {type(model).__name__}")
+        if (target, shard_id) in loaded:
+            raise ModelLoadError(f"checkpoint holds tensor {name} twice; the model directory is inconsistent")
+        param.weight_loader(param, tensor, shard_id, name)
+        loaded.add((target, shard_id))
+    missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in _expected_loads(model) - loaded)
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {', '.join(missing[:5])}")
+
+
+def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Module:
+    model_class = resolve_model_class(config)
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(config.dtype)
+    try:
+        with torch.device(device):
+            model = model_class(config)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    load_weights(model, iterate_weights(Path(config.model_dir)))
+    return model.eval()

@@ -1,0 +1,132 @@
+"""The scheduler's plan -> tensors -> forward -> logits -> sampled tokens. Owns the model and KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import CacheConfig, ModelConfig
+from engine.forward_context import ForwardContext, use_forward_context
+from engine.layers.sampler import Sampler
+from engine.loader import load_model
+from engine.scheduler import SchedulerOutput
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    context: ForwardContext
+    logits_indices: torch.Tensor  # [R] int64, row of the last token of each request that samples
+    sampling_requests: list  # [R] the requests those rows belong to
+
+
+def kv_cache_num_blocks(model_config: ModelConfig, cache_config: CacheConfig, device: torch.device) -> int:
+    """Blocks that fit the budget: an explicit count, a byte budget, or (CUDA) a share of free memory."""
+    if cache_config.num_blocks is not None:
+        return cache_config.num_blocks
+    block_bytes = model_config.kv_bytes_per_token * cache_config.block_size
+    budget = cache_config.memory_bytes
+    if budget is None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - total * (1 - cache_config.gpu_memory_utilization))
+    if budget is None:
+        budget = _CPU_DEFAULT_KV_BYTES
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise MemoryError(
+            f"the KV cache budget ({budget} bytes) holds no block of {block_bytes} bytes: raise the memory "
+            "budget or lower block_size"
+        )
+    return int(num_blocks)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str | torch.device = "cpu") -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.device = torch.device(device)
+        self.block_size = cache_config.block_size
+        self.model = load_model(model_config, self.device)
+        self.sampler = Sampler()
+        self.num_blocks = kv_cache_num_blocks(model_config, cache_config, self.device)
+        # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], allocated once
+        self.kv_cache = torch.zeros(
+            model_config.num_layers, 2, self.num_blocks, self.block_size,
+            model_config.num_kv_heads, model_config.head_dim,
+            dtype=model_config.dtype, device=self.device,
+        )
+        self.model.bind_kv_cache(self.kv_cache)
+
+    def prepare(self, plan: SchedulerOutput) -> StepInputs:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        block_rows: list[list[int]] = []
+        logits_rows: list[int] = []
+        sampling_requests = []
+        for item in plan.scheduled:
+            request, start = item.request, item.request.num_computed_tokens
+            end = start + item.num_new_tokens
+            token_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            seq_lens.append(end)
+            query_lens.append(item.num_new_tokens)
+            block_rows.append(item.block_ids)
+            if item.samples:
+                logits_rows.append(len(token_ids) - 1)
+                sampling_requests.append(request)
+        return self._to_tensors(plan.num_decodes, token_ids, positions, seq_lens, query_lens, block_rows,
+                                logits_rows, sampling_requests)
+
+    def _to_tensors(self, num_decodes, token_ids, positions, seq_lens, query_lens, block_rows,
+                    logits_rows, sampling_requests) -> StepInputs:
+        width = max(len(row) for row in block_rows)
+        block_tables = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int32)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+        positions_t = torch.tensor(positions, dtype=torch.int64)
+        # which sequence each token belongs to, then slot = block_table[seq, pos // B] * B + pos % B
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        slot_mapping = (
+            block_tables[seq_of_token, positions_t // self.block_size].long() * self.block_size
+            + positions_t % self.block_size
+        )
+        prefill_lens = torch.tensor([0] + query_lens[num_decodes:], dtype=torch.int32)
+        device = self.device
+        context = ForwardContext(
+            slot_mapping=slot_mapping.to(device),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=block_tables[:num_decodes].to(device),
+            decode_seq_lens=seq_lens_t[:num_decodes].to(device),
+            prefill_block_tables=block_tables[num_decodes:].to(device),
+            prefill_query_start_loc=torch.cumsum(prefill_lens, 0, dtype=torch.int32).to(device),
+            prefill_seq_lens=seq_lens_t[num_decodes:].to(device),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+            positions=positions_t.to(device),
+            context=context,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+            sampling_requests=sampling_requests,
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None]]:
+        """Run one step; returns {request_id: (sampled token, logprobs or None)} for requests that sample."""
+        if plan.is_empty:
+            return {}
+        inputs = self.prepare(plan)
+        with use_forward_context(inputs.context):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        if not inputs.sampling_requests:
+            return {}
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # [R, vocab]
+        result = self.sampler(logits, inputs.sampling_requests)
+        return {
+            request.request_id: (token, logprobs)
+            for request, token, logprobs in zip(inputs.sampling_requests, result.token_ids, result.logprobs)
+        }

@@ -1,0 +1,145 @@
+"""The Llama family decoder (Llama, Mistral, Qwen2, Qwen3): one implementation, explicit per-architecture flags.
+
+Weights load under Hugging Face names; q/k/v and gate/up are fused into one projection each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.attention import Attention
+from engine.layers.linear import Linear, MergedLinear, default_weight_loader
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ArchFlags:
+    qkv_bias: bool = False  # Qwen2 always has q/k/v biases, whatever config.json says
+    qk_norm: bool = False  # Qwen3 RMS-normalises each head of q and k before rotary
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = flags.qkv_bias or config.attention_bias
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags.qk_norm else None
+        self.rotary = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {0: size, 1: size}, bias=config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, flags, layer_idx)
+        self.mlp = GatedMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, flags: ArchFlags) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens.weight.weight_loader = default_weight_loader
+        self.layers = nn.ModuleList(DecoderLayer(config, flags, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    flags = ArchFlags()
+    # checkpoint name fragment -> (our fused parameter fragment, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.flags)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden] -> logits [R, vocab] (float32)."""
+        return self.lm_head(hidden).float()
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        for layer_idx, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.bind_kv_cache(kv_cache[layer_idx, 0], kv_cache[layer_idx, 1])
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    flags = ArchFlags()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    flags = ArchFlags(qkv_bias=True)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    flags = ArchFlags(qk_norm=True)

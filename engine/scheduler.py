@@ -1,0 +1,298 @@
+"""Continuous batching with chunked prefill, prefix caching, preemption by recompute and KV-connector
+hooks. Torch-free: it decides which tokens of which requests run in the next step; the model runner
+turns that plan into tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnector
+from engine.request import Request, RequestStatus
+
+
+class KVFailurePolicy(str, enum.Enum):
+    RECOMPUTE = "recompute"  # prefill locally when external KV does not arrive
+    FAIL = "fail"  # end the request with an error
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) run this step
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the last known token, so the step yields a new token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # decodes (one new token) first, then prefill chunks
+    num_decodes: int
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RequestDelta:
+    """What one step did to one request: tokens it produced and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        connector: KVConnector | None = None,
+        kv_failure_policy: KVFailurePolicy = KVFailurePolicy.RECOMPUTE,
+    ) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.connector = connector or KVConnector()
+        self.kv_failure_policy = KVFailurePolicy(kv_failure_policy)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.waiting_for_remote_kv: dict[str, Request] = {}
+        self.delayed_free: dict[str, Request] = {}  # finished, blocks held until the peer has them
+        self._pending: list[RequestDelta] = []  # produced outside a step (connector events, aborts)
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use: ids must be unique")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request at any stage and free its blocks. Returns False for an unknown id."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self.waiting_for_remote_kv.pop(request_id, None)
+        self.connector.on_request_aborted(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote_kv)
+
+    def has_work(self) -> bool:
+        return bool(self.num_unfinished or self._pending or self.delayed_free)
+
+    # ---- planning a step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self._apply_connector_events()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        budget = self._schedule_running(budget, scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens != 1]
+        return SchedulerOutput(decodes + prefills, len(decodes), [r.request_id for r in preempted])
+
+    def _chunk(self, num_tokens: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            num_tokens = min(num_tokens, threshold)
+        return min(num_tokens, budget)
+
+    def _schedule_running(self, budget: int, scheduled: list, preempted: list) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()  # the newest request yields first
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    return budget
+            scheduled.append(ScheduledRequest(request, num_new, self.kv.get_block_ids(request.request_id)))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: list) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_external = 0
+            if request.allow_remote_prefill and request.num_output_tokens == 0:
+                num_external = self.connector.num_external_tokens(request, num_hit)
+            if num_external > 0:
+                if not self._start_remote_prefill(request, hit_blocks, num_hit, num_external):
+                    return
+                continue
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                return
+            num_new = self._chunk(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
+                return
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new, self.kv.get_block_ids(request.request_id)))
+            budget -= num_new
+
+    def _start_remote_prefill(self, request: Request, hit_blocks: list, num_hit: int, num_external: int) -> bool:
+        """Allocate blocks for KV that a prefill engine will send, and park the request until it lands."""
+        blocks = self.kv.allocate_slots(
+            request, 0, num_hit, hit_blocks, num_external_computed_tokens=num_external, delay_cache_blocks=True
+        )
+        if blocks is None:
+            return False
+        self.waiting.popleft()
+        request.num_computed_tokens = num_hit
+        request.num_cached_tokens = num_hit
+        request.num_external_computed_tokens = num_external
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_for_remote_kv[request.request_id] = request
+        self.connector.on_blocks_allocated(request, self.kv.get_block_ids(request.request_id), num_external)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- after a step --------------------------------------------------------------------------
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, tuple[int, dict[int, float] | None]]
+    ) -> list[RequestDelta]:
+        """Advance each scheduled request by its tokens, append sampled tokens, finish what stopped."""
+        deltas, self._pending = self._pending, []
+        for item in output.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            if request.request_id not in sampled:
+                continue
+            token_id, logprobs = sampled[request.request_id]
+            deltas.append(self._append_token(request, token_id, logprobs))
+        return deltas
+
+    def take_pending(self) -> list[RequestDelta]:
+        """Deltas produced without a model step (aborts, remote-KV failures) since the last call."""
+        deltas, self._pending = self._pending, []
+        return deltas
+
+    def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> RequestDelta:
+        request.append_output_token(token_id)
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        delta = RequestDelta(request.request_id, [token_id], [logprobs] if logprobs is not None else [])
+        status = self._stop_status(request)
+        if status is not None:
+            self.running.remove(request)
+            self._finish(request, status, report=False)
+            delta.finish_reason, delta.stop_reason = status.finish_reason(), request.stop_reason
+        return delta
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                request.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus, report: bool = True, error: str | None = None) -> None:
+        request.status = status
+        request.error = error
+        self.requests.pop(request.request_id, None)
+        if self.connector.on_request_finished(request, self.kv.get_block_ids(request.request_id)):
+            self.delayed_free[request.request_id] = request
+        else:
+            self.kv.free(request)
+        if report:
+            self._pending.append(RequestDelta(request.request_id, [], [], status.finish_reason(), error=error))
+
+    def finish_externally(self, request_id: str, status: RequestStatus, error: str | None = None) -> bool:
+        """End a running request for a reason found outside the model (e.g. a stop string matched)."""
+        request = self.requests.get(request_id)
+        if request is None or request not in self.running:
+            return self.abort(request_id)
+        self.running.remove(request)
+        self._finish(request, status, report=False, error=error)
+        return True
+
+    # ---- KV connector events -------------------------------------------------------------------
+
+    def _apply_connector_events(self) -> None:
+        events = self.connector.poll()
+        for request_id in events.sent:
+            request = self.delayed_free.pop(request_id, None)
+            if request is not None:
+                self.kv.free(request)
+        for request_id, first_token in events.received.items():
+            self._on_remote_kv_received(request_id, first_token)
+        for request_id, reason in events.failed.items():
+            self._on_remote_kv_failed(request_id, reason)
+
+    def _on_remote_kv_received(self, request_id: str, first_token: int) -> None:
+        request = self.waiting_for_remote_kv.pop(request_id, None)
+        if request is None:
+            return
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._pending.append(self._append_token(request, first_token, None))
+
+    def _on_remote_kv_failed(self, request_id: str, reason: str) -> None:
+        request = self.waiting_for_remote_kv.pop(request_id, None)
+        if request is None:
+            return
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_external_computed_tokens = 0
+        if self.kv_failure_policy is KVFailurePolicy.RECOMPUTE:
+            request.status = RequestStatus.WAITING
+            request.allow_remote_prefill = False
+            self.waiting.appendleft(request)
+        else:
+            self._finish(request, RequestStatus.FINISHED_ERROR, error=f"remote prefill failed: {reason}")
