@@ -79,6 +79,7 @@ class Scheduler:
         self.waiting_for_remote_kv: dict[str, Request] = {}
         self.delayed_free: dict[str, Request] = {}  # finished, blocks held until the peer has them
         self._pending: list[RequestDelta] = []  # produced outside a step (connector events, aborts)
+        self.num_preemptions = 0  # since start, for stats and tests
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -192,6 +193,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # ---- after a step --------------------------------------------------------------------------

@@ -53,20 +53,20 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_len = int(seq_lens.max())
-    num_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long()
-    # Gather whole blocks for every sequence at once: [S, num_blocks * B, num_kv_heads, head_dim].
-    keys = key_cache[table].flatten(1, 2)[:, :max_len]
-    values = value_cache[table].flatten(1, 2)[:, :max_len]
-    # [S, num_kv_heads, group, head_dim] x [S, num_kv_heads, head_dim, L] -> [S, num_kv_heads, group, L]
+    num_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
+    padded_len = num_blocks * block_size
+    # Gather whole blocks of every sequence at once (index_select is the fast gather on CPU), then
+    # view them as [S, num_kv_heads, head_dim, L] keys and [S, num_kv_heads, L, head_dim] values.
+    block_ids = block_tables[:, :num_blocks].reshape(-1).long()
+    keys = key_cache.index_select(0, block_ids).view(num_seqs, padded_len, num_kv_heads, head_dim)
+    values = value_cache.index_select(0, block_ids).view(num_seqs, padded_len, num_kv_heads, head_dim)
     q = query.view(num_seqs, num_kv_heads, group, head_dim).float()
-    scores = torch.matmul(q, keys.permute(0, 2, 3, 1).float()) * scale
-    positions = torch.arange(max_len, device=query.device)
+    scores = torch.matmul(q, keys.permute(0, 2, 3, 1).float()) * scale  # [S, num_kv_heads, group, L]
+    positions = torch.arange(padded_len, device=query.device)
     past_end = positions[None, :] >= seq_lens[:, None].long()  # [S, L]
     scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3).float())  # [S, num_kv_heads, group, head_dim]
+    out = torch.matmul(probs, values.transpose(1, 2).float())  # [S, num_kv_heads, group, head_dim]
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 

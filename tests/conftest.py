@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random-weight Hugging Face model directories, built once per session."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """make(arch, **config_overrides) -> path of a real HF model dir (cached per argument set)."""
+    from engine.demo_model import make_demo_model
+
+    built: dict[str, str] = {}
+
+    def make(arch: str = "llama", seed: int = 0, **overrides) -> str:
+        key = json.dumps([arch, seed, overrides], sort_keys=True)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"model-{arch}")
+            built[key] = str(make_demo_model(out, arch=arch, size="tiny", seed=seed, config_overrides=overrides))
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cache_in_tmp(tmp_path_factory):
+    """Keep the demo-model cache of the tests out of the user's home."""
+    import os
+
+    os.environ.setdefault("PDSERVE_CACHE", str(tmp_path_factory.mktemp("pdserve-cache")))

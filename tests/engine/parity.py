@@ -1,0 +1,46 @@
+"""Greedy parity with transformers' generate(), with the tie rule of the foundation issue."""
+
+from __future__ import annotations
+
+import torch
+
+TIE_GAP = 1e-3
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[0, len(prompt):].tolist(), [step[0] for step in out.logits]
+
+
+LOGPROB_TOLERANCE = 1e-4
+
+
+def assert_greedy_match(ours: list[int], theirs: list[int], logits: list[torch.Tensor], label: str,
+                        our_logprobs: list[dict[int, float]] | None = None) -> None:
+    """Equal token for token; at the first difference, transformers' top-2 logits must be a near tie
+    (then the continuations legitimately diverge and comparison stops). With our_logprobs, each
+    chosen token's logprob must also equal transformers' log_softmax (catches small numeric bugs that
+    do not flip an argmax)."""
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        if a == b:
+            if our_logprobs is not None:
+                expected = float(torch.log_softmax(logits[step].float(), -1)[a])
+                got = our_logprobs[step][a]
+                assert abs(got - expected) < LOGPROB_TOLERANCE, (
+                    f"{label}: step {step} logprob of token {a} is {got:.6f}, transformers {expected:.6f}"
+                )
+            continue
+        top2 = torch.topk(logits[step].float(), 2).values
+        gap = float(top2[0] - top2[1])
+        assert gap < TIE_GAP, f"{label}: step {step} pdserve chose {a}, transformers {b} (top-2 gap {gap:.2e})"
+        return
+    assert len(ours) == len(theirs), f"{label}: {len(ours)} tokens vs transformers' {len(theirs)}"

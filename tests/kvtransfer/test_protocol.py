@@ -1,0 +1,253 @@
+"""Wire protocol: every message type round-trips, every kind of bad input is a clear ProtocolError."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import pytest
+import torch
+
+from kvtransfer import protocol
+from kvtransfer.errors import ChecksumMismatchError, ProtocolError
+from kvtransfer.protocol import (
+    MAX_FRAME_BYTES, MAX_HEADER_BYTES, MESSAGE_TYPES, PROTOCOL_VERSION, Abort, Error, Hello, HelloAck,
+    KVAck, KVDone, KVLayer, KVWant, Message, bounded, combine_checksums, decode, encode, payload_checksum,
+)
+
+FINGERPRINT = {"architecture": "LlamaForCausalLM", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
+               "dtype": "bfloat16", "block_size": 16, "weights_hash": "ab12"}
+
+
+def random_kv(dtype: torch.dtype, num_layers: int = 2, num_tokens: int = 5) -> torch.Tensor:
+    """[num_layers, 2, num_tokens, 2, 8] with random bit patterns (NaN/inf payloads included)."""
+    bits = torch.randint(0, 256, (num_layers * 2 * num_tokens * 2 * 8 * torch.finfo(dtype).bits // 8,), dtype=torch.uint8)
+    return bits.view(dtype).view(num_layers, 2, num_tokens, 2, 8)
+
+
+def kv_layer_message(dtype: torch.dtype = torch.float32) -> tuple[KVLayer, torch.Tensor]:
+    kv = random_kv(dtype)
+    msg, _ = KVLayer.from_tensor(kv, request_id="req-1", layer_start=4, token_start=32)
+    return msg, kv
+
+
+SAMPLES = [
+    Hello(fingerprint=FINGERPRINT, role="decode", engine_id="decode-0"),
+    HelloAck(ok=False, reason="num_kv_heads: local=2 remote=4"),
+    KVWant(request_id="req-1", skip_tokens=32, num_tokens=7),
+    kv_layer_message()[0],
+    KVDone(request_id="req-1", first_token=42, num_tokens=7, checksum=123, first_logprobs={42: -0.25, 7: float("-inf")}),
+    KVDone(request_id="req-1", first_token=42, num_tokens=7, checksum=123),
+    KVAck(request_id="req-1", ok=True),
+    Abort(request_id="req-1", reason="client went away"),
+    Error(code="protocol_error", message="bad header"),
+    Error(code="checksum_mismatch", message="corrupt", request_id="req-1"),
+]
+
+
+def header_of(msg: Message, **changes) -> bytes:
+    header = msg.to_header()
+    header.update(changes)
+    for key in [k for k, v in changes.items() if v is DROP]:
+        del header[key]
+    return msgpack.packb(header)
+
+
+DROP = object()
+
+
+def expect_error(parts, *words: str, error=ProtocolError) -> ProtocolError:
+    with pytest.raises(error) as info:
+        decode(parts)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
+    return info.value
+
+
+def test_samples_cover_every_message_type():
+    assert {type(msg).type_name for msg in SAMPLES} == set(MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: m.type_name)
+def test_round_trip(msg):
+    buffers = [msg.nbytes * b"\x01"] if isinstance(msg, KVLayer) else []
+    if buffers:
+        msg = KVLayer(**{**vars(msg), "checksum": payload_checksum(*buffers)})
+    parts = encode(msg, *buffers)
+    decoded, frames = decode([bytes(part) for part in parts])
+    assert decoded == msg
+    assert type(decoded) is type(msg)
+    assert [bytes(f) for f in frames] == buffers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kv_tensor_round_trip_is_bit_exact(dtype):
+    msg, kv = kv_layer_message(dtype)
+    assert (msg.layer_end, msg.num_tokens, msg.shape) == (6, 5, (2, 2, 5, 2, 8))
+    decoded, frames = decode([bytes(part) for part in encode(msg, kv)])
+    received = decoded.tensor(frames[0])
+    assert received.dtype == dtype and received.shape == kv.shape
+    assert torch.equal(received.view(torch.uint8), kv.view(torch.uint8))
+
+
+def test_tensor_view_shares_the_frame_memory():
+    msg, kv = kv_layer_message(torch.bfloat16)
+    frame = bytearray(bytes(encode(msg, kv)[1]))
+    view = msg.tensor(memoryview(frame))
+    frame[0] ^= 0xFF
+    assert not torch.equal(view.view(torch.uint8), kv.view(torch.uint8))  # no copy was made
+
+
+def test_non_contiguous_tensor_is_sent_in_logical_order():
+    kv = random_kv(torch.float16).transpose(3, 4).contiguous().transpose(3, 4)
+    assert not kv.is_contiguous()
+    msg, payload = KVLayer.from_tensor(kv, request_id="r", layer_start=0, token_start=0)
+    decoded, frames = decode([bytes(p) for p in encode(msg, payload)])
+    assert torch.equal(decoded.tensor(frames[0]).view(torch.int16), kv.contiguous().view(torch.int16))
+
+
+def test_checksum_catches_one_flipped_byte():
+    msg, kv = kv_layer_message(torch.bfloat16)
+    header, payload = encode(msg, kv)
+    corrupted = bytearray(payload)
+    corrupted[len(corrupted) // 2] ^= 0x01
+    error = expect_error([header, bytes(corrupted)], "checksum", "req-1", error=ChecksumMismatchError)
+    assert error.request_id == "req-1" and error.code == "checksum_mismatch"
+    decode([header, bytes(corrupted)], verify_checksum=False)  # the opt-out skips only the checksum
+
+
+def test_combined_checksum_depends_on_order_and_count():
+    assert combine_checksums([1, 2]) != combine_checksums([2, 1])
+    assert combine_checksums([1, 2]) != combine_checksums([1, 2, 2])
+    assert combine_checksums([1, 2]) == combine_checksums((1, 2))
+
+
+def test_garbage_bytes_are_not_msgpack():
+    expect_error([b"\xc1\xff\x00garbage"], "not valid msgpack")
+    expect_error([b"\x92\x01"], "not valid msgpack")  # truncated array
+
+
+def test_header_must_be_a_map():
+    expect_error([msgpack.packb([1, 2])], "array", "map")
+
+
+def test_empty_and_oversize_headers():
+    expect_error([], "empty message")
+    expect_error([b"\x80" * (MAX_HEADER_BYTES + 1)], "over the limit", "header")
+
+
+def test_unknown_type():
+    expect_error([msgpack.packb({"type": "kv_teleport", "version": PROTOCOL_VERSION})], "unknown message type", "kv_teleport", "kv_want")
+
+
+@pytest.mark.parametrize("version", [PROTOCOL_VERSION + 1, "1", True, None])
+def test_unsupported_version(version):
+    expect_error([header_of(SAMPLES[2], version=version)], "unsupported protocol version", "same pdserve release")
+
+
+def test_missing_field():
+    error = expect_error([header_of(SAMPLES[2], skip_tokens=DROP)], "kv_want", "missing", "skip_tokens")
+    assert error.request_id == "req-1"
+
+
+def test_unknown_field():
+    expect_error([header_of(SAMPLES[2], priority=3)], "kv_want", "unexpected", "priority")
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("skip_tokens", "32", ["kv_want.skip_tokens", "expected int", "str"]),
+    ("skip_tokens", True, ["kv_want.skip_tokens", "expected int", "bool"]),
+    ("skip_tokens", 1.5, ["kv_want.skip_tokens", "expected int", "float"]),
+    ("request_id", 7, ["kv_want.request_id", "expected str"]),
+    ("skip_tokens", -1, ["kv_want.skip_tokens=-1", "out of bounds"]),
+    ("num_tokens", 0, ["kv_want.num_tokens=0", "out of bounds"]),
+    ("request_id", "r" * 300, ["kv_want.request_id", "300 characters", "limit"]),
+])
+def test_wrong_type_or_bound(field, value, words):
+    expect_error([header_of(SAMPLES[2], **{field: value})], *words)
+
+
+def test_optional_and_nested_types():
+    done = SAMPLES[4]
+    expect_error([header_of(done, first_logprobs={"42": -0.1})], "kv_done.first_logprobs key", "expected int")
+    expect_error([header_of(done, first_logprobs={42: "x"})], "kv_done.first_logprobs[42]", "expected float")
+    expect_error([header_of(done, first_logprobs=[1.0])], "kv_done.first_logprobs", "expected dict[int, float] or None")
+    too_many = {i: -1.0 for i in range(30)}
+    expect_error([header_of(done, first_logprobs=too_many)], "first_logprobs has 30 entries", "limit of 21")
+    decoded, _ = decode([header_of(done, first_logprobs={1: 0})])  # an int where a float is declared
+    assert decoded.first_logprobs == {1: 0.0} and isinstance(decoded.first_logprobs[1], float)
+    assert decode([header_of(SAMPLES[8], request_id=None)])[0].request_id is None
+
+
+def test_hello_fingerprint_and_role_are_checked():
+    expect_error([header_of(SAMPLES[0], role="router")], "hello.role", "prefill", "decode")
+    expect_error([header_of(SAMPLES[0], fingerprint={"num_layers": [2]})], "hello.fingerprint[", "expected str or int")
+
+
+def test_kv_layer_shape_and_size_rules():
+    msg, kv = kv_layer_message()
+    expect_error([header_of(msg, shape=[1] * 9)], "kv_layer.shape has 9 items", "limit of 8")
+    expect_error([header_of(msg, shape=[2, 2, 5, 2])], "kv_layer.shape", "num_kv_heads, head_dim")
+    expect_error([header_of(msg, shape=[3, 2, 5, 2, 8])], "kv_layer.shape", "num_layers=2")
+    expect_error([header_of(msg, nbytes=msg.nbytes + 4)], "kv_layer.nbytes", f"is {msg.nbytes} bytes")
+    expect_error([header_of(msg, nbytes=MAX_FRAME_BYTES + 1)], "kv_layer.nbytes", "out of bounds")
+    expect_error([header_of(msg, dtype="float64")], "kv_layer.dtype", "bfloat16")
+    expect_error([header_of(msg, layer_end=msg.layer_start)], "layer_end", "greater than layer_start")
+
+
+def test_frame_count_and_length_must_match_the_header():
+    msg, kv = kv_layer_message()
+    header, payload = encode(msg, kv)
+    expect_error([header], "promises 1 payload frame(s) but 0 came")
+    expect_error([header, bytes(payload), b"x"], "at most 1 payload frame(s), got 2")
+    expect_error([header, bytes(payload)[:-1]], "frame 0 has", f"promises {msg.nbytes}")
+    expect_error([encode(SAMPLES[2])[0], b"payload"], "kv_want carries at most 0")
+
+
+def test_construction_validates_locally():
+    with pytest.raises(ProtocolError, match="kv_want.skip_tokens"):
+        KVWant(request_id="r", skip_tokens="3", num_tokens=1)
+    with pytest.raises(TypeError):
+        KVWant("r", 0, 1)  # keyword-only: field order never matters
+
+
+def test_encode_checks_buffers_against_the_header():
+    msg, kv = kv_layer_message()
+    with pytest.raises(ProtocolError, match="promises 1 payload frame"):
+        encode(msg)
+    with pytest.raises(ProtocolError, match="frame 0 has"):
+        encode(msg, kv[:1])
+    with pytest.raises(TypeError, match="cannot send a str"):
+        encode(msg, "not a buffer")
+
+
+def test_error_reply_from_exception():
+    error = ProtocolError("kv_want.skip_tokens: bad", request_id="req-9")
+    reply = Error.from_exception(error)
+    assert (reply.code, reply.request_id, reply.message) == ("protocol_error", "req-9", "kv_want.skip_tokens: bad")
+    assert Error.from_exception(RuntimeError("x" * 10_000)).code == "internal_error"
+    assert decode(encode(Error.from_exception(RuntimeError("x" * 10_000))))[0].message == "x" * 4096
+
+
+def test_a_new_message_type_is_a_few_lines():
+    @dataclass(frozen=True, kw_only=True)
+    class Probe(Message, type_name="test_probe", max_frames=2):
+        token_ids: tuple[int, ...] = bounded(max_len=4, min=0)
+        blob: bytes = bounded(max_len=8)
+        load: float
+        note: str | None = None
+
+        def frame_sizes(self) -> tuple[int, ...]:
+            return (3, 1)
+
+    try:
+        probe = Probe(token_ids=[1, 2], blob=b"ab", load=1)
+        decoded, frames = decode([bytes(p) for p in encode(probe, b"abc", b"d")])
+        assert decoded == probe and decoded.token_ids == (1, 2) and decoded.load == 1.0
+        expect_error([header_of(probe, token_ids=[1, 2, 3, 4, 5]), b"abc", b"d"], "test_probe.token_ids has 5 items")
+        expect_error([header_of(probe, token_ids=[1, -2]), b"abc", b"d"], "test_probe.token_ids[1]=-2")
+        expect_error([header_of(probe, blob=b"x" * 9), b"abc", b"d"], "test_probe.blob has 9 bytes")
+        with pytest.raises(TypeError, match="already defined"):
+            type("Again", (Message,), {}, type_name="test_probe")
+    finally:
+        del protocol.MESSAGE_TYPES["test_probe"]
