@@ -1,0 +1,63 @@
+"""`pdserve` command line: parses arguments and hands them to the code that does the work."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face model directory or hub id (default: the built-in demo model)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo-model", help="write a random-weight Hugging Face model directory")
+    demo.add_argument("dir", help="output directory")
+    demo.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
+    demo.add_argument("--size", default="small", choices=["tiny", "small"])
+    demo.add_argument("--seed", type=int, default=0)
+
+    generate = commands.add_parser("generate", help="offline generation demo: prints text and tokens/s")
+    _add_model_args(generate)
+    generate.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few demo prompts")
+    generate.add_argument("--num-prompts", type=int, default=8, help="how many prompts when none are given")
+    generate.add_argument("--max-tokens", type=int, default=32)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "demo-model":
+            from engine.demo_model import make_demo_model
+
+            path = make_demo_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
+            print(f"wrote {args.arch}-{args.size} demo model to {path}")
+            return 0
+        if args.command == "generate":
+            from pdserve.generate import run_generate
+
+            return run_generate(args)
+    except (ValueError, MemoryError, FileNotFoundError) as exc:
+        # Our errors name the problem and the fix; a traceback would only bury that.
+        print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

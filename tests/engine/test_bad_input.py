@@ -1,0 +1,142 @@
+"""Bad input gets an error that names the problem; nothing crashes or leaks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, InvalidRequestError, SamplingParams
+from engine.config import ConfigError, ModelConfig
+from engine.loader import ModelLoadError, resolve_model_dir
+from engine.models.registry import UnsupportedArchitectureError
+from engine.layers.linear import WeightShapeError
+
+
+@pytest.fixture(scope="module")
+def llm(model_factory):
+    return LLM(model_factory("llama"), dtype="float32", num_kv_blocks=16)  # 256 token slots
+
+
+def test_empty_prompt(llm):
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        llm.generate({"prompt_token_ids": []}, SamplingParams(max_tokens=4))
+
+
+def test_prompt_plus_max_tokens_beyond_context(llm):
+    with pytest.raises(InvalidRequestError, match="exceeds the model's context length of 512"):
+        llm.generate({"prompt_token_ids": [5] * 500}, SamplingParams(max_tokens=20))
+
+
+def test_request_larger_than_kv_cache(llm):
+    with pytest.raises(InvalidRequestError, match="larger KV cache"):
+        llm.generate({"prompt_token_ids": [5] * 300}, SamplingParams(max_tokens=200))
+
+
+def test_token_outside_vocabulary(llm):
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [5, 1024]}, SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("max_tokens", [0, -3])
+def test_non_positive_max_tokens(max_tokens):
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        SamplingParams(max_tokens=max_tokens)
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 2}, "n=2"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"logprobs": 99}, "logprobs"),
+])
+def test_bad_sampling_params(kwargs, word):
+    with pytest.raises(InvalidRequestError, match=word):
+        SamplingParams(**kwargs)
+
+
+def test_nothing_leaks_after_rejected_requests(llm):
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=3))
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert llm.kv_cache_manager.num_used_blocks == 0
+
+
+def _copy_model(model_factory, tmp_path):
+    target = tmp_path / "model"
+    shutil.copytree(model_factory("llama"), target)
+    return target
+
+
+def test_unknown_architecture(model_factory, tmp_path):
+    model_dir = _copy_model(model_factory, tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["FancyNewForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="FancyNewForCausalLM.*LlamaForCausalLM"):
+        LLM(str(model_dir), num_kv_blocks=8)
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        ModelConfig.from_hf(tmp_path)
+
+
+def test_not_a_model_or_hub_id(tmp_path):
+    with pytest.raises(ModelLoadError, match="neither a model directory nor"):
+        resolve_model_dir(str(tmp_path / "missing" / "deeper"))
+
+
+def test_missing_safetensors(model_factory, tmp_path):
+    model_dir = _copy_model(model_factory, tmp_path)
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        LLM(str(model_dir), num_kv_blocks=8)
+
+
+def test_truncated_safetensors(model_factory, tmp_path):
+    model_dir = _copy_model(model_factory, tmp_path)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        LLM(str(model_dir), num_kv_blocks=8)
+
+
+def _rewrite_weights(model_dir, edit):
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_missing_tensor(model_factory, tmp_path):
+    model_dir = _copy_model(model_factory, tmp_path)
+    _rewrite_weights(model_dir, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(ModelLoadError, match=r"missing 1 tensor.*layers\.1\.self_attn\.qkv_proj\.weight\[k\]"):
+        LLM(str(model_dir), num_kv_blocks=8)
+
+
+def test_unexpected_tensor(model_factory, tmp_path):
+    model_dir = _copy_model(model_factory, tmp_path)
+    _rewrite_weights(model_dir, lambda t: t.update({"model.layers.0.extra.weight": torch.ones(2)}))
+    with pytest.raises(ModelLoadError, match="unexpected tensor model.layers.0.extra.weight"):
+        LLM(str(model_dir), num_kv_blocks=8)
+
+
+def test_mis_shaped_tensor(model_factory, tmp_path):
+    model_dir = _copy_model(model_factory, tmp_path)
+    _rewrite_weights(model_dir, lambda t: t.update({"model.norm.weight": torch.ones(3)}))
+    with pytest.raises(WeightShapeError, match=r"model.norm.weight has shape \(3,\), the model expects \(64,\)"):
+        LLM(str(model_dir), num_kv_blocks=8)
+
+
+def test_bad_dtype(model_factory):
+    with pytest.raises(ConfigError, match="dtype='int8' is not supported"):
+        LLM(model_factory("llama"), dtype="int8")
+
+
+def test_sliding_window_limit(model_factory):
+    model_dir = model_factory("mistral", sliding_window=64)
+    assert ModelConfig.from_hf(model_dir).max_model_len == 64
+    with pytest.raises(ConfigError, match="sliding window"):
+        ModelConfig.from_hf(model_dir, max_model_len=128)
