@@ -41,12 +41,10 @@ class IncrementalDetokenizer:
     def _append_text(self, new_text: str) -> None:
         search_from = max(0, len(self.text) - self._holdback)
         self.text += new_text
-        for stop in self.stop:
-            index = self.text.find(stop, search_from)
-            if index != -1:
-                self.text = self.text[:index]
-                self.stopped_by = stop
-                return
+        matches = [(index, stop) for stop in self.stop if (index := self.text.find(stop, search_from)) != -1]
+        if matches:
+            index, self.stopped_by = min(matches)
+            self.text = self.text[:index]
 
     def take_new_text(self, finished: bool = False) -> str:
         """Text not handed out yet; while running, the last characters that might start a stop string wait."""
