@@ -1,0 +1,84 @@
+"""Model loading paths: sharded checkpoints, dtypes, KV cache sizing, hub ids when offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.config import CacheConfig, ModelConfig
+from engine.loader import ModelLoadError, resolve_model_dir, safetensors_files
+from engine.model_runner import kv_cache_num_blocks
+
+REPO = Path(__file__).resolve().parents[2]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(20, 57))}]
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_sharded_checkpoint_loads_like_single_file(model_factory, tmp_path):
+    source = model_factory("qwen3")
+    sharded = tmp_path / "sharded"
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.save_pretrained(sharded, max_shard_size="40KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(f"{source}/{name}", sharded / name)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(safetensors_files(sharded)) > 3
+    assert tokens(LLM(str(sharded), dtype="float32", num_kv_blocks=32)) == tokens(
+        LLM(source, dtype="float32", num_kv_blocks=32))
+
+
+def test_missing_shard_is_named(model_factory, tmp_path):
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(model_factory("llama")).save_pretrained(sharded, max_shard_size="40KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[1]
+    (sharded / victim).unlink()
+    with pytest.raises(ModelLoadError, match=f"missing: {victim}"):
+        safetensors_files(sharded)
+
+
+@pytest.mark.parametrize("dtype, expected", [("bfloat16", torch.bfloat16), ("float16", torch.float16),
+                                             ("auto", torch.float32)])
+def test_dtypes(model_factory, dtype, expected):
+    llm = LLM(model_factory("llama"), dtype=dtype, num_kv_blocks=32)
+    assert llm.engine.runner.kv_cache.dtype == expected
+    assert next(llm.engine.runner.model.parameters()).dtype == expected
+    assert all(len(t) == 8 for t in tokens(llm))
+    assert llm.kv_cache_manager.num_used_blocks == 0
+
+
+def test_kv_cache_sized_from_memory_budget(model_factory):
+    config = ModelConfig.from_hf(model_factory("llama"), dtype="float32")
+    # 2 (K, V) x 2 layers x 2 kv heads x 16 head_dim x 4 bytes = 512 bytes per token
+    assert config.kv_bytes_per_token == 512
+    budget = CacheConfig(block_size=16, memory_bytes=512 * 16 * 10 + 100)
+    assert kv_cache_num_blocks(config, budget, torch.device("cpu")) == 10
+    with pytest.raises(MemoryError, match="holds no block"):
+        kv_cache_num_blocks(config, CacheConfig(memory_bytes=100), torch.device("cpu"))
+
+
+def test_hub_id_offline_gives_clear_error(tmp_path):
+    """In a fresh process with HF_HUB_OFFLINE=1 (read at import), so no request ever leaves the machine."""
+    code = (
+        "from engine.loader import resolve_model_dir, ModelLoadError\n"
+        "try:\n    resolve_model_dir('nobody/no-such-model')\n"
+        "except ModelLoadError as e:\n    print('ERROR:', e)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert "ERROR: could not fetch 'nobody/no-such-model'" in result.stdout, result.stderr
+    assert "pass a local model directory" in result.stdout
