@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -11,8 +14,24 @@ import torch
 from kvtransfer import protocol
 from kvtransfer.errors import ChecksumMismatchError, ProtocolError
 from kvtransfer.protocol import (
-    MAX_FRAME_BYTES, MAX_HEADER_BYTES, MESSAGE_TYPES, PROTOCOL_VERSION, Abort, Error, Hello, HelloAck,
-    KVAck, KVDone, KVLayer, KVWant, Message, bounded, combine_checksums, decode, encode, payload_checksum,
+    MAX_FRAME_BYTES,
+    MAX_HEADER_BYTES,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Abort,
+    Error,
+    Hello,
+    HelloAck,
+    KVAck,
+    KVDone,
+    KVLayer,
+    KVWant,
+    Message,
+    bounded,
+    combine_checksums,
+    decode,
+    encode,
+    payload_checksum,
 )
 
 FINGERPRINT = {"architecture": "LlamaForCausalLM", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
@@ -72,7 +91,7 @@ def test_samples_cover_every_message_type():
 def test_round_trip(msg):
     buffers = [msg.nbytes * b"\x01"] if isinstance(msg, KVLayer) else []
     if buffers:
-        msg = KVLayer(**{**vars(msg), "checksum": payload_checksum(*buffers)})
+        msg = KVLayer(**{**vars(msg), "checksum": payload_checksum(buffers[0])})
     parts = encode(msg, *buffers)
     decoded, frames = decode([bytes(part) for part in parts])
     assert decoded == msg
@@ -114,6 +133,35 @@ def test_checksum_catches_one_flipped_byte():
     error = expect_error([header, bytes(corrupted)], "checksum", "req-1", error=ChecksumMismatchError)
     assert error.request_id == "req-1" and error.code == "checksum_mismatch"
     decode([header, bytes(corrupted)], verify_checksum=False)  # the opt-out skips only the checksum
+
+
+def test_checksum_catches_corruption_patterns():
+    generator = torch.Generator().manual_seed(0)
+    payload = torch.randint(0, 256, (3 * 4088 + 100,), dtype=torch.uint8, generator=generator).numpy().tobytes()
+    base = payload_checksum(payload)
+    assert payload_checksum(bytearray(payload)) == payload_checksum(memoryview(payload)) == base
+    assert 0 <= base < 2 ** 64
+
+    def changed(edit) -> bool:
+        data = bytearray(payload)
+        edit(data)
+        return payload_checksum(bytes(data)) != base
+
+    def flip(index: int, bit: int):
+        return lambda data: data.__setitem__(index, data[index] ^ (1 << bit))
+
+    for index in (0, 5, 4087, 4088, 3 * 4088 - 1, 3 * 4088, len(payload) - 1):  # rows, row edges, tail
+        for bit in (0, 7):
+            assert changed(flip(index, bit)), (index, bit)
+
+    def swap(data, a, b, size):  # e.g. two heads of one token written in each other's place
+        data[a:a + size], data[b:b + size] = data[b:b + size], data[a:a + size]
+
+    assert changed(lambda d: swap(d, 0, 256, 256))
+    assert changed(lambda d: swap(d, 1024, 9 * 1024, 1024))  # two tokens across rows
+    assert changed(lambda d: swap(d, 0, 8, 8))  # neighbouring words
+    assert payload_checksum(payload[:-1]) != base and payload_checksum(payload + bytes(8)) != base
+    assert payload_checksum(b"") != payload_checksum(bytes(8))  # zero bytes still count
 
 
 def test_combined_checksum_depends_on_order_and_count():
@@ -185,7 +233,7 @@ def test_hello_fingerprint_and_role_are_checked():
 
 
 def test_kv_layer_shape_and_size_rules():
-    msg, kv = kv_layer_message()
+    msg, _ = kv_layer_message()
     expect_error([header_of(msg, shape=[1] * 9)], "kv_layer.shape has 9 items", "limit of 8")
     expect_error([header_of(msg, shape=[2, 2, 5, 2])], "kv_layer.shape", "num_kv_heads, head_dim")
     expect_error([header_of(msg, shape=[3, 2, 5, 2, 8])], "kv_layer.shape", "num_layers=2")
@@ -243,6 +291,7 @@ def test_a_new_message_type_is_a_few_lines():
     try:
         probe = Probe(token_ids=[1, 2], blob=b"ab", load=1)
         decoded, frames = decode([bytes(p) for p in encode(probe, b"abc", b"d")])
+        assert [bytes(f) for f in frames] == [b"abc", b"d"]
         assert decoded == probe and decoded.token_ids == (1, 2) and decoded.load == 1.0
         expect_error([header_of(probe, token_ids=[1, 2, 3, 4, 5]), b"abc", b"d"], "test_probe.token_ids has 5 items")
         expect_error([header_of(probe, token_ids=[1, -2]), b"abc", b"d"], "test_probe.token_ids[1]=-2")
@@ -251,3 +300,9 @@ def test_a_new_message_type_is_a_few_lines():
             type("Again", (Message,), {}, type_name="test_probe")
     finally:
         del protocol.MESSAGE_TYPES["test_probe"]
+
+
+def test_speaking_the_protocol_does_not_load_torch():
+    code = ("import sys, kvtransfer.protocol, kvtransfer.transport, kvtransfer.fingerprint; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2]).returncode == 0

@@ -10,10 +10,22 @@ import pytest
 import torch
 import zmq
 
-from kvtransfer.errors import ChecksumMismatchError, PeerUnreachableError, ProtocolError, TransportError, TransportTimeout
+from kvtransfer.errors import (
+    ChecksumMismatchError,
+    PeerUnreachableError,
+    ProtocolError,
+    TransportError,
+    TransportTimeout,
+)
 from kvtransfer.protocol import Error, Hello, HelloAck, KVAck, KVLayer, KVWant, encode
 from kvtransfer.transport import (
-    CurveClientConfig, CurveKeyPair, CurveServerConfig, KVClient, KVServer, generate_curve_keypair, validate_address,
+    CurveClientConfig,
+    CurveKeyPair,
+    CurveServerConfig,
+    KVClient,
+    KVServer,
+    generate_curve_keypair,
+    validate_address,
 )
 
 WAIT_S = 5.0  # generous bound for messages that must arrive; tests finish far sooner
@@ -97,6 +109,7 @@ def test_bad_message_is_reported_and_the_server_keeps_serving(ipc_dir):
         raw.send_multipart([b"\xc1 not msgpack"])
         with pytest.raises(ProtocolError, match="not valid msgpack") as info:
             server.recv(WAIT_S)
+        assert info.value.peer_id not in (None, peer_id)  # names the raw socket, not the good client
         server.send(info.value.peer_id, Error.from_exception(info.value))
         reply = Error.from_exception(info.value)
         assert raw.poll(int(WAIT_S * 1000)) and raw.recv_multipart()[0] == encode(reply)[0]
@@ -144,6 +157,21 @@ def test_send_without_a_server_times_out(ipc_dir):
         assert issubclass(TransportTimeout, TimeoutError)
 
 
+def test_send_to_a_stuck_peer_times_out(ipc_dir):
+    server = KVServer(f"ipc://{ipc_dir}/kv.sock", hwm=2)
+    client = KVClient(server.address, hwm=2)
+    with server, client:
+        client.send(KVAck(request_id="hello", ok=True))
+        peer_id = server.recv(WAIT_S).peer_id
+        kv = torch.zeros(1, 2, 256, 8, 128, dtype=torch.bfloat16)  # 1 MiB, sent 64 times without copying
+        msg, payload = KVLayer.from_tensor(kv, request_id="r", layer_start=0, token_start=0)
+        start = time.monotonic()
+        with pytest.raises(TransportTimeout, match="within 200 ms"):
+            for _ in range(64):  # the client never reads: the queues and socket buffers fill up
+                server.send(peer_id, msg, payload, timeout=0.2)
+        assert time.monotonic() - start < 5.0
+
+
 def test_send_to_a_gone_peer_raises(address):
     server, client, peer_id = connected_pair(address)
     with server:
@@ -188,9 +216,8 @@ def test_bad_addresses_are_named(address, words):
 def test_validate_address_on_bind():
     assert validate_address("tcp://127.0.0.1:0", bind=True) == "tcp://127.0.0.1:*"
     assert validate_address("tcp://127.0.0.1:5600", bind=True) == "tcp://127.0.0.1:5600"
-    with KVServer("tcp://127.0.0.1:0") as first:
-        with pytest.raises(TransportError, match="cannot bind"):
-            KVServer(first.address)
+    with KVServer("tcp://127.0.0.1:0") as first, pytest.raises(TransportError, match="cannot bind"):
+        KVServer(first.address)
 
 
 # ---- CURVE ----
@@ -217,9 +244,8 @@ def test_curve_wrong_server_key_does_not_get_through():
             with pytest.raises(TransportTimeout):
                 client.send(KVAck(request_id="r", ok=True), timeout=0.5)
             assert server.recv(0.3) is None
-        with KVClient(server.address) as plain:  # no CURVE at all
-            with pytest.raises(TransportTimeout):
-                plain.send(KVAck(request_id="r", ok=True), timeout=0.3)
+        with KVClient(server.address) as plain, pytest.raises(TransportTimeout):  # no CURVE at all
+            plain.send(KVAck(request_id="r", ok=True), timeout=0.3)
 
 
 @needs_curve
@@ -227,9 +253,9 @@ def test_curve_allow_list_admits_only_listed_clients():
     server_keys, allowed, stranger = generate_curve_keypair(), generate_curve_keypair(), generate_curve_keypair()
     config = CurveServerConfig(server_keys, allowed_client_keys=frozenset([allowed.public_key]))
     with KVServer("tcp://127.0.0.1:0", curve=config) as server:
-        with KVClient(server.address, curve=CurveClientConfig(stranger, server_keys.public_key)) as client:
-            with pytest.raises(TransportTimeout):
-                client.send(KVAck(request_id="stranger", ok=True), timeout=0.5)
+        stranger_config = CurveClientConfig(stranger, server_keys.public_key)
+        with KVClient(server.address, curve=stranger_config) as client, pytest.raises(TransportTimeout):
+            client.send(KVAck(request_id="stranger", ok=True), timeout=0.5)
         with KVClient(server.address, curve=CurveClientConfig(allowed, server_keys.public_key)) as client:
             client.send(KVAck(request_id="friend", ok=True), timeout=WAIT_S)
             assert server.recv(WAIT_S).msg.request_id == "friend"
