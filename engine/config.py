@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Which model code runs: auto = native when pdserve has it, else the transformers backend.
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 class ConfigError(ValueError):
@@ -71,6 +73,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     hf_config: dict = field(repr=False, compare=False)
+    model_impl: str = "auto"  # one of MODEL_IMPLS
 
     @classmethod
     def from_hf(
@@ -79,7 +82,10 @@ class ModelConfig:
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "cpu",
         max_model_len: int | None = None,
+        model_impl: str = "auto",
     ) -> "ModelConfig":
+        if model_impl not in MODEL_IMPLS:
+            raise ConfigError(f"model_impl={model_impl!r} is not a model implementation: use {', '.join(MODEL_IMPLS)}")
         model_dir = Path(model_dir)
         config_path = model_dir / "config.json"
         if not config_path.is_file():
@@ -121,6 +127,7 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(model_dir, hf),
             bos_token_id=hf.get("bos_token_id"),
             hf_config=hf,
+            model_impl=model_impl,
         )
 
     @property

@@ -71,6 +71,10 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def has_runnable_work(self) -> bool:
+        """Requests that a step can advance now (not only ones waiting on a peer)."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
     def step(self) -> list[RequestDelta]:
         """Schedule, run the model once, and report every request's new tokens and endings."""
         plan = self.scheduler.schedule()
@@ -89,6 +93,7 @@ class EngineCore:
             "kv_blocks_used": self.kv_cache_manager.num_used_blocks,
             "kv_blocks_total": self.runner.num_blocks,
             "queued_prefill_tokens": queued_prefill,
+            "num_preemptions": scheduler.num_preemptions,
         }
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:

@@ -14,8 +14,9 @@ from engine.request import Request
 class ConnectorEvents:
     """What the connector learned since the last step."""
 
-    # Decode role: requests whose external KV has fully landed, with the first token sampled remotely.
-    received: dict[str, int] = field(default_factory=dict)
+    # Decode role: requests whose external KV has fully landed, with the first token sampled remotely
+    # and its logprobs (None unless the request asked for them).
+    received: dict[str, tuple[int, dict[int, float] | None]] = field(default_factory=dict)
     # Decode role: requests whose external KV will never come (peer died, bad checksum, timeout).
     failed: dict[str, str] = field(default_factory=dict)
     # Prefill role: requests whose blocks the peer has acknowledged (or whose lease expired): free them now.
@@ -41,3 +42,15 @@ class KVConnector:
 
     def poll(self) -> ConnectorEvents:
         return ConnectorEvents()
+
+    # ---- network side, used by the service loop (not the scheduler) ----
+
+    def sockets(self) -> list:
+        """Sockets the service loop should wait on besides its control socket."""
+        return []
+
+    def receive(self) -> None:
+        """Handle what arrived on the connector's sockets; called between steps."""
+
+    def close(self) -> None:
+        pass

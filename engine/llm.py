@@ -72,6 +72,7 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         max_model_len: int | None = None,
         seed: int = 0,
+        model_impl: str = "auto",
     ) -> None:
         if model is None:
             from engine.demo_model import default_demo_model
@@ -79,7 +80,9 @@ class LLM:
             model = str(default_demo_model())
         model_dir = resolve_model_dir(model)
         torch.manual_seed(seed)
-        self.model_config = ModelConfig.from_hf(model_dir, dtype=dtype, device=device, max_model_len=max_model_len)
+        self.model_config = ModelConfig.from_hf(
+            model_dir, dtype=dtype, device=device, max_model_len=max_model_len, model_impl=model_impl
+        )
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = EngineCore(
             self.model_config,

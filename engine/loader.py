@@ -118,5 +118,9 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Mo
             model = model_class(config)
     finally:
         torch.set_default_dtype(previous_dtype)
-    load_weights(model, iterate_weights(Path(config.model_dir)))
+    weights = iterate_weights(Path(config.model_dir))
+    if hasattr(model, "load_weights"):  # a model that maps checkpoint names itself (transformers backend)
+        model.load_weights(weights)
+    else:
+        load_weights(model, weights)
     return model.eval()

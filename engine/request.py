@@ -113,6 +113,8 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until known
     num_external_computed_tokens: int = 0  # tokens whose KV comes from a remote prefill
     num_preemptions: int = 0
+    # Decode role of disaggregation: the prefill engine's KV link address, or None to prefill locally.
+    prefill_kv_address: str | None = None
     allow_remote_prefill: bool = True  # cleared when a remote prefill failed and the request recomputes
     stop_reason: int | str | None = None
     # Filled by the KV cache manager: hash of each full block of all_token_ids, in order.

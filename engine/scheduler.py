@@ -270,12 +270,12 @@ class Scheduler:
             request = self.delayed_free.pop(request_id, None)
             if request is not None:
                 self.kv.free(request)
-        for request_id, first_token in events.received.items():
-            self._on_remote_kv_received(request_id, first_token)
+        for request_id, (first_token, logprobs) in events.received.items():
+            self._on_remote_kv_received(request_id, first_token, logprobs)
         for request_id, reason in events.failed.items():
             self._on_remote_kv_failed(request_id, reason)
 
-    def _on_remote_kv_received(self, request_id: str, first_token: int) -> None:
+    def _on_remote_kv_received(self, request_id: str, first_token: int, logprobs: dict | None) -> None:
         request = self.waiting_for_remote_kv.pop(request_id, None)
         if request is None:
             return
@@ -283,7 +283,7 @@ class Scheduler:
         self.kv.cache_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self._pending.append(self._append_token(request, first_token, None))
+        self._pending.append(self._append_token(request, first_token, logprobs))
 
     def _on_remote_kv_failed(self, request_id: str, reason: str) -> None:
         request = self.waiting_for_remote_kv.pop(request_id, None)

@@ -123,3 +123,16 @@ def hash_weights_file(path_or_dir: str | Path) -> str:
         with open(path, "rb") as file:
             _hash_one(path, file, digest)
     return digest.hexdigest()
+
+
+def engine_fingerprint(model_config: Any, block_size: int) -> LayoutFingerprint:
+    """The fingerprint of an engine from its ModelConfig (duck-typed: kvtransfer does not import engine)."""
+    return LayoutFingerprint(
+        architecture=model_config.architecture,
+        num_layers=model_config.num_layers,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        block_size=block_size,
+        weights_hash=hash_weights_file(model_config.model_dir),
+    )

@@ -196,6 +196,11 @@ class _Link:
         except zmq.Again:
             return None
 
+    @property
+    def socket(self) -> zmq.Socket:
+        """The underlying socket, for a zmq.Poller that waits on several links at once."""
+        return self._socket
+
     def close(self) -> None:
         if self.closed:
             return

@@ -17,6 +17,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],
+                        help="auto: pdserve's native model code when it has the architecture, else the transformers "
+                             "backend (transformers' layers on pdserve's KV cache)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -36,6 +39,12 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-tokens", type=int, default=32)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--seed", type=int, default=0)
+    for role in ("prefill", "decode"):
+        from pdserve.engines import add_engine_args
+
+        service = commands.add_parser(role, help=f"run one {role} engine service")
+        _add_model_args(service)
+        add_engine_args(service, role)
     return parser
 
 
@@ -52,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.generate import run_generate
 
             return run_generate(args)
+        if args.command in ("prefill", "decode"):
+            from pdserve.engines import run_engine
+
+            return run_engine(args, args.command)
     except (ValueError, MemoryError, FileNotFoundError) as exc:
         # Our errors name the problem and the fix; a traceback would only bury that.
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)

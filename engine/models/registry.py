@@ -1,4 +1,11 @@
-"""Model classes by the Hugging Face `architectures` name."""
+"""Model classes by the Hugging Face `architectures` name, and the choice of implementation.
+
+model_impl (ModelConfig.model_impl):
+  native        pdserve's own code (NATIVE_MODELS) or an error
+  transformers  the transformers backend: transformers' layers, attention on pdserve's KV cache
+  auto          native when pdserve has the architecture, else the transformers backend when
+                transformers has a causal LM class of that name, else an error naming both lists
+"""
 
 from __future__ import annotations
 
@@ -19,10 +26,32 @@ class UnsupportedArchitectureError(ValueError):
     pass
 
 
+def transformers_causal_lm_names() -> frozenset[str]:
+    """Class names of every causal LM transformers can build from a config (no remote code)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
 def resolve_model_class(config: ModelConfig) -> type[nn.Module]:
-    model_class = NATIVE_MODELS.get(config.architecture)
-    if model_class is None:
+    architecture, impl = config.architecture, config.model_impl
+    native = NATIVE_MODELS.get(architecture)
+    if native is not None and impl != "transformers":
+        return native
+    if impl == "native":
         raise UnsupportedArchitectureError(
-            f"architecture {config.architecture!r} is not supported; supported: {', '.join(sorted(NATIVE_MODELS))}"
+            f"architecture {architecture!r} has no native pdserve implementation; native: "
+            f"{', '.join(sorted(NATIVE_MODELS))}. Pass model_impl='auto' or 'transformers' (--model-impl) "
+            "to run it through the transformers backend"
         )
-    return model_class
+    if architecture in transformers_causal_lm_names():
+        from engine.models.transformers_backend import TransformersForCausalLM  # imports modeling code lazily
+
+        return TransformersForCausalLM
+    import transformers
+
+    raise UnsupportedArchitectureError(
+        f"architecture {architecture!r} is not supported; supported: {', '.join(sorted(NATIVE_MODELS))} natively, "
+        f"and through the transformers backend any causal LM class of transformers {transformers.__version__} "
+        "(this name is not one; models that need trust_remote_code are not supported)"
+    )

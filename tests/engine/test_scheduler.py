@@ -168,7 +168,7 @@ def test_remote_kv_parks_request_then_decodes():
     block_ids, num_external = connector.asked["a"]
     assert num_external == 10 and len(block_ids) == 3
     assert scheduler.kv.pool.num_cached_blocks == 0, "blocks being filled must not be published yet"
-    connector.events.received["a"] = 11
+    connector.events.received["a"] = (11, None)
     plan, deltas = step(scheduler)
     assert [d.new_token_ids for d in deltas][0] == [11], "the remote first token is reported first"
     assert request.num_computed_tokens >= 10 and scheduler.kv.pool.num_cached_blocks == 2
@@ -201,7 +201,7 @@ def test_abort_while_waiting_for_remote_kv_tells_connector():
     step(scheduler)
     scheduler.abort("a")
     assert connector.aborted == ["a"]
-    connector.events.received["a"] = 3  # a late arrival for a dead request is ignored
+    connector.events.received["a"] = (3, None)  # a late arrival for a dead request is ignored
     run_to_end(scheduler)
     assert_scheduler_empty(scheduler)
 

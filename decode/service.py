@@ -1,0 +1,50 @@
+"""`pdserve decode`: an engine in the consumer role. Takes GenerateRequest on its control socket,
+pulls prompt KV from the named prefill engine (or prefills locally), decodes in its continuous batch
+and streams TokenDelta back to whoever sent the request."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from decode.connector import DecodeConnector
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.engine_core import EngineCore
+from engine.request import SamplingParams
+from kvtransfer.control import GenerateRequest
+from kvtransfer.engine_server import EngineServer
+from kvtransfer.fingerprint import engine_fingerprint
+
+log = logging.getLogger("pdserve.decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    control_address: str = "tcp://127.0.0.1:0"
+    engine_id: str = "decode-0"
+    kv_timeout_s: float = 30.0
+    kv_failure: str = "recompute"
+    device: str = "cpu"
+
+
+class DecodeServer(EngineServer):
+    role = "decode"
+
+    def handle(self, peer_id: bytes, msg: Any) -> None:
+        if not isinstance(msg, GenerateRequest):
+            return super().handle(peer_id, msg)
+        params = SamplingParams(**msg.sampling_kwargs())
+        request = self.engine.make_request(msg.request_id, list(msg.prompt_token_ids), params)
+        request.prefill_kv_address = msg.prefill_kv_address
+        self.engine.add_request(request)
+        self.owners[msg.request_id] = peer_id
+
+
+def build_decode_server(model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                        options: DecodeOptions) -> DecodeServer:
+    connector = DecodeConnector(engine_fingerprint(model_config, cache_config.block_size), options.engine_id,
+                                timeout_s=options.kv_timeout_s)
+    engine = EngineCore(model_config, cache_config, scheduler_config, options.device, connector, options.kv_failure)
+    connector.bind_kv_cache(engine.runner.kv_cache)
+    return DecodeServer(engine, connector, options.control_address, options.engine_id)

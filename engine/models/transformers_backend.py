@@ -1,0 +1,334 @@
+"""Any Hugging Face causal LM on pdserve's runtime: transformers' layers, pdserve's paged KV cache.
+
+transformers builds the model from its config (embeddings, norms, rotary, MLP, residuals are its
+own code); pdserve loads the safetensors weights itself and runs one step's T tokens (decodes, then
+prefill chunks of several requests) as a single batch-1 sequence. Every attention layer calls
+`pdserve_attention`, registered with transformers' AttentionInterface, which hands q/k/v to an
+engine.layers.attention.Attention bound to pdserve's KV cache: storing KV and the paged
+decode/prefill attention are the native models' own. Which tokens belong to which request comes
+from the forward context, so transformers builds no mask ("pdserve" is not a mask implementation,
+and create_causal_mask returns None for such names) and keeps no past_key_values (use_cache=False).
+
+What pdserve's attention cannot express (soft-capping, ALiBi, engaged sliding windows, sinks,
+cross or bidirectional attention, different K and V head sizes, non-attention mixer layers) is
+refused at load time with UnsupportedModelFeatureError naming the feature.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.initialization import no_init_weights
+
+from engine.config import ModelConfig
+from engine.layers.attention import Attention
+from engine.layers.linear import copy_checked
+from engine.loader import ModelLoadError
+
+ATTN_IMPLEMENTATION = "pdserve"
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class UnsupportedModelFeatureError(ValueError):
+    """The model needs an attention feature pdserve's paged attention does not implement."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function transformers calls in every attention layer
+# ---------------------------------------------------------------------------------------------
+
+
+def pdserve_attention(
+    module: nn.Module,
+    query: torch.Tensor,  # [1, num_heads, T, head_dim], rotary applied
+    key: torch.Tensor,  # [1, num_kv_heads, T, head_dim]
+    value: torch.Tensor,  # [1, num_kv_heads, T, head_dim]
+    attention_mask: torch.Tensor | None,  # None: create_causal_mask skips unknown implementations
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:  # ([1, T, num_heads, head_dim], no attention weights)
+    attn: Attention | None = getattr(module, "pdserve_attention", None)
+    if attn is None:
+        raise RuntimeError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) called pdserve's attention but is "
+            "not bound to pdserve's KV cache: build the model through TransformersForCausalLM"
+        )
+    _check_call(attn, query, key, scaling, kwargs)
+    num_tokens = query.shape[2]
+    out = attn(_tokens_first(query), _tokens_first(key), _tokens_first(value))  # [T, num_heads * head_dim]
+    return out.view(1, num_tokens, attn.num_heads, attn.head_dim), None
+
+
+def _tokens_first(states: torch.Tensor) -> torch.Tensor:
+    # [1, heads, T, head_dim] -> [T, heads, head_dim], contiguous as the kernels read it
+    return states[0].transpose(0, 1).contiguous()
+
+
+def _check_call(attn: Attention, query: torch.Tensor, key: torch.Tensor, scaling: float | None, kwargs: dict) -> None:
+    """Cheap per-call guards: shapes the KV cache was sized for, the scale, and features we cannot honour."""
+    if query.shape[0] != 1:
+        raise RuntimeError(f"pdserve's attention runs one flattened sequence (batch 1), got batch {query.shape[0]}")
+    if key.shape[1] != attn.num_kv_heads or key.shape[3] != attn.head_dim or query.shape[1] != attn.num_heads:
+        raise RuntimeError(
+            f"layer {attn.layer_idx} produced q {tuple(query.shape)} / k {tuple(key.shape)}, but the KV cache was "
+            f"sized for {attn.num_heads} heads, {attn.num_kv_heads} kv heads of {attn.head_dim}: config.json's "
+            "num_attention_heads / num_key_value_heads / head_dim do not describe this model"
+        )
+    if scaling is not None and scaling != attn.scale:
+        raise RuntimeError(f"layer {attn.layer_idx} asked for scale {scaling}, bound with {attn.scale}")
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelFeatureError(f"layer {attn.layer_idx} needs attention `{name}`, which pdserve lacks")
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, pdserve_attention)
+
+
+# ---------------------------------------------------------------------------------------------
+# Load-time checks: features pdserve's attention cannot express
+# ---------------------------------------------------------------------------------------------
+
+
+def unsupported_features(hf_config: PretrainedConfig, max_model_len: int) -> list[str]:
+    """Human-readable names of the features this config needs that pdserve lacks (empty: fine)."""
+    found = []
+    softcap = getattr(hf_config, "attn_logit_softcapping", None)
+    if softcap:
+        found.append(f"attention logit soft-capping (attn_logit_softcapping={softcap})")
+    if getattr(hf_config, "alibi", False) or getattr(hf_config, "position_embedding_type", None) == "alibi":
+        found.append("ALiBi position biases")
+    if getattr(hf_config, "is_encoder_decoder", False) or getattr(hf_config, "add_cross_attention", False):
+        found.append("cross-attention (encoder-decoder)")
+    if getattr(hf_config, "is_causal", True) is False or getattr(hf_config, "use_bidirectional_attention", False):
+        found.append("bidirectional (non-causal) attention")
+    v_head_dim = getattr(hf_config, "v_head_dim", None)
+    if getattr(hf_config, "kv_lora_rank", None) or (v_head_dim and v_head_dim != getattr(hf_config, "head_dim", None)):
+        found.append("latent / different-sized K and V heads (kv_lora_rank, v_head_dim)")
+    layer_types = list(getattr(hf_config, "layer_types", None) or [])
+    others = sorted({t for t in layer_types if t not in _ATTENTION_LAYER_TYPES})
+    if others:
+        found.append(f"non-attention layers ({', '.join(others)})")
+    found.extend(_engaged_sliding_window(hf_config, layer_types, max_model_len))
+    return found
+
+
+def _engaged_sliding_window(hf_config: PretrainedConfig, layer_types: list[str], max_model_len: int) -> list[str]:
+    # A query attends to the last `window` positions; sequences no longer than that never notice it.
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return []
+    if layer_types and "sliding_attention" not in layer_types:
+        return []
+    if max_model_len <= window:
+        return []
+    return [f"sliding-window attention (window {window} < max_model_len {max_model_len}; pass max_model_len <= {window})"]
+
+
+def _module_features(module: nn.Module) -> list[str]:
+    found = []
+    if getattr(module, "is_causal", True) is False:
+        found.append("bidirectional (non-causal) attention")
+    if getattr(module, "sinks", None) is not None:
+        found.append("attention sinks")
+    return found
+
+
+def _raise_if_unsupported(architecture: str, features: list[str]) -> None:
+    if features:
+        raise UnsupportedModelFeatureError(
+            f"{architecture} needs {'; '.join(sorted(set(features)))}, which pdserve's paged attention does not "
+            "implement: this model cannot run on pdserve yet"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the transformers model and binding its attention layers
+# ---------------------------------------------------------------------------------------------
+
+
+def load_hf_config(model_dir: str) -> PretrainedConfig:
+    hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    hf_config.use_cache = False  # pdserve owns the KV cache; transformers must not keep past_key_values
+    return hf_config
+
+
+def build_hf_model(hf_config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
+    """The transformers causal LM, parameters allocated but not initialised (the loader fills them)."""
+    with no_init_weights():
+        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    hf_model.tie_weights()  # no_init_weights also skips the tying that init_weights does
+    return hf_model.eval().requires_grad_(False)
+
+
+def attention_modules(hf_model: nn.Module, num_layers: int) -> list[nn.Module]:
+    """The attention module of each layer, by `layer_idx` ([num_layers]); an error unless exactly one each."""
+    by_layer: dict[int, list[nn.Module]] = {}
+    for module in hf_model.modules():
+        layer_idx = getattr(module, "layer_idx", None)
+        if isinstance(layer_idx, int) and hasattr(module, "is_causal"):
+            by_layer.setdefault(layer_idx, []).append(module)
+    counts = [len(by_layer.get(i, ())) for i in range(num_layers)]
+    if counts != [1] * num_layers or len(by_layer) != num_layers:
+        raise UnsupportedModelFeatureError(
+            f"expected one attention module per layer for {num_layers} layers, found per layer {counts} "
+            f"(layer ids {sorted(by_layer)}): this architecture's layers are not plain self-attention"
+        )
+    return [by_layer[i][0] for i in range(num_layers)]
+
+
+def _module_head_dim(module: nn.Module, config: ModelConfig) -> int:
+    return int(getattr(module, "head_dim", None) or getattr(module, "head_size", None) or config.head_dim)
+
+
+def bind_attention(module: nn.Module, layer_idx: int, config: ModelConfig) -> Attention:
+    """A pdserve Attention for one transformers attention module, with the module's own scale."""
+    head_dim = _module_head_dim(module, config)
+    if head_dim != config.head_dim:
+        raise UnsupportedModelFeatureError(
+            f"layer {layer_idx} has head_dim {head_dim} but config.json gives {config.head_dim}: pdserve sizes the KV "
+            "cache from config.json's head_dim (or hidden_size / num_attention_heads); set head_dim there"
+        )
+    scaling = getattr(module, "scaling", None)
+    scale = float(scaling) if scaling is not None else head_dim**-0.5
+    attn = Attention(layer_idx, config.num_heads, config.num_kv_heads, head_dim, scale)
+    module.pdserve_attention = attn  # registered as a child: no parameters, moves with the model
+    return attn
+
+
+# ---------------------------------------------------------------------------------------------
+# Logits: what transformers' *ForCausalLM.forward does after the lm_head
+# ---------------------------------------------------------------------------------------------
+
+
+def logit_transform(hf_config: PretrainedConfig) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Granite divides by logits_scaling, Cohere multiplies by logit_scale, Gemma 2/3 soft-cap."""
+    scale = 1.0
+    if getattr(hf_config, "logits_scaling", None):
+        scale /= float(hf_config.logits_scaling)
+    if getattr(hf_config, "logit_scale", None):
+        scale *= float(hf_config.logit_scale)
+    cap = getattr(hf_config, "final_logit_softcapping", None)
+    if scale == 1.0 and not cap:
+        return None
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:  # [R, vocab] float32
+        logits = logits * scale if scale != 1.0 else logits
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    return transform
+
+
+# ---------------------------------------------------------------------------------------------
+# The model class the registry hands out
+# ---------------------------------------------------------------------------------------------
+
+
+class TransformersForCausalLM(nn.Module):
+    """Same interface as the native models: forward, compute_logits, bind_kv_cache, config."""
+
+    packed_modules_mapping: dict = {}  # checkpoint names are transformers' own parameter names
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        hf_config = load_hf_config(config.model_dir)
+        features = unsupported_features(hf_config, config.max_model_len)
+        _raise_if_unsupported(config.architecture, features)
+        self.hf_model = build_hf_model(hf_config, config.dtype)
+        modules = attention_modules(self.hf_model, config.num_layers)
+        _raise_if_unsupported(config.architecture, [f for m in modules for f in _module_features(m)])
+        self.attention_layers = [bind_attention(m, i, config) for i, m in enumerate(modules)]
+        self.lm_head = _output_embeddings(self.hf_model)
+        self.logit_transform = logit_transform(hf_config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden] (the base model's final norm applied)."""
+        out = self.hf_model.base_model(
+            input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False
+        )
+        return out.last_hidden_state[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden] -> logits [R, vocab] (float32)."""
+        logits = self.lm_head(hidden).float()
+        return self.logit_transform(logits) if self.logit_transform is not None else logits
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        for layer_idx, attn in enumerate(self.attention_layers):
+            attn.bind_kv_cache(kv_cache[layer_idx, 0], kv_cache[layer_idx, 1])
+
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint tensors under transformers' names; each parameter exactly once (tied ones once)."""
+        load_hf_weights(self.hf_model, weights)
+
+
+def _output_embeddings(hf_model: nn.Module) -> nn.Module:
+    lm_head = hf_model.get_output_embeddings()
+    if lm_head is None:
+        raise UnsupportedModelFeatureError(
+            f"{type(hf_model).__name__} has no output embedding (lm_head): not a causal LM pdserve can sample from"
+        )
+    return lm_head
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: safetensors names are the transformers model's own parameter names
+# ---------------------------------------------------------------------------------------------
+
+
+def checkpoint_renamer(hf_model: nn.Module, param_names: set[str]) -> Callable[[str], str]:
+    """Checkpoint name -> parameter name, with the renames transformers 5 applies on load (legacy
+    names, e.g. GPT-NeoX's embed_out -> lm_head, and base-model prefixes). Tensors transformers would
+    convert (fuse or split, e.g. per-expert MoE weights) raise: the backend copies tensors as they are."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(hf_model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    known = dict.fromkeys(param_names, True)  # rename_source_key looks names up with .get()
+    prefix = getattr(hf_model, "base_model_prefix", None)
+
+    def rename(name: str) -> str:
+        renamed, converter_pattern = rename_source_key(name, renamings, converters, prefix, known)
+        if converter_pattern is not None:
+            raise ModelLoadError(
+                f"checkpoint tensor {name} must be converted by transformers (pattern {converter_pattern!r}: fused or "
+                "split tensors, e.g. per-expert MoE weights), which the transformers backend does not do yet"
+            )
+        return name if renamed not in known and name in known else renamed
+
+    return rename
+
+
+def load_hf_weights(hf_model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    params = dict(hf_model.named_parameters(remove_duplicate=False))  # tied weights under every name
+    canonical = {id(p): name for name, p in hf_model.named_parameters()}  # one name per tensor
+    buffers = dict(hf_model.named_buffers())
+    rename = checkpoint_renamer(hf_model, set(params) | set(buffers))
+    ignored = [re.compile(p) for p in getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    seen: set[str] = set()
+    loaded: set[str] = set()  # canonical names
+    for checkpoint_name, tensor in weights:
+        if checkpoint_name in seen:
+            raise ModelLoadError(f"checkpoint holds tensor {checkpoint_name} twice; the model directory is inconsistent")
+        seen.add(checkpoint_name)
+        name = rename(checkpoint_name)
+        if name in params:
+            copy_checked(params[name].data, tensor, checkpoint_name)
+            loaded.add(canonical[id(params[name])])
+        elif name in buffers:  # persistent buffers some models save; recomputed ones are skipped
+            copy_checked(buffers[name], tensor, checkpoint_name)
+        elif not any(p.search(checkpoint_name) for p in ignored):
+            raise ModelLoadError(
+                f"checkpoint has unexpected tensor {checkpoint_name}: it does not belong to {type(hf_model).__name__}"
+            )
+    missing = sorted(set(canonical.values()) - loaded)
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {', '.join(missing[:5])}")

@@ -1,0 +1,134 @@
+"""The loop every engine process runs: control messages in, engine steps, token deltas out.
+
+One thread: wait on the control socket and the KV connector's sockets (not at all while the engine
+has runnable work), handle what arrived, step the engine once, publish what the step produced.
+The prefill and decode services subclass it with their request types.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+import zmq
+
+from kvtransfer.control import EngineStats, StatsRequest, TokenDelta
+from kvtransfer.errors import KVTransferError, ProtocolError
+from kvtransfer.protocol import Abort, Error
+from kvtransfer.transport import KVServer
+
+log = logging.getLogger("pdserve.engine_server")
+
+IDLE_WAIT_MS = 20  # longest wait for input while nothing can run (bounds timeout checks, too)
+
+
+class EngineServer:
+    role = ""
+
+    def __init__(self, engine: Any, connector: Any, control_address: str, engine_id: str) -> None:
+        self.engine = engine  # engine.engine_core.EngineCore
+        self.connector = connector
+        self.engine_id = engine_id
+        self.control = KVServer(control_address)
+        self.owners: dict[str, bytes] = {}  # request id -> control peer that sent it
+        self._stop = threading.Event()
+
+    @property
+    def control_address(self) -> str:
+        return self.control.address
+
+    def stop(self, *_: Any) -> None:
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        registered: set = set()
+        try:
+            while not self._stop.is_set():
+                for socket in [self.control.socket, *self.connector.sockets()]:
+                    if socket not in registered:
+                        poller.register(socket, zmq.POLLIN)
+                        registered.add(socket)
+                poller.poll(0 if self.engine.has_runnable_work() else IDLE_WAIT_MS)
+                self._drain_control()
+                self.connector.receive()
+                self.after_receive()
+                if self.engine.has_work():
+                    self.publish(self.engine.step())
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.connector.close()
+        self.control.close()
+
+    # ---- control plane ----
+
+    def _drain_control(self) -> None:
+        while True:
+            try:
+                routed = self.control.recv(timeout=0)
+            except ProtocolError as exc:
+                log.warning("bad control message: %s", exc)
+                self.reply(exc.peer_id, Error.from_exception(exc))
+                continue
+            if routed is None:
+                return
+            try:
+                self.handle(routed.peer_id, routed.msg)
+            except ValueError as exc:  # InvalidRequestError and friends: the client's fault, named
+                request_id = getattr(routed.msg, "request_id", None)
+                self.reply(routed.peer_id, TokenDelta(request_id=request_id, finish_reason="error", error=str(exc))
+                           if request_id else Error(code="invalid_request", message=str(exc)))
+
+    def handle(self, peer_id: bytes, msg: Any) -> None:
+        if isinstance(msg, Abort):
+            self.engine.abort(msg.request_id)
+        elif isinstance(msg, StatsRequest):
+            self.reply(peer_id, self.stats())
+        else:
+            self.reply(peer_id, Error(code="unexpected", message=f"{msg.type_name} is not served by a {self.role} engine"))
+
+    def after_receive(self) -> None:
+        """Hook for work that follows network input (e.g. aborts the KV peer asked for)."""
+
+    def publish(self, deltas: list) -> None:
+        for delta in deltas:
+            owner = self.owners.get(delta.request_id)
+            if delta.finish_reason is not None:
+                self.owners.pop(delta.request_id, None)
+            if owner is not None and self.should_publish(delta):
+                self.reply(owner, TokenDelta(
+                    request_id=delta.request_id, token_ids=delta.new_token_ids, logprobs=delta.new_logprobs,
+                    finish_reason=delta.finish_reason, error=delta.error,
+                    stop_reason=delta.stop_reason if isinstance(delta.stop_reason, int) else None))
+
+    def should_publish(self, delta: Any) -> bool:
+        return True
+
+    def reply(self, peer_id: bytes | None, msg: Any) -> None:
+        if peer_id is None:
+            return
+        try:
+            self.control.send(peer_id, msg, timeout=1.0)
+        except KVTransferError as exc:
+            log.info("control peer %s gone: %s", peer_id.hex(), exc)
+
+    def stats(self) -> EngineStats:
+        stats = self.engine.stats()
+        return EngineStats(
+            engine_id=self.engine_id, role=self.role,
+            num_waiting=stats["num_waiting"], num_running=stats["num_running"],
+            num_waiting_for_remote_kv=stats["num_waiting_for_remote_kv"],
+            kv_blocks_used=stats["kv_blocks_used"], kv_blocks_total=stats["kv_blocks_total"],
+            queued_prefill_tokens=stats["queued_prefill_tokens"], num_preemptions=stats["num_preemptions"],
+            kv_bytes_sent=getattr(self.connector, "bytes_sent", 0),
+            kv_bytes_received=getattr(self.connector, "bytes_received", 0),
+            num_kv_transfers_failed=getattr(self.connector, "num_failed", 0),
+        )

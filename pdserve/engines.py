@@ -1,0 +1,65 @@
+"""`pdserve prefill` and `pdserve decode`: build one engine service from arguments and run it.
+
+When ready, each prints one line on stdout that launchers and tests wait for:
+    PDSERVE_READY role=<role> engine_id=<id> control=<address> [kv=<address>]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
+    parser.add_argument("--control-address", default="tcp://127.0.0.1:0",
+                        help="where the router reaches this engine (tcp://host:port or ipc://path; port 0 = any)")
+    parser.add_argument("--engine-id", default=f"{role}-0")
+    parser.add_argument("--log-level", default="INFO")
+    if role == "prefill":
+        parser.add_argument("--kv-address", default="tcp://127.0.0.1:0", help="where decode engines pull KV from")
+        parser.add_argument("--kv-want-timeout", type=float, default=30.0,
+                            help="seconds a finished prefill waits for a decode engine to ask for its KV")
+        parser.add_argument("--kv-lease", type=float, default=30.0,
+                            help="seconds sent KV stays allocated without the decode engine's ack")
+    else:
+        parser.add_argument("--kv-timeout", type=float, default=30.0,
+                            help="seconds to wait for a prompt's KV from a prefill engine")
+        parser.add_argument("--kv-failure", choices=["recompute", "fail"], default="recompute",
+                            help="when remote KV does not arrive: prefill locally, or end the request with an error")
+
+
+def _configs(args: argparse.Namespace) -> tuple:
+    """(ModelConfig, CacheConfig, SchedulerConfig); torch is imported here, not at parse time."""
+    from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+    from engine.loader import resolve_model_dir
+
+    if args.model is None:
+        from engine.demo_model import default_demo_model
+
+        args.model = str(default_demo_model())
+    model_config = ModelConfig.from_hf(resolve_model_dir(args.model), dtype=args.dtype, device=args.device,
+                                       max_model_len=args.max_model_len)
+    cache_config = CacheConfig(args.block_size, args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching)
+    scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)
+    return model_config, cache_config, scheduler_config
+
+
+def run_engine(args: argparse.Namespace, role: str) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s")
+    configs = _configs(args)
+    if role == "prefill":
+        from prefill.service import PrefillOptions, build_prefill_server
+
+        server = build_prefill_server(*configs, PrefillOptions(
+            args.control_address, args.kv_address, args.engine_id, args.kv_want_timeout, args.kv_lease, args.device))
+        extra = f" kv={server.kv_address}"
+    else:
+        from decode.service import DecodeOptions, build_decode_server
+
+        server = build_decode_server(*configs, DecodeOptions(
+            args.control_address, args.engine_id, args.kv_timeout, args.kv_failure, args.device))
+        extra = ""
+    server.install_signal_handlers()
+    print(f"PDSERVE_READY role={role} engine_id={args.engine_id} control={server.control_address}{extra}", flush=True)
+    server.run()
+    return 0

@@ -1,0 +1,67 @@
+"""`pdserve prefill`: an engine in the producer role. Takes PrefillRequest on its control socket,
+computes the prompt (batched, chunked, reusing its prefix cache) and samples the first token, then
+serves the KV to the decode engine that asks for it over the KV link, freeing blocks on its ack."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.engine_core import EngineCore
+from engine.request import SamplingParams
+from kvtransfer.control import PrefillRequest
+from kvtransfer.engine_server import EngineServer
+from kvtransfer.fingerprint import engine_fingerprint
+from kvtransfer.transport import KVServer
+from prefill.connector import PrefillConnector
+
+log = logging.getLogger("pdserve.prefill")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillOptions:
+    control_address: str = "tcp://127.0.0.1:0"
+    kv_address: str = "tcp://127.0.0.1:0"
+    engine_id: str = "prefill-0"
+    want_timeout_s: float = 30.0
+    lease_s: float = 30.0
+    device: str = "cpu"
+
+
+class PrefillServer(EngineServer):
+    role = "prefill"
+
+    def handle(self, peer_id: bytes, msg: Any) -> None:
+        if not isinstance(msg, PrefillRequest):
+            return super().handle(peer_id, msg)
+        params = SamplingParams(**msg.sampling_kwargs())
+        # Only the first token is sampled here; min_tokens still bans eos for it, as it would colocated.
+        params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        request = self.engine.make_request(msg.request_id, list(msg.prompt_token_ids), params)
+        self.engine.add_request(request)
+        self.owners[msg.request_id] = peer_id
+
+    def after_receive(self) -> None:
+        aborted, self.connector.aborted_by_peer = self.connector.aborted_by_peer, []
+        for request_id in aborted:
+            self.engine.abort(request_id)
+
+    def should_publish(self, delta: Any) -> bool:
+        # The router hears about a prefill only when it failed; tokens reach it through the decode engine.
+        return delta.finish_reason == "error"
+
+    @property
+    def kv_address(self) -> str:
+        return self.connector.server.address
+
+
+def build_prefill_server(model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                         options: PrefillOptions) -> PrefillServer:
+    kv_server = KVServer(options.kv_address)
+    connector = PrefillConnector(kv_server, engine_fingerprint(model_config, cache_config.block_size),
+                                 want_timeout_s=options.want_timeout_s, lease_s=options.lease_s)
+    engine = EngineCore(model_config, cache_config, scheduler_config, options.device, connector)
+    connector.bind_kv_cache(engine.runner.kv_cache)
+    return PrefillServer(engine, connector, options.control_address, options.engine_id)

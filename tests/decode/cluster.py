@@ -1,0 +1,143 @@
+"""Real engine processes on loopback and a small driver that plays the router (tests only)."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtransfer.control import EngineStats, GenerateRequest, PrefillRequest, StatsRequest, TokenDelta
+from kvtransfer.protocol import Abort
+from kvtransfer.transport import KVClient
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 120
+
+
+class EngineProcess:
+    """`python -m pdserve <role> ...` as a child process; waits for its PDSERVE_READY line."""
+
+    def __init__(self, role: str, model_dir: str, *args: str, env: dict | None = None, log_dir: Path) -> None:
+        self.role = role
+        self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
+        command = [sys.executable, "-m", "pdserve", role, "--model", model_dir, "--dtype", "float32", *args]
+        self.process = subprocess.Popen(
+            command, cwd=REPO, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+        self.addresses = self._wait_ready()
+
+    def _wait_ready(self) -> dict[str, str]:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.process.stdout], [], [], 1.0)
+            if ready:
+                line = self.process.stdout.readline()
+                if line.startswith("PDSERVE_READY"):
+                    return dict(item.split("=", 1) for item in line.split()[1:])
+            if self.process.poll() is not None:
+                break
+        self.stop()
+        raise RuntimeError(f"{self.role} engine did not start:\n{self.log_path.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Driver:
+    """Sends requests the way the router will: PrefillRequest to P and GenerateRequest to D at once."""
+
+    def __init__(self, decode: EngineProcess, prefill: EngineProcess | None = None) -> None:
+        self.decode = KVClient(decode.addresses["control"])
+        self.prefill = KVClient(prefill.addresses["control"]) if prefill else None
+        self.prefill_kv = prefill.addresses["kv"] if prefill else None
+
+    def submit(self, request_id: str, prompt: list[int], remote: bool = True, **sampling) -> None:
+        use_prefill = remote and self.prefill is not None
+        if use_prefill:
+            self.prefill.send(PrefillRequest(request_id=request_id, prompt_token_ids=prompt, **sampling))
+        self.decode.send(GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
+                                         prefill_kv_address=self.prefill_kv if use_prefill else None, **sampling))
+
+    def collect(self, request_ids, timeout_s: float = 60.0) -> dict[str, Result]:
+        results = {request_id: Result() for request_id in request_ids}
+        deadline = time.monotonic() + timeout_s
+        while any(r.finish_reason is None for r in results.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests still open after {timeout_s}s: "
+                                   f"{[k for k, r in results.items() if r.finish_reason is None]}")
+            for client in filter(None, (self.decode, self.prefill)):
+                received = client.recv(timeout=0.01)
+                if received is not None and isinstance(received.msg, TokenDelta):
+                    result = results[received.msg.request_id]
+                    result.token_ids.extend(received.msg.token_ids)
+                    if received.msg.finish_reason is not None:
+                        result.finish_reason, result.error = received.msg.finish_reason, received.msg.error
+        return results
+
+    def generate(self, prompts: list[list[int]], remote: bool = True, prefix: str = "r", **sampling):
+        ids = [f"{prefix}{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts):
+            self.submit(request_id, prompt, remote, **sampling)
+        results = self.collect(ids)
+        return [results[request_id] for request_id in ids]
+
+    def abort(self, request_id: str) -> None:
+        self.decode.send(Abort(request_id=request_id, reason="client went away"))
+        if self.prefill is not None:
+            self.prefill.send(Abort(request_id=request_id, reason="client went away"))
+
+    @staticmethod
+    def _stats(client: KVClient) -> EngineStats:
+        client.send(StatsRequest())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            received = client.recv(timeout=0.1)
+            if received is not None and isinstance(received.msg, EngineStats):
+                return received.msg
+        raise TimeoutError("no EngineStats within 10s")
+
+    def decode_stats(self) -> EngineStats:
+        return self._stats(self.decode)
+
+    def prefill_stats(self) -> EngineStats:
+        return self._stats(self.prefill)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> tuple[EngineStats, EngineStats | None]:
+        """Poll both engines until no KV block is used (delayed frees settle after acks)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            decode = self.decode_stats()
+            prefill = self.prefill_stats() if self.prefill else None
+            if decode.kv_blocks_used == 0 and (prefill is None or prefill.kv_blocks_used == 0):
+                return decode, prefill
+            if time.monotonic() > deadline:
+                return decode, prefill
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for client in filter(None, (self.decode, self.prefill)):
+            client.close()
