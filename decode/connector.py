@@ -145,6 +145,7 @@ class DecodeConnector(KVConnector):
         for request_id, incoming in list(self._incoming.items()):
             if incoming.link is link:
                 self._fail(request_id, f"prefill engine refused the KV link: {reason}")
+                self._send_quietly(link, Abort(request_id=request_id, reason="KV link refused"))
 
     # ---- KV payloads ----
 

@@ -26,7 +26,8 @@ from kvtransfer.transport import KVServer
 log = logging.getLogger("pdserve.prefill.connector")
 
 MESSAGE_TARGET_BYTES = 4 << 20  # group layers so each KVLayer frame is about this big (fewer, larger sends)
-# Test-only fault injection: "drop:N", "corrupt:N" or "stall:N" acts on the N-th KVLayer message sent.
+# Test-only fault injection: "drop:N", "corrupt:N", "stall:N" (hang) or "delay:N" (2 s) acts on the
+# N-th KVLayer message this engine sends.
 FAULT_ENV = "PDSERVE_FAULT_INJECT"
 
 
@@ -101,14 +102,14 @@ class PrefillConnector(KVConnector):
     def _dispatch(self, peer_id: bytes, msg) -> None:
         if isinstance(msg, Hello):
             self._on_hello(peer_id, msg)
+        elif isinstance(msg, Abort):  # freeing is harmless, so any peer may ask for it
+            self._on_abort(msg.request_id)
         elif peer_id not in self._peers:
             self._reply(peer_id, Error(code="no_hello", message="say Hello with your layout fingerprint first"))
         elif isinstance(msg, KVWant):
             self._on_want(peer_id, msg)
         elif isinstance(msg, KVAck):
             self._release(msg.request_id, "acked" if msg.ok else f"nacked: {msg.reason}")
-        elif isinstance(msg, Abort):
-            self._on_abort(msg.request_id)
         else:
             self._reply(peer_id, Error(code="unexpected", message=f"{msg.type_name} is not served on the KV link"))
 
@@ -127,11 +128,16 @@ class PrefillConnector(KVConnector):
         self._try_send(msg.request_id)
 
     def _on_abort(self, request_id: str) -> None:
+        if not self.abort(request_id):
+            self.aborted_by_peer.append(request_id)  # still computing: the service aborts it
+
+    def abort(self, request_id: str) -> bool:
+        """Forget a request; True if it was finished here (its blocks are released now)."""
         self._wants.pop(request_id, None)
         if request_id in self._prefilled or request_id in self._awaiting_ack:
-            self._release(request_id, "aborted by the decode engine")
-        else:
-            self.aborted_by_peer.append(request_id)  # still computing: the service aborts it
+            self._release(request_id, "aborted")
+            return True
+        return False
 
     # ---- sending ----
 
@@ -186,6 +192,8 @@ class PrefillConnector(KVConnector):
         if action == "corrupt":
             payload = bytearray(payload)
             payload[len(payload) // 2] ^= 0x40
+        if action == "delay":
+            time.sleep(2.0)
         if action == "stall":
             log.error("fault injection: stalling forever mid-transfer")
             while True:
@@ -234,7 +242,7 @@ def _parse_fault(spec: str) -> dict[int, str]:
     faults = {}
     for item in filter(None, spec.split(",")):
         action, _, index = item.partition(":")
-        if action not in ("drop", "corrupt", "stall") or not index.isdigit():
-            raise ValueError(f"{FAULT_ENV}={spec!r}: use comma-separated drop:N, corrupt:N or stall:N")
+        if action not in ("drop", "corrupt", "stall", "delay") or not index.isdigit():
+            raise ValueError(f"{FAULT_ENV}={spec!r}: use comma-separated drop:N, corrupt:N, stall:N or delay:N")
         faults[int(index)] = action
     return faults

@@ -13,6 +13,7 @@ from engine.engine_core import EngineCore
 from engine.request import SamplingParams
 from kvtransfer.control import PrefillRequest
 from kvtransfer.engine_server import EngineServer
+from kvtransfer.protocol import Abort
 from kvtransfer.fingerprint import engine_fingerprint
 from kvtransfer.transport import KVServer
 from prefill.connector import PrefillConnector
@@ -34,6 +35,8 @@ class PrefillServer(EngineServer):
     role = "prefill"
 
     def handle(self, peer_id: bytes, msg: Any) -> None:
+        if isinstance(msg, Abort):  # finished prefills wait in the connector, not the engine
+            self.connector.abort(msg.request_id)
         if not isinstance(msg, PrefillRequest):
             return super().handle(peer_id, msg)
         params = SamplingParams(**msg.sampling_kwargs())

@@ -1,0 +1,98 @@
+"""Prefill -> decode over real ZeroMQ sockets between real processes: output equals the colocated
+engine token for token, KV bytes are exactly what the layout says, and no block leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.decode.cluster import Driver, EngineProcess
+
+BLOCK = 4
+ENGINE_ARGS = ("--block-size", str(BLOCK), "--num-kv-blocks", "256", "--max-num-batched-tokens", "32")
+GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+# one block, several blocks, a partial last block, a single token, a long prompt (chunked on P)
+PROMPTS = [list(range(10, 14)), list(range(30, 46)), list(range(50, 61)), [7], list(range(100, 170))]
+
+
+def colocated_tokens(model_dir: str, prompts, **sampling) -> list[list[int]]:
+    llm = LLM(model_dir, dtype="float32", block_size=BLOCK, num_kv_blocks=256)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**sampling))
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def start_pair(model_dir: str, tmp_path, transport: str = "tcp", prefill_env=None, decode_args=()):
+    if transport == "ipc":
+        addresses = {name: f"ipc://{tmp_path}/{name}.sock" for name in ("p-control", "p-kv", "d-control")}
+        p_args = ("--control-address", addresses["p-control"], "--kv-address", addresses["p-kv"])
+        d_args = ("--control-address", addresses["d-control"])
+    else:
+        p_args = d_args = ()
+    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, *p_args, env=prefill_env, log_dir=tmp_path)
+    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *d_args, *decode_args, log_dir=tmp_path)
+    return prefill, decode
+
+
+def assert_no_leaks(driver: Driver) -> None:
+    decode, prefill = driver.wait_idle()
+    assert decode.kv_blocks_used == 0, f"decode engine leaked {decode.kv_blocks_used} blocks"
+    assert prefill is None or prefill.kv_blocks_used == 0, f"prefill engine leaked {prefill.kv_blocks_used} blocks"
+    assert decode.num_running == decode.num_waiting == decode.num_waiting_for_remote_kv == 0
+
+
+@pytest.mark.parametrize("arch, transport", [("llama", "tcp"), ("qwen2", "ipc"), ("qwen3", "tcp")])
+def test_disaggregated_equals_colocated(model_factory, tmp_path, arch, transport):
+    model_dir = model_factory(arch)
+    expected = colocated_tokens(model_dir, PROMPTS, **GREEDY)
+    prefill, decode = start_pair(model_dir, tmp_path, transport)
+    driver = Driver(decode, prefill)
+    try:
+        results = driver.generate(PROMPTS, **GREEDY)  # all five in flight at once
+        assert [r.token_ids for r in results] == expected
+        assert all(r.finish_reason == "length" for r in results)
+        stats = driver.decode_stats()
+        assert stats.num_kv_transfers_failed == 0 and stats.kv_bytes_received > 0
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+        prefill.stop()
+        decode.stop()
+
+
+def test_seeded_sampling_equals_colocated(model_factory, tmp_path):
+    """The first token is sampled on P, the rest on D: a seed gives the colocated tokens anyway."""
+    model_dir = model_factory("llama")
+    sampling = {"temperature": 0.9, "top_p": 0.9, "seed": 7, "max_tokens": 8, "ignore_eos": True}
+    expected = colocated_tokens(model_dir, PROMPTS[:3], **sampling)
+    prefill, decode = start_pair(model_dir, tmp_path)
+    driver = Driver(decode, prefill)
+    try:
+        assert [r.token_ids for r in driver.generate(PROMPTS[:3], **sampling)] == expected
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+        prefill.stop()
+        decode.stop()
+
+
+def test_decode_prefix_hit_sends_exactly_the_missing_tokens(model_factory, tmp_path):
+    model_dir = model_factory("llama")
+    bytes_per_token = 2 * 2 * 2 * 16 * 4  # K and V x layers x kv_heads x head_dim x fp32 bytes
+    prefill, decode = start_pair(model_dir, tmp_path)
+    driver = Driver(decode, prefill)
+    try:
+        first = list(range(200, 223))  # 23 tokens: 5 full blocks + 3
+        driver.generate([first], prefix="first", **GREEDY)
+        sent_before = driver.prefill_stats().kv_bytes_sent
+        assert sent_before == 23 * bytes_per_token
+        second = first[:20] + [9, 9, 9, 9, 9, 9]  # shares 5 blocks (20 tokens) with the first prompt
+        results = driver.generate([second], prefix="second", **GREEDY)
+        sent = driver.prefill_stats().kv_bytes_sent - sent_before
+        assert sent == (26 - 20) * bytes_per_token, "only tokens after D's prefix hit may travel"
+        assert results[0].token_ids == colocated_tokens(model_dir, [second], **GREEDY)[0]
+        assert driver.decode_stats().kv_bytes_received == driver.prefill_stats().kv_bytes_sent
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+        prefill.stop()
+        decode.stop()

@@ -1,0 +1,93 @@
+"""Failures of the prefill engine or the KV link: every request still ends (recomputed locally or a
+clear error) within its timeout, and no KV block leaks on either engine."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.decode.cluster import Driver, EngineProcess
+from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+
+KV_TIMEOUT = ("--kv-timeout", "4")
+
+
+@pytest.fixture(scope="module")
+def expected(model_factory):
+    return colocated_tokens(model_factory("llama"), PROMPTS[:3], **GREEDY)
+
+
+def run_pair(model_factory, tmp_path, prefill_env=None, decode_args=KV_TIMEOUT, prefill_model=None):
+    model_dir = model_factory("llama")
+    prefill = EngineProcess("prefill", prefill_model or model_dir, *ENGINE_ARGS, env=prefill_env, log_dir=tmp_path)
+    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *decode_args, log_dir=tmp_path)
+    return prefill, decode, Driver(decode, prefill)
+
+
+def shutdown(driver, *processes):
+    driver.close()
+    for process in processes:
+        process.stop()
+
+
+@pytest.mark.parametrize("fault, reason", [("drop:0", "incomplete"), ("corrupt:1", "checksum")])
+def test_lost_or_corrupt_kv_is_recomputed(model_factory, tmp_path, expected, fault, reason):
+    prefill, decode, driver = run_pair(model_factory, tmp_path, {"PDSERVE_FAULT_INJECT": fault})
+    try:
+        results = driver.generate(PROMPTS[:3], **GREEDY)
+        assert [r.token_ids for r in results] == expected
+        assert driver.decode_stats().num_kv_transfers_failed == 1
+        assert reason in decode.log(), "the decode engine logs why the transfer failed"
+        assert_no_leaks(driver)
+    finally:
+        shutdown(driver, prefill, decode)
+
+
+def test_prefill_killed_mid_transfer(model_factory, tmp_path, expected):
+    prefill, decode, driver = run_pair(model_factory, tmp_path, {"PDSERVE_FAULT_INJECT": "stall:0"})
+    try:
+        for i, prompt in enumerate(PROMPTS[:3]):
+            driver.submit(f"r{i}", prompt, **GREEDY)
+        time.sleep(1.0)
+        prefill.kill()  # kill -9 while it is stuck inside the first KV send
+        started = time.monotonic()
+        results = driver.collect([f"r{i}" for i in range(3)], timeout_s=30)
+        assert time.monotonic() - started < 15, "requests must end within the KV timeout, not hang"
+        assert [r.token_ids for r in results.values()] == expected
+        driver.prefill = None  # it is dead; check the decode side only
+        assert_no_leaks(driver)
+    finally:
+        shutdown(driver, prefill, decode)
+
+
+def test_wrong_fingerprint_refuses_link_with_clear_error(model_factory, tmp_path):
+    other_weights = model_factory("llama", seed=1)
+    prefill, decode, driver = run_pair(model_factory, tmp_path, decode_args=(*KV_TIMEOUT, "--kv-failure", "fail"),
+                                       prefill_model=other_weights)
+    try:
+        results = driver.generate(PROMPTS[:2], **GREEDY)
+        for result in results:
+            assert result.finish_reason == "error"
+            assert "refused the KV link" in result.error and "weights_hash" in result.error
+        assert "refused KV link" in prefill.log()
+        assert_no_leaks(driver)
+    finally:
+        shutdown(driver, prefill, decode)
+
+
+def test_abort_during_transfer_frees_both_sides(model_factory, tmp_path):
+    prefill, decode, driver = run_pair(model_factory, tmp_path, {"PDSERVE_FAULT_INJECT": "delay:0"})
+    try:
+        driver.submit("slow", PROMPTS[1], **GREEDY)
+        time.sleep(1.0)  # P is inside the delayed send; D waits for the KV
+        assert driver.decode_stats().num_waiting_for_remote_kv == 1
+        driver.abort("slow")
+        results = driver.collect(["slow"], timeout_s=15)
+        assert results["slow"].finish_reason == "abort"
+        assert_no_leaks(driver)
+        # the engines keep serving afterwards
+        assert driver.generate([PROMPTS[0]], prefix="after", **GREEDY)[0].finish_reason == "length"
+        assert_no_leaks(driver)
+    finally:
+        shutdown(driver, prefill, decode)
