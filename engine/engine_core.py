@@ -80,7 +80,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return self.scheduler.take_pending()
-        sampled = self.runner.execute(plan)
+        sampled = self.runner.execute(plan, self.scheduler.connector.layer_hook(plan))
         return self.scheduler.update_from_output(plan, sampled)
 
     def stats(self) -> dict:

@@ -6,6 +6,7 @@ The scheduler calls these; a connector never touches the scheduler's queues itse
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.request import Request
 
@@ -42,6 +43,11 @@ class KVConnector:
 
     def poll(self) -> ConnectorEvents:
         return ConnectorEvents()
+
+    def layer_hook(self, plan) -> Callable[[int], None] | None:
+        """Called before a step runs; a callable returned is called with each layer index right after
+        that layer's K/V of the step is in the cache (prefill role: stream KV while computing)."""
+        return None
 
     # ---- network side, used by the service loop (not the scheduler) ----
 

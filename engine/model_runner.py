@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -115,11 +116,14 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None]]:
-        """Run one step; returns {request_id: (sampled token, logprobs or None)} for requests that sample."""
+    def execute(self, plan: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None,
+                ) -> dict[str, tuple[int, dict[int, float] | None]]:
+        """Run one step; returns {request_id: (sampled token, logprobs or None)} for requests that sample.
+        on_layer_stored(layer_idx) runs as soon as each layer's new K/V is in the cache."""
         if plan.is_empty:
             return {}
         inputs = self.prepare(plan)
+        inputs.context.on_layer_stored = on_layer_stored
         with use_forward_context(inputs.context):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         if not inputs.sampling_requests:

@@ -66,6 +66,8 @@ def paged_decode_attention(
     past_end = positions[None, :] >= seq_lens[:, None].long()  # [S, L]
     scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    if bool((seq_lens == 0).any()):  # an empty (padding) sequence attends to nothing: zeros, not NaN
+        probs = torch.nan_to_num(probs, nan=0.0)
     out = torch.matmul(probs, values.transpose(1, 2).float())  # [S, num_kv_heads, group, head_dim]
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 

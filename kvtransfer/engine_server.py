@@ -56,13 +56,21 @@ class EngineServer:
                         poller.register(socket, zmq.POLLIN)
                         registered.add(socket)
                 poller.poll(0 if self.engine.has_runnable_work() else IDLE_WAIT_MS)
-                self._drain_control()
-                self.connector.receive()
-                self.after_receive()
+                self._guarded(self._drain_control)
+                self._guarded(self.connector.receive)
+                self._guarded(self.after_receive)
                 if self.engine.has_work():
                     self.publish(self.engine.step())
         finally:
             self.close()
+
+    @staticmethod
+    def _guarded(handler) -> None:
+        """Input handling must never take the engine down: log the bug and keep serving."""
+        try:
+            handler()
+        except Exception:  # noqa: BLE001 - deliberately broad, see above
+            log.exception("error while handling input; the engine keeps serving")
 
     def close(self) -> None:
         self.connector.close()

@@ -21,6 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
                             help="seconds a finished prefill waits for a decode engine to ask for its KV")
         parser.add_argument("--kv-lease", type=float, default=30.0,
                             help="seconds sent KV stays allocated without the decode engine's ack")
+        parser.add_argument("--no-kv-streaming", action="store_true",
+                            help="send a prompt's KV after the prefill, not layer by layer while computing")
     else:
         parser.add_argument("--kv-timeout", type=float, default=30.0,
                             help="seconds to wait for a prompt's KV from a prefill engine")
@@ -51,7 +53,8 @@ def run_engine(args: argparse.Namespace, role: str) -> int:
         from prefill.service import PrefillOptions, build_prefill_server
 
         server = build_prefill_server(*configs, PrefillOptions(
-            args.control_address, args.kv_address, args.engine_id, args.kv_want_timeout, args.kv_lease, args.device))
+            args.control_address, args.kv_address, args.engine_id, args.kv_want_timeout, args.kv_lease, args.device,
+            not args.no_kv_streaming))
         extra = f" kv={server.kv_address}"
     else:
         from decode.service import DecodeOptions, build_decode_server

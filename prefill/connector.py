@@ -11,7 +11,8 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -39,24 +40,30 @@ class _Prefilled:
 
 
 @dataclass
-class _Want:
+class _Transfer:
+    """A decode engine's KVWant: prompt tokens [skip_tokens, skip_tokens + num_tokens) go to peer_id."""
+
     peer_id: bytes
     skip_tokens: int
     num_tokens: int
     at: float
+    sent_upto: int  # every layer of the tokens before this position has been sent
+    checksums: list[int] = field(default_factory=list)
+    checked: bool = False
 
 
 class PrefillConnector(KVConnector):
     def __init__(self, server: KVServer, fingerprint: LayoutFingerprint, want_timeout_s: float = 30.0,
-                 lease_s: float = 30.0) -> None:
+                 lease_s: float = 30.0, stream_layers: bool = True) -> None:
         self.server = server
         self.fingerprint = fingerprint
         self.want_timeout_s = want_timeout_s
         self.lease_s = lease_s
+        self.stream_layers = stream_layers
         self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self._peers: set[bytes] = set()  # decode engines whose Hello was accepted
         self._prefilled: dict[str, _Prefilled] = {}  # finished, waiting for a KVWant
-        self._wants: dict[str, _Want] = {}  # KVWant that came before the prefill finished
+        self._transfers: dict[str, _Transfer] = {}  # asked for, not completely sent
         self._awaiting_ack: dict[str, float] = {}  # request id -> lease deadline
         self._events = ConnectorEvents()
         self.aborted_by_peer: list[str] = []  # the service aborts these in its engine
@@ -74,16 +81,59 @@ class PrefillConnector(KVConnector):
 
     def on_request_finished(self, request: Request, block_ids: list[int]) -> bool:
         if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
-            self._wants.pop(request.request_id, None)
+            self._transfers.pop(request.request_id, None)
             return False
         self._prefilled[request.request_id] = _Prefilled(request, block_ids, time.monotonic())
-        self._try_send(request.request_id)
+        self._try_finish(request.request_id)
         return True
 
     def poll(self) -> ConnectorEvents:
         self._expire()
         events, self._events = self._events, ConnectorEvents()
         return events
+
+    def layer_hook(self, plan) -> Callable[[int], None] | None:
+        """Stream this step's new prompt KV, layer by layer, to decode engines that already asked."""
+        if not self.stream_layers or not self._transfers:
+            return None
+        jobs = []
+        for item in plan.scheduled:
+            transfer = self._transfers.get(item.request.request_id)
+            if transfer is not None and self._checked(item.request, transfer):
+                job = self._stream_job(item, transfer)
+                if job is not None:
+                    jobs.append(job)
+        if not jobs:
+            return None
+        last_layer = self.kv_cache.shape[0] - 1
+
+        def on_layer_stored(layer_idx: int) -> None:
+            for request_id, transfer, start, end, slots in jobs:
+                kv = self.kv_cache[layer_idx].flatten(1, 2).index_select(1, slots)[None]  # [1, 2, T, H, D]
+                self._send_payload(request_id, transfer, kv.cpu(), layer_idx, start)
+                if layer_idx == last_layer:
+                    transfer.sent_upto = end
+        return on_layer_stored
+
+    def _stream_job(self, item, transfer: _Transfer):
+        """(request id, transfer, start, end, slots) for the prompt tokens this step computes."""
+        request = item.request
+        start = request.num_computed_tokens
+        if start > transfer.sent_upto:  # computed before the KVWant came: catch up from the cache
+            self._send_range(request.request_id, transfer, item.block_ids, transfer.sent_upto, start)
+            transfer.sent_upto = start
+        begin = max(start, transfer.sent_upto)  # a recompute after preemption is not sent twice
+        end = min(start + item.num_new_tokens, request.num_prompt_tokens)
+        if end <= begin:
+            return None
+        return request.request_id, transfer, begin, end, self._slots(item.block_ids, begin, end)
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:  # [end - start] int64
+        block_size = self.kv_cache.shape[3]
+        positions = torch.arange(start, end)
+        table = torch.tensor(block_ids, dtype=torch.int64)
+        slots = table[positions // block_size] * block_size + positions % block_size
+        return slots.to(self.kv_cache.device)
 
     # ---- incoming ----
 
@@ -124,8 +174,9 @@ class PrefillConnector(KVConnector):
         self._reply(peer_id, HelloAck(ok=True))
 
     def _on_want(self, peer_id: bytes, msg: KVWant) -> None:
-        self._wants[msg.request_id] = _Want(peer_id, msg.skip_tokens, msg.num_tokens, time.monotonic())
-        self._try_send(msg.request_id)
+        self._transfers[msg.request_id] = _Transfer(peer_id, msg.skip_tokens, msg.num_tokens, time.monotonic(),
+                                                    sent_upto=msg.skip_tokens)
+        self._try_finish(msg.request_id)
 
     def _on_abort(self, request_id: str) -> None:
         if not self.abort(request_id):
@@ -133,7 +184,7 @@ class PrefillConnector(KVConnector):
 
     def abort(self, request_id: str) -> bool:
         """Forget a request; True if it was finished here (its blocks are released now)."""
-        self._wants.pop(request_id, None)
+        self._transfers.pop(request_id, None)
         if request_id in self._prefilled or request_id in self._awaiting_ack:
             self._release(request_id, "aborted")
             return True
@@ -141,48 +192,66 @@ class PrefillConnector(KVConnector):
 
     # ---- sending ----
 
-    def _try_send(self, request_id: str) -> None:
-        if request_id not in self._prefilled or request_id not in self._wants:
+    def _checked(self, request: Request, transfer: _Transfer) -> bool:
+        """Validate a KVWant against the prompt once; a bad one is answered with Error and dropped."""
+        if transfer.checked:
+            return True
+        block_size = self.kv_cache.shape[3]
+        num_prompt = request.num_prompt_tokens
+        if transfer.skip_tokens % block_size or transfer.skip_tokens + transfer.num_tokens != num_prompt:
+            problem = (f"KVWant for tokens [{transfer.skip_tokens}, {transfer.skip_tokens + transfer.num_tokens}) "
+                       f"does not fit the {num_prompt}-token prompt in blocks of {block_size}")
+            self._transfers.pop(request.request_id, None)
+            self._reply(transfer.peer_id, Error(code="bad_want", message=problem, request_id=request.request_id))
+            self._release(request.request_id, problem)
+            return False
+        transfer.checked = True
+        return True
+
+    def _try_finish(self, request_id: str) -> None:
+        """Once the prompt is computed and asked for: send what is left from the cache, then KVDone."""
+        prefilled, transfer = self._prefilled.get(request_id), self._transfers.get(request_id)
+        if prefilled is None or transfer is None or not self._checked(prefilled.request, transfer):
             return
-        prefilled, want = self._prefilled.pop(request_id), self._wants.pop(request_id)
+        del self._prefilled[request_id], self._transfers[request_id]
         self._awaiting_ack[request_id] = time.monotonic() + self.lease_s
-        problem = self._want_problem(prefilled, want)
-        if problem:
-            self._reply(want.peer_id, Error(code="bad_want", message=problem, request_id=request_id))
-            self._release(request_id, problem)
-            return
+        request = prefilled.request
         try:
-            self._send_kv(prefilled, want)
+            self._send_range(request_id, transfer, prefilled.block_ids, transfer.sent_upto, request.num_prompt_tokens)
+            self.server.send(transfer.peer_id, KVDone(
+                request_id=request_id, first_token=request.output_token_ids[0], num_tokens=transfer.num_tokens,
+                checksum=combine_checksums(transfer.checksums),
+                first_logprobs=request.logprobs[0] if request.logprobs else None))
         except KVTransferError as exc:
             log.warning("sending KV of %s failed: %s", request_id, exc)
             self._release(request_id, str(exc))
 
-    def _want_problem(self, prefilled: _Prefilled, want: _Want) -> str | None:
-        block_size = self.kv_cache.shape[3]
-        num_prompt = prefilled.request.num_prompt_tokens
-        if want.skip_tokens % block_size or want.skip_tokens + want.num_tokens != num_prompt:
-            return (f"KVWant for tokens [{want.skip_tokens}, {want.skip_tokens + want.num_tokens}) does not fit "
-                    f"the {num_prompt}-token prompt in blocks of {block_size}")
-        return None
-
-    def _send_kv(self, prefilled: _Prefilled, want: _Want) -> None:
-        request_id = prefilled.request.request_id
-        block_size, num_layers = self.kv_cache.shape[3], self.kv_cache.shape[0]
-        block_ids = torch.tensor(prefilled.block_ids[want.skip_tokens // block_size:], dtype=torch.int64,
-                                 device=self.kv_cache.device)
-        per_layer = self.kv_cache[0, :, 0, 0].numel() * want.num_tokens * self.kv_cache.element_size()
+    def _send_range(self, request_id: str, transfer: _Transfer, block_ids: list[int], start: int, end: int) -> None:
+        """Every layer of prompt tokens [start, end) from the cache, grouped into ~4 MiB messages."""
+        if end <= start:
+            return
+        num_layers = self.kv_cache.shape[0]
+        per_layer = self.kv_cache[0, :, 0, 0].numel() * (end - start) * self.kv_cache.element_size()
         step = max(1, min(num_layers, math.ceil(MESSAGE_TARGET_BYTES / per_layer)))
-        checksums = []
+        block_size = self.kv_cache.shape[3]
+        aligned = start % block_size == 0
+        table = torch.tensor(block_ids[start // block_size:], dtype=torch.int64, device=self.kv_cache.device)
+        slots = None if aligned else self._slots(block_ids, start, end)
         for layer_start in range(0, num_layers, step):
-            kv = kernels.kv_pack(self.kv_cache, block_ids, want.num_tokens, layer_start,
-                                 min(num_layers, layer_start + step)).cpu()  # [layers, 2, T, kv_heads, head_dim]
-            msg, payload = KVLayer.from_tensor(kv, request_id=request_id, layer_start=layer_start, token_start=0)
-            checksums.append(msg.checksum)
-            self._send_layer(want.peer_id, msg, payload)
-        first = prefilled.request
-        self.server.send(want.peer_id, KVDone(
-            request_id=request_id, first_token=first.output_token_ids[0], num_tokens=want.num_tokens,
-            checksum=combine_checksums(checksums), first_logprobs=first.logprobs[0] if first.logprobs else None))
+            layer_end = min(num_layers, layer_start + step)
+            if aligned:  # [layers, 2, T, kv_heads, head_dim]
+                kv = kernels.kv_pack(self.kv_cache, table, end - start, layer_start, layer_end)
+            else:
+                kv = self.kv_cache[layer_start:layer_end].flatten(2, 3).index_select(2, slots)
+            self._send_payload(request_id, transfer, kv.cpu(), layer_start, start)
+        transfer.sent_upto = end
+
+    def _send_payload(self, request_id: str, transfer: _Transfer, kv: torch.Tensor, layer_start: int,
+                      position: int) -> None:
+        msg, payload = KVLayer.from_tensor(kv, request_id=request_id, layer_start=layer_start,
+                                           token_start=position - transfer.skip_tokens)
+        transfer.checksums.append(msg.checksum)
+        self._send_layer(transfer.peer_id, msg, payload)
 
     def _send_layer(self, peer_id: bytes, msg: KVLayer, payload: memoryview) -> None:
         index, self._messages_sent = self._messages_sent, self._messages_sent + 1
@@ -219,11 +288,11 @@ class PrefillConnector(KVConnector):
         for request_id, deadline in list(self._awaiting_ack.items()):
             if now > deadline:
                 self._release(request_id, f"no KVAck within the {self.lease_s:g}s lease")
-        for request_id, want in list(self._wants.items()):
-            if now - want.at > self.want_timeout_s:
-                del self._wants[request_id]
-                self._reply(want.peer_id, Error(code="unknown_request", request_id=request_id,
-                                                message="this prefill engine never received that prompt"))
+        for request_id, transfer in list(self._transfers.items()):
+            if not transfer.checked and now - transfer.at > self.want_timeout_s:  # the prompt never came
+                del self._transfers[request_id]
+                self._reply(transfer.peer_id, Error(code="unknown_request", request_id=request_id,
+                                                    message="this prefill engine never received that prompt"))
 
     def close(self) -> None:
         self.server.close()

@@ -29,6 +29,7 @@ class PrefillOptions:
     want_timeout_s: float = 30.0
     lease_s: float = 30.0
     device: str = "cpu"
+    stream_layers: bool = True
 
 
 class PrefillServer(EngineServer):
@@ -64,7 +65,8 @@ def build_prefill_server(model_config: ModelConfig, cache_config: CacheConfig, s
                          options: PrefillOptions) -> PrefillServer:
     kv_server = KVServer(options.kv_address)
     connector = PrefillConnector(kv_server, engine_fingerprint(model_config, cache_config.block_size),
-                                 want_timeout_s=options.want_timeout_s, lease_s=options.lease_s)
+                                 want_timeout_s=options.want_timeout_s, lease_s=options.lease_s,
+                                 stream_layers=options.stream_layers)
     engine = EngineCore(model_config, cache_config, scheduler_config, options.device, connector)
     connector.bind_kv_cache(engine.runner.kv_cache)
     return PrefillServer(engine, connector, options.control_address, options.engine_id)

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+import torch
+
+# Triton decides between compiling and interpreting when it is first imported (torch._dynamo and
+# transformers import it early), so without a GPU the interpreter is chosen here, before any test.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,10 @@ DTYPE_NAMES = {
 }
 
 
+# Shared memory one program may use on every GPU we target (sm_86/sm_89 allow 99 KB per block).
+MAX_SHARED_BYTES = 99 * 1024
+
+
 class LaunchRecorder:
     """Stands in for a JITFunction: `kernel[grid](*args, **constexprs)` records instead of running."""
 
@@ -39,7 +43,7 @@ class LaunchRecorder:
 def _signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:
     """Triton signature strings and constexpr values for one recorded launch."""
     signature, constexprs = {}, {}
-    values = dict(zip(kernel.arg_names, args)) | kwargs
+    values = dict(zip(kernel.arg_names, args, strict=False)) | kwargs  # args may stop early
     for param in kernel.params:
         value = values[param.name]
         if param.is_constexpr:
@@ -79,7 +83,7 @@ def compile_recorded(recorders: list[LaunchRecorder], capability: int = 90) -> l
     for recorder in recorders:
         for args, kwargs in recorder.launches:
             signature, constexprs = _signature(recorder.kernel, args, kwargs)
-            key = (recorder.kernel.__name__, tuple(signature.items()), str(constexprs), str(sorted(kwargs.items())))
+            key = (recorder.kernel.__name__, str(signature), str(constexprs), str(sorted(kwargs.items())))
             if key in seen:
                 continue
             seen.add(key)
@@ -88,7 +92,10 @@ def compile_recorded(recorders: list[LaunchRecorder], capability: int = 90) -> l
             try:
                 options = {name: kwargs[name] for name in ("num_warps", "num_stages") if name in kwargs}
                 compiled = triton.compile(source, target=target, options=options)
-                print(f"ok   {label} shared={compiled.metadata.shared}")
+                shared = compiled.metadata.shared
+                if shared > MAX_SHARED_BYTES:
+                    raise ValueError(f"needs {shared} bytes of shared memory, over {MAX_SHARED_BYTES}")
+                print(f"ok   {label} shared={shared}")
             except Exception as error:  # report every kernel, not just the first failure
                 failures.append(f"{label}: {type(error).__name__}: {error}")
                 print(f"FAIL {label}: {error}")

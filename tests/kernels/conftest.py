@@ -1,28 +1,32 @@
 """Run the Triton kernels under the Triton interpreter (CPU tensors, no GPU needed).
 
-Triton decides between compiling and interpreting when a kernel module is imported, so the variable
-is set here, at conftest import, before any test module of this folder imports a kernel module.
-If an earlier test folder already imported kernel modules compiled for the GPU, they are reloaded.
+Triton chooses between compiling and interpreting when it (and each kernel module) is imported, so
+TRITON_INTERPRET=1 is set here, when pytest loads this conftest. That is too late when a test module
+collected earlier already imported triton (torch._dynamo does, e.g. through transformers' models):
+then the tests of this folder are skipped in this process and test_fresh_process.py runs the whole
+folder again in a new interpreter, where the variable comes first.
 """
 
-import importlib
 import os
 import sys
+from pathlib import Path
 
+import pytest
+
+TRITON_IMPORTED_BEFORE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 os.environ["TRITON_INTERPRET"] = "1"
 
+FRESH_PROCESS_TEST = "test_kernel_tests_in_a_fresh_process"
+_HERE = Path(__file__).resolve().parent
 
-def _reload_kernel_modules_for_the_interpreter() -> None:
-    utils = sys.modules.get("kernels.triton_utils")
-    if utils is None or utils.INTERPRET:
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if not TRITON_IMPORTED_BEFORE:
         return
-    importlib.reload(utils)
-    for name in ["kernels.checks"] + sorted(n for n in sys.modules if n.startswith("kernels.triton_")):
-        if name in sys.modules and name != "kernels.triton_utils":
-            importlib.reload(sys.modules[name])
-    dispatch = sys.modules.get("kernels.dispatch")
-    if dispatch is not None:
-        dispatch.triton_kernel.cache_clear()
-
-
-_reload_kernel_modules_for_the_interpreter()
+    skip = pytest.mark.skip(
+        reason="triton was imported for the GPU before tests/kernels/conftest.py set TRITON_INTERPRET=1: "
+        f"these tests run in a fresh process ({FRESH_PROCESS_TEST})"
+    )
+    for item in items:
+        if _HERE in Path(str(item.fspath)).resolve().parents and item.name != FRESH_PROCESS_TEST:
+            item.add_marker(skip)

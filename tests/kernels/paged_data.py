@@ -38,19 +38,22 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 class PagedCache:
     key_cache: torch.Tensor  # [N, B, num_kv_heads, head_dim]
     value_cache: torch.Tensor  # [N, B, num_kv_heads, head_dim]
-    block_tables: torch.Tensor  # [S, max_blocks] int32, -1 past each sequence's blocks
+    block_tables: torch.Tensor  # [S, max_blocks] int32, random blocks past each sequence's own
     seq_lens: torch.Tensor  # [S] int32
 
 
-def make_block_tables(context_lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
-    """Each sequence gets distinct blocks drawn from a shuffled pool (never contiguous or sorted),
-    padded with -1 so any read past a sequence's blocks would fail loudly."""
+def make_block_tables(
+    context_lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator
+) -> torch.Tensor:  # [S, max_blocks] int32
+    """Each sequence gets distinct blocks drawn from a shuffled pool (never contiguous or sorted).
+    Entries past a sequence's blocks hold random blocks (often another sequence's): a kernel that
+    reads past seq_len picks up wrong data and disagrees with the reference."""
     needed = [(length + block_size - 1) // block_size for length in context_lens]
     if sum(needed) > num_blocks:
         raise ValueError(f"{sum(needed)} blocks needed but the pool has {num_blocks}")
     pool = torch.randperm(num_blocks, generator=gen).tolist()
     max_blocks = max(max(needed), 1) + 1  # one spare column: tables are wider than needed
-    table = torch.full((len(context_lens), max_blocks), -1, dtype=torch.int32)
+    table = torch.randint(0, num_blocks, (len(context_lens), max_blocks), generator=gen, dtype=torch.int32)
     for seq, count in enumerate(needed):
         table[seq, :count] = torch.tensor(pool[:count], dtype=torch.int32)
         pool = pool[count:]

@@ -7,6 +7,7 @@ import torch
 
 from kernels import reference
 from kernels.triton_decode_attention import (
+    choose_block_n,
     choose_partition_size,
     launch_decode_attention,
     paged_decode_attention,
@@ -19,7 +20,8 @@ BLOCK = 16
 CONTEXT_LENS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5]
 
 
-def _run_both(context_lens, num_kv_heads, group, head_dim, dtype, label, partition_size, block_n=16, block_size=BLOCK):
+def _run_both(context_lens, num_kv_heads, group, head_dim, dtype, label, partition_size, block_size=BLOCK):
+    """(Triton output written into NaNs, reference output) for one random batch; 16-wide tiles."""
     gen = generator_for(label)
     cache = make_paged_cache(context_lens, num_kv_heads, head_dim, dtype, gen, block_size=block_size)
     query = randn((len(context_lens), num_kv_heads * group, head_dim), dtype, gen)
@@ -27,7 +29,7 @@ def _run_both(context_lens, num_kv_heads, group, head_dim, dtype, label, partiti
     args = (query, cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens, scale)
     expected = reference.paged_decode_attention(*args)
     out = nan_like(query)
-    launch_decode_attention(*args, out, partition_size=partition_size, block_n=block_n)
+    launch_decode_attention(*args, out, partition_size=partition_size, block_n=16)
     return out, expected
 
 
@@ -94,3 +96,5 @@ def test_partition_size_rules():
     assert choose_partition_size(4096) == 512  # 8 partitions
     assert choose_partition_size(128 * 1024) == 8192  # capped at 16 partitions
     assert choose_partition_size(1000, block_n=48) % 48 == 0
+    assert choose_block_n(128, torch.bfloat16) == 64
+    assert choose_block_n(128, torch.float32) == 32  # fp32 rows are twice as wide

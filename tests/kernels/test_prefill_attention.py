@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.triton_prefill_attention import launch_prefill_attention, paged_prefill_attention
+from kernels.triton_prefill_attention import choose_tiles, launch_prefill_attention, paged_prefill_attention
 from tests.kernels.paged_data import (
     assert_close,
     generator_for,
@@ -77,10 +77,19 @@ def test_causal_mask_is_applied(request):
     gen = generator_for(request.node.name)
     cache = make_paged_cache([20], 1, 64, torch.float32, gen)
     query = randn((20, 1, 64), torch.float32, gen)
-    args = (query, cache.key_cache, cache.value_cache, cache.block_tables, query_start_loc([20]), cache.seq_lens, 0.125)
+    args = (query, cache.key_cache, cache.value_cache, cache.block_tables, query_start_loc([20]),
+            cache.seq_lens, 0.125)
     before = paged_prefill_attention(*args)
     last_block = int(cache.block_tables[0, 1])
     cache.key_cache[last_block, 19 - 16] += 5.0  # position 19, the last token
     after = paged_prefill_attention(*args)
     assert torch.equal(before[:19], after[:19])
     assert not torch.allclose(before[19], after[19])
+
+
+def test_tiles_shrink_for_wide_rows():
+    # Wider rows (fp32, head_dim 256) get smaller tiles so the pipelined tiles fit in shared memory.
+    assert choose_tiles(128, torch.bfloat16) == (64, 64)
+    assert choose_tiles(96, torch.float32) == (64, 32)
+    assert choose_tiles(256, torch.bfloat16) == (64, 32)
+    assert choose_tiles(256, torch.float32) == (32, 16)

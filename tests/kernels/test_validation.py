@@ -46,7 +46,7 @@ def test_decode_rejects(changes, message):
 
 
 def test_non_cuda_device_is_refused_with_the_fix():
-    meta = {name: value.to("meta") if isinstance(value, torch.Tensor) else value for name, value in _decode_args().items()}
+    meta = {name: v.to("meta") if isinstance(v, torch.Tensor) else v for name, v in _decode_args().items()}
     with pytest.raises(ValueError, match="need CUDA tensors.*TRITON_INTERPRET=1.*kernels.reference"):
         paged_decode_attention(**meta)
 

@@ -1,0 +1,32 @@
+"""pdserve's kernels: paged KV cache store, paged decode/prefill attention, KV pack/unpack for
+transfer, fused residual-add + RMSNorm and rotary embedding.
+
+Each name below runs the Triton kernel on CUDA tensors and the pure-torch implementation
+(kernels.reference, kernels.reference_extra) elsewhere; PDSERVE_KERNELS=torch|triton forces one
+(see kernels.dispatch). `kernel_backend(device)` says which one a device gets.
+
+Not the Hugging Face `kernels` package: this package deliberately has no `__version__` and none of
+its API, so transformers' `is_kernels_available()` stays False when it finds this one on sys.path.
+"""
+
+from kernels.dispatch import build as _build
+from kernels.dispatch import kernel_backend
+
+store_kv = _build("store_kv")
+paged_decode_attention = _build("paged_decode_attention")
+paged_prefill_attention = _build("paged_prefill_attention")
+kv_pack = _build("kv_pack")
+kv_unpack = _build("kv_unpack")
+add_rms_norm = _build("add_rms_norm")
+rotary_embedding = _build("rotary_embedding")
+
+__all__ = [
+    "add_rms_norm",
+    "kernel_backend",
+    "kv_pack",
+    "kv_unpack",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rotary_embedding",
+    "store_kv",
+]
