@@ -45,6 +45,18 @@ def _build_parser() -> argparse.ArgumentParser:
         service = commands.add_parser(role, help=f"run one {role} engine service")
         _add_model_args(service)
         add_engine_args(service, role)
+    from pdserve.router_cli import add_router_args
+    from pdserve.up import add_up_args
+
+    router = commands.add_parser("router", help="run the OpenAI-compatible HTTP router")
+    router.add_argument("--model", default=None,
+                        help="model directory or hub id whose tokenizer and chat template the router uses "
+                             "(default: the built-in demo model)")
+    add_router_args(router)
+    up = commands.add_parser("up", help="start a router and prefill/decode engines on this machine")
+    _add_model_args(up)
+    add_router_args(up, standalone=False)
+    add_up_args(up)
     return parser
 
 
@@ -65,6 +77,14 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.engines import run_engine
 
             return run_engine(args, args.command)
+        if args.command == "router":
+            from pdserve.router_cli import run_router
+
+            return run_router(args)
+        if args.command == "up":
+            from pdserve.up import run_up
+
+            return run_up(args)
     except (ValueError, MemoryError, FileNotFoundError) as exc:
         # Our errors name the problem and the fix; a traceback would only bury that.
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)

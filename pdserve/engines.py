@@ -15,6 +15,13 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
                         help="where the router reaches this engine (tcp://host:port or ipc://path; port 0 = any)")
     parser.add_argument("--engine-id", default=f"{role}-0")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--router-address", default=None,
+                        help="register with the router at this address (its --registration-address, e.g. "
+                             "tcp://router:7000) and heartbeat load figures to it")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
+    parser.add_argument("--advertise-host", default=None,
+                        help="host the router and peers should use when this engine binds a wildcard host "
+                             "(0.0.0.0); default: this machine's address")
     if role == "prefill":
         parser.add_argument("--kv-address", default="tcp://127.0.0.1:0", help="where decode engines pull KV from")
         parser.add_argument("--kv-want-timeout", type=float, default=30.0,
@@ -63,6 +70,8 @@ def run_engine(args: argparse.Namespace, role: str) -> int:
             args.control_address, args.engine_id, args.kv_timeout, args.kv_failure, args.device))
         extra = ""
     server.install_signal_handlers()
+    if args.router_address:
+        server.enable_registration(args.router_address, args.heartbeat_interval, args.advertise_host)
     print(f"PDSERVE_READY role={role} engine_id={args.engine_id} control={server.control_address}{extra}", flush=True)
     server.run()
     return 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.decode.cluster import Driver, EngineProcess
+from pdserve.local_cluster import Driver, EngineProcess
 
 BLOCK = 4
 ENGINE_ARGS = ("--block-size", str(BLOCK), "--num-kv-blocks", "256", "--max-num-batched-tokens", "32")

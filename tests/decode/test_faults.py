@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.decode.cluster import Driver, EngineProcess
+from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
 
 KV_TIMEOUT = ("--kv-timeout", "4")

@@ -192,8 +192,10 @@ def test_tokenizer_is_trained_once_per_process(monkeypatch):
     assert demo_tokenizer(1024).get_vocab_size() == 1024
 
 
-def test_tokenizer_is_read_from_the_disk_cache(monkeypatch):
-    first = demo_tokenizer(1024).to_str()
+def test_tokenizer_is_read_from_the_disk_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(demo_model, "_tokenizer_json_by_vocab", {})
+    first = demo_tokenizer(1024).to_str()  # trained, then written to the (empty) disk cache
     monkeypatch.setattr(demo_model, "_tokenizer_json_by_vocab", {})
     monkeypatch.setattr(demo_model, "_train_tokenizer", lambda vocab_size: pytest.fail("retrained"))
     assert demo_tokenizer(1024).to_str() == first

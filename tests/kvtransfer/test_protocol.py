@@ -34,6 +34,8 @@ from kvtransfer.protocol import (
     payload_checksum,
 )
 
+from kvtransfer import control  # noqa: E402 - registers the control message types
+
 FINGERPRINT = {"architecture": "LlamaForCausalLM", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
                "dtype": "bfloat16", "block_size": 16, "weights_hash": "ab12"}
 
@@ -61,6 +63,14 @@ SAMPLES = [
     Abort(request_id="req-1", reason="client went away"),
     Error(code="protocol_error", message="bad header"),
     Error(code="checksum_mismatch", message="corrupt", request_id="req-1"),
+    # control plane (kvtransfer/control.py) rides on the same format
+    control.GenerateRequest(request_id="req-2", prompt_token_ids=[1, 2, 3], temperature=0.0, seed=5,
+                            stop_token_ids=[7], prefill_kv_address="tcp://127.0.0.1:5555"),
+    control.PrefillRequest(request_id="req-2", prompt_token_ids=[1, 2, 3], top_k=5, logprobs=2),
+    control.TokenDelta(request_id="req-2", token_ids=[4], logprobs=[{4: -0.5}], finish_reason="stop"),
+    control.StatsRequest(),
+    control.EngineStats(engine_id="decode-0", role="decode", num_waiting=1, num_running=2, kv_blocks_used=3,
+                        kv_blocks_total=64, queued_prefill_tokens=9),
 ]
 
 

@@ -1,4 +1,6 @@
-"""Real engine processes on loopback and a small driver that plays the router (tests only)."""
+"""Engine processes on this machine and a small driver that talks to them the way the router does.
+
+Used by tests and benchmarks to run real `pdserve prefill|decode` processes on loopback."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from kvtransfer.control import EngineStats, GenerateRequest, PrefillRequest, Sta
 from kvtransfer.protocol import Abort
 from kvtransfer.transport import KVClient
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 120
 
 

@@ -1,0 +1,98 @@
+"""KV transfer against prefill time, on real prefill and decode processes over loopback.
+
+    python -m bench.pd_transfer [--model DIR] [--prompt-lens 1024 4096] [--repeats 3]
+
+For each prompt length, time to first token (TTFT, seen by the client) in three modes, in one run:
+  local      the decode engine prefills the prompt itself (no transfer: the baseline)
+  sent-after the prefill engine computes the prompt, then sends all its KV (--no-kv-streaming)
+  streamed   the prefill engine sends each layer's KV as soon as it is computed (the default)
+transfer exposed = TTFT(mode) - TTFT(local); hidden by streaming = 1 - exposed(streamed) / exposed(sent-after).
+Every prompt is new to both engines (no prefix-cache hits). Default model: the SmolLM-135M-shaped demo
+Llama with max_position_embeddings 8192 (so a 4k prompt fits), built once under $PDSERVE_CACHE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.local_cluster import Driver, EngineProcess
+
+ENGINE_ARGS = ("--max-num-batched-tokens", "2048", "--log-level", "WARNING")
+
+
+def bench_model() -> str:
+    from engine.demo_model import cache_dir, make_demo_model
+
+    path = cache_dir() / "bench-models" / "llama-small-8k"
+    if not (path / "config.json").is_file():
+        make_demo_model(path, "llama", "small", config_overrides={"max_position_embeddings": 8192})
+    return str(path)
+
+
+def time_to_first_token(driver: Driver, request_id: str, prompt: list[int], remote: bool) -> float:
+    started = time.perf_counter()
+    driver.submit(request_id, prompt, remote, temperature=0.0, max_tokens=2, ignore_eos=True)
+    first = None
+    while True:
+        received = driver.decode.recv(timeout=0.001)
+        if received is None:
+            continue
+        delta = received.msg
+        if first is None and getattr(delta, "token_ids", ()):
+            first = time.perf_counter() - started
+        if getattr(delta, "finish_reason", None):
+            if delta.finish_reason != "length":
+                raise RuntimeError(f"{request_id} ended with {delta.finish_reason}: {delta.error}")
+            return first
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    model = args.model or bench_model()
+    from engine.config import ModelConfig
+
+    bytes_per_token = ModelConfig.from_hf(model, dtype="float32").kv_bytes_per_token
+    logs = Path(tempfile.mkdtemp(prefix="pd-transfer-"))
+    streamed = EngineProcess("prefill", model, *ENGINE_ARGS, log_dir=logs)
+    after = EngineProcess("prefill", model, *ENGINE_ARGS, "--no-kv-streaming", "--engine-id", "prefill-1",
+                          log_dir=logs)
+    decode = EngineProcess("decode", model, *ENGINE_ARGS, "--kv-timeout", "300", log_dir=logs)
+    drivers = {"streamed": Driver(decode, streamed), "sent-after": Driver(decode, after)}
+    local = drivers["streamed"]
+    rng = random.Random(0)
+    try:
+        print(f"model {model}")
+        print(f"{'prompt':>6} {'KV MiB':>7} {'local s':>8} {'sent-after s':>13} {'streamed s':>11} "
+              f"{'exposed after':>14} {'exposed streamed':>17} {'hidden':>7}")
+        for length in args.prompt_lens:
+            ttft = {"local": [], "sent-after": [], "streamed": []}
+            for repeat in range(args.repeats):
+                for mode in ("local", "sent-after", "streamed"):
+                    prompt = [rng.randrange(10, 40000) for _ in range(length)]
+                    driver = local if mode == "local" else drivers[mode]
+                    ttft[mode].append(time_to_first_token(driver, f"{mode}-{length}-{repeat}", prompt,
+                                                          remote=mode != "local"))
+            med = {mode: statistics.median(values) for mode, values in ttft.items()}
+            exposed_after, exposed_streamed = med["sent-after"] - med["local"], med["streamed"] - med["local"]
+            hidden = 1 - exposed_streamed / exposed_after if exposed_after > 0 else float("nan")
+            kv_mib = length * bytes_per_token / 2**20
+            print(f"{length:>6} {kv_mib:>7.1f} {med['local']:>8.3f} {med['sent-after']:>13.3f} "
+                  f"{med['streamed']:>11.3f} {exposed_after:>14.3f} {exposed_streamed:>17.3f} {hidden:>7.0%}")
+    finally:
+        for driver in drivers.values():
+            driver.close()
+        for process in (streamed, after, decode):
+            process.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""`pdserve router`: the OpenAI-compatible HTTP router alone (engines register with it, or are given)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+DEMO_MODEL_NAME = "pdserve-demo"
+
+
+def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True) -> None:
+    """Router options; `pdserve up` shares them (standalone=False leaves out the engine addresses)."""
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name clients send (default: the --model argument, or pdserve-demo)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 in a container)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")
+    parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                        help="require `Authorization: Bearer KEY` on /v1 (default: env PDSERVE_API_KEY)")
+    parser.add_argument("--prefill-policy", default="prefix_aware",
+                        choices=["round_robin", "least_loaded", "prefix_aware"])
+    parser.add_argument("--decode-policy", default="least_kv", choices=["round_robin", "least_kv"])
+    parser.add_argument("--local-prefill-threshold", type=int, default=0,
+                        help="prefill on the decode engine when the prompt's uncached part is at most this "
+                             "many tokens (conditional disaggregation)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                        help="seconds without news from an engine before it leaves routing")
+    parser.add_argument("--max-concurrent-requests", type=int, default=1024,
+                        help="requests in flight beyond which the router answers 429")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    if standalone:
+        parser.add_argument("--log-level", default="info")
+        parser.add_argument("--registration-address", default="tcp://127.0.0.1:7000",
+                            help="where engines register (their --router-address); 'none' to take static "
+                                 "engines only")
+        parser.add_argument("--prefill", action="append", default=[], metavar="ADDRESS",
+                            help="control address of a prefill engine (repeatable); its KV address is asked")
+        parser.add_argument("--decode", action="append", default=[], metavar="ADDRESS",
+                            help="control address of a decode engine (repeatable)")
+        parser.add_argument("--stats-interval", type=float, default=1.0,
+                            help="seconds between stats polls of static engines")
+        parser.add_argument("--max-retries", type=int, default=2,
+                            help="re-submissions of a request whose engine died before it streamed a token")
+
+
+def resolve_model(model: str | None) -> tuple[str, str]:
+    """(model path or hub id, default served name); no model = the built-in demo model."""
+    if model is not None:
+        return model, model
+    from engine.demo_model import default_demo_model
+
+    return str(default_demo_model()), DEMO_MODEL_NAME
+
+
+def router_config(args: argparse.Namespace):
+    from router.config import RouterConfig
+
+    model, name = resolve_model(args.model)
+    registration = None if str(args.registration_address).lower() == "none" else args.registration_address
+    return RouterConfig(
+        model=model, served_model_name=args.served_model_name or name, host=args.host, port=args.port,
+        api_key=args.api_key or None, registration_address=registration,
+        prefill_addresses=tuple(args.prefill), decode_addresses=tuple(args.decode),
+        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+        local_prefill_threshold=args.local_prefill_threshold, heartbeat_timeout_s=args.heartbeat_timeout,
+        stats_interval_s=args.stats_interval, max_concurrent_requests=args.max_concurrent_requests,
+        max_retries=args.max_retries, request_timeout_s=args.request_timeout, log_level=args.log_level)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from router.server import run
+
+    return run(router_config(args))
