@@ -74,6 +74,9 @@ class ModelConfig:
     bos_token_id: int | None
     hf_config: dict = field(repr=False, compare=False)
     model_impl: str = "auto"  # one of MODEL_IMPLS
+    # True: never capture CUDA graphs (every step eager). CUDA graphs only exist on CUDA devices;
+    # on CPU every step runs eagerly whatever this says.
+    enforce_eager: bool = False
 
     @classmethod
     def from_hf(
@@ -83,6 +86,7 @@ class ModelConfig:
         device: str | torch.device = "cpu",
         max_model_len: int | None = None,
         model_impl: str = "auto",
+        enforce_eager: bool = False,
     ) -> "ModelConfig":
         if model_impl not in MODEL_IMPLS:
             raise ConfigError(f"model_impl={model_impl!r} is not a model implementation: use {', '.join(MODEL_IMPLS)}")
@@ -94,6 +98,7 @@ class ModelConfig:
         text = hf.get("text_config")
         if text and "hidden_size" not in hf:  # multimodal wrappers keep the LM's shape one level down
             hf = {**text, "architectures": hf.get("architectures")}
+        hf = _with_standard_names(hf)
         architectures = hf.get("architectures") or []
         if not architectures:
             raise ConfigError(f"{config_path} names no `architectures`: add e.g. [\"LlamaForCausalLM\"]")
@@ -108,7 +113,8 @@ class ModelConfig:
             architecture=architectures[0],
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
+            # Only native models read it; GPT-2-style configs leave it out (n_inner=None means 4 x hidden).
+            intermediate_size=int(hf.get("intermediate_size") or 4 * int(hf["hidden_size"])),
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
@@ -128,6 +134,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             hf_config=hf,
             model_impl=model_impl,
+            enforce_eager=bool(enforce_eager),
         )
 
     @property
@@ -135,6 +142,18 @@ class ModelConfig:
         """K and V of every layer for one token: 2 x layers x kv_heads x head_dim x dtype bytes."""
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+def _with_standard_names(hf: dict) -> dict:
+    """Some configs name the standard fields differently (GPT-2: n_embd, n_head, n_layer, n_positions).
+    transformers' config classes list those aliases in `attribute_map`; fill the standard names from it."""
+    if {"hidden_size", "num_attention_heads", "num_hidden_layers"} <= hf.keys():
+        return hf
+    from transformers import CONFIG_MAPPING
+
+    model_type = hf.get("model_type")
+    aliases = getattr(CONFIG_MAPPING[model_type], "attribute_map", {}) if model_type in CONFIG_MAPPING else {}
+    return {**{name: hf[alias] for name, alias in aliases.items() if alias in hf}, **hf}
 
 
 def _sliding_window(hf: dict) -> int | None:

@@ -24,7 +24,7 @@ class EngineCore:
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
-        self.runner = ModelRunner(model_config, cache_config, device)
+        self.runner = ModelRunner(model_config, cache_config, device, max_num_seqs=scheduler_config.max_num_seqs)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )

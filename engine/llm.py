@@ -73,6 +73,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         model_impl: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         if model is None:
             from engine.demo_model import default_demo_model
@@ -81,7 +82,8 @@ class LLM:
         model_dir = resolve_model_dir(model)
         torch.manual_seed(seed)
         self.model_config = ModelConfig.from_hf(
-            model_dir, dtype=dtype, device=device, max_model_len=max_model_len, model_impl=model_impl
+            model_dir, dtype=dtype, device=device, max_model_len=max_model_len, model_impl=model_impl,
+            enforce_eager=enforce_eager,
         )
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = EngineCore(

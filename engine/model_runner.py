@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from engine.config import CacheConfig, ModelConfig
+import kernels
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.cuda_graphs import DecodeGraphs, capture_batch_sizes, context_buckets
 from engine.forward_context import ForwardContext, use_forward_context
 from engine.layers.sampler import Sampler
 from engine.loader import load_model
+from engine.models.registry import NATIVE_MODELS
 from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -23,6 +30,7 @@ class StepInputs:
     context: ForwardContext
     logits_indices: torch.Tensor  # [R] int64, row of the last token of each request that samples
     sampling_requests: list  # [R] the requests those rows belong to
+    max_seq_len: int = 0  # longest context of the step (host-side), picks the CUDA graph's table width
 
 
 def kv_cache_num_blocks(model_config: ModelConfig, cache_config: CacheConfig, device: torch.device) -> int:
@@ -46,7 +54,8 @@ def kv_cache_num_blocks(model_config: ModelConfig, cache_config: CacheConfig, de
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str | torch.device = "cpu") -> None:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str | torch.device = "cpu",
+                 max_num_seqs: int | None = None) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = torch.device(device)
@@ -61,6 +70,37 @@ class ModelRunner:
             dtype=model_config.dtype, device=self.device,
         )
         self.model.bind_kv_cache(self.kv_cache)
+        # Decode-only steps up to max_num_seqs sequences replay CUDA graphs (CUDA only), else None.
+        self.decode_graphs = self._build_decode_graphs(max_num_seqs or SchedulerConfig().max_num_seqs)
+
+    def _eager_reason(self) -> str | None:
+        """Why decode steps cannot use CUDA graphs here, or None when they can."""
+        if self.device.type != "cuda":
+            return f"CUDA graphs need a CUDA device (this runner is on {self.device})"
+        if self.model_config.enforce_eager:
+            return "enforce_eager is set"
+        if kernels.kernel_backend(self.device) != "triton":
+            return ("PDSERVE_KERNELS=torch: the torch kernels read sequence lengths on the host, which a CUDA "
+                    "graph cannot capture; unset it to capture graphs")
+        if type(self.model) not in NATIVE_MODELS.values():
+            return "the transformers backend runs eagerly (CUDA graphs are captured for native models only)"
+        return None
+
+    def _build_decode_graphs(self, max_num_seqs: int) -> DecodeGraphs | None:
+        reason = self._eager_reason()
+        if reason is not None:
+            if self.device.type == "cuda":
+                logger.info("decode steps run eagerly: %s", reason)
+            return None
+        started = time.perf_counter()
+        graphs = DecodeGraphs(
+            self.model, self.model_config.vocab_size, self.block_size, self.device,
+            capture_batch_sizes(max_num_seqs), context_buckets(self.model_config.max_model_len, self.block_size),
+        )
+        graphs.capture()
+        logger.info("captured %d decode CUDA graphs (batch sizes %s, table widths %s blocks) in %.1f s",
+                    len(graphs.graphs), graphs.batch_sizes, graphs.table_widths, time.perf_counter() - started)
+        return graphs
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
         token_ids: list[int] = []
@@ -113,6 +153,7 @@ class ModelRunner:
             context=context,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
             sampling_requests=sampling_requests,
+            max_seq_len=max(seq_lens),
         )
 
     @torch.inference_mode()
@@ -123,14 +164,29 @@ class ModelRunner:
         if plan.is_empty:
             return {}
         inputs = self.prepare(plan)
-        inputs.context.on_layer_stored = on_layer_stored
-        with use_forward_context(inputs.context):
-            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        logits = self.step_logits(inputs, on_layer_stored)  # [R, vocab]
         if not inputs.sampling_requests:
             return {}
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # [R, vocab]
         result = self.sampler(logits, inputs.sampling_requests)
         return {
             request.request_id: (token, logprobs)
             for request, token, logprobs in zip(inputs.sampling_requests, result.token_ids, result.logprobs)
         }
+
+    @torch.inference_mode()
+    def step_logits(self, inputs: StepInputs, on_layer_stored: Callable[[int], None] | None = None,
+                    eager: bool = False) -> torch.Tensor | None:
+        """Run the step's forward (KV written); logits [R, vocab] of the rows that sample, None if none.
+        Decode-only steps that fit a captured graph replay it (unless eager); the rest run eagerly."""
+        graphs, context = self.decode_graphs, inputs.context
+        decode_only = context.num_decode_tokens == context.num_tokens
+        if (graphs is not None and not eager and on_layer_stored is None and decode_only
+                and graphs.can_run(context.num_decode_tokens, inputs.max_seq_len)):
+            logits = graphs.run(inputs.input_ids, inputs.positions, context, inputs.max_seq_len)  # [n, vocab]
+            return logits.index_select(0, inputs.logits_indices) if inputs.sampling_requests else None
+        context.on_layer_stored = on_layer_stored
+        with use_forward_context(context):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        if not inputs.sampling_requests:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # [R, vocab]
