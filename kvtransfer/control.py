@@ -7,7 +7,11 @@ as the KV link (kvtransfer.protocol): typed msgpack headers, validated on receip
     router -> either          Abort, StatsRequest
     decode engine -> router   TokenDelta        (new tokens, and the finish reason at the end)
     prefill engine -> router  TokenDelta        (only to report an error for the request)
-    either -> router          EngineStats       (answer to StatsRequest)
+    either -> router          EngineStats       (answer to StatsRequest, and the heartbeat)
+    router -> either          DescribeRequest   (answered with Register: how a statically given
+                                                 engine tells the router its KV address and limits)
+    either -> router          Register          (on the router's registration socket, with EngineStats
+                                                 every heartbeat; Deregister when it stops)
 
 Stop strings, n and detokenization stay in the router; engines see token ids only.
 """
@@ -99,3 +103,32 @@ class EngineStats(Message, type_name="engine_stats"):
     kv_bytes_sent: int = bounded(default=0, min=0)
     kv_bytes_received: int = bounded(default=0, min=0)
     num_kv_transfers_failed: int = bounded(default=0, min=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DescribeRequest(Message, type_name="describe_request"):
+    """Router -> engine on the control socket: answer with Register (static engine addresses)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Register(Message, type_name="register"):
+    """Engine -> router: who I am and where to reach me. Sent on the router's registration socket
+    at start and with every heartbeat (so a restarted router relearns its engines), and as the
+    answer to DescribeRequest. Addresses are the advertised ones (never 0.0.0.0)."""
+
+    engine_id: str = bounded(max_len=MAX_ID_LEN)
+    role: str = bounded(choices=ROLES)
+    control_address: str = bounded(max_len=1024)
+    kv_address: str | None = bounded(default=None, max_len=1024)
+    block_size: int = bounded(min=1, max=MAX_TOKENS)
+    max_model_len: int = bounded(min=1, max=MAX_TOKENS)
+    vocab_size: int = bounded(min=1, max=MAX_TOKEN_ID)
+    heartbeat_interval_s: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Deregister(Message, type_name="deregister"):
+    """Engine -> router: I am stopping; take me out of routing now rather than after missed heartbeats."""
+
+    engine_id: str = bounded(max_len=MAX_ID_LEN)
+    control_address: str = bounded(max_len=1024)

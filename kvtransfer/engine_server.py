@@ -3,21 +3,27 @@
 One thread: wait on the control socket and the KV connector's sockets (not at all while the engine
 has runnable work), handle what arrived, step the engine once, publish what the step produced.
 The prefill and decode services subclass it with their request types.
+
+With a router registration address (`enable_registration`), a Heartbeat thread connects a DEALER
+there and sends Register + the latest EngineStats every interval (a thread, so a long engine step
+never looks like a dead engine), and Deregister when the engine stops.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket as socketlib
 import threading
+import time
 from typing import Any
 
 import zmq
 
-from kvtransfer.control import EngineStats, StatsRequest, TokenDelta
+from kvtransfer.control import Deregister, DescribeRequest, EngineStats, Register, StatsRequest, TokenDelta
 from kvtransfer.errors import KVTransferError, ProtocolError
 from kvtransfer.protocol import Abort, Error
-from kvtransfer.transport import KVServer
+from kvtransfer.transport import KVClient, KVServer
 
 log = logging.getLogger("pdserve.engine_server")
 
@@ -34,6 +40,8 @@ class EngineServer:
         self.control = KVServer(control_address)
         self.owners: dict[str, bytes] = {}  # request id -> control peer that sent it
         self._stop = threading.Event()
+        self.heartbeat: Heartbeat | None = None
+        self.advertise_host: str | None = None
 
     @property
     def control_address(self) -> str:
@@ -61,6 +69,8 @@ class EngineServer:
                 self._guarded(self.after_receive)
                 if self.engine.has_work():
                     self.publish(self.engine.step())
+                if self.heartbeat is not None and self.heartbeat.wants_stats():
+                    self.heartbeat.set_stats(self.stats())
         finally:
             self.close()
 
@@ -73,6 +83,8 @@ class EngineServer:
             log.exception("error while handling input; the engine keeps serving")
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.connector.close()
         self.control.close()
 
@@ -100,6 +112,8 @@ class EngineServer:
             self.engine.abort(msg.request_id)
         elif isinstance(msg, StatsRequest):
             self.reply(peer_id, self.stats())
+        elif isinstance(msg, DescribeRequest):
+            self.reply(peer_id, self.registration())
         else:
             self.reply(peer_id, Error(code="unexpected", message=f"{msg.type_name} is not served by a {self.role} engine"))
 
@@ -140,3 +154,83 @@ class EngineServer:
             kv_bytes_received=getattr(self.connector, "bytes_received", 0),
             num_kv_transfers_failed=getattr(self.connector, "num_failed", 0),
         )
+
+    # ---- registration with a router ----
+
+    def enable_registration(self, router_address: str, interval_s: float = 1.0,
+                            advertise_host: str | None = None) -> None:
+        """Register with the router at `router_address` and heartbeat every interval_s seconds.
+        advertise_host replaces a wildcard bind host (0.0.0.0) in the addresses the router is told."""
+        if not interval_s > 0:
+            raise ValueError(f"heartbeat interval {interval_s} must be > 0 seconds")
+        self.advertise_host = advertise_host
+        self.heartbeat = Heartbeat(router_address, interval_s)
+        self.heartbeat.register = self.registration()
+        self.heartbeat.set_stats(self.stats())
+        self.heartbeat.start()
+
+    def registration(self) -> Register:
+        kv_address = getattr(self, "kv_address", None)
+        config = self.engine.model_config
+        return Register(
+            engine_id=self.engine_id, role=self.role,
+            control_address=advertised_address(self.control_address, self.advertise_host),
+            kv_address=advertised_address(kv_address, self.advertise_host) if kv_address else None,
+            block_size=self.engine.cache_config.block_size, max_model_len=config.max_model_len,
+            vocab_size=config.vocab_size,
+            heartbeat_interval_s=self.heartbeat.interval_s if self.heartbeat else 1.0)
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+
+
+def advertised_address(address: str, advertise_host: str | None = None) -> str:
+    """The address a peer can connect to: a wildcard bind host becomes advertise_host, else this
+    machine's address (in a container: its IP on the compose network)."""
+    scheme, sep, rest = address.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if scheme != "tcp" or not colon or host not in WILDCARD_HOSTS:
+        return address
+    return f"tcp://{advertise_host or socketlib.gethostbyname(socketlib.gethostname())}:{port}"
+
+
+class Heartbeat(threading.Thread):
+    """Sends Register + the latest EngineStats to the router every interval_s seconds, from its own
+    thread and DEALER socket; messages the router cannot take right now are dropped (the next beat
+    repeats them), so a router that starts later or restarts learns the engine within one interval."""
+
+    def __init__(self, router_address: str, interval_s: float) -> None:
+        super().__init__(name="pdserve-heartbeat", daemon=True)
+        self.router_address = router_address
+        self.interval_s = interval_s
+        self.register: Register | None = None  # set before start()
+        self._stats: EngineStats | None = None
+        self._stats_time = 0.0
+        self._done = threading.Event()
+        self._client = KVClient(router_address)  # used by this thread only once started
+
+    def wants_stats(self) -> bool:
+        return time.monotonic() - self._stats_time >= self.interval_s / 2
+
+    def set_stats(self, stats: EngineStats) -> None:
+        self._stats, self._stats_time = stats, time.monotonic()
+
+    def run(self) -> None:
+        while True:
+            self._send(self.register)
+            self._send(self._stats)
+            if self._done.wait(self.interval_s):
+                break
+        self._send(Deregister(engine_id=self.register.engine_id, control_address=self.register.control_address))
+        self._client.close()
+
+    def _send(self, msg: Any) -> None:
+        try:  # bounded: a router that is down costs at most half an interval per message
+            self._client.send(msg, timeout=self.interval_s / 2)
+        except KVTransferError as exc:
+            log.debug("router %s did not take %s: %s", self.router_address, msg.type_name, exc)
+
+    def stop(self) -> None:
+        self._done.set()
+        if self.is_alive():
+            self.join(timeout=2.0)

@@ -20,6 +20,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],
                         help="auto: pdserve's native model code when it has the architecture, else the transformers "
                              "backend (transformers' layers on pdserve's KV cache)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="never capture CUDA graphs: run every decode step eagerly (graphs exist only on CUDA)")
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -47,7 +47,8 @@ def _configs(args: argparse.Namespace) -> tuple:
 
         args.model = str(default_demo_model())
     model_config = ModelConfig.from_hf(resolve_model_dir(args.model), dtype=args.dtype, device=args.device,
-                                       max_model_len=args.max_model_len)
+                                       max_model_len=args.max_model_len, model_impl=args.model_impl,
+                                       enforce_eager=args.enforce_eager)
     cache_config = CacheConfig(args.block_size, args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching)
     scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)
     return model_config, cache_config, scheduler_config

@@ -44,7 +44,7 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
 
 def resolve_model(model: str | None) -> tuple[str, str]:
     """(model path or hub id, default served name); no model = the built-in demo model."""
-    if model is not None:
+    if model:
         return model, model
     from engine.demo_model import default_demo_model
 

@@ -10,6 +10,7 @@ Ctrl-C / SIGTERM stops engines then the router, each within a bound. A component
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from pdserve.router_cli import resolve_model
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 POLL_S = 0.1
 STOP_TIMEOUT_S = 15.0
 LOG_TAIL_LINES = 30
@@ -88,6 +90,8 @@ def _engine_model_args(args: argparse.Namespace, model: str) -> list[str]:
         command += ["--max-model-len", str(args.max_model_len)]
     if args.no_prefix_caching:
         command.append("--no-prefix-caching")
+    if getattr(args, "enforce_eager", False):
+        command.append("--enforce-eager")
     return command
 
 
@@ -100,7 +104,7 @@ def router_component(args: argparse.Namespace, model: str, name: str) -> Compone
                "--max-concurrent-requests", str(args.max_concurrent_requests),
                "--request-timeout", str(args.request_timeout), "--log-level", args.log_level]
     env = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}  # not on the command line, where ps shows it
-    return Component("router", command, env, where=f"{args.host}:{args.port}")
+    return Component("router", command, env)
 
 
 def engine_components(args: argparse.Namespace, model: str, registration: str) -> list[Component]:
@@ -132,6 +136,18 @@ def engine_components(args: argparse.Namespace, model: str, registration: str) -
 
 # ---- running them ----
 
+def _child_setup(cpus: list[int] | None):
+    """Runs in each child before exec: its CPU cores, and SIGTERM when `up` itself dies (even by SIGKILL)."""
+    def setup() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):  # not Linux: children outlive a killed `up`
+            pass
+    return setup
+
+
 class ComponentFailed(Exception):
     def __init__(self, component: Component, why: str) -> None:
         super().__init__(f"{component.name} {why}")
@@ -147,11 +163,10 @@ class Supervisor:
     def start(self, component: Component) -> None:
         component.log_path = self.log_dir / f"{component.name}.log"
         log_file = open(component.log_path, "w")
-        cpus = component.cpus
         component.process = subprocess.Popen(
             component.command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **component.env}, start_new_session=True,  # Ctrl-C reaches `up` only
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+            preexec_fn=_child_setup(component.cpus))
         log_file.close()
         component.started_at = time.monotonic()
         self.components.append(component)
@@ -178,7 +193,9 @@ class Supervisor:
                 if self.poll_ready(component):
                     waiting.remove(component)
                     took = time.monotonic() - component.started_at
-                    print(f"[pdserve up] {component.name} ready ({component.where}, {took:.1f}s)", flush=True)
+                    where = component.ready.get("url", component.where)
+                    print(f"[pdserve up] {component.name} ready ({where}, pid {component.process.pid}, {took:.1f}s)",
+                          flush=True)
 
     def _tick(self, deadline: float, why: str, component: Component) -> None:
         if self.stopping:
@@ -197,8 +214,20 @@ class Supervisor:
             self._tick(deadline, f"does not route to all engines (it sees {engines})", router)
 
     def watch(self) -> None:
+        """Serve until a signal. A dead engine is reported and left out (the router routes around it);
+        a dead router ends `up`."""
+        reported: set[str] = set()
         while not self.stopping:
-            self.check_alive()
+            for component in self.components:
+                code = component.process.poll()
+                if code is None or component.name in reported:
+                    continue
+                if component.name == "router":
+                    raise ComponentFailed(component, f"exited with code {code}")
+                reported.add(component.name)
+                print(f"[pdserve up] warning: {component.name} exited with code {code}; the router routes "
+                      f"around it. Its last log lines ({component.log_path}):\n{log_tail(component.log_path, 10)}",
+                      file=sys.stderr, flush=True)
             time.sleep(POLL_S * 5)
 
     def stop_all(self) -> None:
@@ -249,7 +278,8 @@ def _check_counts(args: argparse.Namespace) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     _check_counts(args)
-    model, name = resolve_model(args.model)
+    model, default_name = resolve_model(args.model)
+    name = args.served_model_name or default_name
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"[pdserve up] serving {name} with {args.prefill} prefill + {args.decode} decode engine(s); "

@@ -71,6 +71,10 @@ SAMPLES = [
     control.StatsRequest(),
     control.EngineStats(engine_id="decode-0", role="decode", num_waiting=1, num_running=2, kv_blocks_used=3,
                         kv_blocks_total=64, queued_prefill_tokens=9),
+    control.DescribeRequest(),
+    control.Register(engine_id="prefill-0", role="prefill", control_address="tcp://127.0.0.1:5600",
+                     kv_address="tcp://127.0.0.1:5700", block_size=16, max_model_len=4096, vocab_size=32000),
+    control.Deregister(engine_id="decode-0", control_address="tcp://127.0.0.1:5600"),
 ]
 
 

@@ -1,0 +1,35 @@
+# pdserve: router and engines in one image; the command picks the role (see compose.yaml).
+#
+#   docker build -t pdserve .                                   # CUDA torch (PyPI's Linux wheel)
+#   docker build -t pdserve:cpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
+#   docker run --rm -p 8000:8000 pdserve up --host 0.0.0.0      # demo model, 1 prefill + 1 decode, CPU
+ARG PYTHON_VERSION=3.11
+FROM python:${PYTHON_VERSION}-slim
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://pypi.org/simple
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HOME=/root/.cache/huggingface \
+    PDSERVE_CACHE=/root/.cache/pdserve
+
+# torch first, from the chosen index, so `pip install .` finds it satisfied and pulls nothing bigger.
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+
+WORKDIR /opt/pdserve
+COPY pyproject.toml README.md ./
+COPY pdserve ./pdserve
+COPY engine ./engine
+COPY kernels ./kernels
+COPY kvtransfer ./kvtransfer
+COPY prefill ./prefill
+COPY decode ./decode
+COPY router ./router
+COPY bench ./bench
+RUN pip install .
+
+# 8000 HTTP API (router), 7000 engine registration (router), 5600 engine control, 5700 prefill KV
+EXPOSE 8000 7000 5600 5700
+ENTRYPOINT ["pdserve"]
+CMD ["up", "--host", "0.0.0.0"]

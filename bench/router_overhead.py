@@ -1,0 +1,311 @@
+"""Router overhead: what one pdserve router process adds on top of the engine it routes to.
+
+    python -m bench.router_overhead [--model DIR] [--num-requests 60] [--max-tokens 8] [--prompt-len 32]
+                                    [--streams 32 128] [--stream-tokens 256]
+
+1. Latency. One decode engine (colocated, the tiny demo model unless --model) and one router given
+   its address. The same greedy request (prompt token ids, ignore_eos) is sent alternately
+     direct  GenerateRequest on the engine's control socket (a DEALER, as the router does), and
+     router  POST /v1/completions over HTTP (non-streaming; and streaming, for the first token),
+   --num-requests times each, one at a time. Overhead = router - direct, median and p99 of the
+   end-to-end latency and of the time to first token.
+2. Relay throughput. A synthetic engine process answers GenerateRequest by streaming --stream-tokens
+   tokens per request as fast as it can (one TokenDelta per token; no model), so the router is the
+   bottleneck. N concurrent streaming HTTP clients (raw asyncio connections, one process) read
+   the streams; the figures are streamed tokens per second relayed by the router (detokenized,
+   SSE-framed) for each N, and tokens per CPU second the router process spent (its capacity per
+   core, less sensitive to what else runs on the machine).
+All processes share the machine: the client and the synthetic engine compete with the router for CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from kvtransfer.control import DescribeRequest, EngineStats, GenerateRequest, Register, StatsRequest, TokenDelta
+from kvtransfer.protocol import Abort
+from kvtransfer.transport import KVClient, KVServer
+
+REPO = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = 300
+
+
+# ---- processes ----
+
+def start(command: list[str], log_path: Path) -> tuple[subprocess.Popen, dict[str, str]]:
+    """Start a pdserve component and wait for its PDSERVE_READY line."""
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if line.startswith("PDSERVE_READY"):
+            return process, dict(item.split("=", 1) for item in line.split()[1:])
+        if not line and process.poll() is not None:
+            break
+    process.kill()
+    raise RuntimeError(f"{command[3:5]} did not start:\n{log_path.read_text()[-3000:]}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def wait_routable(url: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"router at {url} never routed to its engine")
+
+
+def start_router(model: str, decode_address: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
+    process, ready = start([sys.executable, "-m", "pdserve", "router", "--model", model, "--port", "0",
+                            "--registration-address", "none", "--decode", decode_address, "--log-level", "warning"],
+                           log_dir / "router.log")
+    wait_routable(ready["url"])
+    return process, ready["url"]
+
+
+# ---- 1. latency ----
+
+def direct_request(client: KVClient, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+    """(time to first token, end-to-end) of one request sent straight to the engine."""
+    start_time = time.perf_counter()
+    client.send(GenerateRequest(request_id=request_id, prompt_token_ids=prompt, temperature=0.0,
+                                max_tokens=max_tokens, ignore_eos=True))
+    first = None
+    while True:
+        received = client.recv(timeout=60)
+        if received is None:
+            raise TimeoutError("the engine did not answer within 60s")
+        msg = received.msg
+        if isinstance(msg, TokenDelta) and msg.request_id == request_id:
+            if first is None and msg.token_ids:
+                first = time.perf_counter() - start_time
+            if msg.finish_reason is not None:
+                if msg.finish_reason == "error":
+                    raise RuntimeError(msg.error)
+                return first, time.perf_counter() - start_time
+
+
+def router_request(http: httpx.Client, prompt: list[int], max_tokens: int) -> float:
+    start_time = time.perf_counter()
+    response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                  "ignore_eos": True})
+    response.raise_for_status()
+    return time.perf_counter() - start_time
+
+
+def router_first_token(http: httpx.Client, prompt: list[int], max_tokens: int) -> float:
+    start_time = time.perf_counter()
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        first = None
+        for line in response.iter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - start_time
+        return first
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def measure_latency(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, dict[str, float]]:
+    engine, ready = start([sys.executable, "-m", "pdserve", "decode", "--model", model, "--dtype", "float32",
+                           "--log-level", "WARNING"], log_dir / "decode.log")
+    router, url = start_router(model, ready["control"], log_dir)
+    prompt = [(7 * i) % 900 + 10 for i in range(args.prompt_len)]
+    samples = {name: [] for name in ("direct_e2e", "router_e2e", "direct_ttft", "router_ttft")}
+    try:
+        with KVClient(ready["control"]) as client, httpx.Client(base_url=url, timeout=60) as http:
+            ids = (f"bench-{i}" for i in itertools.count())
+            for i in range(args.num_requests + args.warmup):
+                ttft, e2e = direct_request(client, next(ids), prompt, args.max_tokens)
+                router_e2e = router_request(http, prompt, args.max_tokens)
+                router_ttft = router_first_token(http, prompt, args.max_tokens)
+                if i >= args.warmup:
+                    for name, value in (("direct_e2e", e2e), ("router_e2e", router_e2e),
+                                        ("direct_ttft", ttft), ("router_ttft", router_ttft)):
+                        samples[name].append(value * 1000)
+    finally:
+        stop(router)
+        stop(engine)
+    for kind in ("e2e", "ttft"):  # per request pair, sent back to back: shared machine noise cancels more
+        samples[f"overhead_{kind}"] = [r - d for r, d in zip(samples[f"router_{kind}"], samples[f"direct_{kind}"])]
+    return {name: {"median": statistics.median(values), "p99": percentile(values, 0.99)}
+            for name, values in samples.items()}
+
+
+# ---- 2. relay throughput ----
+
+def synthetic_engine(tokens: list[int]) -> None:
+    """A decode engine without a model: every step sends one token to every open request."""
+    server = KVServer("tcp://127.0.0.1:0")
+    print(f"PDSERVE_READY role=decode engine_id=synthetic control={server.address}", flush=True)
+    active: dict[str, list] = {}  # request id -> [peer, tokens left, position]
+    while True:
+        routed = server.recv(timeout=0 if active else 0.01)
+        while routed is not None:
+            _answer(server, routed, active)
+            routed = server.recv(timeout=0)
+        for request_id, state in list(active.items()):
+            peer_id, left, position = state
+            last = left == 1
+            server.send(peer_id, TokenDelta(request_id=request_id, token_ids=(tokens[position % len(tokens)],),
+                                            finish_reason="length" if last else None))
+            state[1], state[2] = left - 1, position + 1
+            if last:
+                del active[request_id]
+
+
+def _answer(server: KVServer, routed, active: dict) -> None:
+    msg, peer_id = routed.msg, routed.peer_id
+    if isinstance(msg, DescribeRequest):
+        server.send(peer_id, Register(engine_id="synthetic", role="decode", control_address=server.address,
+                                      block_size=16, max_model_len=1 << 20, vocab_size=1 << 20))
+    elif isinstance(msg, StatsRequest):
+        server.send(peer_id, EngineStats(engine_id="synthetic", role="decode", num_waiting=0, num_running=len(active),
+                                         kv_blocks_used=0, kv_blocks_total=1, queued_prefill_tokens=0))
+    elif isinstance(msg, GenerateRequest):
+        active[msg.request_id] = [peer_id, msg.max_tokens, 0]
+    elif isinstance(msg, Abort):
+        active.pop(msg.request_id, None)
+
+
+async def _one_stream(host: str, port: int, num_tokens: int) -> int:
+    """One streamed completion over a raw connection (a lean client, so the router is what is measured);
+    returns the completion tokens of its usage chunk."""
+    body = json.dumps({"prompt": [11, 12, 13, 14], "max_tokens": num_tokens, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    received = bytearray()
+    while chunk := await reader.read(1 << 16):
+        received += chunk
+    writer.close()
+    usage = received.rsplit(b'"completion_tokens":', 1)[1]
+    return int(usage.split(b",", 1)[0])
+
+
+async def _relay(url: str, num_streams: int, num_tokens: int) -> tuple[int, float]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    await _one_stream(host, int(port), 8)  # warm up
+    start_time = time.perf_counter()
+    counts = await asyncio.gather(*(_one_stream(host, int(port), num_tokens) for _ in range(num_streams)))
+    return sum(counts), time.perf_counter() - start_time
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_relay(model: str, args: argparse.Namespace, log_dir: Path) -> list[dict[str, float]]:
+    engine, ready = start([sys.executable, "-m", "bench.router_overhead", "--synthetic-engine", "--model", model],
+                          log_dir / "synthetic.log")
+    router, url = start_router(model, ready["control"], log_dir)
+    rows = []
+    try:
+        for num_streams in args.streams:
+            cpu_before = cpu_seconds(router.pid)
+            num_tokens, seconds = asyncio.run(_relay(url, num_streams, args.stream_tokens))
+            router_cpu = cpu_seconds(router.pid) - cpu_before
+            rows.append({"streams": num_streams, "tokens": num_tokens, "seconds": seconds,
+                         "tokens_per_s": num_tokens / seconds, "router_cpu_s": router_cpu,
+                         "tokens_per_cpu_s": num_tokens / max(router_cpu, 1e-9)})
+    finally:
+        stop(router)
+        stop(engine)
+    return rows
+
+
+# ---- main ----
+
+def text_tokens(model: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model).encode(" the quick brown fox jumps over the lazy dog,")
+
+
+def resolve_model(model: str | None, scratch: Path) -> str:
+    if model:
+        return model
+    from engine.demo_model import make_demo_model
+
+    return str(make_demo_model(scratch / "tiny", arch="llama", size="tiny", seed=0))
+
+
+def report(latency: dict | None, relay: list | None, args: argparse.Namespace) -> None:
+    print(f"\nmachine: {os.cpu_count()} CPUs visible, python {sys.version.split()[0]}")
+    if latency:
+        print(f"\nlatency, ms ({args.num_requests} requests each, prompt {args.prompt_len} tokens, "
+              f"{args.max_tokens} generated, one at a time)")
+        print("| measure | direct median | router median | direct p99 | router p99 | overhead median | overhead p99 |")
+        print("|---|---|---|---|---|---|---|")
+        for kind, label in (("e2e", "end to end"), ("ttft", "first token")):
+            direct, routed, added = latency[f"direct_{kind}"], latency[f"router_{kind}"], latency[f"overhead_{kind}"]
+            print(f"| {label} | {direct['median']:.2f} | {routed['median']:.2f} | {direct['p99']:.2f} | "
+                  f"{routed['p99']:.2f} | {added['median']:.2f} | {added['p99']:.2f} |")
+        print("(overhead = router - direct of each back-to-back pair)")
+    if relay:
+        print(f"\nrelay throughput (synthetic engine, {args.stream_tokens} tokens per stream)")
+        print("| concurrent streams | tokens | seconds | streamed tokens/s | router CPU s | tokens per router CPU s |")
+        print("|---|---|---|---|---|---|")
+        for row in relay:
+            print(f"| {row['streams']} | {row['tokens']} | {row['seconds']:.2f} | {row['tokens_per_s']:.0f} | "
+                  f"{row['router_cpu_s']:.2f} | {row['tokens_per_cpu_s']:.0f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.router_overhead", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model directory (default: a tiny demo model)")
+    parser.add_argument("--num-requests", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--streams", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--stream-tokens", type=int, default=256)
+    parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--skip-relay", action="store_true")
+    parser.add_argument("--synthetic-engine", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.synthetic_engine:
+        synthetic_engine(text_tokens(args.model))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as scratch:
+        log_dir = Path(scratch)
+        model = resolve_model(args.model, log_dir)
+        latency = None if args.skip_latency else measure_latency(model, args, log_dir)
+        relay = None if args.skip_relay else measure_relay(model, args, log_dir)
+        report(latency, relay, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The FastAPI app: OpenAI-compatible routes, /health, /metrics, and errors in OpenAI's shape.
+Serving one request (whole or streamed) is streaming.py's."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.config import RouterConfig
+from router.errors import APIError, InvalidRequest, ModelNotFound, Unauthorized
+from router.gateway import Gateway
+from router.responses import ChatFormatter, CompletionFormatter, Prompt
+from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.specs import chat_specs, completion_specs
+from router.streaming import endpoint_label, respond
+
+log = logging.getLogger("pdserve.router.api")
+
+def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started: list | None = None) -> FastAPI:
+    gateway = gateway or Gateway(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.start()
+        for callback in on_started or ():
+            callback(gateway)
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = gateway
+    _install_error_handlers(app, gateway)
+    _install_routes(app, gateway)
+    return app
+
+
+# ---- errors ----
+
+def _error_response(gateway: Gateway, request: Request, error: APIError) -> JSONResponse:
+    gateway.metrics.requests.labels(endpoint_label(request), str(error.status_code)).inc()
+    return JSONResponse(error.body(), status_code=error.status_code)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    problems, param = [], None
+    for error in exc.errors():
+        location = [str(part) for part in error.get("loc", ()) if part != "body"]
+        param = param or (location[0] if location else None)
+        problems.append(f"{'.'.join(location) or 'body'}: {error.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(problems[:5]), param
+
+
+def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(gateway, request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error_response(gateway, request, InvalidRequest(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = APIError(str(exc.detail))
+        error.status_code, error.error_type = exc.status_code, "invalid_request_error"
+        return _error_response(gateway, request, error)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error serving %s", request.url.path)
+        return _error_response(gateway, request, APIError(f"internal server error: {type(exc).__name__}: {exc}"))
+
+
+# ---- routes ----
+
+def _install_routes(app: FastAPI, gateway: Gateway) -> None:
+    config = gateway.config
+
+    async def check_api_key(request: Request) -> None:  # async: no thread-pool hop per request
+        if config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise Unauthorized("missing API key: send the header `Authorization: Bearer <key>`")
+        if not hmac.compare_digest(key.strip().encode(), config.api_key.encode()):
+            raise Unauthorized("invalid API key: use the key the server was started with (--api-key)")
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in (config.served_model_name, config.model):
+            raise ModelNotFound(f"the model `{model}` does not exist: this server serves "
+                                f"`{config.served_model_name}`", param="model")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        engines = {role: len(gateway.registry.engines(role)) for role in ("prefill", "decode")}
+        ready = engines["decode"] > 0
+        return JSONResponse({"status": "ok" if ready else "no decode engine available", "engines": engines},
+                            status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await gateway.registry.refresh_stats()
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    async def models() -> dict[str, Any]:
+        card = {"id": config.served_model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "pdserve", "root": config.model, "max_model_len": gateway.registry.max_model_len()}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        max_model_len, vocab_size = gateway.context_limits()
+        prompts = [Prompt(text, ids) for text, ids in gateway.tokenization.completion_prompts(body)]
+        specs = completion_specs(body, [p.token_ids for p in prompts], max_model_len, vocab_size, config.max_n)
+        formatter = CompletionFormatter(
+            config.served_model_name, gateway.tokenization, prompts, body.n, num_logprobs=body.logprobs,
+            return_token_ids=body.return_token_ids, include_usage=body.include_usage_in_stream, echo=body.echo)
+        return await respond(gateway, request, specs, formatter, body.stream)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        max_model_len, _ = gateway.context_limits()
+        text, token_ids = gateway.tokenization.chat_prompt(body)
+        specs = chat_specs(body, token_ids, max_model_len, config.max_n)
+        formatter = ChatFormatter(
+            config.served_model_name, gateway.tokenization, [Prompt(text, token_ids)], body.n,
+            num_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            return_token_ids=body.return_token_ids, include_usage=body.include_usage_in_stream)
+        return await respond(gateway, request, specs, formatter, body.stream)

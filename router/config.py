@@ -1,0 +1,52 @@
+"""Everything one router process is configured with, built once from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFILL_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+DECODE_POLICIES = ("round_robin", "least_kv")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str  # model directory or hub id: the tokenizer and chat template come from it
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 = any free port (printed in the PDSERVE_READY line)
+    api_key: str | None = None
+    registration_address: str | None = "tcp://127.0.0.1:0"  # None: static engines only
+    prefill_addresses: tuple[str, ...] = ()  # static engines: control addresses
+    decode_addresses: tuple[str, ...] = ()
+    prefill_policy: str = "prefix_aware"
+    decode_policy: str = "least_kv"
+    local_prefill_threshold: int = 0  # uncached prompt tokens <= this: prefill on the decode engine
+    heartbeat_timeout_s: float = 3.0  # an engine silent this long leaves routing
+    stats_interval_s: float = 1.0  # how often static engines are polled for stats
+    max_concurrent_requests: int = 1024  # more in flight: 429
+    max_retries: int = 2  # re-submissions of a request whose engine died before it streamed a token
+    request_timeout_s: float = 600.0
+    max_n: int = 16  # choices (n x prompts) one HTTP request may ask for
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.prefill_policy in PREFILL_POLICIES,
+             f"prefill policy {self.prefill_policy!r} is unknown: use one of {', '.join(PREFILL_POLICIES)}"),
+            (self.decode_policy in DECODE_POLICIES,
+             f"decode policy {self.decode_policy!r} is unknown: use one of {', '.join(DECODE_POLICIES)}"),
+            (self.local_prefill_threshold >= 0,
+             f"local prefill threshold {self.local_prefill_threshold} must be >= 0 tokens"),
+            (self.heartbeat_timeout_s > 0, f"heartbeat timeout {self.heartbeat_timeout_s} must be > 0 seconds"),
+            (self.stats_interval_s > 0, f"stats interval {self.stats_interval_s} must be > 0 seconds"),
+            (self.max_concurrent_requests > 0,
+             f"max concurrent requests {self.max_concurrent_requests} must be a positive count"),
+            (self.max_retries >= 0, f"max retries {self.max_retries} must be >= 0"),
+            (self.request_timeout_s > 0, f"request timeout {self.request_timeout_s} must be > 0 seconds"),
+            (0 <= self.port < 65536, f"port {self.port} must be in 0..65535 (0 picks a free port)"),
+            (self.registration_address is not None or self.decode_addresses,
+             "the router can reach no decode engine: give --decode addresses or a --registration-address"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

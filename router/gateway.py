@@ -1,0 +1,60 @@
+"""Gateway: the long-lived state of one router process (tokenizer, engines, policy, metrics,
+admission) that the API handlers and the generation code share."""
+
+from __future__ import annotations
+
+from router.config import RouterConfig
+from router.errors import NoEngineAvailable, Overloaded
+from router.metrics import RouterMetrics
+from router.policies import Route, RoutingPolicy
+from router.registry import EngineRegistry
+from router.tokenization import Tokenization
+
+
+class Gateway:
+    def __init__(self, config: RouterConfig, tokenization: Tokenization | None = None) -> None:
+        self.config = config
+        self.tokenization = tokenization or Tokenization(config.model)
+        self.registry = EngineRegistry(config)
+        self.policy = RoutingPolicy(config)
+        self.metrics = RouterMetrics(self.registry.links)
+        self.num_in_flight = 0
+        self.registry.on_change.append(self.policy.forget)
+
+    async def start(self) -> None:
+        await self.registry.start()
+
+    async def close(self) -> None:
+        await self.registry.close()
+
+    # ---- admission ----
+
+    def admit(self) -> None:
+        """Count a request in, or refuse it when the router is at its limit (429)."""
+        if self.num_in_flight >= self.config.max_concurrent_requests:
+            raise Overloaded(f"the server is serving its limit of {self.config.max_concurrent_requests} requests: "
+                             f"retry later (or raise --max-concurrent-requests)")
+        self.num_in_flight += 1
+        self.metrics.in_flight.set(self.num_in_flight)
+
+    def release(self) -> None:
+        self.num_in_flight -= 1
+        self.metrics.in_flight.set(self.num_in_flight)
+
+    # ---- routing ----
+
+    def context_limits(self) -> tuple[int, int | None]:
+        """(max_model_len, vocab_size) the routable decode engines accept, or 503 when there are none."""
+        max_model_len = self.registry.max_model_len()
+        if max_model_len is None:
+            raise NoEngineAvailable("no decode engine is available: start one (`pdserve decode --router-address "
+                                    f"{self.registry.registration_address}`) or wait until one answers")
+        return max_model_len, self.registry.vocab_size()
+
+    def route(self, token_ids: list[int], excluded: set[str], force_local: bool) -> Route:
+        """Engines for one attempt; engines that failed this request are avoided while others exist
+        (no prefill engine left = prefill on the decode engine)."""
+        prefills = [link for link in self.registry.engines("prefill") if link.control_address not in excluded]
+        decodes = self.registry.engines("decode")
+        decodes = [link for link in decodes if link.control_address not in excluded] or decodes
+        return self.policy.route(token_ids, prefills, decodes, force_local)

@@ -1,0 +1,257 @@
+"""One choice of one request, end to end: pick engines, send the prompt to both at once, relay the
+decode engine's tokens as text, apply stop strings, and clean up.
+
+    ChoiceRunner(gateway, spec, request_id).events()  ->  ChoiceDelta ... (the last has finish_reason)
+
+Failures, in order of preference:
+  * an engine leaves routing (missed heartbeats, stopped) or cannot take the request before any
+    token reached the client: submit again elsewhere (a new engine request id, at most max_retries);
+    a failed prefill engine makes the retry prefill on the decode engine;
+  * the decode engine rejects the request before any token: the client's fault, a 400 with its words;
+  * anything after tokens were streamed: EngineFailed. A non-streaming request has streamed nothing,
+    so it may restart from scratch: `restartable` runners yield Restarted(index), and the caller
+    drops what it gathered for that choice.
+Whatever ends the choice (finish, stop string, error, the client leaving = the consumer closing the
+generator), `Submission.close` runs and aborts the request on every engine still working on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtransfer.control import GenerateRequest, PrefillRequest, TokenDelta
+from kvtransfer.protocol import Abort
+from router.errors import EngineFailed, InvalidRequest, RequestTimeout
+from router.link import EngineGone, EngineUnreachable
+from router.policies import Route
+
+log = logging.getLogger("pdserve.router.generation")
+
+
+
+@dataclass(frozen=True)
+class ChoiceSpec:
+    index: int
+    prompt_token_ids: list[int]
+    fields: dict[str, Any]  # kvtransfer.control.SamplingFields keyword arguments
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class ChoiceDelta:
+    """What one engine delta adds to a choice, as the client will see it."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """Yielded by a restartable runner that starts a choice over: drop what was gathered for it."""
+
+    index: int
+
+
+class _Retry(Exception):
+    def __init__(self, reason: str, *, exclude: str | None = None, force_local: bool = False) -> None:
+        super().__init__(reason)
+        self.exclude = exclude
+        self.force_local = force_local
+
+
+class _Sink:
+    """What an EngineLink puts deltas into: the request's queue, each item tagged with its source."""
+
+    __slots__ = ("queue", "source")
+
+    def __init__(self, queue: asyncio.Queue, source: str) -> None:
+        self.queue, self.source = queue, source
+
+    def put_nowait(self, item: Any) -> None:
+        self.queue.put_nowait((self.source, item))
+
+
+class Submission:
+    """One attempt of a choice on one route: the engine request and the streams that carry it."""
+
+    def __init__(self, route: Route, request_id: str) -> None:
+        self.route = route
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False  # the decode engine ended the request itself: nothing to abort
+        route.decode.open_stream(request_id, _Sink(self.queue, "decode"))
+        if route.prefill is not None:
+            route.prefill.open_stream(request_id, _Sink(self.queue, "prefill"))
+
+    def submit(self, spec: ChoiceSpec) -> None:
+        """Send the prompt to the prefill and the decode engine at once (EngineUnreachable -> _Retry)."""
+        decode, prefill = self.route.decode, self.route.prefill
+        prompt = tuple(spec.prompt_token_ids)
+        if prefill is not None:
+            try:
+                prefill.send(PrefillRequest(request_id=self.request_id, prompt_token_ids=prompt, **spec.fields))
+            except EngineUnreachable as exc:
+                raise _Retry(str(exc), exclude=prefill.control_address) from exc
+        kv_address = prefill.info.kv_address if prefill is not None else None
+        try:
+            decode.send(GenerateRequest(request_id=self.request_id, prompt_token_ids=prompt,
+                                        prefill_kv_address=kv_address, **spec.fields))
+        except EngineUnreachable as exc:
+            raise _Retry(str(exc), exclude=decode.control_address) from exc
+
+    def release_prefill(self) -> None:
+        """The KV has arrived (tokens flow): the prefill engine's part is over, whatever becomes of it."""
+        if self.route.prefill is not None:
+            self.route.prefill.close_stream(self.request_id)
+            self.route = Route(self.route.decode, None, self.route.num_uncached_tokens)
+
+    def close(self) -> None:
+        for link in filter(None, (self.route.decode, self.route.prefill)):
+            link.close_stream(self.request_id)
+            if not self.finished:
+                link.try_send(Abort(request_id=self.request_id, reason="the router ended the request"))
+
+
+class ChoiceRunner:
+    def __init__(self, gateway: Any, spec: ChoiceSpec, request_id: str, *, deadline: float,
+                 restartable: bool = False) -> None:
+        self.gateway = gateway  # router.gateway.Gateway
+        self.spec = spec
+        self.request_id = request_id
+        self.deadline = deadline  # loop time
+        self.restartable = restartable
+        self.token_ids: list[int] = []
+
+    async def events(self) -> AsyncIterator[ChoiceDelta | Restarted]:
+        attempt, force_local, excluded = 0, False, set()
+        while True:
+            emitted, retry = False, None
+            submission: Submission | None = None
+            try:
+                route = self.gateway.route(self.spec.prompt_token_ids, excluded, force_local)
+                submission = Submission(route, f"{self.request_id}-{self.spec.index}.{attempt}")
+                submission.submit(self.spec)
+                async for delta in self._relay(submission):
+                    emitted = True
+                    yield delta
+                return
+            except _Retry as exc:
+                retry = exc
+            finally:
+                if submission is not None:
+                    submission.close()
+            if attempt >= self.gateway.config.max_retries or (emitted and not self.restartable):
+                raise EngineFailed(f"the request failed and cannot be retried: {retry}")
+            log.warning("request %s choice %d: %s; retrying", self.request_id, self.spec.index, retry)
+            attempt += 1
+            force_local = force_local or retry.force_local
+            if retry.exclude:
+                excluded.add(retry.exclude)
+            if emitted:
+                yield Restarted(self.spec.index)
+
+    async def _relay(self, submission: Submission) -> AsyncIterator[ChoiceDelta]:
+        detokenizer = self.gateway.tokenization.detokenizer(
+            self.spec.prompt_token_ids, self.spec.skip_special_tokens, self.spec.stop)
+        self.token_ids = []
+        while True:
+            source, item = await self._next(submission.queue)
+            if source == "prefill" and self.token_ids:
+                continue  # news from the prefill engine after its KV arrived no longer matters
+            if isinstance(item, EngineGone):
+                raise _Retry(f"{source} engine {item.engine_id} left ({item.reason})",
+                             exclude=getattr(submission.route, source).control_address,
+                             force_local=source == "prefill")
+            if item.finish_reason in ("error", "abort"):
+                self._failed(source, item)
+            submission.finished = item.finish_reason is not None
+            delta = self._consume(item, detokenizer)
+            if delta.token_ids:
+                submission.release_prefill()
+            if delta.finish_reason is not None:
+                self.gateway.policy.record_output(submission.route.decode,
+                                                  self.spec.prompt_token_ids + self.token_ids)
+                yield delta
+                return
+            if delta.token_ids or delta.text:
+                yield delta
+
+    def _failed(self, source: str, delta: TokenDelta) -> None:
+        """An engine ended the request with an error or abort: retry, or raise what the client sees."""
+        message = delta.error or f"the {source} engine ended the request ({delta.finish_reason})"
+        if source == "prefill":
+            raise _Retry(f"prefill failed: {message}", force_local=True)
+        if not self.token_ids and delta.finish_reason == "error":
+            raise InvalidRequest(message)
+        raise EngineFailed(f"the decode engine failed the request: {message}")
+
+    def _consume(self, delta: TokenDelta, detokenizer: Any) -> ChoiceDelta:
+        new_ids: list[int] = []
+        for token_id in delta.token_ids:
+            new_ids.append(token_id)
+            detokenizer.add_tokens([token_id])
+            if detokenizer.stopped_by is not None:
+                break
+        self.token_ids.extend(new_ids)
+        finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
+        if detokenizer.stopped_by is not None:
+            finish_reason, stop_reason = "stop", detokenizer.stopped_by
+        text = detokenizer.take_new_text(finished=finish_reason is not None)
+        return ChoiceDelta(self.spec.index, text, new_ids, list(delta.logprobs[:len(new_ids)]),
+                           finish_reason, stop_reason)
+
+    async def _next(self, queue: asyncio.Queue) -> tuple[str, Any]:
+        if not queue.empty():
+            return queue.get_nowait()
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                return await queue.get()
+        except TimeoutError:
+            raise RequestTimeout("the request took longer than the router's request timeout: raise "
+                                 "--request-timeout or lower max_tokens") from None
+
+
+async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
+    """Items of several async iterators as they come; the first error cancels the rest."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait((item, None))
+            queue.put_nowait((done, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            queue.put_nowait((done, exc))
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,173 @@
+"""EngineLink: the router's DEALER socket to one engine's control ROUTER, on the asyncio loop.
+
+One reader task per link decodes what the engine sends and routes each TokenDelta by request id to
+the asyncio.Queue of the request waiting for it. Sends never wait: a message the engine cannot take
+right now (not connected, or its queue is full) raises EngineUnreachable at once, so a request can
+go elsewhere instead of hanging on a dead peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from kvtransfer.control import EngineStats, Register, StatsRequest, TokenDelta
+from kvtransfer.errors import KVTransferError, ProtocolError
+from kvtransfer.protocol import MAX_FRAME_BYTES, Error, Message, decode, encode
+
+log = logging.getLogger("pdserve.router.link")
+
+LINK_HWM = 100_000  # messages queued per link; beyond it the engine is treated as unreachable
+
+
+class EngineUnreachable(Exception):
+    """A message could not be handed to an engine's socket."""
+
+
+@dataclass(frozen=True)
+class EngineGone:
+    """Put in a request's queue when its engine left routing (missed heartbeats, deregistered, closed)."""
+
+    engine_id: str
+    reason: str
+
+
+class EngineLink:
+    def __init__(self, control_address: str, context: zmq.asyncio.Context, *, static: bool = False) -> None:
+        self.control_address = control_address
+        self.static = static  # given on the command line (polled), not registered
+        self.info: Register | None = None  # what the engine said about itself
+        self.stats: EngineStats | None = None
+        self.label = control_address  # metric label; the registry sets the engine id
+        self.up = False  # routable: the link answered and heartbeats are on time
+        self.last_seen = time.monotonic()
+        self.num_received = 0  # messages that came back over this link: > 0 means it works
+        self.num_inflight = 0  # requests the router has open on this engine
+        self.pending_tokens = 0  # prompt tokens sent since the last stats (load not yet reported)
+        self.streams: dict[str, asyncio.Queue] = {}
+        self._stats_waiters: list[asyncio.Future] = []
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IMMEDIATE, 1)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, LINK_HWM)
+        self.socket.setsockopt(zmq.RCVHWM, LINK_HWM)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.socket.connect(control_address)
+        self._reader = asyncio.create_task(self._read_loop(), name=f"link {control_address}")
+
+    @property
+    def engine_id(self) -> str:
+        return self.info.engine_id if self.info else self.control_address
+
+    @property
+    def role(self) -> str | None:
+        return self.info.role if self.info else None
+
+    # ---- sending ----
+
+    def send(self, msg: Message) -> None:
+        """Hand msg to the socket now or raise EngineUnreachable."""
+        try:
+            self.socket.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False).result()
+        except zmq.Again:
+            raise EngineUnreachable(f"engine {self.engine_id} at {self.control_address} is not connected "
+                                    f"or not taking messages") from None
+        except (zmq.ZMQError, KVTransferError) as exc:
+            raise EngineUnreachable(f"send to engine {self.engine_id} failed: {exc}") from exc
+
+    def try_send(self, msg: Message) -> bool:
+        try:
+            self.send(msg)
+            return True
+        except EngineUnreachable as exc:
+            log.debug("%s", exc)
+            return False
+
+    # ---- streams ----
+
+    def open_stream(self, request_id: str, queue: asyncio.Queue) -> None:
+        self.streams[request_id] = queue
+        self.num_inflight += 1
+
+    def close_stream(self, request_id: str) -> None:
+        if self.streams.pop(request_id, None) is not None:
+            self.num_inflight -= 1
+
+    def fail_streams(self, reason: str) -> None:
+        gone = EngineGone(self.engine_id, reason)
+        for queue in self.streams.values():
+            queue.put_nowait(gone)
+
+    # ---- stats ----
+
+    async def fresh_stats(self, timeout: float) -> EngineStats | None:
+        """Ask the engine for its stats now; the previous ones if it does not answer in time."""
+        future = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(future)
+        try:
+            if self.try_send_stats_request():
+                return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if future in self._stats_waiters:
+                self._stats_waiters.remove(future)
+        return self.stats
+
+    def try_send_stats_request(self) -> bool:
+        return self.try_send(StatsRequest())
+
+    def set_stats(self, stats: EngineStats) -> None:
+        self.stats = stats
+        self.pending_tokens = 0
+        self.last_seen = time.monotonic()
+        for future in self._stats_waiters:
+            if not future.done():
+                future.set_result(stats)
+        self._stats_waiters.clear()
+
+    # ---- receiving ----
+
+    async def _read_loop(self) -> None:
+        while True:
+            parts = await self.socket.recv_multipart(copy=False)
+            try:
+                msg, _ = decode(parts)
+            except ProtocolError as exc:
+                log.warning("engine %s sent a bad message: %s", self.engine_id, exc)
+                continue
+            self.last_seen = time.monotonic()
+            self.num_received += 1
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, TokenDelta):
+            queue = self.streams.get(msg.request_id)
+            if queue is not None:
+                queue.put_nowait(msg)
+        elif isinstance(msg, EngineStats):
+            self.set_stats(msg)
+        elif isinstance(msg, Register):
+            self.info = msg
+        elif isinstance(msg, Error):
+            self._on_error(msg)
+
+    def _on_error(self, msg: Error) -> None:
+        log.warning("engine %s answered with an error (%s): %s", self.engine_id, msg.code, msg.message)
+        queue = self.streams.get(msg.request_id) if msg.request_id else None
+        if queue is not None:
+            queue.put_nowait(TokenDelta(request_id=msg.request_id, finish_reason="error", error=msg.message))
+
+    async def close(self) -> None:
+        self.up = False
+        self._reader.cancel()
+        try:
+            await self._reader
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing; the reader's end is moot
+            pass
+        self.socket.close(linger=0)

@@ -1,0 +1,99 @@
+"""Prometheus metrics of one router (prometheus_client, a registry per router).
+
+Request metrics are recorded as requests end. Engine metrics are read at scrape time from what
+the engines last reported (/metrics asks every engine first), so an engine that left routing
+simply disappears from the next scrape. Engines report cumulative KV bytes; transfer latency is not
+reported by the engines yet, so there is no latency series for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.link import EngineLink
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# (name, help, EngineStats field); gauges are levels, counters are the engines' cumulative totals
+ENGINE_GAUGES = (
+    ("pdserve_kv_blocks_used", "KV cache blocks in use", "kv_blocks_used"),
+    ("pdserve_kv_blocks_total", "KV cache blocks the engine has", "kv_blocks_total"),
+    ("pdserve_num_requests_waiting", "requests waiting to be scheduled", "num_waiting"),
+    ("pdserve_num_requests_running", "requests in the running batch", "num_running"),
+    ("pdserve_num_requests_waiting_for_remote_kv", "requests waiting for KV from a prefill engine",
+     "num_waiting_for_remote_kv"),
+    ("pdserve_queued_prefill_tokens", "prompt tokens waiting to be prefilled", "queued_prefill_tokens"),
+)
+ENGINE_COUNTERS = (
+    ("pdserve_kv_bytes_sent", "KV bytes sent to decode engines", "kv_bytes_sent"),
+    ("pdserve_kv_bytes_received", "KV bytes received from prefill engines", "kv_bytes_received"),
+    ("pdserve_kv_transfers_failed", "KV transfers that failed", "num_kv_transfers_failed"),
+    ("pdserve_num_preemptions", "requests preempted for lack of KV blocks", "num_preemptions"),
+)
+
+
+class EngineCollector(Collector):
+    """Per-engine series, labelled engine (id) and role, from the registry's links."""
+
+    def __init__(self, links: dict[str, EngineLink]) -> None:
+        self.links = links
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["engine", "role"]
+        links = [link for link in self.links.values() if link.info is not None]
+        up = GaugeMetricFamily("pdserve_engine_up", "1 while the engine is in routing", labels=labels)
+        inflight = GaugeMetricFamily("pdserve_engine_requests_in_flight",
+                                     "requests the router has open on the engine", labels=labels)
+        for link in links:
+            up.add_metric([link.label, link.role], 1.0 if link.up else 0.0)
+            inflight.add_metric([link.label, link.role], link.num_inflight)
+        yield up
+        yield inflight
+        reporting = [link for link in links if link.stats is not None]
+        for name, help_text, attribute in ENGINE_GAUGES:
+            family = GaugeMetricFamily(name, help_text, labels=labels)
+            for link in reporting:
+                family.add_metric([link.label, link.role], getattr(link.stats, attribute))
+            yield family
+        for name, help_text, attribute in ENGINE_COUNTERS:
+            family = CounterMetricFamily(name, help_text, labels=labels)
+            for link in reporting:
+                family.add_metric([link.label, link.role], getattr(link.stats, attribute))
+            yield family
+
+
+class RouterMetrics:
+    def __init__(self, links: dict[str, EngineLink]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pdserve_requests", "HTTP API requests by endpoint and status code",
+                                ["endpoint", "status"], registry=self.registry)
+        self.finished = Counter("pdserve_finished_choices", "choices finished, by finish reason",
+                                ["finish_reason"], registry=self.registry)
+        self.in_flight = Gauge("pdserve_requests_in_flight", "API requests being served",
+                               registry=self.registry)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of finished requests",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "tokens generated",
+                                         registry=self.registry)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "mean time per token after the first",
+                              buckets=TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "arrival to last token",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(EngineCollector(links))
+
+    def observe_request(self, *, ttft: float | None, e2e: float, num_prompt_tokens: int,
+                        num_generated_tokens: int) -> None:
+        self.e2e.observe(e2e)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_generated_tokens)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if num_generated_tokens > 1:
+                self.tpot.observe((e2e - ttft) / (num_generated_tokens - 1))

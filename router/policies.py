@@ -1,0 +1,165 @@
+"""Which engines serve a prompt: a decode engine, and a prefill engine unless the prompt is prefilled
+on the decode engine itself (no prefill engines = colocated mode, or a short uncached prompt).
+
+Prefill side:  round_robin | least_loaded (queued prefill tokens) | prefix_aware (where the prompt's
+               leading blocks were recently prefilled, among engines whose load is within
+               PREFIX_BALANCE_TOKENS of the least loaded one).
+Decode side:   round_robin | least_kv (fraction of KV blocks used).
+
+Load figures come from the engines' heartbeats, plus what the router sent since the last one
+(`pending_tokens`), so a burst of requests does not all land on the engine that looked idle.
+The prefix index mirrors each engine's cache with the engines' own block hashes
+(engine.block_pool.compute_block_hashes), so router and engines agree on what a block is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.block_pool import BlockHash, compute_block_hashes
+from router.config import RouterConfig
+from router.errors import NoEngineAvailable
+from router.link import EngineLink
+
+PREFIX_BALANCE_TOKENS = 4096  # prefix_aware prefers a cache hit unless its engine is this much busier
+DEFAULT_INDEX_BLOCKS = 65536  # prefix index size of an engine that has not reported its cache size
+
+
+class PrefixIndex:
+    """The block hashes one engine computed recently, least recently used first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._hashes: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def num_matched_blocks(self, hashes: Sequence[BlockHash]) -> int:
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in self._hashes:
+                break
+            count += 1
+        return count
+
+    def add(self, hashes: Sequence[BlockHash]) -> None:
+        for block_hash in hashes:
+            self._hashes[block_hash] = None
+            self._hashes.move_to_end(block_hash)
+        while len(self._hashes) > self.capacity:
+            self._hashes.popitem(last=False)
+
+
+class PromptHashes:
+    """A prompt's block hash chain, computed once per block size."""
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = token_ids
+        self._by_block_size: dict[int, list[BlockHash]] = {}
+
+    def for_block_size(self, block_size: int) -> list[BlockHash]:
+        if block_size not in self._by_block_size:
+            self._by_block_size[block_size] = compute_block_hashes(self.token_ids, block_size)
+        return self._by_block_size[block_size]
+
+
+@dataclass(frozen=True)
+class Route:
+    decode: EngineLink
+    prefill: EngineLink | None  # None: the decode engine prefills the prompt itself
+    num_uncached_tokens: int  # prompt tokens the decode engine's cache (as the router knows it) lacks
+
+
+def _block_size(link: EngineLink) -> int:
+    return link.info.block_size if link.info else 16
+
+
+class RoutingPolicy:
+    def __init__(self, config: RouterConfig) -> None:
+        self.prefill_policy = config.prefill_policy
+        self.decode_policy = config.decode_policy
+        self.local_prefill_threshold = config.local_prefill_threshold
+        self._next = {"prefill": 0, "decode": 0}
+        self._indexes: dict[str, PrefixIndex] = {}  # control address -> index
+
+    def route(self, token_ids: Sequence[int], prefills: list[EngineLink], decodes: list[EngineLink],
+              force_local: bool = False) -> Route:
+        if not decodes:
+            raise NoEngineAvailable("no decode engine is available: start one (`pdserve decode --router-address ...`) "
+                                    "or wait until a registered engine answers its heartbeats")
+        hashes = PromptHashes(token_ids)
+        decode = self._pick_decode(decodes)
+        decode_hashes = hashes.for_block_size(_block_size(decode))
+        num_cached = self.index(decode).num_matched_blocks(decode_hashes) * _block_size(decode)
+        num_uncached = len(token_ids) - num_cached
+        prefill = None
+        if prefills and not force_local and num_uncached > self.local_prefill_threshold:
+            prefill = self._pick_prefill(prefills, hashes)
+            self.index(prefill).add(hashes.for_block_size(_block_size(prefill)))
+            prefill.pending_tokens += num_uncached
+        self.index(decode).add(decode_hashes)
+        decode.pending_tokens += len(token_ids)
+        return Route(decode, prefill, num_uncached)
+
+    def index(self, link: EngineLink) -> PrefixIndex:
+        index = self._indexes.get(link.control_address)
+        if index is None:
+            capacity = link.stats.kv_blocks_total if link.stats else DEFAULT_INDEX_BLOCKS
+            index = self._indexes[link.control_address] = PrefixIndex(max(capacity, 1))
+        return index
+
+    def record_output(self, link: EngineLink, token_ids: Sequence[int]) -> None:
+        """A finished sequence (prompt + output) is cached on its decode engine: the next chat turn hits it."""
+        self.index(link).add(compute_block_hashes(token_ids, _block_size(link)))
+
+    def forget(self, link: EngineLink) -> None:
+        """An engine left (or restarted): what it cached is gone."""
+        self._indexes.pop(link.control_address, None)
+
+    # ---- choices ----
+
+    def _round_robin(self, side: str, links: list[EngineLink]) -> EngineLink:
+        ordered = sorted(links, key=lambda link: link.control_address)
+        link = ordered[self._next[side] % len(ordered)]
+        self._next[side] += 1
+        return link
+
+    def _pick_decode(self, decodes: list[EngineLink]) -> EngineLink:
+        if self.decode_policy == "round_robin" or len(decodes) == 1:
+            return self._round_robin("decode", decodes)
+        return min(decodes, key=lambda link: (kv_usage(link), link.num_inflight, link.control_address))
+
+    def _pick_prefill(self, prefills: list[EngineLink], hashes: PromptHashes) -> EngineLink:
+        if self.prefill_policy == "round_robin" or len(prefills) == 1:
+            return self._round_robin("prefill", prefills)
+        if self.prefill_policy == "least_loaded":
+            return min(prefills, key=lambda link: (prefill_load(link), link.num_inflight, link.control_address))
+        return self._prefix_aware(prefills, hashes)
+
+    def _prefix_aware(self, prefills: list[EngineLink], hashes: PromptHashes) -> EngineLink:
+        least_load = min(prefill_load(link) for link in prefills)
+        candidates = [link for link in prefills if prefill_load(link) <= least_load + PREFIX_BALANCE_TOKENS]
+
+        def preference(link: EngineLink) -> tuple:
+            block_size = _block_size(link)
+            num_matched = self.index(link).num_matched_blocks(hashes.for_block_size(block_size)) * block_size
+            return -num_matched, prefill_load(link), link.num_inflight, link.control_address
+        return min(candidates, key=preference)
+
+
+def prefill_load(link: EngineLink) -> int:
+    """Prompt tokens waiting to be prefilled on the engine (reported + sent since)."""
+    queued = link.stats.queued_prefill_tokens if link.stats else 0
+    return queued + link.pending_tokens
+
+
+def kv_usage(link: EngineLink) -> float:
+    """Fraction of the engine's KV blocks in use, counting prompts sent since its last report."""
+    if link.stats is None or link.stats.kv_blocks_total == 0:
+        return 0.0
+    pending_blocks = math.ceil(link.pending_tokens / _block_size(link))
+    return (link.stats.kv_blocks_used + pending_blocks) / link.stats.kv_blocks_total

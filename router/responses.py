@@ -1,0 +1,221 @@
+"""Response bodies and stream chunks of /v1/completions and /v1/chat/completions.
+
+A formatter knows one endpoint's shapes; the API code feeds it ChoiceDeltas. Streams are
+server-sent events: `data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`. With
+stream_options.include_usage every chunk carries "usage": null and one last chunk, with no
+choices, carries the usage. return_token_ids (vLLM's extension) adds prompt_token_ids and token_ids.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.generation import ChoiceDelta
+from router.tokenization import Tokenization
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ChoiceTotal:
+    """A choice gathered whole (non-streaming responses, and the usage of streams)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+@dataclass
+class Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+class Formatter:
+    object_name = ""
+    chunk_object_name = ""
+    id_prefix = ""
+
+    def __init__(self, model: str, tokenization: Tokenization, prompts: list[Prompt], n: int, *,
+                 num_logprobs: int | None, return_token_ids: bool, include_usage: bool) -> None:
+        self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.tokenization = tokenization
+        self.prompts = prompts
+        self.n = n
+        self.num_logprobs = num_logprobs
+        self.return_token_ids = return_token_ids
+        self.include_usage = include_usage
+        self.totals = [ChoiceTotal() for _ in range(len(prompts) * n)]
+        self._started: set[int] = set()  # choices that streamed their first chunk
+
+    def prompt_of(self, index: int) -> Prompt:
+        return self.prompts[index // self.n]
+
+    def usage(self) -> dict[str, int]:
+        num_prompt = sum(len(p.token_ids) for p in self.prompts)
+        num_completion = sum(len(t.token_ids) for t in self.totals)
+        return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                "total_tokens": num_prompt + num_completion}
+
+    def _envelope(self, choices: list[dict], obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        """The stream chunk of a delta; None when it shows the client nothing (tokens that do not
+        complete a character yet, with neither token ids nor logprobs asked for)."""
+        offset = len(self.totals[delta.index].text)
+        self.totals[delta.index].add(delta)
+        if not (delta.text or delta.finish_reason or self.return_token_ids or self.num_logprobs is not None):
+            return None
+        first = delta.index not in self._started
+        self._started.add(delta.index)
+        body = self._envelope([self._chunk_choice(delta, first, offset)], self.chunk_object_name)
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self._envelope([], self.chunk_object_name), "usage": self.usage()}
+
+    def body(self) -> dict[str, Any]:
+        choices = [self._body_choice(index, total) for index, total in enumerate(self.totals)]
+        return {**self._envelope(choices, self.object_name), "usage": self.usage()}
+
+    def _chunk_choice(self, delta: ChoiceDelta, first: bool, offset: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _body_choice(self, index: int, total: ChoiceTotal) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _top(self, logprobs: dict[int, float]) -> list[tuple[int, float]]:
+        ranked = sorted(logprobs.items(), key=lambda item: -item[1])
+        return ranked[:self.num_logprobs or 0]
+
+
+def _logprob(value: float | None) -> float | None:
+    return None if value is None else max(float(value), MIN_LOGPROB)
+
+
+class CompletionFormatter(Formatter):
+    object_name = chunk_object_name = "text_completion"
+    id_prefix = "cmpl-"
+
+    def __init__(self, *args: Any, echo: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.echo = echo
+
+    def _echo_text(self, index: int) -> str:
+        prompt = self.prompt_of(index)
+        return prompt.text if prompt.text is not None else self.tokenization.decode(prompt.token_ids)
+
+    def _choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]],
+                finish_reason: str | None, stop_reason: Any, offset: int, with_prompt_ids: bool) -> dict[str, Any]:
+        choice = {"index": index, "text": text,
+                  "logprobs": self._logprobs(token_ids, logprobs, offset) if self.num_logprobs is not None else None,
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
+        if self.return_token_ids:
+            if with_prompt_ids:
+                choice["prompt_token_ids"] = self.prompt_of(index).token_ids
+            choice["token_ids"] = token_ids
+        return choice
+
+    def _chunk_choice(self, delta: ChoiceDelta, first: bool, offset: int) -> dict[str, Any]:
+        text = (self._echo_text(delta.index) if self.echo and first else "") + delta.text
+        return self._choice(delta.index, text, delta.token_ids, delta.logprobs, delta.finish_reason,
+                            delta.stop_reason, offset, first)
+
+    def _body_choice(self, index: int, total: ChoiceTotal) -> dict[str, Any]:
+        text = (self._echo_text(index) if self.echo else "") + total.text
+        return self._choice(index, text, total.token_ids, total.logprobs, total.finish_reason,
+                            total.stop_reason, 0, True)
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int) -> dict[str, Any]:
+        result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, candidates in zip(token_ids, logprobs):
+            text = self.tokenization.token_text(token_id)
+            result["tokens"].append(text)
+            result["token_logprobs"].append(_logprob(candidates.get(token_id)))
+            top = dict(self._top(candidates))
+            top.setdefault(token_id, candidates.get(token_id))
+            result["top_logprobs"].append({self.tokenization.token_text(k): _logprob(v) for k, v in top.items()})
+            result["text_offset"].append(offset)
+            offset += len(text)
+        return result
+
+
+class ChatFormatter(Formatter):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def role_chunks(self) -> list[dict[str, Any]]:
+        """The first chunk of every choice: the assistant role, no content yet."""
+        chunks = []
+        for index in range(len(self.totals)):
+            choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}
+            body = self._envelope([choice], self.chunk_object_name)
+            if self.return_token_ids and index == 0:
+                body["prompt_token_ids"] = self.prompts[0].token_ids
+            if self.include_usage:
+                body["usage"] = None
+            chunks.append(body)
+        return chunks
+
+    def _chunk_choice(self, delta: ChoiceDelta, first: bool, offset: int) -> dict[str, Any]:
+        choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                  "logprobs": self._logprobs(delta.token_ids, delta.logprobs),
+                  "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return choice
+
+    def _body_choice(self, index: int, total: ChoiceTotal) -> dict[str, Any]:
+        choice = {"index": index, "message": {"role": "assistant", "content": total.text},
+                  "logprobs": self._logprobs(total.token_ids, total.logprobs),
+                  "finish_reason": total.finish_reason, "stop_reason": total.stop_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = total.token_ids
+        return choice
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        if self.return_token_ids:
+            body["prompt_token_ids"] = self.prompts[0].token_ids
+        return body
+
+    def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
+        text = self.tokenization.token_text(token_id)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, Any] | None:
+        if self.num_logprobs is None:
+            return None
+        content = []
+        for token_id, candidates in zip(token_ids, logprobs):
+            entry = self._entry(token_id, candidates.get(token_id))
+            entry["top_logprobs"] = [self._entry(k, v) for k, v in self._top(candidates)]
+            content.append(entry)
+        return {"content": content}

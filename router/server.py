@@ -1,0 +1,57 @@
+"""run(config): the router's HTTP server (uvicorn) on a socket bound before it starts, so port 0
+works and the PDSERVE_READY line names the real address:
+
+    PDSERVE_READY role=router url=http://127.0.0.1:8000 registration=tcp://127.0.0.1:7000
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import uvicorn
+
+from router.api import create_app
+from router.config import RouterConfig
+from router.gateway import Gateway
+
+log = logging.getLogger("pdserve.router")
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
+    # without it every streamed chunk waits ~40 ms for the client's delayed ACK (Nagle).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({exc}): pick a free --port (0 = any)") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+
+
+def run(config: RouterConfig) -> int:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s router %(name)s %(levelname)s %(message)s")
+    sock = bind_http(config.host, config.port)
+    port = sock.getsockname()[1]
+    gateway = Gateway(config)  # loads the tokenizer now: a bad model fails before READY
+
+    def ready(gateway: Gateway) -> None:
+        address = gateway.registry.registration_address
+        registration = f" registration={address}" if address else ""
+        print(f"PDSERVE_READY role=router url={_url(config.host, port)}{registration}", flush=True)
+
+    app = create_app(config, gateway, on_started=[ready])
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level.lower(), access_log=False,
+                                           timeout_graceful_shutdown=5, lifespan="on"))
+    server.run(sockets=[sock])
+    return 0

@@ -1,0 +1,108 @@
+"""Validated API requests -> ChoiceSpecs the engines can run: token limits against the context
+length, sampling fields, n x prompts fan-out. Everything refused here is a 400 that names the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.request import InvalidRequestError, SamplingParams
+from kvtransfer.control import SamplingFields
+from kvtransfer.errors import ProtocolError
+from router.errors import InvalidRequest
+from router.generation import ChoiceSpec
+from router.schemas import MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+
+def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, param: str) -> int:
+    """max_tokens for the engine: as asked, or the rest of the context when not given."""
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequest(f"the prompt has {num_prompt_tokens} tokens but the model's context length is "
+                             f"{max_model_len} tokens, which leaves no room to generate: shorten the prompt",
+                             param=param)
+    if requested is None:
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + requested > max_model_len:
+        raise InvalidRequest(f"the model's context length is {max_model_len} tokens, but the prompt has "
+                             f"{num_prompt_tokens} tokens and max_tokens asks for {requested} more: shorten the "
+                             f"prompt or lower max_tokens to at most {max_model_len - num_prompt_tokens}",
+                             param="max_tokens")
+    return requested
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int | None, param: str) -> None:
+    if not token_ids:
+        raise InvalidRequest("the prompt is empty: send at least one token", param=param)
+    if vocab_size is None:
+        return
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab_size})", param=param)
+
+
+def sampling_fields(request: SamplingRequest, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+    """SamplingFields keyword arguments, checked by the engine's own rules before anything is sent."""
+    fields = {
+        "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
+        "min_p": request.min_p, "seed": request.seed, "repetition_penalty": request.repetition_penalty,
+        "presence_penalty": request.presence_penalty, "frequency_penalty": request.frequency_penalty,
+        "max_tokens": max_tokens, "min_tokens": request.min_tokens,
+        "stop_token_ids": tuple(request.stop_token_ids or ()), "ignore_eos": request.ignore_eos,
+        "logprobs": logprobs,
+    }
+    try:
+        SamplingParams(**fields)  # the engine's checks (e.g. min_tokens <= max_tokens), as a 400 here
+        SamplingFields(**fields)  # the wire bounds
+    except (InvalidRequestError, ProtocolError) as exc:
+        raise InvalidRequest(str(exc)) from exc
+    return fields
+
+
+def _check_common(request: SamplingRequest, num_prompts: int, max_n: int) -> None:
+    if len(request.stop_strings()) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop has {len(request.stop_strings())} strings: send at most {MAX_STOP_STRINGS}",
+                             param="stop")
+    if request.n * num_prompts > max_n:
+        raise InvalidRequest(f"n={request.n} x {num_prompts} prompt(s) asks for {request.n * num_prompts} "
+                             f"choices, over this server's limit of {max_n}: send several requests",
+                             param="n")
+
+
+def _specs(request: SamplingRequest, prompts: list[list[int]], fields_of: list[dict]) -> list[ChoiceSpec]:
+    specs = []
+    for prompt_index, (token_ids, fields) in enumerate(zip(prompts, fields_of)):
+        for sample in range(request.n):
+            seeded = dict(fields)
+            if fields["seed"] is not None and sample:  # distinct samples, still reproducible
+                seeded["seed"] = (fields["seed"] + sample) % (1 << 63)
+            specs.append(ChoiceSpec(prompt_index * request.n + sample, token_ids, seeded,
+                                    request.stop_strings(), request.skip_special_tokens))
+    return specs
+
+
+def completion_specs(request: CompletionRequest, prompts: list[list[int]], max_model_len: int,
+                     vocab_size: int | None, max_n: int) -> list[ChoiceSpec]:
+    if request.suffix:
+        raise InvalidRequest("suffix is not supported: put the text in the prompt", param="suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise InvalidRequest("best_of is not supported: use n to get several completions", param="best_of")
+    if request.echo and request.logprobs is not None:
+        raise InvalidRequest("echo with logprobs needs prompt logprobs, which this server does not compute: "
+                             "drop one of them", param="echo")
+    _check_common(request, len(prompts), max_n)
+    fields_of = []
+    for token_ids in prompts:
+        check_token_ids(token_ids, vocab_size, "prompt")
+        max_tokens = resolve_max_tokens(len(token_ids), request.max_tokens, max_model_len, "prompt")
+        fields_of.append(sampling_fields(request, max_tokens, request.logprobs))
+    return _specs(request, prompts, fields_of)
+
+
+def chat_specs(request: ChatCompletionRequest, token_ids: list[int], max_model_len: int,
+               max_n: int) -> list[ChoiceSpec]:
+    if request.top_logprobs is not None and not request.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+    _check_common(request, 1, max_n)
+    check_token_ids(token_ids, None, "messages")
+    max_tokens = resolve_max_tokens(len(token_ids), request.max_new_tokens(), max_model_len, "messages")
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return _specs(request, [token_ids], [sampling_fields(request, max_tokens, logprobs)])

@@ -1,0 +1,183 @@
+"""Serving one API request once it is validated: run its choices, then answer with the whole
+response or stream it as server-sent events. Also: admission (429), the client leaving (its work is
+aborted on every engine: generation.Submission.close), and the request metrics.
+
+A streamed response waits for the first event before sending its status line, so an error the
+engines report before any token (a 400, a 503) is still a proper HTTP error; after that, errors
+travel in the stream as `data: {"error": ...}` followed by `data: [DONE]`, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from router.errors import APIError
+from router.gateway import Gateway
+from router.generation import ChoiceDelta, ChoiceRunner, Restarted, merge
+from router.responses import SSE_DONE, ChatFormatter, ChoiceTotal, Formatter, sse
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request was being served."""
+
+
+def endpoint_label(request: Request) -> str:
+    """The metrics label of a request's path: unknown paths share one label (no label per probe)."""
+    return request.url.path if request.url.path in ENDPOINTS else "other"
+
+
+class _Timing:
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.first_token: float | None = None
+
+    def saw(self, delta: ChoiceDelta) -> None:
+        if self.first_token is None and delta.token_ids:
+            self.first_token = time.monotonic()
+
+    def record(self, gateway: Gateway, formatter: Formatter) -> None:
+        usage = formatter.usage()
+        gateway.metrics.observe_request(
+            ttft=None if self.first_token is None else self.first_token - self.start,
+            e2e=time.monotonic() - self.start, num_prompt_tokens=usage["prompt_tokens"],
+            num_generated_tokens=usage["completion_tokens"])
+        for total in formatter.totals:
+            if total.finish_reason is not None:
+                gateway.metrics.finished.labels(total.finish_reason).inc()
+
+
+async def _until_disconnect(request: Request, awaitable: Awaitable) -> Any:
+    """Await `awaitable`, cancelling it (ClientGone) if the client disconnects first."""
+    task = asyncio.current_task()
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await awaitable
+    except asyncio.CancelledError:
+        if gone:
+            task.uncancel()
+            raise ClientGone() from None
+        raise
+    finally:
+        watcher.cancel()
+
+
+async def respond(gateway: Gateway, request: Request, specs: list, formatter: Formatter, stream: bool) -> Response:
+    gateway.admit()
+    handed_over = False
+    try:
+        deadline = asyncio.get_running_loop().time() + gateway.config.request_timeout_s
+        runners = [ChoiceRunner(gateway, spec, formatter.id, deadline=deadline, restartable=not stream)
+                   for spec in specs]
+        events = merge([runner.events() for runner in runners])
+        timing = _Timing()
+        if not stream:
+            return await _respond_whole(gateway, request, events, formatter, timing)
+        try:
+            first = await _until_disconnect(request, anext(events))
+        except BaseException:
+            await events.aclose()
+            raise
+        handed_over = True
+        outcome = _StreamOutcome(gateway, endpoint_label(request), events, formatter, timing)
+        return _EventStream(_stream(first, events, formatter, timing, outcome), outcome)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        if not handed_over:
+            gateway.release()
+
+
+async def _respond_whole(gateway: Gateway, request: Request, events: AsyncIterator, formatter: Formatter,
+                         timing: _Timing) -> Response:
+    async def gather() -> None:
+        async with aclosing(events):
+            async for event in events:
+                if isinstance(event, Restarted):
+                    formatter.totals[event.index] = ChoiceTotal()
+                    continue
+                timing.saw(event)
+                formatter.totals[event.index].add(event)
+
+    await _until_disconnect(request, gather())
+    timing.record(gateway, formatter)
+    gateway.metrics.requests.labels(endpoint_label(request), "200").inc()
+    return JSONResponse(formatter.body())
+
+
+class _StreamOutcome:
+    """What must happen once a stream ends, however it ends (even if it never started streaming):
+    the engines' work aborted, the admission released, the metrics recorded."""
+
+    def __init__(self, gateway: Gateway, endpoint: str, events: AsyncIterator, formatter: Formatter,
+                 timing: _Timing) -> None:
+        self.gateway, self.endpoint, self.events, self.formatter, self.timing = \
+            gateway, endpoint, events, formatter, timing
+        self.status = str(CLIENT_CLOSED_REQUEST)  # until the stream says otherwise
+
+    async def close(self) -> None:
+        try:
+            await self.events.aclose()
+        finally:
+            self.gateway.release()
+            self.timing.record(self.gateway, self.formatter)
+            self.gateway.metrics.requests.labels(self.endpoint, self.status).inc()
+
+
+class _EventStream(StreamingResponse):
+    def __init__(self, content: AsyncIterator[str], outcome: _StreamOutcome) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.outcome = outcome
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.outcome.close()
+
+
+def _sse_of(delta: ChoiceDelta, formatter: Formatter, timing: _Timing) -> list[str]:
+    timing.saw(delta)
+    chunk = formatter.chunk(delta)
+    return [] if chunk is None else [sse(chunk)]
+
+
+async def _stream(first: ChoiceDelta, events: AsyncIterator, formatter: Formatter, timing: _Timing,
+                  outcome: _StreamOutcome) -> AsyncIterator[str]:
+    async with aclosing(events):
+        try:
+            if isinstance(formatter, ChatFormatter):
+                for chunk in formatter.role_chunks():
+                    yield sse(chunk)
+            for text in _sse_of(first, formatter, timing):
+                yield text
+            async for event in events:
+                for text in _sse_of(event, formatter, timing):
+                    yield text
+        except APIError as exc:  # the status line is sent: report the error in the stream, as vLLM does
+            outcome.status = str(exc.status_code)
+            yield sse(exc.body())
+            yield SSE_DONE
+            return
+    if formatter.include_usage:
+        yield sse(formatter.usage_chunk())
+    yield SSE_DONE
+    outcome.status = "200"

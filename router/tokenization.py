@@ -1,0 +1,88 @@
+"""The model's tokenizer and chat template (transformers), and prompts -> token ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import load_tokenizer
+from router.errors import InvalidRequest
+from router.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+
+class Tokenization:
+    def __init__(self, model: str) -> None:
+        self.tokenizer = load_tokenizer(model)
+
+    # ---- prompts ----
+
+    def completion_prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of each prompt of a completion request (a string, token ids, or a batch)."""
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return [self._text_prompt(prompt)]
+        if not prompt:
+            raise InvalidRequest("prompt is an empty list: send a string, a list of token ids, or a batch of them",
+                                 param="prompt")
+        if isinstance(prompt[0], int):
+            return [(None, list(prompt))]
+        return [self._text_prompt(p) if isinstance(p, str) else (None, list(p)) for p in prompt]
+
+    def _text_prompt(self, text: str) -> tuple[str, list[int]]:
+        return text, self.tokenizer.encode(text)
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The chat template applied to the messages, then tokenized (the template adds the special tokens)."""
+        if request.tools and request.tool_choice != "none":
+            raise InvalidRequest("tool calling is not supported by this server: send the request without `tools` "
+                                 "(or with tool_choice=\"none\")", param="tools")
+        if request.response_format and request.response_format.get("type", "text") != "text":
+            raise InvalidRequest("structured output (response_format) is not supported: ask for JSON in the prompt",
+                                 param="response_format")
+        if request.continue_final_message and request.add_generation_prompt:
+            raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true: "
+                                 "set add_generation_prompt=false to continue the last message",
+                                 param="continue_final_message")
+        text = self._render_chat(request)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _render_chat(self, request: ChatCompletionRequest) -> str:
+        if self.tokenizer.chat_template is None:
+            raise InvalidRequest("this model has no chat template: use /v1/completions with a plain prompt",
+                                 param="messages")
+        messages = [_message_dict(m, index) for index, m in enumerate(request.messages)]
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message, **(request.chat_template_kwargs or {}))
+        except Exception as exc:  # noqa: BLE001 - jinja and transformers raise many kinds for a bad conversation
+            raise InvalidRequest(f"the chat template cannot render these messages: {exc}", param="messages") from exc
+
+    # ---- output ----
+
+    def detokenizer(self, prompt_token_ids: list[int], skip_special_tokens: bool,
+                    stop: tuple[str, ...]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens, stop)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, for logprobs (a piece of a multi-byte character shows as U+FFFD)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
+    """A message as chat templates expect it: content as one string (text parts joined by newlines)."""
+    extra = {k: v for k, v in (message.model_extra or {}).items() if v is not None}
+    content = message.content
+    if isinstance(content, list):
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise InvalidRequest(f"messages[{index}] has a {part.type!r} content part: this server serves a "
+                                     f"text-only model, so send text parts only", param="messages")
+        content = "\n".join(part.text for part in content)
+    result = {**extra, "role": message.role, "content": content or ""}
+    if message.name is not None:
+        result["name"] = message.name
+    return result

@@ -1,0 +1,157 @@
+"""Router test helpers: an in-process router (the real app, real ZeroMQ, fake engines) and
+`pdserve up` as a real subprocess with the real openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[2]
+UP_TIMEOUT_S = 180
+# Small blocks so prompts span several; float32 so HTTP output equals the offline engine's.
+ENGINE_ARGS = ("--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "512", "--max-num-batched-tokens", "64")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_factory) -> str:
+    return model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tokenization(tiny_model):
+    from router.tokenization import Tokenization
+
+    return Tokenization(tiny_model)
+
+
+# ---- the router in this process ----
+
+@contextlib.asynccontextmanager
+async def router_app(model_dir: str, tokenization, **overrides):
+    """(gateway, httpx client) for a router app served in this event loop; engines register at
+    gateway.registry.registration_address."""
+    from router.api import create_app
+    from router.config import RouterConfig
+    from router.gateway import Gateway
+
+    settings = {"registration_address": "tcp://127.0.0.1:0", "heartbeat_timeout_s": 0.6, "stats_interval_s": 0.2,
+                "request_timeout_s": 30.0, **overrides}
+    config = RouterConfig(model=model_dir, served_model_name="tiny", **settings)
+    gateway = Gateway(config, tokenization)
+    app = create_app(config, gateway)
+    await gateway.start()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router", timeout=30)
+    try:
+        yield gateway, client
+    finally:
+        await client.aclose()
+        await gateway.close()
+
+
+async def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout}s")
+        await asyncio.sleep(0.02)
+
+
+def assert_openai_error(response: httpx.Response, status: int, *, type_: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if type_ is not None:
+        assert error["type"] == type_
+    return error
+
+
+# ---- `pdserve up` as a subprocess ----
+
+class UpProcess:
+    """`python -m pdserve up ...`; waits for its PDSERVE_READY role=up line."""
+
+    def __init__(self, model_dir: str, log_dir: Path, *args: str, env: dict | None = None) -> None:
+        self.log_dir = log_dir
+        command = [sys.executable, "-m", "pdserve", "up", "--model", model_dir, "--port", "0",
+                   "--log-dir", str(log_dir), "--log-level", "warning", *ENGINE_ARGS, *args]
+        self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+        self.lines: list[str] = []
+        self.url = self._wait_ready()["url"]
+
+    def _wait_ready(self) -> dict[str, str]:
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.process.stdout], [], [], 1.0)
+            if ready:
+                line = self.process.stdout.readline()
+                self.lines.append(line)
+                if line.startswith("PDSERVE_READY role=up"):
+                    return dict(item.split("=", 1) for item in line.split()[1:])
+            if self.process.poll() is not None:
+                break
+        self.stop()
+        raise RuntimeError("pdserve up did not become ready:\n" + "".join(self.lines) + self.logs())
+
+    def pid_of(self, name: str) -> int:
+        line = next(line for line in self.lines if line.startswith(f"[pdserve up] {name} ready"))
+        return int(line.split(" pid ")[1].split(",")[0])
+
+    def ready_line(self, name: str) -> dict[str, str]:
+        """The PDSERVE_READY fields a component printed in its log."""
+        for line in (self.log_dir / f"{name}.log").read_text().splitlines():
+            if line.startswith("PDSERVE_READY"):
+                return dict(item.split("=", 1) for item in line.split()[1:])
+        raise KeyError(name)
+
+    def logs(self) -> str:
+        return "".join(f"\n--- {path.name}\n{path.read_text()[-3000:]}" for path in sorted(self.log_dir.glob("*.log")))
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process.stdout.close()
+        return self.process.returncode
+
+
+def scrape(url: str, api_key: str | None = None) -> dict[str, dict[tuple, float]]:
+    """/metrics as {metric name: {label values: value}} (counters under their sample name)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    metrics: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            metrics.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return metrics
+
+
+def kv_blocks_used(url: str) -> dict[tuple, float]:
+    return scrape(url).get("pdserve_kv_blocks_used", {})
+
+
+def wait_no_kv_used(url: str, timeout: float = 20.0) -> dict[tuple, float]:
+    """Poll /metrics until no engine holds a KV block; returns the last reading."""
+    deadline = time.monotonic() + timeout
+    while True:
+        used = kv_blocks_used(url)
+        if used and all(value == 0 for value in used.values()):
+            return used
+        if time.monotonic() > deadline:
+            return used
+        time.sleep(0.1)

@@ -1,0 +1,161 @@
+"""A scripted engine on real ZeroMQ sockets, for router tests that need an engine to misbehave on
+cue (stop heartbeating, go silent, fail a prefill) without loading a model.
+
+It speaks the real control protocol: Register/EngineStats heartbeats to the router's registration
+socket, DescribeRequest/StatsRequest/Abort/GenerateRequest/PrefillRequest on its control socket.
+A decode request streams `max_tokens` tokens, one TokenDelta per `token_delay_s`:
+token i = (last prompt token + 1 + i) % vocab_size, the last delta with finish_reason "length"
+(or the tokens of `script`, the last with finish_reason "stop").
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvtransfer.control import (
+    DescribeRequest,
+    EngineStats,
+    GenerateRequest,
+    PrefillRequest,
+    Register,
+    StatsRequest,
+    TokenDelta,
+)
+from kvtransfer.errors import KVTransferError
+from kvtransfer.protocol import Abort
+from kvtransfer.transport import KVClient, KVServer
+
+VOCAB_SIZE = 1024
+
+
+def fake_tokens(prompt_token_ids, count: int) -> list[int]:
+    return [(prompt_token_ids[-1] + 1 + i) % VOCAB_SIZE for i in range(count)]
+
+
+@dataclass
+class _Active:
+    peer_id: bytes
+    tokens: list[int]
+    next_at: float
+    sent: int = 0
+
+
+@dataclass
+class FakeEngine:
+    role: str = "decode"
+    engine_id: str = "fake"
+    router_address: str | None = None
+    token_delay_s: float = 0.01
+    max_model_len: int = 512
+    fail_prefill: bool = False  # answer every PrefillRequest with an error
+    reject_with: str | None = None  # answer every GenerateRequest with this error, before any token
+    script: list[int] | None = None  # emit these tokens (then "stop") instead of counting up
+    heartbeat_interval_s: float = 0.1
+    beating: threading.Event = field(default_factory=threading.Event)  # set: send heartbeats
+    answering: threading.Event = field(default_factory=threading.Event)  # set: handle control messages
+    received: list = field(default_factory=list)  # every request message, in order
+    aborted: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.control = KVServer("tcp://127.0.0.1:0")
+        self.kv_address = "tcp://127.0.0.1:9" if self.role == "prefill" else None
+        self.active: dict[str, _Active] = {}
+        self._stop = threading.Event()
+        self._registration = KVClient(self.router_address) if self.router_address else None
+        self.beating.set()
+        self.answering.set()
+        self._thread = threading.Thread(target=self._run, name=f"fake-{self.engine_id}", daemon=True)
+        self._thread.start()
+
+    @property
+    def control_address(self) -> str:
+        return self.control.address
+
+    def register_msg(self) -> Register:
+        return Register(engine_id=self.engine_id, role=self.role, control_address=self.control_address,
+                        kv_address=self.kv_address, block_size=4, max_model_len=self.max_model_len,
+                        vocab_size=VOCAB_SIZE, heartbeat_interval_s=self.heartbeat_interval_s)
+
+    def stats_msg(self) -> EngineStats:
+        return EngineStats(engine_id=self.engine_id, role=self.role, num_waiting=0, num_running=len(self.active),
+                           kv_blocks_used=len(self.active), kv_blocks_total=100, queued_prefill_tokens=0)
+
+    def generate_requests(self) -> list[GenerateRequest]:
+        return [msg for msg in self.received if isinstance(msg, GenerateRequest)]
+
+    # ---- the loop ----
+
+    def _run(self) -> None:
+        next_beat = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if self._registration is not None and self.beating.is_set() and now >= next_beat:
+                next_beat = now + self.heartbeat_interval_s
+                self._beat()
+            if self.answering.is_set():
+                self._handle_control()
+                self._stream(now)
+            else:
+                time.sleep(0.002)
+
+    def _beat(self) -> None:
+        for msg in (self.register_msg(), self.stats_msg()):
+            try:
+                self._registration.send(msg, timeout=0.05)
+            except KVTransferError:
+                pass
+
+    def _handle_control(self) -> None:
+        routed = self.control.recv(timeout=0.002)
+        if routed is None:
+            return
+        msg, peer_id = routed.msg, routed.peer_id
+        if isinstance(msg, StatsRequest):
+            self._reply(peer_id, self.stats_msg())
+        elif isinstance(msg, DescribeRequest):
+            self._reply(peer_id, self.register_msg())
+        elif isinstance(msg, Abort):
+            self.aborted.append(msg.request_id)
+            self.active.pop(msg.request_id, None)
+        elif isinstance(msg, PrefillRequest):
+            self.received.append(msg)
+            if self.fail_prefill:
+                self._reply(peer_id, TokenDelta(request_id=msg.request_id, finish_reason="error",
+                                                error="fake prefill failure"))
+        elif isinstance(msg, GenerateRequest):
+            self.received.append(msg)
+            if self.reject_with is not None:
+                self._reply(peer_id, TokenDelta(request_id=msg.request_id, finish_reason="error",
+                                                error=self.reject_with))
+                return
+            tokens = self.script or fake_tokens(msg.prompt_token_ids, msg.max_tokens or 16)
+            self.active[msg.request_id] = _Active(peer_id, tokens, time.monotonic() + self.token_delay_s)
+
+    def _stream(self, now: float) -> None:
+        for request_id, active in list(self.active.items()):
+            if now < active.next_at:
+                continue
+            token = active.tokens[active.sent]
+            active.sent += 1
+            active.next_at = now + self.token_delay_s
+            last = active.sent == len(active.tokens)
+            finish_reason = ("stop" if self.script else "length") if last else None
+            self._reply(active.peer_id, TokenDelta(request_id=request_id, token_ids=(token,),
+                                                   finish_reason=finish_reason))
+            if last:
+                del self.active[request_id]
+
+    def _reply(self, peer_id: bytes, msg) -> None:
+        try:
+            self.control.send(peer_id, msg, timeout=0.5)
+        except KVTransferError:
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.control.close()
+        if self._registration is not None:
+            self._registration.close()

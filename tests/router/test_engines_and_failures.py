@@ -1,0 +1,255 @@
+"""The router app in this process over real ZeroMQ, against scripted engines (tests/router/fake_engine.py):
+registration, heartbeats, static engines, retries, stop strings, 429/503/400 — the paths a real
+model cannot be made to walk on cue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from kvtransfer.control import GenerateRequest
+from tests.router.conftest import assert_openai_error, router_app, wait_until
+from tests.router.fake_engine import FakeEngine, fake_tokens
+
+PROMPT_IDS = [5, 6, 7, 8, 9]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def completion(max_tokens: int = 6, **extra) -> dict:
+    return {"prompt": PROMPT_IDS, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+async def _engines(gateway, *specs) -> list[FakeEngine]:
+    engines = [FakeEngine(router_address=gateway.registry.registration_address, **spec) for spec in specs]
+    await wait_until(lambda: all(any(link.up and link.control_address == e.control_address
+                                     for link in gateway.registry.links.values()) for e in engines),
+                     what="engines in routing")
+    return engines
+
+
+def _close(engines) -> None:
+    for engine in engines:
+        engine.close()
+
+
+def test_no_engine_is_503_and_health_says_so(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            response = await client.post("/v1/completions", json=completion())
+            assert "decode engine" in assert_openai_error(response, 503, type_="server_error")["message"]
+            health = await client.get("/health")
+            assert health.status_code == 503 and health.json()["engines"] == {"prefill": 0, "decode": 0}
+    run(scenario())
+
+
+def test_registered_engine_serves_completions(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            engines = await _engines(gateway, {"engine_id": "d0"})
+            try:
+                body = (await client.post("/v1/completions", json=completion(return_token_ids=True))).json()
+                expected = fake_tokens(PROMPT_IDS, 6)
+                choice = body["choices"][0]
+                assert choice["token_ids"] == expected and choice["prompt_token_ids"] == PROMPT_IDS
+                assert choice["text"] == tokenization.decode(expected)
+                assert choice["finish_reason"] == "length"
+                assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+                health = (await client.get("/health")).json()
+                assert health == {"status": "ok", "engines": {"prefill": 0, "decode": 1}}
+            finally:
+                _close(engines)
+    run(scenario())
+
+
+def test_engine_that_misses_heartbeats_leaves_and_its_request_is_retried(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            stuck, = await _engines(gateway, {"engine_id": "stuck", "token_delay_s": 60})
+            request = asyncio.create_task(client.post("/v1/completions", json=completion()))
+            await wait_until(lambda: stuck.generate_requests(), what="request on the first engine")
+            healthy, = await _engines(gateway, {"engine_id": "healthy"})
+            stuck.beating.clear()
+            stuck.answering.clear()  # hung: no heartbeats, no tokens
+            try:
+                response = await asyncio.wait_for(request, 10)
+                assert response.status_code == 200, response.text
+                assert response.json()["choices"][0]["finish_reason"] == "length"
+                assert len(healthy.generate_requests()) == 1, "the retry went to the engine that is alive"
+                assert [link.engine_id for link in gateway.registry.engines("decode")] == ["healthy"]
+            finally:
+                _close([stuck, healthy])
+    run(scenario())
+
+
+def test_engine_lost_mid_stream_ends_the_stream_with_an_error(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            engine, = await _engines(gateway, {"engine_id": "d0", "token_delay_s": 0.05})
+
+            async def go_silent():
+                await wait_until(lambda: any(a.sent >= 2 for a in engine.active.values()), what="tokens streamed")
+                engine.beating.clear()
+                engine.answering.clear()
+            silencer = asyncio.create_task(go_silent())
+            try:
+                response = await client.post("/v1/completions", json=completion(max_tokens=200, stream=True))
+                await silencer
+                events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+                assert events[-1] == "[DONE]"
+                error = json.loads(events[-2])["error"]
+                assert error["code"] == "engine_failed" and "cannot be retried" in error["message"]
+                assert any(json.loads(e).get("choices") for e in events[:-2]), "tokens streamed before the loss"
+            finally:
+                _close([engine])
+    run(scenario())
+
+
+def test_stop_string_aborts_the_decode_engine(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            engine, = await _engines(gateway, {"engine_id": "d0"})
+            try:
+                tokens = fake_tokens(PROMPT_IDS, 40)
+                texts = [tokenization.decode(tokens[:i]) for i in range(len(tokens) + 1)]
+                cut = next(i for i in range(3, 40) if len(texts[i]) > len(texts[i - 1]) and texts[i][-1].strip())
+                stop = texts[cut][-1]
+                expected = texts[cut][:texts[cut].index(stop)]
+                body = (await client.post("/v1/completions", json=completion(max_tokens=40, stop=[stop]))).json()
+                choice = body["choices"][0]
+                assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+                assert choice["text"] == expected
+                assert body["usage"]["completion_tokens"] < 40
+                await wait_until(lambda: engine.aborted, what="Abort at the engine")
+                assert engine.aborted[0] == engine.generate_requests()[0].request_id
+            finally:
+                _close([engine])
+    run(scenario())
+
+
+def test_over_the_concurrency_limit_is_429(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization, max_concurrent_requests=1) as (gateway, client):
+            engine, = await _engines(gateway, {"engine_id": "d0", "token_delay_s": 0.05})
+            try:
+                first = asyncio.create_task(client.post("/v1/completions", json=completion(max_tokens=10)))
+                await wait_until(lambda: engine.generate_requests(), what="first request admitted")
+                second = await client.post("/v1/completions", json=completion())
+                assert_openai_error(second, 429)
+                assert (await first).status_code == 200
+                assert (await client.post("/v1/completions", json=completion())).status_code == 200
+            finally:
+                _close([engine])
+    run(scenario())
+
+
+def test_failed_prefill_falls_back_to_prefill_on_the_decode_engine(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            prefill, decode = await _engines(gateway, {"role": "prefill", "engine_id": "p0", "fail_prefill": True},
+                                             {"engine_id": "d0", "token_delay_s": 0.02})
+            try:
+                response = await client.post("/v1/completions", json=completion())
+                assert response.status_code == 200, response.text
+                first, retry = decode.generate_requests()
+                assert first.prefill_kv_address == prefill.kv_address, "the first attempt was disaggregated"
+                assert retry.prefill_kv_address is None, "the retry prefills on the decode engine"
+                await wait_until(lambda: first.request_id in decode.aborted, what="first attempt aborted")
+            finally:
+                _close([prefill, decode])
+    run(scenario())
+
+
+def test_static_engines_are_described_polled_and_disaggregated(tiny_model, tokenization):
+    async def scenario():
+        prefill, decode = FakeEngine(role="prefill", engine_id="p0"), FakeEngine(engine_id="d0")
+        try:
+            async with router_app(tiny_model, tokenization, registration_address=None,
+                                  prefill_addresses=(prefill.control_address,),
+                                  decode_addresses=(decode.control_address,)) as (gateway, client):
+                await wait_until(lambda: len(gateway.registry.engines("prefill")) == 1
+                                 and len(gateway.registry.engines("decode")) == 1, what="static engines up")
+                assert (await client.post("/v1/completions", json=completion())).status_code == 200
+                generate, = decode.generate_requests()
+                assert generate.prefill_kv_address == prefill.kv_address, "the KV address was discovered"
+                assert prefill.received[0].request_id == generate.request_id
+                decode.answering.clear()  # a static engine that stops answering leaves routing ...
+                await wait_until(lambda: not gateway.registry.engines("decode"), what="silent engine out")
+                decode.answering.set()  # ... and comes back when it answers again
+                await wait_until(lambda: gateway.registry.engines("decode"), what="engine back")
+        finally:
+            _close([prefill, decode])
+    run(scenario())
+
+
+def test_engine_rejection_before_any_token_is_400(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            engine, = await _engines(gateway, {"engine_id": "d0", "reject_with": "temperature is wrong: fix it"})
+            try:
+                response = await client.post("/v1/completions", json=completion())
+                assert assert_openai_error(response, 400)["message"] == "temperature is wrong: fix it"
+                streamed = await client.post("/v1/completions", json=completion(stream=True))
+                assert_openai_error(streamed, 400)
+            finally:
+                _close([engine])
+    run(scenario())
+
+
+def test_api_key_is_enforced_on_v1_only(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization, api_key="sesame") as (gateway, client):
+            engine, = await _engines(gateway, {"engine_id": "d0"})
+            try:
+                missing = await client.post("/v1/completions", json=completion())
+                assert assert_openai_error(missing, 401)["code"] == "invalid_api_key"
+                wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
+                assert_openai_error(wrong, 401)
+                right = await client.post("/v1/completions", json=completion(),
+                                          headers={"Authorization": "Bearer sesame"})
+                assert right.status_code == 200
+                assert (await client.get("/health")).status_code == 200
+                assert (await client.get("/metrics")).status_code == 200
+            finally:
+                _close([engine])
+    run(scenario())
+
+
+def test_n_choices_are_fanned_out_with_distinct_seeds(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            engine, = await _engines(gateway, {"engine_id": "d0"})
+            try:
+                body = (await client.post("/v1/completions", json=completion(n=3, seed=11, temperature=0.8))).json()
+                assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+                assert body["usage"]["completion_tokens"] == 18 and body["usage"]["prompt_tokens"] == 5
+                seeds = sorted(msg.seed for msg in engine.generate_requests())
+                assert seeds == [11, 12, 13]
+                assert all(isinstance(msg, GenerateRequest) for msg in engine.received)
+            finally:
+                _close([engine])
+    run(scenario())
+
+
+def test_streamed_text_is_whole_characters_across_token_boundaries(tiny_model, tokenization):
+    text = "naïve café — 你好, wörld ✓"
+    script = tokenization.tokenizer.encode(text)
+    assert len(script) > len(text.split()), "multi-byte characters span several byte-level tokens"
+
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            engine, = await _engines(gateway, {"engine_id": "d0", "script": script, "token_delay_s": 0.002})
+            try:
+                response = await client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 100})
+                chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                          if line.startswith("data: {")]
+                pieces = [c["choices"][0]["delta"].get("content", "") for c in chunks]
+                assert "".join(pieces) == text
+                assert not any("\ufffd" in piece for piece in pieces)
+                assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+            finally:
+                _close([engine])
+    run(scenario())

@@ -1,0 +1,148 @@
+"""compose files and Dockerfile checked without Docker (every command must be a real `pdserve`
+command line), `pdserve up`'s process plan, and `up` failing loudly when a component dies at start."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from argparse import Namespace
+
+import pytest
+import yaml
+
+from pdserve.cli import _build_parser
+from pdserve.up import engine_components, split_cpus
+from tests.router.conftest import REPO
+
+VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def interpolate(value: str) -> str:
+    """Compose's ${VAR:-default} with no variables set."""
+    return VARIABLE.sub(lambda m: m.group(2) or "", value)
+
+
+def load_compose(name: str) -> dict:
+    return yaml.safe_load((REPO / name).read_text())
+
+
+def parse_command(command: list[str]) -> Namespace:
+    return _build_parser().parse_args([interpolate(part) for part in command])
+
+
+def option(command: list[str], flag: str) -> str:
+    return interpolate(command[command.index(flag) + 1])
+
+
+def port_of(address: str) -> str:
+    return address.rsplit(":", 1)[1]
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml"])
+def test_compose_services_use_real_cli_flags_and_find_each_other(name):
+    services = load_compose(name)["services"]
+    assert {"router", "prefill", "decode"} <= set(services)
+    parsed = {service: parse_command(spec["command"]) for service, spec in services.items()}
+    assert parsed["router"].command == "router" and parsed["router"].host == "0.0.0.0"
+    assert parsed["prefill"].command == "prefill" and parsed["decode"].command == "decode"
+    registration_port = port_of(parsed["router"].registration_address)
+    for role in ("prefill", "decode"):
+        engine = parsed[role]
+        # engines find the router by service name, so `--scale` replicas register themselves
+        assert engine.router_address == f"tcp://router:{registration_port}"
+        assert engine.control_address.startswith("tcp://0.0.0.0:"), "bind every interface of the container"
+        assert engine.model == parsed["router"].model, "router tokenizer and engine weights come from one model"
+    assert parsed["prefill"].kv_address.startswith("tcp://0.0.0.0:")
+    published = [interpolate(p) for p in services["router"]["ports"]]
+    assert published == [f"8000:{parsed['router'].port}"]
+    for spec in services.values():
+        assert "hf-cache:/root/.cache/huggingface" in spec["volumes"]
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml"])
+def test_compose_healthchecks_probe_what_each_service_serves(name):
+    services = load_compose(name)["services"]
+    for service in ("router", "prefill", "decode"):
+        test = services[service]["healthcheck"]["test"]
+        assert test[:4] == ["CMD", "python", "-m", "router.probe"], test
+        command = services[service]["command"]
+        if service == "router":
+            assert test[4] == f"http://127.0.0.1:{option(command, '--port')}/health"
+        else:
+            assert test[4] == f"tcp://127.0.0.1:{port_of(option(command, '--control-address'))}"
+    assert subprocess.run([sys.executable, "-m", "router.probe", "--help"], cwd=REPO,
+                          capture_output=True).returncode == 0
+
+
+def test_gpu_compose_puts_prefill_on_gpu0_and_decode_on_gpu1():
+    services = load_compose("compose.yaml")["services"]
+    for service, gpu in (("prefill", "0"), ("decode", "1")):
+        devices = services[service]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "device_ids": [gpu], "capabilities": ["gpu"]}]
+        assert parse_command(services[service]["command"]).device == "cuda"
+    assert "deploy" not in services["router"]
+
+
+def test_cpu_compose_has_no_gpu_and_builds_its_own_demo_model():
+    services = load_compose("compose.cpu.yaml")["services"]
+    assert all("deploy" not in spec for spec in services.values())
+    assert all(parse_command(services[role]["command"]).device == "cpu" for role in ("prefill", "decode"))
+    demo = parse_command(services["demo-model"]["command"])
+    assert demo.command == "demo-model" and demo.dir == parse_command(services["router"]["command"]).model
+    for service in ("router", "prefill", "decode"):
+        assert services[service]["depends_on"]["demo-model"]["condition"] == "service_completed_successfully"
+
+
+def test_dockerfile_installs_every_package_and_runs_pdserve():
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["pdserve"]' in dockerfile
+    assert "HF_HOME=/root/.cache/huggingface" in dockerfile, "the compose hf-cache volume is HF_HOME"
+    pyproject = (REPO / "pyproject.toml").read_text()
+    packages = re.search(r"include = \[(.*?)\]", pyproject).group(1)
+    for package in re.findall(r'"(\w+)\*"', packages):
+        assert f"COPY {package} ./{package}" in dockerfile, f"the image lacks the {package} package"
+    cmd = re.search(r"^CMD (\[.*\])$", dockerfile, re.M).group(1)
+    assert _build_parser().parse_args(yaml.safe_load(cmd)).command == "up"
+
+
+def up_args(*argv: str) -> Namespace:
+    return _build_parser().parse_args(["up", *argv])
+
+
+def test_up_plans_pinned_cpu_engines_on_disjoint_cores(monkeypatch):
+    assert split_cpus([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3]]
+    assert split_cpus([0, 1], 3) == [[0], [1], [0]], "more engines than cores: shared, with a warning"
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
+    components = engine_components(up_args("--prefill", "1", "--decode", "2", "--pin-cpus"), "/m", "tcp://r:1")
+    assert [c.cpus for c in components] == [[0, 1], [2, 3], [4, 5]]
+    for component in components:
+        parsed = _build_parser().parse_args(component.command[3:])  # after `python -m pdserve`
+        assert parsed.router_address == "tcp://r:1" and parsed.model == "/m"
+        assert component.env["OMP_NUM_THREADS"] == str(len(component.cpus))
+    assert [c.name for c in components] == ["prefill-0", "decode-0", "decode-1"]
+
+
+def test_up_plans_one_gpu_per_engine():
+    components = engine_components(up_args("--device", "cuda", "--prefill", "1", "--decode", "2"), "/m", "tcp://r:1")
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in components] == ["0", "1", "2"]
+    pinned = engine_components(up_args("--device", "cuda", "--prefill-devices", "3", "--decode-devices", "5,6"),
+                               "/m", "tcp://r:1")
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in pinned] == ["3", "5"]
+    assert all(_build_parser().parse_args(c.command[3:]).device == "cuda" for c in pinned)
+
+
+def test_up_exits_nonzero_with_the_log_of_a_component_that_dies_at_start(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path / "no-model"),
+                             "--port", "0", "--log-dir", str(tmp_path / "logs")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "router exited with code" in result.stderr
+    assert "tokenizer" in result.stderr, "the router's own words are shown"
+    assert "[pdserve up] stopped" in result.stdout
+
+
+def test_up_refuses_a_plan_without_decode_engines():
+    result = subprocess.run([sys.executable, "-m", "pdserve", "up", "--decode", "0"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "at least one decode engine" in result.stderr

@@ -1,0 +1,112 @@
+"""Routing policies on engines described by what they reported (no sockets needed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from engine.block_pool import compute_block_hashes
+from kvtransfer.control import EngineStats, Register
+from router.config import RouterConfig
+from router.errors import NoEngineAvailable
+from router.policies import PREFIX_BALANCE_TOKENS, PrefixIndex, RoutingPolicy
+
+BLOCK = 4
+
+
+@dataclass
+class Link:
+    """The parts of router.link.EngineLink that policies read."""
+
+    control_address: str
+    role: str = "decode"
+    kv_blocks_used: int = 0
+    queued_prefill_tokens: int = 0
+    num_inflight: int = 0
+    pending_tokens: int = 0
+    info: Register = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.info = Register(engine_id=self.control_address, role=self.role, control_address=self.control_address,
+                             kv_address="tcp://127.0.0.1:9" if self.role == "prefill" else None,
+                             block_size=BLOCK, max_model_len=512, vocab_size=1024)
+
+    @property
+    def stats(self) -> EngineStats:  # the latest report: the fields above
+        return EngineStats(engine_id=self.control_address, role=self.role, num_waiting=0, num_running=0,
+                           kv_blocks_used=self.kv_blocks_used, kv_blocks_total=100,
+                           queued_prefill_tokens=self.queued_prefill_tokens)
+
+
+def policy(**overrides) -> RoutingPolicy:
+    return RoutingPolicy(RouterConfig(model="m", served_model_name="m", **overrides))
+
+
+def test_no_decode_engine_is_503():
+    with pytest.raises(NoEngineAvailable):
+        policy().route([1, 2, 3], [Link("p", "prefill")], [])
+
+
+def test_round_robin_alternates_on_both_sides():
+    rr = policy(prefill_policy="round_robin", decode_policy="round_robin")
+    prefills, decodes = [Link("p1", "prefill"), Link("p0", "prefill")], [Link("d0"), Link("d1")]
+    routes = [rr.route([i, i + 1, i + 2, i + 3, i + 4], prefills, decodes) for i in range(4)]
+    assert [r.prefill.control_address for r in routes] == ["p0", "p1", "p0", "p1"]
+    assert [r.decode.control_address for r in routes] == ["d0", "d1", "d0", "d1"]
+
+
+def test_least_kv_counts_prompts_sent_since_the_last_report():
+    least = policy(decode_policy="least_kv")
+    busy, idle = Link("busy", kv_blocks_used=50), Link("idle", kv_blocks_used=10)
+    assert least.route(list(range(8)), [], [busy, idle]).decode is idle
+    assert idle.pending_tokens == 8
+    idle.pending_tokens = 45 * BLOCK  # a burst the heartbeat has not reported yet
+    assert least.route(list(range(8)), [], [busy, idle]).decode is busy
+
+
+def test_no_prefill_engine_or_short_uncached_prompt_prefills_on_decode():
+    colocated = policy().route(list(range(20)), [], [Link("d")])
+    assert colocated.prefill is None and colocated.num_uncached_tokens == 20
+    conditional = policy(local_prefill_threshold=8)
+    prefills, decodes = [Link("p", "prefill")], [Link("d")]
+    assert conditional.route(list(range(5)), prefills, decodes).prefill is None, "5 tokens <= 8: local"
+    assert conditional.route(list(range(100, 140)), prefills, decodes).prefill is not None, "40 tokens: remote"
+    # the decode engine now holds those 40 tokens: a follow-up sharing them has 6 uncached tokens
+    follow_up = conditional.route(list(range(100, 140)) + [7] * 6, prefills, decodes)
+    assert follow_up.num_uncached_tokens == 6 and follow_up.prefill is None
+    assert conditional.route(list(range(100, 140)) + [7] * 6, prefills, decodes, force_local=True).prefill is None
+
+
+def test_prefix_aware_follows_the_cache_unless_that_engine_is_much_busier():
+    aware = policy(prefill_policy="prefix_aware")
+    p0, p1 = Link("p0", "prefill"), Link("p1", "prefill", queued_prefill_tokens=10)
+    decodes = [Link("d")]
+    shared = list(range(64))
+    assert aware.route(shared + [1], [p0, p1], decodes).prefill is p0, "no hit anywhere: least loaded"
+    p0.pending_tokens = p1.pending_tokens = 0
+    p0.queued_prefill_tokens = 500  # busier, but within the balance window
+    assert aware.route(shared + [2], [p0, p1], decodes).prefill is p0, "the prefix lives on p0"
+    p0.pending_tokens = p1.pending_tokens = 0
+    p0.queued_prefill_tokens = 10 + PREFIX_BALANCE_TOKENS + 1
+    assert aware.route(shared + [3], [p0, p1], decodes).prefill is p1, "too busy: load wins"
+
+
+def test_least_loaded_prefill_and_forgetting_an_engine():
+    least = policy(prefill_policy="least_loaded")
+    p0, p1 = Link("p0", "prefill", queued_prefill_tokens=300), Link("p1", "prefill")
+    assert least.route(list(range(10)), [p0, p1], [Link("d")]).prefill is p1
+    index = least.index(p1)
+    assert index.num_matched_blocks(compute_block_hashes(list(range(10)), BLOCK)) == 2
+    least.forget(p1)
+    assert least.index(p1).num_matched_blocks(compute_block_hashes(list(range(10)), BLOCK)) == 0
+
+
+def test_prefix_index_is_lru_bounded():
+    index = PrefixIndex(capacity=3)
+    hashes = compute_block_hashes(list(range(20)), BLOCK)  # 5 blocks
+    index.add(hashes[:3])
+    assert index.num_matched_blocks(hashes) == 3
+    index.add(hashes[3:5])  # evicts the two oldest
+    assert len(index) == 3 and index.num_matched_blocks(hashes) == 0
+    assert index.num_matched_blocks(hashes[2:]) == 3

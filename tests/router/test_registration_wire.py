@@ -1,0 +1,67 @@
+"""The engine side of registration: the new control messages on the wire, the advertised address of
+a wildcard bind, and the Heartbeat thread against a real socket (Register + stats, then Deregister)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from kvtransfer.control import DescribeRequest, Deregister, EngineStats, Register
+from kvtransfer.engine_server import Heartbeat, advertised_address
+from kvtransfer.errors import ProtocolError
+from kvtransfer.protocol import decode, encode
+from kvtransfer.transport import KVServer
+
+REGISTER = Register(engine_id="prefill-0", role="prefill", control_address="tcp://10.0.0.3:5600",
+                    kv_address="tcp://10.0.0.3:5700", block_size=16, max_model_len=4096, vocab_size=32000,
+                    heartbeat_interval_s=0.05)
+STATS = EngineStats(engine_id="prefill-0", role="prefill", num_waiting=0, num_running=1, kv_blocks_used=3,
+                    kv_blocks_total=64, queued_prefill_tokens=12)
+
+
+@pytest.mark.parametrize("msg", [DescribeRequest(), REGISTER, Deregister(engine_id="d", control_address="ipc:///x")])
+def test_registration_messages_round_trip(msg):
+    decoded, frames = decode([bytes(part) for part in encode(msg)])
+    assert decoded == msg and not frames
+
+
+def test_register_is_validated():
+    with pytest.raises(ProtocolError, match="role"):
+        Register(engine_id="x", role="router", control_address="tcp://a:1", block_size=16, max_model_len=8,
+                 vocab_size=8)
+    with pytest.raises(ProtocolError, match="block_size"):
+        Register(engine_id="x", role="decode", control_address="tcp://a:1", block_size=0, max_model_len=8,
+                 vocab_size=8)
+
+
+def test_wildcard_binds_advertise_a_reachable_host():
+    assert advertised_address("tcp://0.0.0.0:5600", "prefill-1") == "tcp://prefill-1:5600"
+    assert advertised_address("tcp://0.0.0.0:5600") == f"tcp://{socket.gethostbyname(socket.gethostname())}:5600"
+    assert advertised_address("tcp://127.0.0.1:5600") == "tcp://127.0.0.1:5600"
+    assert advertised_address("ipc:///tmp/engine.sock") == "ipc:///tmp/engine.sock"
+
+
+def test_heartbeat_registers_reports_and_says_goodbye():
+    router = KVServer("tcp://127.0.0.1:0")
+    heartbeat = Heartbeat(router.address, interval_s=0.05)
+    heartbeat.register = REGISTER
+    heartbeat.set_stats(STATS)
+    heartbeat.start()
+    try:
+        received, deadline = [], time.monotonic() + 5
+        while len(received) < 6 and time.monotonic() < deadline:
+            routed = router.recv(timeout=0.1)
+            if routed is not None:
+                received.append(routed.msg)
+        assert received[:2] == [REGISTER, STATS], "each beat repeats Register, then the latest stats"
+        assert received.count(REGISTER) >= 3, "beats keep coming"
+        heartbeat.stop()
+        last = None
+        while (routed := router.recv(timeout=1.0)) is not None:  # beats still queued, then the goodbye
+            last = routed.msg
+        assert last == Deregister(engine_id="prefill-0", control_address="tcp://10.0.0.3:5600")
+    finally:
+        heartbeat.stop()
+        router.close()
