@@ -13,6 +13,7 @@ from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
 from engine.request import SamplingParams
 from kvtransfer.control import GenerateRequest
+from kvtransfer.curve_keys import load_cluster_keys
 from kvtransfer.engine_server import EngineServer
 from kvtransfer.fingerprint import engine_fingerprint
 
@@ -26,6 +27,7 @@ class DecodeOptions:
     kv_timeout_s: float = 30.0
     kv_failure: str = "recompute"
     device: str = "cpu"
+    curve_dir: str | None = None  # `pdserve keygen` directory: CURVE on every socket
 
 
 class DecodeServer(EngineServer):
@@ -43,8 +45,9 @@ class DecodeServer(EngineServer):
 
 def build_decode_server(model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                         options: DecodeOptions) -> DecodeServer:
+    curve = load_cluster_keys(options.curve_dir) if options.curve_dir else None
     connector = DecodeConnector(engine_fingerprint(model_config, cache_config.block_size), options.engine_id,
-                                timeout_s=options.kv_timeout_s)
+                                timeout_s=options.kv_timeout_s, curve=curve.client if curve else None)
     engine = EngineCore(model_config, cache_config, scheduler_config, options.device, connector, options.kv_failure)
     connector.bind_kv_cache(engine.runner.kv_cache)
-    return DecodeServer(engine, connector, options.control_address, options.engine_id)
+    return DecodeServer(engine, connector, options.control_address, options.engine_id, curve)

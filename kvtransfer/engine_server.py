@@ -23,7 +23,8 @@ import zmq
 from kvtransfer.control import Deregister, DescribeRequest, EngineStats, Register, StatsRequest, TokenDelta
 from kvtransfer.errors import KVTransferError, ProtocolError
 from kvtransfer.protocol import Abort, Error
-from kvtransfer.transport import KVClient, KVServer
+from kvtransfer.curve_keys import ClusterCurve
+from kvtransfer.transport import CurveClientConfig, KVClient, KVServer
 
 log = logging.getLogger("pdserve.engine_server")
 
@@ -33,11 +34,13 @@ IDLE_WAIT_MS = 20  # longest wait for input while nothing can run (bounds timeou
 class EngineServer:
     role = ""
 
-    def __init__(self, engine: Any, connector: Any, control_address: str, engine_id: str) -> None:
+    def __init__(self, engine: Any, connector: Any, control_address: str, engine_id: str,
+                 curve: ClusterCurve | None = None) -> None:
         self.engine = engine  # engine.engine_core.EngineCore
         self.connector = connector
         self.engine_id = engine_id
-        self.control = KVServer(control_address)
+        self.curve = curve  # CURVE keys of the cluster: every link encrypted and authenticated
+        self.control = KVServer(control_address, curve=curve.server if curve else None)
         self.owners: dict[str, bytes] = {}  # request id -> control peer that sent it
         self._stop = threading.Event()
         self.heartbeat: Heartbeat | None = None
@@ -164,7 +167,7 @@ class EngineServer:
         if not interval_s > 0:
             raise ValueError(f"heartbeat interval {interval_s} must be > 0 seconds")
         self.advertise_host = advertise_host
-        self.heartbeat = Heartbeat(router_address, interval_s)
+        self.heartbeat = Heartbeat(router_address, interval_s, self.curve.client if self.curve else None)
         self.heartbeat.register = self.registration()
         self.heartbeat.set_stats(self.stats())
         self.heartbeat.start()
@@ -199,7 +202,7 @@ class Heartbeat(threading.Thread):
     thread and DEALER socket; messages the router cannot take right now are dropped (the next beat
     repeats them), so a router that starts later or restarts learns the engine within one interval."""
 
-    def __init__(self, router_address: str, interval_s: float) -> None:
+    def __init__(self, router_address: str, interval_s: float, curve: CurveClientConfig | None = None) -> None:
         super().__init__(name="pdserve-heartbeat", daemon=True)
         self.router_address = router_address
         self.interval_s = interval_s
@@ -207,7 +210,7 @@ class Heartbeat(threading.Thread):
         self._stats: EngineStats | None = None
         self._stats_time = 0.0
         self._done = threading.Event()
-        self._client = KVClient(router_address)  # used by this thread only once started
+        self._client = KVClient(router_address, curve=curve)  # used by this thread only once started
 
     def wants_stats(self) -> bool:
         return time.monotonic() - self._stats_time >= self.interval_s / 2

@@ -28,6 +28,9 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
     commands = parser.add_subparsers(dest="command", required=True)
 
+    keygen = commands.add_parser("keygen", help="write CURVE keys for encrypted, authenticated links (--curve-dir)")
+    keygen.add_argument("dir", help="output directory (keep it private: it holds secret keys)")
+
     demo = commands.add_parser("demo-model", help="write a random-weight Hugging Face model directory")
     demo.add_argument("dir", help="output directory")
     demo.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
@@ -70,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
 
             path = make_demo_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
             print(f"wrote {args.arch}-{args.size} demo model to {path}")
+            return 0
+        if args.command == "keygen":
+            from kvtransfer.curve_keys import write_cluster_keys
+
+            print(f"wrote CURVE keys to {write_cluster_keys(args.dir)}; pass --curve-dir {args.dir} to every process")
             return 0
         if args.command == "generate":
             from pdserve.generate import run_generate

@@ -19,6 +19,8 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
                         help="register with the router at this address (its --registration-address, e.g. "
                              "tcp://router:7000) and heartbeat load figures to it")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
+    parser.add_argument("--curve-dir", default=None,
+                        help="CURVE keys from `pdserve keygen DIR`: encrypt and authenticate every link")
     parser.add_argument("--advertise-host", default=None,
                         help="host the router and peers should use when this engine binds a wildcard host "
                              "(0.0.0.0); default: this machine's address")
@@ -62,13 +64,13 @@ def run_engine(args: argparse.Namespace, role: str) -> int:
 
         server = build_prefill_server(*configs, PrefillOptions(
             args.control_address, args.kv_address, args.engine_id, args.kv_want_timeout, args.kv_lease, args.device,
-            not args.no_kv_streaming))
+            not args.no_kv_streaming, args.curve_dir))
         extra = f" kv={server.kv_address}"
     else:
         from decode.service import DecodeOptions, build_decode_server
 
         server = build_decode_server(*configs, DecodeOptions(
-            args.control_address, args.engine_id, args.kv_timeout, args.kv_failure, args.device))
+            args.control_address, args.engine_id, args.kv_timeout, args.kv_failure, args.device, args.curve_dir))
         extra = ""
     server.install_signal_handlers()
     if args.router_address:

@@ -32,6 +32,7 @@ def run_generate(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager,
+        model_impl=args.model_impl,
     )
     loaded = time.perf_counter()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)

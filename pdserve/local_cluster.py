@@ -72,9 +72,10 @@ class Result:
 class Driver:
     """Sends requests the way the router will: PrefillRequest to P and GenerateRequest to D at once."""
 
-    def __init__(self, decode: EngineProcess, prefill: EngineProcess | None = None) -> None:
-        self.decode = KVClient(decode.addresses["control"])
-        self.prefill = KVClient(prefill.addresses["control"]) if prefill else None
+    def __init__(self, decode: EngineProcess, prefill: EngineProcess | None = None, curve=None) -> None:
+        """curve: a CurveClientConfig when the engines run with --curve-dir."""
+        self.decode = KVClient(decode.addresses["control"], curve=curve)
+        self.prefill = KVClient(prefill.addresses["control"], curve=curve) if prefill else None
         self.prefill_kv = prefill.addresses["kv"] if prefill else None
 
     def submit(self, request_id: str, prompt: list[int], remote: bool = True, **sampling) -> None:

@@ -27,6 +27,8 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
     parser.add_argument("--max-concurrent-requests", type=int, default=1024,
                         help="requests in flight beyond which the router answers 429")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    parser.add_argument("--curve-dir", default=None,
+                        help="CURVE keys from `pdserve keygen DIR`: encrypt and authenticate every engine link")
     if standalone:
         parser.add_argument("--log-level", default="info")
         parser.add_argument("--registration-address", default="tcp://127.0.0.1:7000",
@@ -63,7 +65,8 @@ def router_config(args: argparse.Namespace):
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         local_prefill_threshold=args.local_prefill_threshold, heartbeat_timeout_s=args.heartbeat_timeout,
         stats_interval_s=args.stats_interval, max_concurrent_requests=args.max_concurrent_requests,
-        max_retries=args.max_retries, request_timeout_s=args.request_timeout, log_level=args.log_level)
+        max_retries=args.max_retries, request_timeout_s=args.request_timeout, log_level=args.log_level,
+        curve_dir=args.curve_dir)
 
 
 def run_router(args: argparse.Namespace) -> int:

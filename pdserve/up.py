@@ -92,6 +92,8 @@ def _engine_model_args(args: argparse.Namespace, model: str) -> list[str]:
         command.append("--no-prefix-caching")
     if getattr(args, "enforce_eager", False):
         command.append("--enforce-eager")
+    if args.curve_dir:
+        command += ["--curve-dir", args.curve_dir]
     return command
 
 
@@ -103,6 +105,8 @@ def router_component(args: argparse.Namespace, model: str, name: str) -> Compone
                "--heartbeat-timeout", str(args.heartbeat_timeout),
                "--max-concurrent-requests", str(args.max_concurrent_requests),
                "--request-timeout", str(args.request_timeout), "--log-level", args.log_level]
+    if args.curve_dir:
+        command += ["--curve-dir", args.curve_dir]
     env = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}  # not on the command line, where ps shows it
     return Component("router", command, env)
 

@@ -12,6 +12,7 @@ from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
 from engine.request import SamplingParams
 from kvtransfer.control import PrefillRequest
+from kvtransfer.curve_keys import load_cluster_keys
 from kvtransfer.engine_server import EngineServer
 from kvtransfer.protocol import Abort
 from kvtransfer.fingerprint import engine_fingerprint
@@ -30,6 +31,7 @@ class PrefillOptions:
     lease_s: float = 30.0
     device: str = "cpu"
     stream_layers: bool = True
+    curve_dir: str | None = None  # `pdserve keygen` directory: CURVE on every socket
 
 
 class PrefillServer(EngineServer):
@@ -63,10 +65,11 @@ class PrefillServer(EngineServer):
 
 def build_prefill_server(model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                          options: PrefillOptions) -> PrefillServer:
-    kv_server = KVServer(options.kv_address)
+    curve = load_cluster_keys(options.curve_dir) if options.curve_dir else None
+    kv_server = KVServer(options.kv_address, curve=curve.server if curve else None)
     connector = PrefillConnector(kv_server, engine_fingerprint(model_config, cache_config.block_size),
                                  want_timeout_s=options.want_timeout_s, lease_s=options.lease_s,
                                  stream_layers=options.stream_layers)
     engine = EngineCore(model_config, cache_config, scheduler_config, options.device, connector)
     connector.bind_kv_cache(engine.runner.kv_cache)
-    return PrefillServer(engine, connector, options.control_address, options.engine_id)
+    return PrefillServer(engine, connector, options.control_address, options.engine_id, curve)

@@ -28,6 +28,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     max_n: int = 16  # choices (n x prompts) one HTTP request may ask for
     log_level: str = "info"
+    curve_dir: str | None = None  # `pdserve keygen` directory: CURVE on the engine links and registration
 
     def __post_init__(self) -> None:
         checks = [

@@ -19,6 +19,7 @@ import zmq.asyncio
 from kvtransfer.control import EngineStats, Register, StatsRequest, TokenDelta
 from kvtransfer.errors import KVTransferError, ProtocolError
 from kvtransfer.protocol import MAX_FRAME_BYTES, Error, Message, decode, encode
+from kvtransfer.transport import CurveClientConfig
 
 log = logging.getLogger("pdserve.router.link")
 
@@ -38,7 +39,8 @@ class EngineGone:
 
 
 class EngineLink:
-    def __init__(self, control_address: str, context: zmq.asyncio.Context, *, static: bool = False) -> None:
+    def __init__(self, control_address: str, context: zmq.asyncio.Context, *, static: bool = False,
+                 curve: CurveClientConfig | None = None) -> None:
         self.control_address = control_address
         self.static = static  # given on the command line (polled), not registered
         self.info: Register | None = None  # what the engine said about itself
@@ -57,6 +59,10 @@ class EngineLink:
         self.socket.setsockopt(zmq.SNDHWM, LINK_HWM)
         self.socket.setsockopt(zmq.RCVHWM, LINK_HWM)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        if curve is not None:
+            self.socket.curve_secretkey = curve.keypair.secret_key
+            self.socket.curve_publickey = curve.keypair.public_key
+            self.socket.curve_serverkey = curve.server_public_key
         self.socket.connect(control_address)
         self._reader = asyncio.create_task(self._read_loop(), name=f"link {control_address}")
 

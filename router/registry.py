@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from kvtransfer.control import DescribeRequest, Deregister, EngineStats, Register
+from kvtransfer.curve_keys import load_cluster_keys
 from kvtransfer.errors import ProtocolError
 from kvtransfer.protocol import MAX_FRAME_BYTES, decode
 from kvtransfer.transport import validate_address
@@ -38,6 +39,7 @@ class EngineRegistry:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.context = zmq.asyncio.Context()
+        self.curve = load_cluster_keys(config.curve_dir) if config.curve_dir else None
         self.links: dict[str, EngineLink] = {}  # control address -> link
         self.expected_roles: dict[str, str] = {}  # static control address -> the role it was given as
         self.registration_address: str | None = None
@@ -54,13 +56,17 @@ class EngineRegistry:
             for address in addresses:
                 validate_address(address, bind=False)
                 self.expected_roles[address] = role
-                self.links[address] = EngineLink(address, self.context, static=True)
+                self.links[address] = EngineLink(address, self.context, static=True, curve=self._client_keys())
         self._tasks.append(asyncio.create_task(self._liveness_loop(), name="liveness"))
 
     def _bind_registration(self, address: str) -> None:
         socket = self.context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        if self.curve is not None:  # engines must hold the cluster's keys to register
+            socket.curve_secretkey = self.curve.server.keypair.secret_key
+            socket.curve_publickey = self.curve.server.keypair.public_key
+            socket.curve_server = True
         try:
             socket.bind(validate_address(address, bind=True))
         except zmq.ZMQError as exc:
@@ -68,6 +74,9 @@ class EngineRegistry:
             raise ValueError(f"cannot bind the registration address {address}: {exc}: pick a free port") from exc
         self._registration = socket
         self.registration_address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _client_keys(self):
+        return self.curve.client if self.curve is not None else None
 
     # ---- queries ----
 
@@ -116,7 +125,8 @@ class EngineRegistry:
         link = self.links.get(msg.control_address)
         if link is None:
             log.info("engine %s (%s) registered from %s", msg.engine_id, msg.role, msg.control_address)
-            link = self.links[msg.control_address] = EngineLink(msg.control_address, self.context)
+            link = self.links[msg.control_address] = EngineLink(msg.control_address, self.context,
+                                                                curve=self._client_keys())
             link.try_send_stats_request()  # the first answer proves the link works
         link.info = msg
         link.last_seen = time.monotonic()

@@ -17,7 +17,8 @@ refused at load time with UnsupportedModelFeatureError naming the feature.
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -80,7 +81,10 @@ def _check_call(attn: Attention, query: torch.Tensor, key: torch.Tensor, scaling
             "num_attention_heads / num_key_value_heads / head_dim do not describe this model"
         )
     if scaling is not None and scaling != attn.scale:
-        raise RuntimeError(f"layer {attn.layer_idx} asked for scale {scaling}, bound with {attn.scale}")
+        raise RuntimeError(
+            f"layer {attn.layer_idx} asked for attention scale {scaling} but was bound with {attn.scale} (the "
+            "module's `scaling` at build time): models whose scale changes after construction are not supported"
+        )
     for name in ("softcap", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             raise UnsupportedModelFeatureError(f"layer {attn.layer_idx} needs attention `{name}`, which pdserve lacks")
@@ -126,7 +130,8 @@ def _engaged_sliding_window(hf_config: PretrainedConfig, layer_types: list[str],
         return []
     if max_model_len <= window:
         return []
-    return [f"sliding-window attention (window {window} < max_model_len {max_model_len}; pass max_model_len <= {window})"]
+    feature = f"sliding-window attention (window {window} < max_model_len {max_model_len}; "
+    return [feature + f"pass max_model_len <= {window})"]
 
 
 def _module_features(module: nn.Module) -> list[str]:
@@ -231,7 +236,7 @@ def logit_transform(hf_config: PretrainedConfig) -> Callable[[torch.Tensor], tor
 class TransformersForCausalLM(nn.Module):
     """Same interface as the native models: forward, compute_logits, bind_kv_cache, config."""
 
-    packed_modules_mapping: dict = {}  # checkpoint names are transformers' own parameter names
+    packed_modules_mapping: ClassVar[dict] = {}  # checkpoint names are transformers' own parameter names
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -240,6 +245,12 @@ class TransformersForCausalLM(nn.Module):
         features = unsupported_features(hf_config, config.max_model_len)
         _raise_if_unsupported(config.architecture, features)
         self.hf_model = build_hf_model(hf_config, config.dtype)
+        if not self.hf_model.is_backend_compatible():
+            raise UnsupportedModelFeatureError(
+                f"{config.architecture}: transformers' code for it computes attention itself instead of calling an "
+                "AttentionInterface function (_supports_attention_backend is False), so its attention cannot use "
+                "pdserve's KV cache: this model cannot run on pdserve yet"
+            )
         modules = attention_modules(self.hf_model, config.num_layers)
         _raise_if_unsupported(config.architecture, [f for m in modules for f in _module_features(m)])
         self.attention_layers = [bind_attention(m, i, config) for i, m in enumerate(modules)]
@@ -278,7 +289,7 @@ def _output_embeddings(hf_model: nn.Module) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------
-# Weights: safetensors names are the transformers model's own parameter names
+# Weights: checkpoint names are transformers' parameter names (after transformers' own renames)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -311,21 +322,26 @@ def load_hf_weights(hf_model: nn.Module, weights: Iterator[tuple[str, torch.Tens
     params = dict(hf_model.named_parameters(remove_duplicate=False))  # tied weights under every name
     canonical = {id(p): name for name, p in hf_model.named_parameters()}  # one name per tensor
     buffers = dict(hf_model.named_buffers())
+    persistent = {name: buffers[name] for name in hf_model.state_dict() if name in buffers}
     rename = checkpoint_renamer(hf_model, set(params) | set(buffers))
+    # Recomputed at build time (rotary tables, old per-layer copies too) or listed by the model as ignorable.
     ignored = [re.compile(p) for p in getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    ignored.append(re.compile(r"rotary_emb\.inv_freq$"))
     seen: set[str] = set()
     loaded: set[str] = set()  # canonical names
     for checkpoint_name, tensor in weights:
         if checkpoint_name in seen:
-            raise ModelLoadError(f"checkpoint holds tensor {checkpoint_name} twice; the model directory is inconsistent")
+            raise ModelLoadError(
+                f"checkpoint holds tensor {checkpoint_name} twice; the model directory is inconsistent"
+            )
         seen.add(checkpoint_name)
         name = rename(checkpoint_name)
         if name in params:
             copy_checked(params[name].data, tensor, checkpoint_name)
             loaded.add(canonical[id(params[name])])
-        elif name in buffers:  # persistent buffers some models save; recomputed ones are skipped
-            copy_checked(buffers[name], tensor, checkpoint_name)
-        elif not any(p.search(checkpoint_name) for p in ignored):
+        elif name in persistent:  # buffers a model saves with its weights
+            copy_checked(persistent[name], tensor, checkpoint_name)
+        elif name not in buffers and not any(p.search(checkpoint_name) for p in ignored):
             raise ModelLoadError(
                 f"checkpoint has unexpected tensor {checkpoint_name}: it does not belong to {type(hf_model).__name__}"
             )

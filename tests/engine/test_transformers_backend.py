@@ -1,9 +1,10 @@
 """The transformers backend: transformers' layers on pdserve's runtime, greedy-equal to generate().
 
 Native architectures run through the backend with model_impl="transformers"; architectures pdserve
-has no code for (Phi-3, GPT-NeoX, Granite, OLMo-2, Gemma) run from tiny random HF model dirs built
+has no code for (Phi-3, GPT-NeoX, Granite, OLMo-2, Gemma, GPT-2) run from tiny random HF model dirs built
 here. Every parity run batches prompts of many lengths, chunks prefills (small step budget), hits
 the prefix cache with repeated prompts and ends with every KV block free (tests.engine.test_llm_parity).
+One non-native model also runs disaggregated, prefill and decode in separate processes.
 """
 
 from __future__ import annotations
@@ -52,10 +53,12 @@ NON_NATIVE_CASES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"num_key_value_heads": 2}),
     # explicit head_dim 32 != hidden/heads, MQA, embeddings scaled by sqrt(hidden), (1 + w) norms, tied
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 32, "num_key_value_heads": 1}),
+    # learned absolute positions, Conv1D weights, config names n_embd/n_head/n_layer, a scale per layer
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_inner": 128, "scale_attn_by_inverse_layer_idx": True}),
 }
 
+# Plain Llama runs through the backend in test_backend_matches_native_path and the mask test.
 NATIVE_CASES = {
-    "llama": ("llama", {}),
     "llama-tied-bias": ("llama", {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {}),
@@ -181,6 +184,27 @@ def test_transformers_builds_no_attention_mask(model_factory):
     assert len(masks) >= 3 and all(mask is None for mask in masks)
 
 
+def test_disaggregated_non_native_equals_colocated(hf_model_dir, tmp_path):
+    """Phi-3 (auto -> backend) on real prefill and decode processes: D continues from the KV that P's
+    backend computed and produces the colocated tokens; no block leaks on either side."""
+    from pdserve.local_cluster import Driver
+    from tests.decode.test_disaggregated import GREEDY, PROMPTS, assert_no_leaks, colocated_tokens, start_pair
+
+    model_dir = hf_model_dir("phi3")
+    expected = colocated_tokens(model_dir, PROMPTS, **GREEDY)
+    prefill, decode = start_pair(model_dir, tmp_path)
+    driver = Driver(decode, prefill)
+    try:
+        assert [r.token_ids for r in driver.generate(PROMPTS, **GREEDY)] == expected
+        stats = driver.decode_stats()
+        assert stats.num_kv_transfers_failed == 0 and stats.kv_bytes_received > 0
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+        prefill.stop()
+        decode.stop()
+
+
 # ---------------------------------------------------------------------------------------------
 # Choosing the implementation
 # ---------------------------------------------------------------------------------------------
@@ -215,12 +239,18 @@ def test_architecture_transformers_lacks(model_factory, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_soft_capping_is_refused_at_load(tmp_path):
-    """Gemma 2 soft-caps attention logits: a named error before any weight is read."""
-    config = transformers.Gemma2Config(**_SHAPE, head_dim=16, num_key_value_heads=2)
-    config.architectures = ["Gemma2ForCausalLM"]
+@pytest.mark.parametrize("config_class, architecture, fields, expected", [
+    # Gemma 2 soft-caps attention logits
+    ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "num_key_value_heads": 2}, "attention logit soft-capping"),
+    # BLOOM adds ALiBi biases in its own attention code, which never calls an AttentionInterface function
+    ("BloomConfig", "BloomForCausalLM", {}, "computes attention itself"),
+])
+def test_unsupported_model_is_refused_at_load(tmp_path, config_class, architecture, fields, expected):
+    """A named error before any weight is read (the dir holds only config.json)."""
+    config = getattr(transformers, config_class)(**{**_SHAPE, **fields})
+    config.architectures = [architecture]
     config.save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelFeatureError, match="attention logit soft-capping"):
+    with pytest.raises(UnsupportedModelFeatureError, match=expected):
         load_model(ModelConfig.from_hf(tmp_path, dtype="float32"))
 
 
@@ -276,6 +306,16 @@ def test_weight_errors(hf_model_dir, tmp_path, problem, expected):
     _edit_weights(model_dir, edits[problem])
     with pytest.raises((ModelLoadError, ValueError), match=expected):
         _load_backend(model_dir)
+
+
+def test_checkpoint_needing_conversion_is_refused(tmp_path):
+    """Mixtral's checkpoint keeps one tensor per expert; transformers fuses them on load, the backend
+    does not yet, and says so instead of reporting the experts as unexpected tensors."""
+    config = transformers.MixtralConfig(**_SHAPE, num_key_value_heads=2, num_local_experts=2)
+    config.architectures = ["MixtralForCausalLM"]
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"experts\.0\..* must be converted by transformers"):
+        _load_backend(tmp_path)
 
 
 def test_tied_weights_load_once(model_factory):
