@@ -6,9 +6,25 @@ through `weight_loader(param, tensor, shard_id)`.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# On CPU, fp32 products with a handful of rows (batch-1 decode) are weight-bandwidth bound, and
+# numpy's bundled OpenBLAS streams the weights faster than torch's own GEMM here (docs/BENCHMARKS.md,
+# "small-batch linear"); larger batches stay on torch. OpenBLAS runs single-threaded: its spinning
+# threads and torch's OpenMP threads would otherwise fight over the same cores.
+NUMPY_MAX_ROWS = 4
+
+
+def _single_threaded_openblas() -> None:
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=1, user_api="blas")  # numpy's OpenBLAS only; torch keeps its own threads
+
+
+_single_threaded_openblas()
 
 
 class WeightShapeError(ValueError):
@@ -38,7 +54,10 @@ class Linear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if x.shape[0] <= NUMPY_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
+            out = torch.from_numpy(np.matmul(x.numpy(), self.weight.numpy().T))
+            return out if self.bias is None else out.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
