@@ -43,6 +43,7 @@ class _Incoming:
     num_tokens: int
     link: _PrefillLink
     deadline: float
+    started: float = field(default_factory=time.monotonic)  # when the KVWant went out
     layer_tokens_received: int = 0  # sum over KVLayer messages of layers x tokens
     checksums: list[int] = field(default_factory=list)
 
@@ -60,6 +61,8 @@ class DecodeConnector(KVConnector):
         self._events = ConnectorEvents()
         self.bytes_received = 0
         self.num_failed = 0
+        self.num_transfers = 0  # completed, with their summed latency (KVWant sent -> KVDone verified)
+        self.transfer_seconds = 0.0
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
@@ -199,6 +202,8 @@ class DecodeConnector(KVConnector):
                                        "repeated or reordered", ack_to=link)
         else:
             del self._incoming[msg.request_id]
+            self.num_transfers += 1
+            self.transfer_seconds += time.monotonic() - incoming.started
             self._events.received[msg.request_id] = (msg.first_token, msg.first_logprobs)
             self._send_quietly(link, KVAck(request_id=msg.request_id, ok=True))
 

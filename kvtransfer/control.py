@@ -103,6 +103,8 @@ class EngineStats(Message, type_name="engine_stats"):
     kv_bytes_sent: int = bounded(default=0, min=0)
     kv_bytes_received: int = bounded(default=0, min=0)
     num_kv_transfers_failed: int = bounded(default=0, min=0)
+    num_kv_transfers: int = bounded(default=0, min=0)  # completed remote-prefill transfers (decode role)
+    kv_transfer_seconds: float = 0.0  # their summed latency, KVWant sent -> KVDone verified
 
 
 @dataclass(frozen=True, kw_only=True)

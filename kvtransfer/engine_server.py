@@ -156,6 +156,8 @@ class EngineServer:
             kv_bytes_sent=getattr(self.connector, "bytes_sent", 0),
             kv_bytes_received=getattr(self.connector, "bytes_received", 0),
             num_kv_transfers_failed=getattr(self.connector, "num_failed", 0),
+            num_kv_transfers=getattr(self.connector, "num_transfers", 0),
+            kv_transfer_seconds=getattr(self.connector, "transfer_seconds", 0.0),
         )
 
     # ---- registration with a router ----

@@ -52,6 +52,7 @@ def test_disaggregated_equals_colocated(model_factory, tmp_path, arch, transport
         assert all(r.finish_reason == "length" for r in results)
         stats = driver.decode_stats()
         assert stats.num_kv_transfers_failed == 0 and stats.kv_bytes_received > 0
+        assert stats.num_kv_transfers == len(PROMPTS) and 0 < stats.kv_transfer_seconds < 60
         assert_no_leaks(driver)
     finally:
         driver.close()

@@ -68,6 +68,8 @@ def test_greedy_completions_equal_the_offline_engine(cluster, client, offline, t
     metrics = scrape(cluster.url)
     received = metrics["pdserve_kv_bytes_received_total"]
     assert sum(received.values()) > 0, "the decode engine got its prompts' KV from the prefill engine"
+    assert sum(metrics["pdserve_kv_transfers_total"].values()) >= 1
+    assert sum(metrics["pdserve_kv_transfer_seconds_total"].values()) > 0, "transfer latency is reported"
     used = wait_no_kv_used(cluster.url)
     assert len(used) == 2 and all(v == 0 for v in used.values()), used
 
