@@ -26,7 +26,7 @@ from kernels.checks import (
     check_shape,
     check_tensor,
 )
-from kernels.triton_utils import LOG2E, dot_precision, launch_options, next_pow2, upcast_for_dot
+from kernels.triton_utils import LOG2E, dot_precision, launch_options, load_kv_tile, next_pow2, upcast_for_dot
 
 DEFAULT_BLOCK_M = 64  # query rows (tokens x group heads) per tile
 DEFAULT_BLOCK_N = 64  # key positions per tile
@@ -92,16 +92,9 @@ def _prefill_kernel(
     for kv_start in range(0, kv_end, BLOCK_N):
         positions = kv_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         pos_mask = positions < kv_end
-        blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
-        offsets = positions % BLOCK_SIZE
-        kv_mask = pos_mask[:, None] & dim_mask[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
-        k_rows = key_cache_ptr + blocks * stride_k_n + offsets * stride_k_b + kv_head * stride_k_h
-        v_rows = value_cache_ptr + blocks * stride_v_n + offsets * stride_v_b + kv_head * stride_v_h
-        k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
-        v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(table_row, key_cache_ptr, value_cache_ptr, positions, pos_mask, dims, dim_mask,
+                            kv_head, stride_k_n, stride_k_b, stride_k_h, stride_v_n, stride_v_b, stride_v_h,
+                            BLOCK_SIZE, UPCAST)  # [BLOCK_N, HEAD_DIM_PAD] each
 
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         causal = (positions[None, :] <= q_positions[:, None]) & pos_mask[None, :]

@@ -10,6 +10,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 
 def _interpreting() -> bool:
@@ -59,3 +60,22 @@ def launch_options(num_warps: int | None, num_stages: int | None) -> dict[str, i
     if num_stages is not None:
         options["num_stages"] = num_stages
     return options
+
+
+@triton.jit
+def load_kv_tile(table_row, key_cache_ptr, value_cache_ptr, positions, pos_mask, dims, dim_mask, kv_head,
+                 stride_k_n, stride_k_b, stride_k_h, stride_v_n, stride_v_b, stride_v_h,
+                 BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """K and V rows of one KV head for `positions` of a sequence, read through its block-table row:
+    two [BLOCK_N, HEAD_DIM_PAD] tiles, zero where masked (fp32 when UPCAST)."""
+    blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+    offsets = positions % BLOCK_SIZE
+    kv_mask = pos_mask[:, None] & dim_mask[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
+    k_rows = key_cache_ptr + blocks * stride_k_n + offsets * stride_k_b + kv_head * stride_k_h
+    v_rows = value_cache_ptr + blocks * stride_v_n + offsets * stride_v_b + kv_head * stride_v_h
+    k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
