@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from kvtransfer.control import Deregister, DescribeRequest, EngineStats, Register, StatsRequest, TokenDelta
-from kvtransfer.errors import KVTransferError, ProtocolError
+from kvtransfer.errors import KVTransferError
 from kvtransfer.protocol import Abort, Error
 from kvtransfer.curve_keys import ClusterCurve
 from kvtransfer.transport import CurveClientConfig, KVClient, KVServer
@@ -94,15 +94,7 @@ class EngineServer:
     # ---- control plane ----
 
     def _drain_control(self) -> None:
-        while True:
-            try:
-                routed = self.control.recv(timeout=0)
-            except ProtocolError as exc:
-                log.warning("bad control message: %s", exc)
-                self.reply(exc.peer_id, Error.from_exception(exc))
-                continue
-            if routed is None:
-                return
+        for routed in self.control.drain():
             try:
                 self.handle(routed.peer_id, routed.msg)
             except ValueError as exc:  # InvalidRequestError and friends: the client's fault, named

@@ -26,9 +26,10 @@ blocks until KVAck anyway).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -40,7 +41,9 @@ from kvtransfer.errors import (
     TransportError,
     TransportTimeout,
 )
-from kvtransfer.protocol import MAX_FRAME_BYTES, Message, decode, encode
+from kvtransfer.protocol import MAX_FRAME_BYTES, Error, Message, decode, encode
+
+log = logging.getLogger("pdserve.transport")
 
 DEFAULT_HWM = 1000  # messages queued per peer before send waits
 DEFAULT_LINGER_S = 1.0  # how long close() may keep flushing queued messages
@@ -268,6 +271,29 @@ class KVServer(_Link):
             exc.peer_id = peer_id
             raise
         return Routed(peer_id, msg, frames)
+
+
+    def drain(self) -> Iterator[Routed]:
+        """Every message waiting now. A malformed one is logged, answered with Error (so the peer
+        learns what was wrong) and skipped: bad input never stops the caller's loop."""
+        while True:
+            try:
+                routed = self.recv(timeout=0)
+            except ProtocolError as exc:
+                log.warning("bad message on %s: %s", self.address, exc)
+                self._answer(exc.peer_id, Error.from_exception(exc))
+                continue
+            if routed is None:
+                return
+            yield routed
+
+    def _answer(self, peer_id: bytes | None, msg: Message) -> None:
+        if peer_id is None:
+            return
+        try:
+            self.send(peer_id, msg, timeout=0.1)
+        except TransportError as exc:
+            log.info("could not answer peer %s: %s", peer_id.hex(), exc)
 
 
 class KVClient(_Link):

@@ -138,15 +138,7 @@ class PrefillConnector(KVConnector):
     # ---- incoming ----
 
     def receive(self) -> None:
-        while True:
-            try:
-                routed = self.server.recv(timeout=0)
-            except ProtocolError as exc:
-                log.warning("bad message on the KV link: %s", exc)
-                self._reply(exc.peer_id, Error.from_exception(exc))
-                continue
-            if routed is None:
-                return
+        for routed in self.server.drain():
             self._dispatch(routed.peer_id, routed.msg)
 
     def _dispatch(self, peer_id: bytes, msg) -> None:
