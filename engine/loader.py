@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers.linear import pack_linear_weights
 from engine.models.registry import resolve_model_class
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
@@ -123,4 +124,5 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Mo
         model.load_weights(weights)
     else:
         load_weights(model, weights)
+        pack_linear_weights(model)  # CPU: oneDNN layout, see engine/layers/linear.py
     return model.eval()

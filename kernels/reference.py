@@ -52,24 +52,37 @@ def paged_decode_attention(
     """Attention of one query token per sequence over that sequence's whole cached context."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    num_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
-    padded_len = num_blocks * block_size
-    # Gather whole blocks of every sequence at once (index_select is the fast gather on CPU), then
-    # view them as [S, num_kv_heads, head_dim, L] keys and [S, num_kv_heads, L, head_dim] values.
+    max_len = int(seq_lens.max())
+    if max_len == 0:
+        return torch.zeros_like(query)
+    num_blocks = (max_len + block_size - 1) // block_size
+    # Gather whole blocks of every sequence at once (index_select is the fast gather on CPU) and view
+    # them as [S, num_kv_heads, max_len, head_dim]; SDPA runs fused attention over that (GQA native).
     block_ids = block_tables[:, :num_blocks].reshape(-1).long()
-    keys = key_cache.index_select(0, block_ids).view(num_seqs, padded_len, num_kv_heads, head_dim)
-    values = value_cache.index_select(0, block_ids).view(num_seqs, padded_len, num_kv_heads, head_dim)
-    q = query.view(num_seqs, num_kv_heads, group, head_dim).float()
-    scores = torch.matmul(q, keys.permute(0, 2, 3, 1).float()) * scale  # [S, num_kv_heads, group, L]
-    positions = torch.arange(padded_len, device=query.device)
-    past_end = positions[None, :] >= seq_lens[:, None].long()  # [S, L]
-    scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if bool((seq_lens == 0).any()):  # an empty (padding) sequence attends to nothing: zeros, not NaN
-        probs = torch.nan_to_num(probs, nan=0.0)
-    out = torch.matmul(probs, values.transpose(1, 2).float())  # [S, num_kv_heads, group, head_dim]
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    keys = _gather_padded(key_cache, block_ids, num_seqs, max_len)
+    values = _gather_padded(value_cache, block_ids, num_seqs, max_len)
+    mask = None
+    if bool((seq_lens != max_len).any()):  # shorter sequences must not see the padded tail
+        mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [S, max_len]
+        mask = mask[:, None, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.float().view(num_seqs, num_heads, 1, head_dim), keys, values, attn_mask=mask, scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )  # [S, num_heads, 1, head_dim]
+    if mask is not None and bool((seq_lens == 0).any()):  # an empty (padding) sequence: zeros, not NaN
+        out = torch.nan_to_num(out, nan=0.0)
+    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _gather_padded(
+    cache: torch.Tensor,  # [N, B, num_kv_heads, head_dim]
+    block_ids: torch.Tensor,  # [S * num_blocks] int64
+    num_seqs: int,
+    max_len: int,
+) -> torch.Tensor:  # [S, num_kv_heads, max_len, head_dim] float32 (a view when the cache is float32)
+    blocks = cache.index_select(0, block_ids)  # [S * num_blocks, B, num_kv_heads, head_dim]
+    per_seq = blocks.view(num_seqs, -1, *cache.shape[2:])[:, :max_len]
+    return per_seq.transpose(1, 2).float()
 
 
 def paged_prefill_attention(

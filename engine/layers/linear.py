@@ -6,25 +6,19 @@ through `weight_loader(param, tensor, shard_id)`.
 
 from __future__ import annotations
 
-import numpy as np
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# On CPU, fp32 products with a handful of rows (batch-1 decode) are weight-bandwidth bound, and
-# numpy's bundled OpenBLAS streams the weights faster than torch's own GEMM here (docs/BENCHMARKS.md,
-# "small-batch linear"); larger batches stay on torch. OpenBLAS runs single-threaded: its spinning
-# threads and torch's OpenMP threads would otherwise fight over the same cores.
-NUMPY_MAX_ROWS = 4
+logger = logging.getLogger(__name__)
 
-
-def _single_threaded_openblas() -> None:
-    from threadpoolctl import threadpool_limits
-
-    threadpool_limits(limits=1, user_api="blas")  # numpy's OpenBLAS only; torch keeps its own threads
-
-
-_single_threaded_openblas()
+# On CPU, linears run on oneDNN with their weight reordered once into oneDNN's blocked layout
+# (pack_linear_weights). torch's F.linear hands fp32 products to MKL, which repacks the whole weight on
+# every call: on the 2-core benchmark box the prepacked products of this model's shapes ran 1.7-1.9x
+# faster at 1-32 rows and 1.45x faster at 2048 rows (docs/BENCHMARKS.md, "CPU linears").
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class WeightShapeError(ValueError):
@@ -53,11 +47,26 @@ class Linear(nn.Module):
         self.weight.weight_loader = default_weight_loader
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader
+        self.packed_weight: torch.Tensor | None = None  # oneDNN layout, set by pack_linear_weights
+
+    def pack_for_cpu(self, keep_weight: bool) -> bool:
+        """Reorder the weight for oneDNN; without keep_weight the plain copy is released. False if the
+        weight stays on F.linear (not on CPU, a dtype oneDNN lacks, or a CPU without its instructions)."""
+        weight = self.weight
+        if weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
+            return False
+        try:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.data)  # [out, in] blocked
+        except RuntimeError as exc:  # e.g. bf16 on a CPU without avx512_bf16/AMX
+            logger.debug("linear weight %s stays on F.linear: %s", tuple(weight.shape), exc)
+            return False
+        if not keep_weight:
+            self.weight = None
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if x.shape[0] <= NUMPY_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
-            out = torch.from_numpy(np.matmul(x.numpy(), self.weight.numpy().T))
-            return out if self.bias is None else out.add_(self.bias)
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -85,3 +94,15 @@ class MergedLinear(Linear):
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         # [T, sum(sizes)] -> one [T, size] view per shard, in declaration order
         return list(out.split([size for _, size in self.shard_offsets.values()], dim=-1))
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Reorder every CPU Linear's weight for oneDNN once, after loading; returns how many were packed.
+
+    A weight that another module also uses (an lm_head tied to the embedding) is kept; the others are
+    released, so packing does not double the model's memory.
+    """
+    shared = {id(param) for module in model.modules() if not isinstance(module, Linear)
+              for param in module.parameters(recurse=False)}
+    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    return sum(linear.pack_for_cpu(keep_weight=id(linear.weight) in shared) for linear in linears)
