@@ -7,8 +7,8 @@ Tokens of a step are ordered decodes first (one token per sequence), then prefil
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
@@ -24,6 +24,15 @@ class ForwardContext:
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, context length including the chunk
     # Called with the layer index right after that layer's K/V is in the cache (KV streaming).
     on_layer_stored: Callable[[int], None] | None = None
+    # What every layer derives from this metadata alike (attention plans, rotary cos/sin), built by
+    # the first layer that asks. Cleared whenever the context is installed, so a CUDA graph capture
+    # records the ops that build it instead of reusing tensors from an earlier run.
+    step_cache: dict[Hashable, Any] = field(default_factory=dict)
+
+    def cached(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        if key not in self.step_cache:
+            self.step_cache[key] = build()
+        return self.step_cache[key]
 
     @property
     def num_tokens(self) -> int:
@@ -38,6 +47,7 @@ def use_forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
     global _current
     if _current is not None:
         raise RuntimeError("a forward context is already installed: forward passes cannot nest")
+    context.step_cache.clear()
     _current = context
     try:
         yield context
@@ -48,4 +58,9 @@ def use_forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
 def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("attention ran outside a forward pass: wrap the call in use_forward_context()")
+    return _current
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The installed context, or None outside a forward pass."""
     return _current

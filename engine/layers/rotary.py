@@ -10,6 +10,8 @@ import math
 import torch
 from torch import nn
 
+from engine.forward_context import current_forward_context
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -66,9 +68,17 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [T, num_heads, head_dim]
         key: torch.Tensor,  # [T, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache.index_select(0, positions)[:, None, :].to(query.dtype)  # [T, 1, head_dim // 2]
-        sin = self.sin_cache.index_select(0, positions)[:, None, :].to(query.dtype)
+        context = current_forward_context()
+        if context is None:
+            cos, sin = self._cos_sin(positions, query.dtype)
+        else:  # the same for every layer of the step
+            cos, sin = context.cached(("rotary", id(self), query.dtype), lambda: self._cos_sin(positions, query.dtype))
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache.index_select(0, positions)[:, None, :].to(dtype)  # [T, 1, head_dim // 2]
+        sin = self.sin_cache.index_select(0, positions)[:, None, :].to(dtype)
+        return cos, sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ class ArchFlags:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -34,9 +34,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags.qk_norm else None
-        self.rotary = RotaryEmbedding(
-            self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        self.rotary = rotary  # one module shared by all layers: one cos/sin table, looked up once per step
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -64,9 +62,9 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, flags, layer_idx)
+        self.self_attn = DecoderAttention(config, flags, layer_idx, rotary)
         self.mlp = GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -89,7 +87,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_tokens.weight.weight_loader = default_weight_loader
-        self.layers = nn.ModuleList(DecoderLayer(config, flags, i) for i in range(config.num_layers))
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(config, flags, i, rotary) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

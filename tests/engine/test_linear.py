@@ -1,0 +1,67 @@
+"""Linear layers on CPU: weights reordered for oneDNN once at load, same products as F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import LLM
+from engine.layers.linear import Linear, MergedLinear, pack_linear_weights
+
+
+def _filled(linear: Linear) -> Linear:
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn_like(linear.weight))
+        if linear.bias is not None:
+            linear.bias.copy_(torch.randn_like(linear.bias))
+    return linear
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, bias):
+    torch.manual_seed(rows)
+    linear = _filled(Linear(64, 96, bias=bias))
+    weight, x = linear.weight.detach().clone(), torch.randn(rows, 64)
+    expected = F.linear(x, weight, linear.bias)
+    assert linear.pack_for_cpu(keep_weight=False)
+    assert linear.weight is None  # released: packing must not double the model's memory
+    out = linear(x)
+    assert out.shape == (rows, 96)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_weights_stay_on_f_linear():
+    linear = _filled(Linear(16, 8).half())
+    assert not linear.pack_for_cpu(keep_weight=False)
+    assert linear.packed_weight is None and linear.weight is not None
+    x = torch.randn(2, 16).half()
+    torch.testing.assert_close(linear(x), F.linear(x, linear.weight))
+
+
+class _TiedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.qkv = MergedLinear(16, {"q": 16, "k": 8, "v": 8})
+        self.head = Linear(16, 50)
+        self.head.weight = self.embed.weight
+
+
+def test_pack_keeps_weights_shared_with_other_modules():
+    model = _TiedModel()
+    _filled(model.qkv)
+    assert pack_linear_weights(model) == 2
+    assert model.qkv.weight is None  # only the Linear used it
+    assert model.head.weight is model.embed.weight  # the embedding still needs it
+    ids = torch.tensor([3, 7])
+    hidden = model.embed(ids)
+    torch.testing.assert_close(model.head(hidden), hidden @ model.embed.weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_loaded_cpu_model_runs_on_packed_weights(model_factory):
+    llm = LLM(model_factory("llama"), dtype="float32", num_kv_blocks=16)
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None for m in linears)
