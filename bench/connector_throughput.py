@@ -11,7 +11,9 @@ ROUTER) streams N requests to a receiver process (D, DEALER) that asked for them
        the bf16 tensor view, and checks KVDone's combined checksum.
 Time runs on the sender from its first send to the receiver's final ack. Repeats alternate raw and
 kv (to share machine noise fairly); the median is reported, with the CPU time both processes spent
-per MiB and the single-core speed of payload_checksum and of zlib.crc32.
+per MiB and the single-core speed of payload_checksum (XXH3) and of zlib.crc32. The paired ratio is the
+median of pdserve/raw over runs that ran back to back (order alternating), which cancels slow drift
+of a shared machine better than the ratio of the two medians.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def build_scenarios(args, ipc_dir: str) -> list[tuple]:
     for transport in ("tcp", "ipc"):
         for size_mib in args.sizes_mib:
             for repeat in range(args.repeats):
-                for mode in ("raw", "kv"):
+                for mode in ("raw", "kv") if repeat % 2 == 0 else ("kv", "raw"):  # no order bias
                     address = "tcp://127.0.0.1:0" if transport == "tcp" else f"ipc://{ipc_dir}/kv-{len(scenarios)}.sock"
                     scenarios.append((transport, mode, size_mib, args.layers,
                                       request_count(size_mib, args.total_mib), address))
@@ -194,7 +196,8 @@ def timed(fn, *args) -> float:
 
 
 def summarize(scenarios: list[tuple], results: list[tuple]) -> dict[tuple, tuple[float, float]]:
-    """(transport, mode, size_mib) -> (median MiB/s, median CPU ms per MiB, sender + receiver)."""
+    """(transport, mode, size_mib) -> (median MiB/s, median CPU ms per MiB, sender + receiver);
+    (transport, "ratio", size_mib) -> (median of kv / raw over back-to-back pairs, 0)."""
     wall_s, cpu_s = {}, {}
     for side, index, wall, cpu in results:
         cpu_s[index] = cpu_s.get(index, 0.0) + cpu
@@ -204,21 +207,29 @@ def summarize(scenarios: list[tuple], results: list[tuple]) -> dict[tuple, tuple
     for index, (transport, mode, size_mib, _, num_requests, _) in enumerate(scenarios):
         num_mib = num_requests * size_mib
         runs.setdefault((transport, mode, size_mib), []).append((num_mib / wall_s[index], 1000 * cpu_s[index] / num_mib))
-    return {key: (statistics.median(r[0] for r in values), statistics.median(r[1] for r in values))
-            for key, values in runs.items()}
+    summary = {key: (statistics.median(r[0] for r in values), statistics.median(r[1] for r in values))
+               for key, values in runs.items()}
+    for transport, mode, size_mib in list(runs):
+        if mode == "kv":  # runs alternate raw/kv, so the i-th of each ran back to back
+            pairs = zip(runs[transport, "kv", size_mib], runs[transport, "raw", size_mib])
+            summary[transport, "ratio", size_mib] = (statistics.median(kv[0] / raw[0] for kv, raw in pairs), 0.0)
+    return summary
 
 
 def print_table(summary: dict[tuple, tuple[float, float]], args) -> None:
     print(f"\n{'transport':<9} {'MiB/req':>7} {'requests':>8} {'raw MiB/s':>10} {'pdserve MiB/s':>13} {'ratio':>6}"
+          f" {'paired ratio':>12}"
           f" {'raw CPU ms/MiB':>15} {'pdserve CPU ms/MiB':>19}")
     for transport in ("tcp", "ipc"):
         for size_mib in args.sizes_mib:
             (raw, raw_cpu), (kv, kv_cpu) = summary[transport, "raw", size_mib], summary[transport, "kv", size_mib]
             count = request_count(size_mib, args.total_mib)
-            print(f"{transport:<9} {size_mib:>7} {count:>8} {raw:>10.0f} {kv:>13.0f} {kv / raw:>6.0%}"
+            paired = summary[transport, "ratio", size_mib][0]
+            print(f"{transport:<9} {size_mib:>7} {count:>8} {raw:>10.0f} {kv:>13.0f} {kv / raw:>6.0%} {paired:>12.0%}"
                   f" {raw_cpu:>15.2f} {kv_cpu:>19.2f}")
     print(f"\nCPU = sender + receiver process time (zmq I/O threads included). {args.layers} payload messages "
-          f"per request; median of {args.repeats} runs each. One core: payload_checksum "
+          f"per request; median of {args.repeats} runs each; paired ratio = median of pdserve/raw over "
+          f"back-to-back pairs. One core: payload_checksum "
           f"{mib_per_s(payload_checksum):.0f} MiB/s, zlib.crc32 {mib_per_s(zlib.crc32):.0f} MiB/s "
           f"(zlib {zlib.ZLIB_RUNTIME_VERSION}).")
 
