@@ -52,6 +52,12 @@ class _Transfer:
     checked: bool = False
 
 
+@dataclass
+class _AwaitingAck:
+    deadline: float  # the lease: blocks are freed then even without an ack
+    computed_at: float  # when the prompt's last layer was computed
+
+
 class PrefillConnector(KVConnector):
     def __init__(self, server: KVServer, fingerprint: LayoutFingerprint, want_timeout_s: float = 30.0,
                  lease_s: float = 30.0, stream_layers: bool = True) -> None:
@@ -64,10 +70,14 @@ class PrefillConnector(KVConnector):
         self._peers: set[bytes] = set()  # decode engines whose Hello was accepted
         self._prefilled: dict[str, _Prefilled] = {}  # finished, waiting for a KVWant
         self._transfers: dict[str, _Transfer] = {}  # asked for, not completely sent
-        self._awaiting_ack: dict[str, float] = {}  # request id -> lease deadline
+        self._awaiting_ack: dict[str, _AwaitingAck] = {}
         self._events = ConnectorEvents()
         self.aborted_by_peer: list[str] = []  # the service aborts these in its engine
         self.bytes_sent = 0
+        # Acked transfers and their summed exposed time: prompt computed -> KVAck received, i.e. the
+        # part of the transfer that layer-wise streaming did not hide behind compute.
+        self.num_transfers = 0
+        self.transfer_seconds = 0.0
         self._messages_sent = 0
         self._fault = _parse_fault(os.environ.get(FAULT_ENV, ""))
 
@@ -151,9 +161,16 @@ class PrefillConnector(KVConnector):
         elif isinstance(msg, KVWant):
             self._on_want(peer_id, msg)
         elif isinstance(msg, KVAck):
-            self._release(msg.request_id, "acked" if msg.ok else f"nacked: {msg.reason}")
+            self._on_ack(msg)
         else:
             self._reply(peer_id, Error(code="unexpected", message=f"{msg.type_name} is not served on the KV link"))
+
+    def _on_ack(self, msg: KVAck) -> None:
+        awaiting = self._awaiting_ack.get(msg.request_id)
+        if awaiting is not None and msg.ok:
+            self.num_transfers += 1
+            self.transfer_seconds += time.monotonic() - awaiting.computed_at
+        self._release(msg.request_id, "acked" if msg.ok else f"nacked: {msg.reason}")
 
     def _on_hello(self, peer_id: bytes, msg: Hello) -> None:
         try:
@@ -206,7 +223,7 @@ class PrefillConnector(KVConnector):
         if prefilled is None or transfer is None or not self._checked(prefilled.request, transfer):
             return
         del self._prefilled[request_id], self._transfers[request_id]
-        self._awaiting_ack[request_id] = time.monotonic() + self.lease_s
+        self._awaiting_ack[request_id] = _AwaitingAck(time.monotonic() + self.lease_s, prefilled.done_at)
         request = prefilled.request
         try:
             self._send_range(request_id, transfer, prefilled.block_ids, transfer.sent_upto, request.num_prompt_tokens)
@@ -277,8 +294,8 @@ class PrefillConnector(KVConnector):
         for request_id, prefilled in list(self._prefilled.items()):
             if now - prefilled.done_at > self.want_timeout_s:
                 self._release(request_id, f"no KVWant within {self.want_timeout_s:g}s")
-        for request_id, deadline in list(self._awaiting_ack.items()):
-            if now > deadline:
+        for request_id, awaiting in list(self._awaiting_ack.items()):
+            if now > awaiting.deadline:
                 self._release(request_id, f"no KVAck within the {self.lease_s:g}s lease")
         for request_id, transfer in list(self._transfers.items()):
             if not transfer.checked and now - transfer.at > self.want_timeout_s:  # the prompt never came

@@ -54,7 +54,9 @@ def test_disaggregated_equals_colocated(model_factory, tmp_path, arch, transport
         stats = driver.decode_stats()
         assert stats.num_kv_transfers_failed == 0 and stats.kv_bytes_received > 0
         assert stats.num_kv_transfers == len(PROMPTS) and 0 < stats.kv_transfer_seconds < 60
-        assert_no_leaks(driver)
+        assert_no_leaks(driver)  # every ack has reached P by now
+        sent = driver.prefill_stats()  # P times computed -> acked: the exposed part of each transfer
+        assert sent.num_kv_transfers == len(PROMPTS) and 0 < sent.kv_transfer_seconds < 60
     finally:
         driver.close()
         prefill.stop()
