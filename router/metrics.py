@@ -33,9 +33,11 @@ ENGINE_COUNTERS = (
     ("pdserve_kv_bytes_sent", "KV bytes sent to decode engines", "kv_bytes_sent"),
     ("pdserve_kv_bytes_received", "KV bytes received from prefill engines", "kv_bytes_received"),
     ("pdserve_kv_transfers_failed", "KV transfers that failed", "num_kv_transfers_failed"),
-    ("pdserve_kv_transfers", "KV transfers completed (decode engines)", "num_kv_transfers"),
-    ("pdserve_kv_transfer_seconds", "summed latency of completed KV transfers, KVWant sent to KVDone "
-     "verified: divide by pdserve_kv_transfers for the mean", "kv_transfer_seconds"),
+    ("pdserve_kv_transfers", "KV transfers completed: verified (decode engines), acked (prefill engines)",
+     "num_kv_transfers"),
+    ("pdserve_kv_transfer_seconds", "summed time of completed KV transfers: decode engines, KVWant sent to "
+     "KVDone verified; prefill engines, prompt computed to KVAck (the part compute did not hide); divide "
+     "by pdserve_kv_transfers for the mean", "kv_transfer_seconds"),
     ("pdserve_num_preemptions", "requests preempted for lack of KV blocks", "num_preemptions"),
 )
 

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import msgpack
 import pytest
 import torch
+from pydantic import Field, ValidationError
 
 from kvtransfer import protocol
 from kvtransfer.errors import ChecksumMismatchError, ProtocolError
 from kvtransfer.protocol import (
+    MAX_DICT_ITEMS,
     MAX_FRAME_BYTES,
     MAX_HEADER_BYTES,
+    MAX_STR_LEN,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Abort,
@@ -31,6 +34,7 @@ from kvtransfer.protocol import (
     combine_checksums,
     decode,
     encode,
+    max_items,
     payload_checksum,
 )
 
@@ -233,7 +237,7 @@ def test_optional_and_nested_types():
     done = SAMPLES[4]
     expect_error([header_of(done, first_logprobs={"42": -0.1})], "kv_done.first_logprobs key", "expected int")
     expect_error([header_of(done, first_logprobs={42: "x"})], "kv_done.first_logprobs[42]", "expected float")
-    expect_error([header_of(done, first_logprobs=[1.0])], "kv_done.first_logprobs", "expected dict[int, float] or None")
+    expect_error([header_of(done, first_logprobs=[1.0])], "kv_done.first_logprobs", "expected dict or None")
     too_many = {i: -1.0 for i in range(30)}
     expect_error([header_of(done, first_logprobs=too_many)], "first_logprobs has 30 entries", "limit of 21")
     decoded, _ = decode([header_of(done, first_logprobs={1: 0})])  # an int where a float is declared
@@ -273,6 +277,76 @@ def test_construction_validates_locally():
         KVWant("r", 0, 1)  # keyword-only: field order never matters
 
 
+# Golden headers written by the hand-written validator this schema replaced: the wire must not change.
+GOLDEN_KV_LAYER = (
+    "8ba474797065a86b765f6c61796572a776657273696f6e01aa726571756573745f6964a57265712d31ab6c617965725f7374"
+    "61727404a96c617965725f656e6406ab746f6b656e5f737461727420aa6e756d5f746f6b656e7305a56474797065a862666c"
+    "6f61743136a57368617065950202050208a66e6279746573cd0280a8636865636b73756dcf0123456789abcdef")
+GOLDEN_GENERATE = (
+    "de0012a474797065a867656e6572617465a776657273696f6e01ab74656d7065726174757265cb0000000000000000a574"
+    "6f705f70cb3ff0000000000000a5746f705f6b00a56d696e5f70cb0000000000000000a47365656405b27265706574697469"
+    "6f6e5f70656e616c7479cb3ff0000000000000b070726573656e63655f70656e616c7479cb0000000000000000b166726571"
+    "75656e63795f70656e616c7479cb0000000000000000aa6d61785f746f6b656e73c0aa6d696e5f746f6b656e7300ae73746f"
+    "705f746f6b656e5f6964739107aa69676e6f72655f656f73c2a86c6f6770726f6273c0aa726571756573745f6964a57265"
+    "712d32b070726f6d70745f746f6b656e5f69647393010203b270726566696c6c5f6b765f61646472657373a77463703a2f2f61")
+
+
+def test_headers_are_byte_identical_to_the_first_schema():
+    layer = KVLayer(request_id="req-1", layer_start=4, layer_end=6, token_start=32, num_tokens=5, dtype="bfloat16",
+                    shape=[2, 2, 5, 2, 8], nbytes=640, checksum=0x0123456789ABCDEF)
+    assert bytes(encode(layer, bytes(640))[0]).hex() == GOLDEN_KV_LAYER
+    generate = control.GenerateRequest(request_id="req-2", prompt_token_ids=[1, 2, 3], temperature=0, seed=5,
+                                       stop_token_ids=[7], prefill_kv_address="tcp://a")
+    assert bytes(encode(generate)[0]).hex() == GOLDEN_GENERATE
+    assert decode([bytes.fromhex(GOLDEN_GENERATE)])[0] == generate
+
+
+def test_messages_are_immutable_and_lists_become_tuples():
+    msg = control.TokenDelta(request_id="r", token_ids=[1, 2], logprobs=[{1: -0.5}])
+    assert msg.token_ids == (1, 2) and isinstance(msg.logprobs, tuple)
+    with pytest.raises(ValidationError, match="frozen"):  # pydantic refuses the assignment
+        msg.token_ids = (3,)
+    with pytest.raises(ProtocolError, match="token_delta.token_ids: expected list, got set"):
+        control.TokenDelta(request_id="r", token_ids={1, 2})  # unordered: never a list on the wire
+    assert control.EngineStats(**{**vars(SAMPLES[14]), "kv_transfer_seconds": 2}).kv_transfer_seconds == 2.0
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("skip_tokens", True, ["kv_want.skip_tokens", "expected int, got bool"]),  # bool is an int in Python only
+    ("skip_tokens", 3.0, ["kv_want.skip_tokens", "expected int, got float"]),
+    ("request_id", b"req-1", ["kv_want.request_id", "expected str, got bytes"]),
+    ("request_id", "r" * (MAX_STR_LEN + 1), ["kv_want.request_id has 4097 characters", "limit of 256"]),
+])
+def test_no_coercion_when_building_either(field, value, words):
+    with pytest.raises(ProtocolError) as info:
+        KVWant(**{"request_id": "req-1", "skip_tokens": 0, "num_tokens": 1, field: value})
+    assert all(word in str(info.value) for word in words), str(info.value)
+
+
+def test_sizes_are_counted_before_items_are_checked():
+    too_many = {str(i): [i] for i in range(MAX_DICT_ITEMS + 1)}  # every value is also of the wrong type
+    expect_error([header_of(SAMPLES[0], fingerprint=too_many)], f"hello.fingerprint has {MAX_DICT_ITEMS + 1} entries")
+    expect_error([header_of(SAMPLES[4], first_logprobs={i: "x" for i in range(22)})], "first_logprobs has 22 entries")
+    expect_error([header_of(SAMPLES[0], fingerprint={"weights_hash": "f" * 5000})],
+                 "hello.fingerprint['weights_hash'] has 5000 characters", "limit of 4096")
+    expect_error([header_of(SAMPLES[0], fingerprint={"x" * 5000: 1})], "hello.fingerprint key has 5000 characters")
+
+
+def test_header_keys_that_are_not_strings():
+    header = msgpack.packb({**SAMPLES[2].to_header(), 7: "x"})
+    error = expect_error([header], "kv_want", "unexpected field(s) [7]")
+    assert error.request_id == "req-1"
+
+
+def test_sampling_fields_check_the_wire_bounds_on_their_own():
+    with pytest.raises(ProtocolError, match=r"sampling.top_k=-2 is out of bounds"):
+        control.SamplingFields(top_k=-2)
+    with pytest.raises(ProtocolError, match=r"sampling.stop_token_ids has 65 items"):
+        control.SamplingFields(stop_token_ids=list(range(65)))
+    fields = control.SamplingFields(temperature=0, seed=3).sampling_kwargs()
+    assert fields["temperature"] == 0.0 and fields["seed"] == 3 and fields["stop_token_ids"] == ()
+
+
 def test_encode_checks_buffers_against_the_header():
     msg, kv = kv_layer_message()
     with pytest.raises(ProtocolError, match="promises 1 payload frame"):
@@ -292,9 +366,8 @@ def test_error_reply_from_exception():
 
 
 def test_a_new_message_type_is_a_few_lines():
-    @dataclass(frozen=True, kw_only=True)
     class Probe(Message, type_name="test_probe", max_frames=2):
-        token_ids: tuple[int, ...] = bounded(max_len=4, min=0)
+        token_ids: Annotated[tuple[Annotated[int, Field(ge=0)], ...], max_items(4)]
         blob: bytes = bounded(max_len=8)
         load: float
         note: str | None = None

@@ -1,0 +1,164 @@
+"""Messages of the KV link between a decode engine (D) and a prefill engine (P).
+
+    D -> P   Hello (layout fingerprint), KVWant (send this request's KV)
+    P -> D   HelloAck, KVLayer (+ one payload frame) per layer range, KVDone
+    D -> P   KVAck
+    either   Abort, Error
+
+Schemas, bounds and error wording: kvtransfer.schema. Payload layout and checksums: kvtransfer.payload.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from kvtransfer.errors import ChecksumMismatchError, ProtocolError
+from kvtransfer.payload import DTYPE_SIZES, KVDtype, as_buffer, dtype_name, payload_checksum, tensor_from_frame
+from kvtransfer.schema import (
+    MAX_CHECKSUM,
+    MAX_DICT_ITEMS,
+    MAX_FRAME_BYTES,
+    MAX_ID_LEN,
+    MAX_LAYERS,
+    MAX_LOGPROBS,
+    MAX_SHAPE_DIMS,
+    MAX_STR_LEN,
+    MAX_TOKENS,
+    Message,
+    max_items,
+)
+
+Role = Literal["prefill", "decode"]
+ROLES: tuple[str, ...] = typing.get_args(Role)
+MAX_TOKEN_ID = (1 << 31) - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+FrameDim = Annotated[int, Field(ge=1, le=MAX_FRAME_BYTES)]  # one dimension of a payload's shape
+
+
+class Hello(Message, type_name="hello"):
+    """Client -> server, first on a link: who I am and the KV layout I hold (LayoutFingerprint)."""
+
+    fingerprint: Annotated[dict[str, str | int], max_items(MAX_DICT_ITEMS)]
+    role: Role
+    engine_id: str = Field(max_length=MAX_ID_LEN)
+
+
+class HelloAck(Message, type_name="hello_ack"):
+    """Server -> client: the link is accepted, or refused with the reason (e.g. layout differences)."""
+
+    ok: bool
+    reason: str = ""
+
+
+class KVWant(Message, type_name="kv_want"):
+    """D -> P: send the KV of prompt tokens [skip_tokens, skip_tokens + num_tokens) of a request.
+
+    skip_tokens is D's own prefix-cache hit (block aligned); skip_tokens + num_tokens is the prompt
+    length, which P checks against the prompt it was given."""
+
+    request_id: str = Field(max_length=MAX_ID_LEN)
+    skip_tokens: int = Field(ge=0, le=MAX_TOKENS)
+    num_tokens: int = Field(ge=1, le=MAX_TOKENS)
+
+
+class KVLayer(Message, type_name="kv_layer", max_frames=1):
+    """P -> D: KV of layers [layer_start, layer_end) for tokens [token_start, token_start + num_tokens),
+    in one payload frame of `nbytes` bytes shaped `shape` in `dtype`, with its payload_checksum.
+
+    token_start lets chunked prefill send one layer range in several token chunks."""
+
+    request_id: str = Field(max_length=MAX_ID_LEN)
+    layer_start: int = Field(ge=0, le=MAX_LAYERS - 1)
+    layer_end: int = Field(ge=1, le=MAX_LAYERS)
+    token_start: int = Field(ge=0, le=MAX_TOKENS)
+    num_tokens: int = Field(ge=1, le=MAX_TOKENS)
+    dtype: KVDtype
+    # [num_layers, 2, num_tokens, num_kv_heads, head_dim], checked by check_layout
+    shape: Annotated[tuple[FrameDim, ...], max_items(MAX_SHAPE_DIMS)]
+    nbytes: int = Field(ge=1, le=MAX_FRAME_BYTES)
+    checksum: int = Field(ge=0, le=MAX_CHECKSUM)
+
+    @model_validator(mode="after")
+    def check_layout(self) -> KVLayer:
+        num_layers = self.layer_end - self.layer_start
+        if num_layers < 1:
+            raise ProtocolError(f"kv_layer: layer_end={self.layer_end} must be greater than layer_start={self.layer_start}")
+        if len(self.shape) != 5 or self.shape[:3] != (num_layers, 2, self.num_tokens):
+            raise ProtocolError(
+                f"kv_layer.shape={list(self.shape)} must be [num_layers={num_layers}, 2, "
+                f"num_tokens={self.num_tokens}, num_kv_heads, head_dim]")
+        expected = math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+        if self.nbytes != expected:
+            raise ProtocolError(f"kv_layer.nbytes={self.nbytes} but shape {list(self.shape)} of {self.dtype} is {expected} bytes")
+        return self
+
+    def frame_sizes(self) -> tuple[int, ...]:
+        return (self.nbytes,)
+
+    def verify_frames(self, frames: Sequence[memoryview], *, verify_checksum: bool) -> None:
+        super().verify_frames(frames, verify_checksum=verify_checksum)
+        if verify_checksum and payload_checksum(frames[0]) != self.checksum:
+            raise ChecksumMismatchError(
+                f"kv_layer payload of request {self.request_id!r} (layers {self.layer_start}..{self.layer_end}) "
+                f"fails its checksum: the bytes were corrupted in flight or by the sender; abort and retry the request",
+                request_id=self.request_id)
+
+    def tensor(self, frame: Any) -> Any:
+        """Zero-copy view of the payload frame: [num_layers, 2, num_tokens, num_kv_heads, head_dim]."""
+        return tensor_from_frame(frame, self.dtype, self.shape)
+
+    @classmethod
+    def from_tensor(cls, kv: Any, *, request_id: str, layer_start: int, token_start: int) -> tuple[KVLayer, memoryview]:
+        """Header and payload for kv [num_layers, 2, num_tokens, num_kv_heads, head_dim] on the CPU."""
+        if kv.dim() != 5 or kv.shape[1] != 2:
+            raise ValueError(f"kv has shape {list(kv.shape)}: expected [num_layers, 2, num_tokens, num_kv_heads, head_dim]")
+        payload = as_buffer(kv)
+        msg = cls(request_id=request_id, layer_start=layer_start, layer_end=layer_start + kv.shape[0],
+                  token_start=token_start, num_tokens=kv.shape[2], dtype=dtype_name(kv.dtype),
+                  shape=tuple(kv.shape), nbytes=payload.nbytes, checksum=payload_checksum(payload))
+        return msg, payload
+
+
+class KVDone(Message, type_name="kv_done"):
+    """P -> D: every KVLayer of the request is sent. checksum = combine_checksums(KVLayer checksums
+    in send order); first_logprobs ({token_id: logprob}) only when the request asked for logprobs."""
+
+    request_id: str = Field(max_length=MAX_ID_LEN)
+    first_token: TokenId
+    num_tokens: int = Field(ge=1, le=MAX_TOKENS)
+    checksum: int = Field(ge=0, le=MAX_CHECKSUM)
+    first_logprobs: Annotated[dict[TokenId, float], max_items(MAX_LOGPROBS)] | None = None
+
+
+class KVAck(Message, type_name="kv_ack"):
+    """D -> P: the request's KV arrived intact (ok) or not (reason); P may free its blocks either way."""
+
+    request_id: str = Field(max_length=MAX_ID_LEN)
+    ok: bool
+    reason: str = ""
+
+
+class Abort(Message, type_name="abort"):
+    """Either way: stop work on a request and free what it holds."""
+
+    request_id: str = Field(max_length=MAX_ID_LEN)
+    reason: str = ""
+
+
+class Error(Message, type_name="error"):
+    """Either way: the peer's last message could not be served; code is an error class's `code`."""
+
+    code: str = Field(max_length=64)
+    message: str
+    request_id: str | None = Field(default=None, max_length=MAX_ID_LEN)
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> Error:
+        request_id = getattr(exc, "request_id", None)
+        return cls(code=str(getattr(exc, "code", "internal_error"))[:64], message=str(exc)[:MAX_STR_LEN],
+                   request_id=request_id if isinstance(request_id, str) and len(request_id) <= MAX_ID_LEN else None)

@@ -1,0 +1,206 @@
+"""Message schemas of the wire protocol: pydantic v2 models, strict, frozen, bounded.
+
+Every message type subclasses `Message` with `type_name=` (and `max_frames=` if it carries
+payload). Its fields are pydantic fields; `Field(ge=, le=, max_length=)` holds the limits, and the
+model config adds the rest:
+    strict       no coercion: an int refuses bool, float and str; a float takes an int (stored as
+                 float); a str refuses bytes; a tuple field takes a list (stored as a tuple, see
+                 `max_items`) but no other iterable
+    frozen       messages are immutable (rebuild one with `type(msg)(**{**vars(msg), ...})`)
+    extra        unknown header keys are refused
+    str limit    every str (dict keys included) is at most MAX_STR_LEN characters unless its field
+                 says otherwise
+Rules that span fields are `@model_validator(mode="after")` methods raising ProtocolError.
+
+A ValidationError never leaves this module: building or decoding a message raises ProtocolError
+naming the field as `type_name.field` (`kv_layer.shape[2]`, `kv_done.first_logprobs key`) and the
+problem in plain words. Build messages with the constructor or `from_header`: pydantic's
+`model_validate` would wrap that ProtocolError in a ValidationError, and `model_copy(update=...)`
+skips validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Any, ClassVar
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails, PydanticCustomError, PydanticUndefined
+
+from kvtransfer.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+# ---- bounds: checked before anything sized by the peer is allocated ----
+MAX_HEADER_BYTES = 1 << 20  # control messages with long prompts will share this header format
+MAX_ID_LEN = 256  # request and engine ids
+MAX_STR_LEN = 4096  # reasons, messages and any other string
+MAX_DICT_ITEMS = 64
+MAX_SHAPE_DIMS = 8
+MAX_LAYERS = 1024
+MAX_TOKENS = 1 << 24
+MAX_LOGPROBS = 21  # top-20 plus the sampled token
+MAX_FRAME_BYTES = 1 << 31  # one payload frame; transport.py also sets it as ZMQ_MAXMSGSIZE
+MAX_CHECKSUM = (1 << 64) - 1  # payload_checksum is 64-bit
+INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
+
+WireInt = Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)]  # any int msgpack can carry
+
+
+def max_items(limit: int) -> BeforeValidator:
+    """Annotated metadata of a tuple or dict field: at most `limit` items, counted before any item
+    is validated (pydantic counts a dict's entries only after validating them all); a list (from a
+    caller; msgpack gives tuples) is stored as a tuple."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, (list, tuple, dict)) and len(value) > limit:
+            raise PydanticCustomError("too_long", "over the limit of {max_length}", {"max_length": limit})
+        return tuple(value) if type(value) is list else value
+    return BeforeValidator(check)
+
+
+def bounded(*, default: Any = PydanticUndefined, max_len: int | None = None, min: int | None = None,
+            max: int | None = None) -> Any:
+    """`Field` with the limit names of the first schema: max_len (str, bytes), min / max (int)."""
+    return Field(default, max_length=max_len, ge=min, le=max)
+
+
+# ---- ValidationError -> ProtocolError ----
+
+_EXPECTED = {"int_type": "int", "float_type": "float", "string_type": "str", "bool_type": "bool",
+             "bytes_type": "bytes", "dict_type": "dict", "tuple_type": "list", "none_required": "None"}
+_UNITS = {"string_too_long": "characters", "bytes_too_long": "bytes"}
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _path(prefix: str, loc: Sequence[int | str]) -> str:
+    """("first_logprobs", 42) -> "kv_done.first_logprobs[42]"; a dict key's own error ends in "[key]"."""
+    path = f"{prefix}.{loc[0]}" if loc else prefix
+    for index, part in enumerate(loc[1:], start=1):
+        if part != "[key]":
+            path += " key" if loc[index + 1:index + 2] == ("[key]",) else f"[{short_repr(part, 20)}]"
+    return path
+
+
+def _describe(cls: type[WireModel], error: ErrorDetails) -> str:
+    kind, value, ctx, loc = error["type"], error["input"], error.get("ctx", {}), error["loc"]
+    path = _path(cls.type_name, loc)
+    if kind in _EXPECTED:
+        field = cls.model_fields.get(str(loc[0])) if len(loc) == 1 else None
+        nullable = " or None" if field is not None and field.default is None else ""
+        return f"{path}: expected {_EXPECTED[kind]}{nullable}, got {type(value).__name__} {short_repr(value)}"
+    if kind in ("greater_than_equal", "less_than_equal"):
+        bound = f">= {ctx['ge']}" if "ge" in ctx else f"<= {ctx['le']}"
+        return f"{path}={short_repr(value)} is out of bounds: it must be {bound}"
+    if kind in ("too_long", "string_too_long", "bytes_too_long"):
+        unit = _UNITS.get(kind, "entries" if isinstance(value, dict) else "items")
+        return f"{path} has {len(value)} {unit}, over the limit of {ctx['max_length']}"
+    if kind == "literal_error":
+        return f"{path}={short_repr(value)} is not allowed: it must be {ctx['expected']}"
+    return f"{path}: {error['msg']}"
+
+
+def _union_arms(errors: list[ErrorDetails]) -> list[ErrorDetails]:
+    """The leading errors that are one value failing each arm of a union: pydantic reports it once per
+    arm, with the arm's name appended to loc (and a different error type for each arm)."""
+    first, arms = errors[0], errors[:1]
+    for error in errors[1:]:
+        if (error["loc"][:-1] != first["loc"][:-1] or error["input"] is not first["input"]
+                or error["type"] in {arm["type"] for arm in arms}):
+            break
+        arms.append(error)
+    return arms
+
+
+def _unexpected(cls: type[WireModel], keys: list[Any]) -> ProtocolError:
+    expected = sorted(cls.model_fields)
+    return ProtocolError(f"{cls.type_name}: unexpected field(s) {short_repr(keys)}; expected {expected}")
+
+
+def protocol_error(cls: type[WireModel], exc: ValidationError) -> ProtocolError:
+    """The first problem pydantic found, as a ProtocolError (a cross-field rule's own ProtocolError
+    comes back as it was raised)."""
+    errors, prefix = exc.errors(include_url=False), cls.type_name
+    raised = errors[0].get("ctx", {}).get("error")
+    if isinstance(raised, ProtocolError):
+        return raised
+    unknown = [error["loc"][0] for error in errors if error["type"] == "extra_forbidden"]
+    if unknown:
+        return _unexpected(cls, unknown)
+    missing = [error["loc"][0] for error in errors if error["type"] == "missing"]
+    if missing:
+        return ProtocolError(f"{prefix}: missing field(s) {missing}")
+    arms = _union_arms(errors)
+    if len(arms) == 1:
+        return ProtocolError(_describe(cls, arms[0]))
+    fitting = [arm for arm in arms if arm["type"] not in _EXPECTED]  # the arm of the value's type broke a bound
+    if fitting:
+        return ProtocolError(_describe(cls, {**fitting[0], "loc": fitting[0]["loc"][:-1]}))
+    value, expected = arms[0]["input"], " or ".join(_EXPECTED[arm["type"]] for arm in arms)
+    return ProtocolError(f"{_path(prefix, arms[0]['loc'][:-1])}: expected {expected}, "
+                         f"got {type(value).__name__} {short_repr(value)}")
+
+
+# ---- models ----
+
+class WireModel(BaseModel):
+    """Fields that travel in a header: strict, frozen, no unknown keys, bounded strings."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid", str_max_length=MAX_STR_LEN)
+    type_name: ClassVar[str] = "wire"  # names the fields in errors: "kv_layer.nbytes"
+
+    def __init__(self, /, **fields: Any) -> None:
+        try:  # BaseModel.__init__, one call shorter: this is every message's path
+            self.__pydantic_validator__.validate_python(fields, self_instance=self)
+        except ValidationError as exc:
+            raise protocol_error(type(self), exc) from None
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {}
+
+
+class Message(WireModel):
+    """Base of every message type; subclasses register themselves under `type_name`."""
+
+    max_frames: ClassVar[int] = 0
+
+    def __init_subclass__(cls, *, type_name: str, max_frames: int = 0, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if type_name in MESSAGE_TYPES:
+            raise TypeError(f"message type {type_name!r} is already defined by {MESSAGE_TYPES[type_name].__name__}")
+        cls.type_name, cls.max_frames = type_name, max_frames
+        MESSAGE_TYPES[type_name] = cls
+
+    def frame_sizes(self) -> tuple[int, ...]:
+        """Byte length of each payload frame this header promises (none for control messages)."""
+        return ()
+
+    def verify_frames(self, frames: Sequence[memoryview], *, verify_checksum: bool) -> None:
+        sizes = self.frame_sizes()
+        if len(frames) != len(sizes):
+            raise ProtocolError(f"{self.type_name} promises {len(sizes)} payload frame(s) but {len(frames)} came")
+        for index, (frame, size) in enumerate(zip(frames, sizes)):
+            if frame.nbytes != size:
+                raise ProtocolError(f"{self.type_name} frame {index} has {frame.nbytes} bytes, the header promises {size}")
+
+    def to_header(self) -> dict[str, Any]:
+        """{"type", "version", then every field in declaration order}: the msgpack header map."""
+        return {"type": self.type_name, "version": PROTOCOL_VERSION, **self.__dict__}
+
+    @classmethod
+    def from_header(cls, header: dict) -> Message:
+        """Validate a header map (its "type" and "version" already checked) into this message type."""
+        fields = dict(header)
+        fields.pop("type", None)
+        fields.pop("version", None)
+        try:
+            return cls(**fields)  # faster than model_validate, which calls a custom __init__ anyway
+        except TypeError:
+            unknown = [key for key in fields if not isinstance(key, str)]  # cannot be keywords
+            if not unknown:
+                raise
+            raise _unexpected(cls, unknown) from None
