@@ -4,8 +4,8 @@
 
 For each prompt length, time to first token (TTFT, seen by the client) in three modes, in one run:
   local      the decode engine prefills the prompt itself (no transfer: the baseline)
-  sent-after the prefill engine computes the prompt, then sends all its KV (--no-kv-streaming)
-  streamed   the prefill engine sends each layer's KV as soon as it is computed (the default)
+  sent-after the prefill engine computes the prompt, then sends all its KV (--kv-streaming off)
+  streamed   the prefill engine sends each layer's KV as soon as it is computed (--kv-streaming on)
 The prefill engine also times each transfer's exposed part: from the moment its prompt is computed to
 the decode engine's KVAck (all layers arrived and verified). That is the transfer time compute did not
 hide; hidden by streaming = 1 - exposed(streamed) / exposed(sent-after). TTFT differences against
@@ -77,8 +77,8 @@ def main() -> None:
 
     bytes_per_token = ModelConfig.from_hf(model, dtype="float32").kv_bytes_per_token
     logs = Path(tempfile.mkdtemp(prefix="pd-transfer-"))
-    streamed = EngineProcess("prefill", model, *ENGINE_ARGS, log_dir=logs)
-    after = EngineProcess("prefill", model, *ENGINE_ARGS, "--no-kv-streaming", "--engine-id", "prefill-1",
+    streamed = EngineProcess("prefill", model, *ENGINE_ARGS, "--kv-streaming", "on", log_dir=logs)
+    after = EngineProcess("prefill", model, *ENGINE_ARGS, "--kv-streaming", "off", "--engine-id", "prefill-1",
                           log_dir=logs)
     decode = EngineProcess("decode", model, *ENGINE_ARGS, "--kv-timeout", "300", log_dir=logs)
     drivers = {"streamed": Driver(decode, streamed), "sent-after": Driver(decode, after)}

@@ -30,8 +30,10 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
                             help="seconds a finished prefill waits for a decode engine to ask for its KV")
         parser.add_argument("--kv-lease", type=float, default=30.0,
                             help="seconds sent KV stays allocated without the decode engine's ack")
-        parser.add_argument("--no-kv-streaming", action="store_true",
-                            help="send a prompt's KV after the prefill, not layer by layer while computing")
+        parser.add_argument("--kv-streaming", choices=["auto", "on", "off"], default="auto",
+                            help="send each layer's KV while the prompt computes (on) or all of it after (off); "
+                                 "auto: on with a CUDA --device, off on CPU, where the sending competes with the "
+                                 "prefill for the same cores (measured in docs/BENCHMARKS.md)")
     else:
         parser.add_argument("--kv-timeout", type=float, default=30.0,
                             help="seconds to wait for a prompt's KV from a prefill engine")
@@ -56,6 +58,11 @@ def _configs(args: argparse.Namespace) -> tuple:
     return model_config, cache_config, scheduler_config
 
 
+def streams_layers(choice: str, device: str) -> bool:
+    """--kv-streaming: auto streams when the prefill computes on a GPU and the host cores are free."""
+    return choice == "on" or (choice == "auto" and device.startswith("cuda"))
+
+
 def run_engine(args: argparse.Namespace, role: str) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s")
     configs = _configs(args)
@@ -64,7 +71,7 @@ def run_engine(args: argparse.Namespace, role: str) -> int:
 
         server = build_prefill_server(*configs, PrefillOptions(
             args.control_address, args.kv_address, args.engine_id, args.kv_want_timeout, args.kv_lease, args.device,
-            not args.no_kv_streaming, args.curve_dir))
+            streams_layers(args.kv_streaming, args.device), args.curve_dir))
         extra = f" kv={server.kv_address}"
     else:
         from decode.service import DecodeOptions, build_decode_server

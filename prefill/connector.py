@@ -53,6 +53,18 @@ class _Transfer:
 
 
 @dataclass
+class _StreamJob:
+    """Prompt tokens [begin, end) that this step computes, streamed to transfer's peer per layer."""
+
+    request_id: str
+    transfer: _Transfer
+    begin: int
+    end: int
+    slots: torch.Tensor  # [end - begin] int64 cache slots
+    next_layer: int = 0  # layers below this one are sent
+
+
+@dataclass
 class _AwaitingAck:
     deadline: float  # the lease: blocks are freed then even without an ack
     computed_at: float  # when the prompt's last layer was computed
@@ -103,30 +115,51 @@ class PrefillConnector(KVConnector):
         return events
 
     def layer_hook(self, plan) -> Callable[[int], None] | None:
-        """Stream this step's new prompt KV, layer by layer, to decode engines that already asked."""
-        if not self.stream_layers or not self._transfers:
+        """Stream this step's new prompt KV to the decode engines that asked, each layer as soon as it
+        is stored. A KVWant that arrives while the step runs is picked up at the next layer boundary
+        (the socket is read between layers); the layers stored before it go in one catch-up message."""
+        if not self.stream_layers:
             return None
-        jobs = []
-        for item in plan.scheduled:
+        prompt_items = [item for item in plan.scheduled
+                        if item.request.num_computed_tokens < item.request.num_prompt_tokens]
+        jobs: list[_StreamJob] = []
+        unasked = []  # prompt chunks of this step whose KVWant has not come yet
+        for item in prompt_items:
             transfer = self._transfers.get(item.request.request_id)
-            if transfer is not None and self._checked(item.request, transfer):
-                job = self._stream_job(item, transfer)
-                if job is not None:
-                    jobs.append(job)
-        if not jobs:
+            if transfer is None:
+                unasked.append(item)
+            elif self._checked(item.request, transfer):
+                jobs.extend(self._stream_job(item, transfer))
+        if not jobs and not unasked:
             return None
         last_layer = self.kv_cache.shape[0] - 1
 
         def on_layer_stored(layer_idx: int) -> None:
-            for request_id, transfer, start, end, slots in jobs:
-                kv = self.kv_cache[layer_idx].flatten(1, 2).index_select(1, slots)[None]  # [1, 2, T, H, D]
-                self._send_payload(request_id, transfer, kv.cpu(), layer_idx, start)
+            if unasked:
+                self._pick_up_wants(unasked, jobs)
+            for job in jobs:
+                if self._transfers.get(job.request_id) is not job.transfer:  # aborted meanwhile
+                    continue
+                # layers [next_layer, layer_idx] of this step's tokens: [n, 2, T, kv_heads, head_dim]
+                kv = self.kv_cache[job.next_layer:layer_idx + 1].flatten(2, 3).index_select(2, job.slots)
+                self._send_payload(job.request_id, job.transfer, kv.cpu(), job.next_layer, job.begin)
+                job.next_layer = layer_idx + 1
                 if layer_idx == last_layer:
-                    transfer.sent_upto = end
+                    job.transfer.sent_upto = job.end
         return on_layer_stored
 
-    def _stream_job(self, item, transfer: _Transfer):
-        """(request id, transfer, start, end, slots) for the prompt tokens this step computes."""
+    def _pick_up_wants(self, unasked: list, jobs: list[_StreamJob]) -> None:
+        """Read the KV socket mid-step; start streaming the chunks whose KVWant just came."""
+        self.receive()
+        for item in list(unasked):
+            transfer = self._transfers.get(item.request.request_id)
+            if transfer is not None:
+                unasked.remove(item)
+                if self._checked(item.request, transfer):
+                    jobs.extend(self._stream_job(item, transfer))
+
+    def _stream_job(self, item, transfer: _Transfer) -> list[_StreamJob]:
+        """The prompt tokens this step computes for one request (none if already sent)."""
         request = item.request
         start = request.num_computed_tokens
         if start > transfer.sent_upto:  # computed before the KVWant came: catch up from the cache
@@ -135,8 +168,8 @@ class PrefillConnector(KVConnector):
         begin = max(start, transfer.sent_upto)  # a recompute after preemption is not sent twice
         end = min(start + item.num_new_tokens, request.num_prompt_tokens)
         if end <= begin:
-            return None
-        return request.request_id, transfer, begin, end, self._slots(item.block_ids, begin, end)
+            return []
+        return [_StreamJob(request.request_id, transfer, begin, end, self._slots(item.block_ids, begin, end))]
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:  # [end - start] int64
         block_size = self.kv_cache.shape[3]

@@ -21,14 +21,16 @@ def colocated_tokens(model_dir: str, prompts, **sampling) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def start_pair(model_dir: str, tmp_path, transport: str = "tcp", prefill_env=None, decode_args=()):
+def start_pair(model_dir: str, tmp_path, transport: str = "tcp", prefill_env=None, decode_args=(),
+               prefill_args=("--kv-streaming", "on")):  # auto would not stream on CPU
     if transport == "ipc":
         addresses = {name: f"ipc://{tmp_path}/{name}.sock" for name in ("p-control", "p-kv", "d-control")}
         p_args = ("--control-address", addresses["p-control"], "--kv-address", addresses["p-kv"])
         d_args = ("--control-address", addresses["d-control"])
     else:
         p_args = d_args = ()
-    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, *p_args, env=prefill_env, log_dir=tmp_path)
+    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, *p_args, *prefill_args, env=prefill_env,
+                            log_dir=tmp_path)
     decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *d_args, *decode_args, log_dir=tmp_path)
     return prefill, decode
 
@@ -57,6 +59,21 @@ def test_disaggregated_equals_colocated(model_factory, tmp_path, arch, transport
         assert_no_leaks(driver)  # every ack has reached P by now
         sent = driver.prefill_stats()  # P times computed -> acked: the exposed part of each transfer
         assert sent.num_kv_transfers == len(PROMPTS) and 0 < sent.kv_transfer_seconds < 60
+    finally:
+        driver.close()
+        prefill.stop()
+        decode.stop()
+
+
+def test_kv_sent_after_the_prefill_equals_colocated(model_factory, tmp_path):
+    """--kv-streaming off (the CPU default): the whole prompt's KV goes after it is computed."""
+    model_dir = model_factory("llama")
+    expected = colocated_tokens(model_dir, PROMPTS, **GREEDY)
+    prefill, decode = start_pair(model_dir, tmp_path, prefill_args=("--kv-streaming", "off"))
+    driver = Driver(decode, prefill)
+    try:
+        assert [r.token_ids for r in driver.generate(PROMPTS, **GREEDY)] == expected
+        assert_no_leaks(driver)
     finally:
         driver.close()
         prefill.stop()

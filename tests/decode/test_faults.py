@@ -20,7 +20,8 @@ def expected(model_factory):
 
 def run_pair(model_factory, tmp_path, prefill_env=None, decode_args=KV_TIMEOUT, prefill_model=None):
     model_dir = model_factory("llama")
-    prefill = EngineProcess("prefill", prefill_model or model_dir, *ENGINE_ARGS, env=prefill_env, log_dir=tmp_path)
+    prefill = EngineProcess("prefill", prefill_model or model_dir, *ENGINE_ARGS, "--kv-streaming", "on",
+                            env=prefill_env, log_dir=tmp_path)
     decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *decode_args, log_dir=tmp_path)
     return prefill, decode, Driver(decode, prefill)
 

@@ -1,0 +1,115 @@
+"""PrefillConnector.layer_hook: each layer's prompt KV goes out as soon as it is stored, including for a
+KVWant that arrives while the step runs (real KVServer/KVClient sockets; the engine is stood in for by
+a hand-made KV cache and plan)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvtransfer.fingerprint import LayoutFingerprint
+from kvtransfer.protocol import Hello, HelloAck, KVLayer, KVWant
+from kvtransfer.transport import KVClient, KVServer
+from prefill.connector import PrefillConnector
+
+NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 8, 4, 2, 8
+PROMPT_LEN, BLOCK_IDS = 6, [5, 2]  # two blocks, the second one partly filled
+
+
+@pytest.fixture
+def link():
+    fingerprint = LayoutFingerprint(architecture="LlamaForCausalLM", num_layers=NUM_LAYERS, num_kv_heads=KV_HEADS,
+                                    head_dim=HEAD_DIM, dtype="float32", block_size=BLOCK_SIZE, weights_hash="w")
+    server = KVServer("tcp://127.0.0.1:0")
+    connector = PrefillConnector(server, fingerprint)
+    kv_cache = torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    connector.bind_kv_cache(kv_cache)
+    client = KVClient(server.address)
+    client.send(Hello(fingerprint=fingerprint.to_dict(), role="decode", engine_id="d0"))
+    _wait_until(lambda: connector.receive() or bool(connector._peers))
+    assert isinstance(client.recv(timeout=5).msg, HelloAck)
+    yield connector, client, kv_cache
+    client.close()
+    connector.close()
+
+
+def _wait_until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.005)
+
+
+def _plan(request_id: str):
+    request = SimpleNamespace(request_id=request_id, num_computed_tokens=0, num_prompt_tokens=PROMPT_LEN)
+    item = SimpleNamespace(request=request, block_ids=BLOCK_IDS, num_new_tokens=PROMPT_LEN)
+    return SimpleNamespace(scheduled=[item])
+
+
+def _expected(kv_cache: torch.Tensor, first: int, last: int) -> torch.Tensor:  # [n, 2, T, H, D]
+    slots = torch.tensor([BLOCK_IDS[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(PROMPT_LEN)])
+    return kv_cache[first:last + 1].flatten(2, 3).index_select(2, slots)
+
+
+def _layers_received(client: KVClient, count: int) -> list[tuple[KVLayer, torch.Tensor]]:
+    received = []
+    while len(received) < count:
+        message = client.recv(timeout=5)
+        assert message is not None, f"only {len(received)} of {count} KV messages arrived"
+        received.append((message.msg, message.msg.tensor(message.frames[0]).clone()))
+    return received
+
+
+def test_want_before_the_step_streams_one_message_per_layer(link):
+    connector, client, kv_cache = link
+    client.send(KVWant(request_id="r", skip_tokens=0, num_tokens=PROMPT_LEN))
+    _wait_until(lambda: connector.receive() or "r" in connector._transfers)
+    hook = connector.layer_hook(_plan("r"))
+    for layer in range(NUM_LAYERS):
+        hook(layer)
+    received = _layers_received(client, NUM_LAYERS)
+    assert [(m.layer_start, m.layer_end, m.token_start, m.num_tokens) for m, _ in received] == [
+        (layer, layer + 1, 0, PROMPT_LEN) for layer in range(NUM_LAYERS)]
+    for layer, (_, kv) in enumerate(received):
+        torch.testing.assert_close(kv, _expected(kv_cache, layer, layer), rtol=0, atol=0)
+    assert connector._transfers["r"].sent_upto == PROMPT_LEN
+
+
+def test_want_arriving_mid_step_is_picked_up_at_the_next_layer(link):
+    connector, client, kv_cache = link
+    hook = connector.layer_hook(_plan("r"))
+    assert hook is not None, "a prompt chunk without a KVWant yet must still get the hook"
+    hook(0)  # nobody asked yet: nothing goes out
+    assert client.recv(timeout=0.05) is None
+    client.send(KVWant(request_id="r", skip_tokens=0, num_tokens=PROMPT_LEN))
+    time.sleep(0.05)  # the KVWant is in P's socket while layer 1 computes
+    hook(1)  # reads the socket: layers 0 and 1 go out together
+    hook(2)
+    (catch_up, kv01), (last, kv2) = _layers_received(client, 2)
+    assert (catch_up.layer_start, catch_up.layer_end, last.layer_start, last.layer_end) == (0, 2, 2, 3)
+    torch.testing.assert_close(kv01, _expected(kv_cache, 0, 1), rtol=0, atol=0)
+    torch.testing.assert_close(kv2, _expected(kv_cache, 2, 2), rtol=0, atol=0)
+    assert connector._transfers["r"].sent_upto == PROMPT_LEN
+
+
+def test_no_hook_without_prompt_tokens_or_with_streaming_off(link):
+    connector, _, _ = link
+    decode_only = _plan("r")
+    decode_only.scheduled[0].request.num_computed_tokens = PROMPT_LEN
+    assert connector.layer_hook(decode_only) is None
+    connector.stream_layers = False
+    assert connector.layer_hook(_plan("r")) is None
+
+
+@pytest.mark.parametrize("choice, device, expected", [
+    ("auto", "cuda", True), ("auto", "cuda:1", True), ("auto", "cpu", False),
+    ("on", "cpu", True), ("off", "cuda", False),
+])
+def test_kv_streaming_choice(choice, device, expected):
+    from pdserve.engines import streams_layers
+
+    assert streams_layers(choice, device) is expected
