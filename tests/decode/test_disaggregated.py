@@ -3,6 +3,9 @@ engine token for token, KV bytes are exactly what the layout says, and no block 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -35,6 +38,19 @@ def start_pair(model_dir: str, tmp_path, transport: str = "tcp", prefill_env=Non
     return prefill, decode
 
 
+@contextlib.contextmanager
+def running_pair(model_dir: str, tmp_path, **start_args) -> Iterator[Driver]:
+    """A prefill + decode pair (start_pair) and a Driver for it, all stopped afterwards."""
+    prefill, decode = start_pair(model_dir, tmp_path, **start_args)
+    driver = Driver(decode, prefill)
+    try:
+        yield driver
+    finally:
+        driver.close()
+        prefill.stop()
+        decode.stop()
+
+
 def assert_no_leaks(driver: Driver) -> None:
     decode, prefill = driver.wait_idle()
     assert decode.kv_blocks_used == 0, f"decode engine leaked {decode.kv_blocks_used} blocks"
@@ -47,9 +63,7 @@ def assert_no_leaks(driver: Driver) -> None:
 def test_disaggregated_equals_colocated(model_factory, tmp_path, arch, transport):
     model_dir = model_factory(arch)
     expected = colocated_tokens(model_dir, PROMPTS, **GREEDY)
-    prefill, decode = start_pair(model_dir, tmp_path, transport)
-    driver = Driver(decode, prefill)
-    try:
+    with running_pair(model_dir, tmp_path, transport=transport) as driver:
         results = driver.generate(PROMPTS, **GREEDY)  # all five in flight at once
         assert [r.token_ids for r in results] == expected
         assert all(r.finish_reason == "length" for r in results)
@@ -59,25 +73,15 @@ def test_disaggregated_equals_colocated(model_factory, tmp_path, arch, transport
         assert_no_leaks(driver)  # every ack has reached P by now
         sent = driver.prefill_stats()  # P times computed -> acked: the exposed part of each transfer
         assert sent.num_kv_transfers == len(PROMPTS) and 0 < sent.kv_transfer_seconds < 60
-    finally:
-        driver.close()
-        prefill.stop()
-        decode.stop()
 
 
 def test_kv_sent_after_the_prefill_equals_colocated(model_factory, tmp_path):
     """--kv-streaming off (the CPU default): the whole prompt's KV goes after it is computed."""
     model_dir = model_factory("llama")
     expected = colocated_tokens(model_dir, PROMPTS, **GREEDY)
-    prefill, decode = start_pair(model_dir, tmp_path, prefill_args=("--kv-streaming", "off"))
-    driver = Driver(decode, prefill)
-    try:
+    with running_pair(model_dir, tmp_path, prefill_args=("--kv-streaming", "off")) as driver:
         assert [r.token_ids for r in driver.generate(PROMPTS, **GREEDY)] == expected
         assert_no_leaks(driver)
-    finally:
-        driver.close()
-        prefill.stop()
-        decode.stop()
 
 
 def test_seeded_sampling_equals_colocated(model_factory, tmp_path):
@@ -85,15 +89,9 @@ def test_seeded_sampling_equals_colocated(model_factory, tmp_path):
     model_dir = model_factory("llama")
     sampling = {"temperature": 0.9, "top_p": 0.9, "seed": 7, "max_tokens": 8, "ignore_eos": True}
     expected = colocated_tokens(model_dir, PROMPTS[:3], **sampling)
-    prefill, decode = start_pair(model_dir, tmp_path)
-    driver = Driver(decode, prefill)
-    try:
+    with running_pair(model_dir, tmp_path) as driver:
         assert [r.token_ids for r in driver.generate(PROMPTS[:3], **sampling)] == expected
         assert_no_leaks(driver)
-    finally:
-        driver.close()
-        prefill.stop()
-        decode.stop()
 
 
 def test_decode_prefix_hit_sends_exactly_the_missing_tokens(model_factory, tmp_path):
