@@ -57,6 +57,7 @@ class RequestDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache; on the first token
 
 
 class Scheduler:
@@ -222,6 +223,8 @@ class Scheduler:
         if logprobs is not None:
             request.logprobs.append(logprobs)
         delta = RequestDelta(request.request_id, [token_id], [logprobs] if logprobs is not None else [])
+        if len(request.output_token_ids) == 1:
+            delta.num_cached_tokens = max(request.num_cached_tokens, 0)
         status = self._stop_status(request)
         if status is not None:
             self.running.remove(request)

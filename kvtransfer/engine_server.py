@@ -124,7 +124,8 @@ class EngineServer:
                 self.reply(owner, TokenDelta(
                     request_id=delta.request_id, token_ids=delta.new_token_ids, logprobs=delta.new_logprobs,
                     finish_reason=delta.finish_reason, error=delta.error,
-                    stop_reason=delta.stop_reason if isinstance(delta.stop_reason, int) else None))
+                    stop_reason=delta.stop_reason if isinstance(delta.stop_reason, int) else None,
+                    num_cached_tokens=delta.num_cached_tokens or 0))
 
     def should_publish(self, delta: Any) -> bool:
         return True

@@ -53,6 +53,7 @@ class ChoiceDelta:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # the engine's prefix-cache hit, reported with the first token
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,7 @@ class ChoiceRunner:
             finish_reason, stop_reason = "stop", detokenizer.stopped_by
         text = detokenizer.take_new_text(finished=finish_reason is not None)
         return ChoiceDelta(self.spec.index, text, new_ids, list(delta.logprobs[:len(new_ids)]),
-                           finish_reason, stop_reason)
+                           finish_reason, stop_reason, delta.num_cached_tokens)
 
     async def _next(self, queue: asyncio.Queue) -> tuple[str, Any]:
         if not queue.empty():

@@ -36,8 +36,10 @@ class ChoiceTotal:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
 
     def add(self, delta: ChoiceDelta) -> None:
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
@@ -73,11 +75,15 @@ class Formatter:
     def prompt_of(self, index: int) -> Prompt:
         return self.prompts[index // self.n]
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """Token counts; a prompt counts once however many choices (n) it has, and so do its tokens
+        served from the engine's prefix cache (prompt_tokens_details.cached_tokens, as OpenAI reports)."""
         num_prompt = sum(len(p.token_ids) for p in self.prompts)
         num_completion = sum(len(t.token_ids) for t in self.totals)
+        num_cached = sum(max(t.num_cached_tokens for t in self.totals[i * self.n:(i + 1) * self.n])
+                         for i in range(len(self.prompts)))
         return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-                "total_tokens": num_prompt + num_completion}
+                "total_tokens": num_prompt + num_completion, "prompt_tokens_details": {"cached_tokens": num_cached}}
 
     def _envelope(self, choices: list[dict], obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}

@@ -56,7 +56,8 @@ def test_registered_engine_serves_completions(tiny_model, tokenization):
                 assert choice["token_ids"] == expected and choice["prompt_token_ids"] == PROMPT_IDS
                 assert choice["text"] == tokenization.decode(expected)
                 assert choice["finish_reason"] == "length"
-                assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+                assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
+                                         "prompt_tokens_details": {"cached_tokens": 0}}
                 health = (await client.get("/health")).json()
                 assert health == {"status": "ok", "engines": {"prefill": 0, "decode": 1}}
             finally:

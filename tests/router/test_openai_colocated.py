@@ -103,3 +103,18 @@ def test_disconnect_frees_the_colocated_engine(cluster):
     metrics = scrape(cluster.url)
     assert metrics["pdserve_requests_in_flight"][()] == 0
     assert metrics["pdserve_time_to_first_token_seconds_count"][()] >= 1
+
+
+def test_usage_reports_prefix_cache_hits(client):
+    """usage.prompt_tokens_details.cached_tokens: the prompt tokens the engine took from its prefix
+    cache, streamed or not. The engines use 4-token blocks: a repeated 40-token prompt hits 9 blocks
+    (36 tokens); the 10th is recomputed, since at least one prompt token must run to sample from."""
+    prompt_ids = list(range(300, 340))  # 40 tokens that no other test sends
+    first = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == 40 and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 36
+    stream = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=2, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == 36
