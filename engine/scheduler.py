@@ -58,6 +58,7 @@ class RequestDelta:
     stop_reason: int | str | None = None
     error: str | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache; on the first token
+    error_code: str | None = None  # with an error: "kv_transfer_failed", ... (TokenDelta.error_code)
 
 
 class Scheduler:
@@ -245,7 +246,8 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _finish(self, request: Request, status: RequestStatus, report: bool = True, error: str | None = None) -> None:
+    def _finish(self, request: Request, status: RequestStatus, report: bool = True, error: str | None = None,
+                error_code: str | None = None) -> None:
         request.status = status
         request.error = error
         self.requests.pop(request.request_id, None)
@@ -254,7 +256,8 @@ class Scheduler:
         else:
             self.kv.free(request)
         if report:
-            self._pending.append(RequestDelta(request.request_id, [], [], status.finish_reason(), error=error))
+            self._pending.append(RequestDelta(request.request_id, [], [], status.finish_reason(), error=error,
+                                              error_code=error_code))
 
     def finish_externally(self, request_id: str, status: RequestStatus, error: str | None = None) -> bool:
         """End a running request for a reason found outside the model (e.g. a stop string matched)."""
@@ -300,4 +303,5 @@ class Scheduler:
             request.allow_remote_prefill = False
             self.waiting.appendleft(request)
         else:
-            self._finish(request, RequestStatus.FINISHED_ERROR, error=f"remote prefill failed: {reason}")
+            self._finish(request, RequestStatus.FINISHED_ERROR, error=f"remote prefill failed: {reason}",
+                         error_code="kv_transfer_failed")

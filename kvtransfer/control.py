@@ -84,6 +84,9 @@ class TokenDelta(Message, type_name="token_delta"):
     finish_reason: Literal["stop", "length", "abort", "error"] | None = None
     stop_reason: WireInt | None = None
     error: str | None = None
+    # with finish_reason "error": whose fault. invalid_request = the request itself (the router answers
+    # 400); kv_transfer_failed / internal_error = the serving side (502)
+    error_code: Literal["invalid_request", "kv_transfer_failed", "internal_error"] | None = None
     num_prompt_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
     num_cached_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
 

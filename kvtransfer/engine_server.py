@@ -99,7 +99,8 @@ class EngineServer:
                 self.handle(routed.peer_id, routed.msg)
             except ValueError as exc:  # InvalidRequestError and friends: the client's fault, named
                 request_id = getattr(routed.msg, "request_id", None)
-                self.reply(routed.peer_id, TokenDelta(request_id=request_id, finish_reason="error", error=str(exc))
+                self.reply(routed.peer_id, TokenDelta(request_id=request_id, finish_reason="error", error=str(exc),
+                                                      error_code="invalid_request")
                            if request_id else Error(code="invalid_request", message=str(exc)))
 
     def handle(self, peer_id: bytes, msg: Any) -> None:
@@ -125,7 +126,8 @@ class EngineServer:
                     request_id=delta.request_id, token_ids=delta.new_token_ids, logprobs=delta.new_logprobs,
                     finish_reason=delta.finish_reason, error=delta.error,
                     stop_reason=delta.stop_reason if isinstance(delta.stop_reason, int) else None,
-                    num_cached_tokens=delta.num_cached_tokens or 0))
+                    num_cached_tokens=delta.num_cached_tokens or 0,
+                    error_code=delta.error_code or ("internal_error" if delta.finish_reason == "error" else None)))
 
     def should_publish(self, delta: Any) -> bool:
         return True

@@ -192,7 +192,7 @@ class ChoiceRunner:
         message = delta.error or f"the {source} engine ended the request ({delta.finish_reason})"
         if source == "prefill":
             raise _Retry(f"prefill failed: {message}", force_local=True)
-        if not self.token_ids and delta.finish_reason == "error":
+        if not self.token_ids and delta.error_code == "invalid_request":
             raise InvalidRequest(message)
         raise EngineFailed(f"the decode engine failed the request: {message}")
 

@@ -167,7 +167,9 @@ class EngineLink:
         log.warning("engine %s answered with an error (%s): %s", self.engine_id, msg.code, msg.message)
         queue = self.streams.get(msg.request_id) if msg.request_id else None
         if queue is not None:
-            queue.put_nowait(TokenDelta(request_id=msg.request_id, finish_reason="error", error=msg.message))
+            code = "invalid_request" if msg.code == "invalid_request" else "internal_error"
+            queue.put_nowait(TokenDelta(request_id=msg.request_id, finish_reason="error", error=msg.message,
+                                        error_code=code))
 
     async def close(self) -> None:
         self.up = False

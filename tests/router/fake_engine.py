@@ -51,6 +51,7 @@ class FakeEngine:
     max_model_len: int = 512
     fail_prefill: bool = False  # answer every PrefillRequest with an error
     reject_with: str | None = None  # answer every GenerateRequest with this error, before any token
+    reject_code: str = "invalid_request"  # its TokenDelta.error_code
     script: list[int] | None = None  # emit these tokens (then "stop") instead of counting up
     heartbeat_interval_s: float = 0.1
     beating: threading.Event = field(default_factory=threading.Event)  # set: send heartbeats
@@ -128,7 +129,7 @@ class FakeEngine:
             self.received.append(msg)
             if self.reject_with is not None:
                 self._reply(peer_id, TokenDelta(request_id=msg.request_id, finish_reason="error",
-                                                error=self.reject_with))
+                                                error=self.reject_with, error_code=self.reject_code))
                 return
             tokens = self.script or fake_tokens(msg.prompt_token_ids, msg.max_tokens or 16)
             self.active[msg.request_id] = _Active(peer_id, tokens, time.monotonic() + self.token_delay_s)

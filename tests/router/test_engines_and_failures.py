@@ -199,6 +199,22 @@ def test_engine_rejection_before_any_token_is_400(tiny_model, tokenization):
     run(scenario())
 
 
+def test_engine_failure_before_any_token_is_502_not_400(tiny_model, tokenization):
+    """A request the engine failed on its side (e.g. its KV never came, --kv-failure fail) is not the
+    client's fault: 502 engine_failed, not 400."""
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            engine, = await _engines(gateway, {"engine_id": "d0", "reject_with": "remote prefill failed: timeout",
+                                               "reject_code": "kv_transfer_failed"})
+            try:
+                response = await client.post("/v1/completions", json=completion())
+                error = assert_openai_error(response, 502)
+                assert error["code"] == "engine_failed" and "remote prefill failed: timeout" in error["message"]
+            finally:
+                _close([engine])
+    run(scenario())
+
+
 def test_api_key_is_enforced_on_v1_only(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization, api_key="sesame") as (gateway, client):
