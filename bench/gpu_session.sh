@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Every GPU check of pdserve in one run, for a lent GPU machine (its own python3 with torch + triton;
+# no installs, no network there). Writes logs to $OUT (or ./gpu-out) and never stops at the first failure.
+#
+#     bash bench/gpu_session.sh          # about 5-8 minutes on one H200
+#
+# 1. the CUDA-only tests (CUDA graphs capture/replay, sm_90 kernel builds),
+# 2. python -m bench.gpu_kernels --sweep: every Triton kernel against its torch reference, timings,
+#    decode-attention bandwidth as a share of device copy bandwidth (goal >= 70%),
+# 3. python -m bench.gpu_engine: engine throughput with and without CUDA graphs, greedy parity on cuda.
+# Record the printed tables in docs/BENCHMARKS.md ("Triton kernels on a GPU").
+set -u
+OUT="${OUT:-gpu-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PDSERVE_CACHE="${PDSERVE_CACHE:-/tmp/pdserve-cache}"
+run() {  # name, timeout seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name: $*"
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    echo "=== $name exit ${PIPESTATUS[0]}"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
+    | tee -a "$OUT/gpu.txt"
+run cuda-tests 180 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graphs.py tests/kernels
+run gpu-kernels 240 python3 -m bench.gpu_kernels --sweep
+run gpu-engine 240 python3 -m bench.gpu_engine
