@@ -1,8 +1,9 @@
 """Offline generation throughput: pdserve's engine against transformers' generate() on the same model.
 
     python -m bench.offline_throughput [--model DIR] [--batch 32 --batch 1] [--prompt-len 128] [--new-tokens 64]
+                                       [--dtype float32|bfloat16]
 
-Both run greedy, fp32, on the same random prompts in this one process, so the ratio is meaningful on
+Both run greedy, in the same dtype (fp32 unless --dtype says otherwise), on the same random prompts in this one process, so the ratio is meaningful on
 a shared, noisy machine. transformers runs each batch as one padded generate() call; pdserve gets all
 prompts at once and batches them itself (max_num_seqs = batch size).
 """
@@ -21,10 +22,10 @@ def make_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[
     return [[rng.randrange(10, vocab_size) for _ in range(length)] for _ in range(num)]
 
 
-def run_transformers(model_dir: str, prompts: list[list[int]], batch: int, new_tokens: int) -> float:
+def run_transformers(model_dir: str, prompts: list[list[int]], batch: int, new_tokens: int, dtype: str) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     model.generate(torch.tensor(prompts[:1]), max_new_tokens=2, do_sample=False)  # warm-up
     started = time.perf_counter()
     for i in range(0, len(prompts), batch):
@@ -34,10 +35,10 @@ def run_transformers(model_dir: str, prompts: list[list[int]], batch: int, new_t
     return len(prompts) * new_tokens / (time.perf_counter() - started)
 
 
-def run_pdserve(model_dir: str, prompts: list[list[int]], batch: int, new_tokens: int) -> float:
+def run_pdserve(model_dir: str, prompts: list[list[int]], batch: int, new_tokens: int, dtype: str) -> float:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model_dir, dtype="float32", max_num_seqs=batch, max_num_batched_tokens=max(2048, 128 * batch),
+    llm = LLM(model_dir, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=max(2048, 128 * batch),
               enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=2))  # warm-up
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=None, help="default: max(batch, 4)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines")
     args = parser.parse_args()
     if args.model is None:
         from engine.demo_model import default_demo_model
@@ -63,13 +65,13 @@ def main() -> None:
     from engine.config import ModelConfig
 
     vocab_size = ModelConfig.from_hf(args.model).vocab_size
-    print(f"model {args.model}; torch threads {torch.get_num_threads()}")
+    print(f"model {args.model}; {args.dtype}; torch threads {torch.get_num_threads()}")
     print(f"{'batch':>5} {'prompts':>7} {'transformers tok/s':>19} {'pdserve tok/s':>14} {'ratio':>6}")
     for batch in args.batch or [32, 1]:
         num_prompts = args.num_prompts or max(batch, 4)
         prompts = make_prompts(num_prompts, args.prompt_len, vocab_size)
-        theirs = run_transformers(args.model, prompts, batch, args.new_tokens)
-        ours = run_pdserve(args.model, prompts, batch, args.new_tokens)
+        theirs = run_transformers(args.model, prompts, batch, args.new_tokens, args.dtype)
+        ours = run_pdserve(args.model, prompts, batch, args.new_tokens, args.dtype)
         print(f"{batch:>5} {num_prompts:>7} {theirs:>19.1f} {ours:>14.1f} {ours / theirs:>6.2f}")
 
 
