@@ -129,7 +129,7 @@ class PrefillConnector(KVConnector):
             if transfer is None:
                 unasked.append(item)
             elif self._checked(item.request, transfer):
-                jobs.extend(self._stream_job(item, transfer))
+                self._start_streaming(item, transfer, jobs)
         if not jobs and not unasked:
             return None
         last_layer = self.kv_cache.shape[0] - 1
@@ -138,11 +138,15 @@ class PrefillConnector(KVConnector):
             if unasked:
                 self._pick_up_wants(unasked, jobs)
             for job in jobs:
-                if self._transfers.get(job.request_id) is not job.transfer:  # aborted meanwhile
+                if self._transfers.get(job.request_id) is not job.transfer:  # aborted or failed meanwhile
                     continue
                 # layers [next_layer, layer_idx] of this step's tokens: [n, 2, T, kv_heads, head_dim]
                 kv = self.kv_cache[job.next_layer:layer_idx + 1].flatten(2, 3).index_select(2, job.slots)
-                self._send_payload(job.request_id, job.transfer, kv.cpu(), job.next_layer, job.begin)
+                try:
+                    self._send_payload(job.request_id, job.transfer, kv.cpu(), job.next_layer, job.begin)
+                except KVTransferError as exc:  # never fail the step (other requests share it)
+                    self._drop_transfer(job.request_id, exc)
+                    continue
                 job.next_layer = layer_idx + 1
                 if layer_idx == last_layer:
                     job.transfer.sent_upto = job.end
@@ -156,7 +160,19 @@ class PrefillConnector(KVConnector):
             if transfer is not None:
                 unasked.remove(item)
                 if self._checked(item.request, transfer):
-                    jobs.extend(self._stream_job(item, transfer))
+                    self._start_streaming(item, transfer, jobs)
+
+    def _start_streaming(self, item, transfer: _Transfer, jobs: list[_StreamJob]) -> None:
+        try:
+            jobs.extend(self._stream_job(item, transfer))
+        except KVTransferError as exc:
+            self._drop_transfer(item.request.request_id, exc)
+
+    def _drop_transfer(self, request_id: str, exc: Exception) -> None:
+        """Sending failed mid-step: stop sending this request's KV. The decode engine's bounded wait
+        ends its side (recompute or error); this side frees after the KVWant timeout."""
+        log.warning("streaming KV of %s failed: %s", request_id, exc)
+        self._transfers.pop(request_id, None)
 
     def _stream_job(self, item, transfer: _Transfer) -> list[_StreamJob]:
         """The prompt tokens this step computes for one request (none if already sent)."""

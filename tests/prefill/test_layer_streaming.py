@@ -113,3 +113,20 @@ def test_kv_streaming_choice(choice, device, expected):
     from pdserve.engines import streams_layers
 
     assert streams_layers(choice, device) is expected
+
+
+def test_a_failed_send_drops_that_transfer_and_the_step_goes_on(link, monkeypatch):
+    from kvtransfer.transport import TransportTimeout
+
+    connector, client, _ = link
+    client.send(KVWant(request_id="r", skip_tokens=0, num_tokens=PROMPT_LEN))
+    _wait_until(lambda: connector.receive() or "r" in connector._transfers)
+    hook = connector.layer_hook(_plan("r"))
+
+    def no_room(*args, **kwargs):
+        raise TransportTimeout("no peer took the message")
+
+    monkeypatch.setattr(connector.server, "send", no_room)
+    for layer in range(NUM_LAYERS):
+        hook(layer)  # must not raise: the model step carries other requests too
+    assert "r" not in connector._transfers
