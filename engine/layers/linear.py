@@ -6,6 +6,7 @@ through `weight_loader(param, tensor, shard_id)`.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -52,22 +53,31 @@ class Linear(nn.Module):
     def pack_for_cpu(self, keep_weight: bool) -> bool:
         """Reorder the weight for oneDNN; without keep_weight the plain copy is released. False if the
         weight stays on F.linear (not on CPU, a dtype oneDNN lacks, or a CPU without its instructions)."""
-        weight = self.weight
-        if weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
-            return False
-        try:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.data)  # [out, in] blocked
-        except RuntimeError as exc:  # e.g. bf16 on a CPU without avx512_bf16/AMX
-            logger.debug("linear weight %s stays on F.linear: %s", tuple(weight.shape), exc)
-            return False
-        if not keep_weight:
-            self.weight = None
-        return True
+        return _pack(self, keep_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            return _packed_linear(self, x)
         return F.linear(x, self.weight, self.bias)
+
+
+def _pack(linear: nn.Module, keep_weight: bool) -> bool:
+    """Set linear.packed_weight (oneDNN layout) from linear.weight; see Linear.pack_for_cpu."""
+    weight = linear.weight
+    if weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        linear.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.data)  # [out, in] blocked
+    except RuntimeError as exc:  # e.g. bf16 on a CPU without avx512_bf16/AMX
+        logger.debug("linear weight %s stays on F.linear: %s", tuple(weight.shape), exc)
+        return False
+    if not keep_weight:
+        linear.weight = None
+    return True
+
+
+def _packed_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+    return torch.ops.mkldnn._linear_pointwise(x, linear.packed_weight, linear.bias, "none", [], "")
 
 
 class MergedLinear(Linear):
@@ -102,7 +112,27 @@ def pack_linear_weights(model: nn.Module) -> int:
     A weight that another module also uses (an lm_head tied to the embedding) is kept; the others are
     released, so packing does not double the model's memory.
     """
-    shared = {id(param) for module in model.modules() if not isinstance(module, Linear)
-              for param in module.parameters(recurse=False)}
+    shared = _shared_parameter_ids(model, Linear)
     linears = [module for module in model.modules() if isinstance(module, Linear)]
     return sum(linear.pack_for_cpu(keep_weight=id(linear.weight) in shared) for linear in linears)
+
+
+def pack_torch_linears(model: nn.Module) -> int:
+    """The same for the plain `nn.Linear`s of a transformers model (the transformers backend): each
+    packed one gets a forward on the packed weight. transformers' code may still look at a weight's
+    dtype or device, so a released weight stays a Parameter, emptied ([0] elements, same dtype)."""
+    shared = _shared_parameter_ids(model, nn.Linear)
+    packed = 0
+    for module in model.modules():
+        if type(module) is nn.Linear and _pack(module, keep_weight=True):
+            module.forward = functools.partial(_packed_linear, module)  # the instance's own forward
+            if id(module.weight) not in shared:
+                module.weight.data = module.weight.data.new_empty(0)
+            packed += 1
+    return packed
+
+
+def _shared_parameter_ids(model: nn.Module, linear_type: type) -> set[int]:
+    """ids of parameters that modules other than linears hold (an embedding tied to the lm_head)."""
+    return {id(param) for module in model.modules() if not isinstance(module, linear_type)
+            for param in module.parameters(recurse=False)}

@@ -27,7 +27,7 @@ from transformers.initialization import no_init_weights
 
 from engine.config import ModelConfig
 from engine.layers.attention import Attention
-from engine.layers.linear import copy_checked
+from engine.layers.linear import copy_checked, pack_torch_linears
 from engine.loader import ModelLoadError
 
 ATTN_IMPLEMENTATION = "pdserve"
@@ -277,6 +277,7 @@ class TransformersForCausalLM(nn.Module):
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint tensors under transformers' names; each parameter exactly once (tied ones once)."""
         load_hf_weights(self.hf_model, weights)
+        pack_torch_linears(self.hf_model)  # CPU: oneDNN layout, like the native models' linears
 
 
 def _output_embeddings(hf_model: nn.Module) -> nn.Module:

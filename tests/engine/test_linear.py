@@ -65,3 +65,14 @@ def test_loaded_cpu_model_runs_on_packed_weights(model_factory):
     llm = LLM(model_factory("llama"), dtype="float32", num_kv_blocks=16)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed_weight is not None for m in linears)
+
+
+def test_transformers_backend_linears_run_packed(model_factory):
+    llm = LLM(model_factory("llama"), dtype="float32", num_kv_blocks=16, model_impl="transformers")
+    hf_model = llm.engine.runner.model.hf_model
+    linears = [m for m in hf_model.modules() if type(m) is nn.Linear]
+    embedding = hf_model.get_input_embeddings().weight
+    assert linears and all(m.packed_weight is not None for m in linears)
+    # released but still a Parameter, unless tied to the embedding (this model's lm_head is not)
+    assert all(m.weight.numel() == 0 for m in linears if m.weight is not embedding)
+    assert embedding.numel() > 0
