@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import kernels
 from engine.layers.linear import default_weight_loader
 
 
@@ -24,7 +25,11 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden]. With a residual, returns (norm(x + residual), x + residual)."""
+        """x [T, hidden] (or [T, heads, head_dim] for q/k norms). With a residual, returns
+        (norm(x + residual), x + residual)."""
+        if x.dim() == 2 and kernels.kernel_backend(x.device) == "triton":  # fused add + norm, one pass
+            normed, summed = kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            return normed if residual is None else (normed, summed)
         if residual is None:
             return self._norm(x)
         summed = x + residual

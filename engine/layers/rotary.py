@@ -10,6 +10,7 @@ import math
 import torch
 from torch import nn
 
+import kernels
 from engine.forward_context import current_forward_context
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -61,6 +62,8 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        # [max_positions, head_dim]: cos | sin, the table of the Triton rotary kernel
+        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(
         self,
@@ -68,6 +71,8 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [T, num_heads, head_dim]
         key: torch.Tensor,  # [T, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if kernels.kernel_backend(query.device) == "triton":  # one fused kernel gathers and rotates
+            return kernels.rotary_embedding(positions, query, key, self.cos_sin_cache)
         context = current_forward_context()
         if context is None:
             cos, sin = self._cos_sin(positions, query.dtype)

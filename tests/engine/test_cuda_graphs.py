@@ -269,6 +269,7 @@ rng = random.Random(0)
 prompts = [{"prompt_token_ids": [rng.randrange(5, 1024) for _ in range(rng.randint(1, 30))]} for _ in range(3)]
 params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
 eager = LLM(sys.argv[1], dtype="float32", block_size=16, num_kv_blocks=64).generate(prompts, params)
+assert [o.outputs[0].token_ids for o in eager] == EXPECTED, "Triton kernels differ from the torch ones"
 llm = LLM(sys.argv[1], dtype="float32", block_size=16, num_kv_blocks=64)
 runner = llm.engine.runner
 runner.decode_graphs = DecodeGraphs(runner.model, 1024, 16, runner.device, (1, 4), (2, 64), use_cuda_graphs=False)
@@ -283,11 +284,22 @@ print(sorted(runner.decode_graphs.replays.items()))
 
 
 def test_padded_path_with_the_triton_kernels(model_factory):
-    """The kernels a GPU replay runs (Triton store_kv skipping slot -1, decode attention over a padded,
-    split-K-wide table), here under the Triton interpreter in a fresh process: same tokens as eager."""
+    """The kernels a GPU run uses (Triton store_kv skipping slot -1, decode attention over a padded,
+    split-K-wide table, fused add+RMSNorm, rotary), here under the Triton interpreter in a fresh
+    process: the same tokens as the torch kernels in this process, eagerly and through the graph path."""
     from tests.kernels.subprocess_env import run_python
 
-    code = _TRITON_ENGINE_SCRIPT.replace("sys.argv[1]", repr(model_factory("llama")))
+    import random
+
+    from engine import LLM, SamplingParams
+
+    model_dir = model_factory("llama")
+    rng = random.Random(0)  # the script's prompts
+    prompts = [{"prompt_token_ids": [rng.randrange(5, 1024) for _ in range(rng.randint(1, 30))]} for _ in range(3)]
+    torch_kernels = LLM(model_dir, dtype="float32", block_size=16, num_kv_blocks=64).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    expected = [o.outputs[0].token_ids for o in torch_kernels]
+    code = _TRITON_ENGINE_SCRIPT.replace("sys.argv[1]", repr(model_dir)).replace("EXPECTED", repr(expected))
     result = run_python(code, timeout=300, PDSERVE_KERNELS="triton", TRITON_INTERPRET="1")
     assert result.returncode == 0, f"child failed:\n{result.stdout}\n{result.stderr[-3000:]}"
     # 3 prompts -> batch 4; short contexts use the 2-block table, longer ones the 64-block (split-K) one
