@@ -60,7 +60,3 @@ def get_forward_context() -> ForwardContext:
         raise RuntimeError("attention ran outside a forward pass: wrap the call in use_forward_context()")
     return _current
 
-
-def current_forward_context() -> ForwardContext | None:
-    """The installed context, or None outside a forward pass."""
-    return _current

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import kernels
-from engine.forward_context import current_forward_context
+from engine.forward_context import get_forward_context
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -60,9 +60,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
-        # [max_positions, head_dim]: cos | sin, the table of the Triton rotary kernel
+        # [max_positions, head_dim]: cos | sin, the layout the Triton rotary kernel reads too
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(
@@ -73,16 +71,14 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if kernels.kernel_backend(query.device) == "triton":  # one fused kernel gathers and rotates
             return kernels.rotary_embedding(positions, query, key, self.cos_sin_cache)
-        context = current_forward_context()
-        if context is None:
-            cos, sin = self._cos_sin(positions, query.dtype)
-        else:  # the same for every layer of the step
-            cos, sin = context.cached(("rotary", id(self), query.dtype), lambda: self._cos_sin(positions, query.dtype))
+        # the same for every layer of the step: looked up once
+        cos, sin = get_forward_context().cached(("rotary", id(self), query.dtype),
+                                                lambda: self._cos_sin(positions, query.dtype))
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache.index_select(0, positions)[:, None, :].to(dtype)  # [T, 1, head_dim // 2]
-        sin = self.sin_cache.index_select(0, positions)[:, None, :].to(dtype)
+        cos_sin = self.cos_sin_cache.index_select(0, positions)[:, None, :].to(dtype)  # [T, 1, head_dim]
+        cos, sin = cos_sin.chunk(2, dim=-1)  # [T, 1, head_dim // 2] each
         return cos, sin
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.forward_context import ForwardContext, current_forward_context, use_forward_context
+from engine.forward_context import ForwardContext, get_forward_context, use_forward_context
 
 
 def _context() -> ForwardContext:
@@ -17,12 +17,13 @@ def test_cached_builds_once_per_installation():
     context, builds = _context(), []
     for _ in range(2):  # e.g. a warm-up run then a CUDA graph capture with the same context
         with use_forward_context(context):
-            assert current_forward_context() is context
+            assert get_forward_context() is context
             for _layer in range(3):
                 value = context.cached("plan", lambda: builds.append(1) or len(builds))
             assert value == len(builds)
     assert len(builds) == 2
-    assert current_forward_context() is None
+    with pytest.raises(RuntimeError, match="outside a forward pass"):
+        get_forward_context()
 
 
 def test_contexts_cannot_nest():
