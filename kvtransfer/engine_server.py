@@ -133,12 +133,7 @@ class EngineServer:
         return True
 
     def reply(self, peer_id: bytes | None, msg: Any) -> None:
-        if peer_id is None:
-            return
-        try:
-            self.control.send(peer_id, msg, timeout=1.0)
-        except KVTransferError as exc:
-            log.info("control peer %s gone: %s", peer_id.hex(), exc)
+        self.control.answer(peer_id, msg, timeout=1.0)
 
     def stats(self) -> EngineStats:
         stats = self.engine.stats()

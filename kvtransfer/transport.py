@@ -36,6 +36,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvtransfer.errors import (
     CurveUnavailableError,
+    KVTransferError,
     PeerUnreachableError,
     ProtocolError,
     TransportError,
@@ -281,18 +282,19 @@ class KVServer(_Link):
                 routed = self.recv(timeout=0)
             except ProtocolError as exc:
                 log.warning("bad message on %s: %s", self.address, exc)
-                self._answer(exc.peer_id, Error.from_exception(exc))
+                self.answer(exc.peer_id, Error.from_exception(exc))
                 continue
             if routed is None:
                 return
             yield routed
 
-    def _answer(self, peer_id: bytes | None, msg: Message) -> None:
+    def answer(self, peer_id: bytes | None, msg: Message, timeout: float = 0.1) -> None:
+        """Best-effort reply: a peer that is gone, unknown (None) or not reading is logged, not raised."""
         if peer_id is None:
             return
         try:
-            self.send(peer_id, msg, timeout=0.1)
-        except TransportError as exc:
+            self.send(peer_id, msg, timeout=timeout)
+        except KVTransferError as exc:
             log.info("could not answer peer %s: %s", peer_id.hex(), exc)
 
 

@@ -206,13 +206,13 @@ class PrefillConnector(KVConnector):
         elif isinstance(msg, Abort):  # freeing is harmless, so any peer may ask for it
             self._on_abort(msg.request_id)
         elif peer_id not in self._peers:
-            self._reply(peer_id, Error(code="no_hello", message="say Hello with your layout fingerprint first"))
+            self.server.answer(peer_id, Error(code="no_hello", message="say Hello with your layout fingerprint first"))
         elif isinstance(msg, KVWant):
             self._on_want(peer_id, msg)
         elif isinstance(msg, KVAck):
             self._on_ack(msg)
         else:
-            self._reply(peer_id, Error(code="unexpected", message=f"{msg.type_name} is not served on the KV link"))
+            self.server.answer(peer_id, Error(code="unexpected", message=f"{msg.type_name} is not served on the KV link"))
 
     def _on_ack(self, msg: KVAck) -> None:
         awaiting = self._awaiting_ack.get(msg.request_id)
@@ -226,10 +226,10 @@ class PrefillConnector(KVConnector):
             check_compatible(self.fingerprint, LayoutFingerprint.from_dict(msg.fingerprint))
         except (LayoutMismatchError, ProtocolError) as exc:
             log.error("refused KV link from %s: %s", msg.engine_id, exc)
-            self._reply(peer_id, HelloAck(ok=False, reason=str(exc)[:4000]))
+            self.server.answer(peer_id, HelloAck(ok=False, reason=str(exc)[:4000]))
             return
         self._peers.add(peer_id)
-        self._reply(peer_id, HelloAck(ok=True))
+        self.server.answer(peer_id, HelloAck(ok=True))
 
     def _on_want(self, peer_id: bytes, msg: KVWant) -> None:
         self._transfers[msg.request_id] = _Transfer(peer_id, msg.skip_tokens, msg.num_tokens, time.monotonic(),
@@ -260,7 +260,7 @@ class PrefillConnector(KVConnector):
             problem = (f"KVWant for tokens [{transfer.skip_tokens}, {transfer.skip_tokens + transfer.num_tokens}) "
                        f"does not fit the {num_prompt}-token prompt in blocks of {block_size}")
             self._transfers.pop(request.request_id, None)
-            self._reply(transfer.peer_id, Error(code="bad_want", message=problem, request_id=request.request_id))
+            self.server.answer(transfer.peer_id, Error(code="bad_want", message=problem, request_id=request.request_id))
             self._release(request.request_id, problem)
             return False
         transfer.checked = True
@@ -349,19 +349,11 @@ class PrefillConnector(KVConnector):
         for request_id, transfer in list(self._transfers.items()):
             if not transfer.checked and now - transfer.at > self.want_timeout_s:  # the prompt never came
                 del self._transfers[request_id]
-                self._reply(transfer.peer_id, Error(code="unknown_request", request_id=request_id,
+                self.server.answer(transfer.peer_id, Error(code="unknown_request", request_id=request_id,
                                                     message="this prefill engine never received that prompt"))
 
     def close(self) -> None:
         self.server.close()
-
-    def _reply(self, peer_id: bytes | None, msg) -> None:
-        if peer_id is None:
-            return
-        try:
-            self.server.send(peer_id, msg, timeout=0.1)
-        except KVTransferError as exc:
-            log.info("could not answer %s: %s", peer_id.hex(), exc)
 
 
 def _parse_fault(spec: str) -> dict[int, str]:
