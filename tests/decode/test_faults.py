@@ -3,6 +3,7 @@ clear error) within its timeout, and no KV block leaks on either engine."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -18,10 +19,11 @@ def expected(model_factory):
     return colocated_tokens(model_factory("llama"), PROMPTS[:3], **GREEDY)
 
 
-def run_pair(model_factory, tmp_path, prefill_env=None, decode_args=KV_TIMEOUT, prefill_model=None):
+def run_pair(model_factory, tmp_path, prefill_env=None, decode_args=KV_TIMEOUT, prefill_model=None,
+             prefill_args=()):
     model_dir = model_factory("llama")
     prefill = EngineProcess("prefill", prefill_model or model_dir, *ENGINE_ARGS, "--kv-streaming", "on",
-                            env=prefill_env, log_dir=tmp_path)
+                            *prefill_args, env=prefill_env, log_dir=tmp_path)
     decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *decode_args, log_dir=tmp_path)
     return prefill, decode, Driver(decode, prefill)
 
@@ -92,3 +94,45 @@ def test_abort_during_transfer_frees_both_sides(model_factory, tmp_path):
         assert_no_leaks(driver)
     finally:
         shutdown(driver, prefill, decode)
+
+
+
+def wait_prefill_idle(driver, timeout_s: float):
+    """Poll the prefill engine alone (its decode engine is gone) until it holds no KV block."""
+    deadline = time.monotonic() + timeout_s
+    stats = driver.prefill_stats()
+    while stats.kv_blocks_used and time.monotonic() < deadline:
+        time.sleep(0.1)
+        stats = driver.prefill_stats()
+    return stats
+
+
+@pytest.mark.parametrize("failure", ["killed", "frozen"])
+def test_prefill_frees_its_blocks_when_decode_dies_or_hangs(model_factory, tmp_path, expected, failure):
+    """D is killed (-9) or frozen (SIGSTOP: its sockets stay open, it never acks) while P holds the
+    prompts' KV for it. P frees every block within its bounds (a send to the gone peer fails, or the
+    2 s ack lease / KVWant wait runs out) and keeps serving another decode engine."""
+    prefill, decode, driver = run_pair(model_factory, tmp_path, {"PDSERVE_FAULT_INJECT": "delay:0"},
+                                       prefill_args=("--kv-lease", "2", "--kv-want-timeout", "2"))
+    replacement = None
+    try:
+        for i, prompt in enumerate(PROMPTS[:3]):
+            driver.submit(f"r{i}", prompt, **GREEDY)
+        time.sleep(1.0)  # D has asked for the KV; P is inside its delayed first send, holding the blocks
+        assert driver.prefill_stats().kv_blocks_used > 0
+        decode.process.send_signal(signal.SIGKILL if failure == "killed" else signal.SIGSTOP)
+        started = time.monotonic()
+        stats = wait_prefill_idle(driver, timeout_s=15)
+        assert stats.kv_blocks_used == 0, f"prefill engine still holds {stats.kv_blocks_used} blocks"
+        assert time.monotonic() - started < 10, "P must free within its lease / KVWant bounds"
+        assert stats.num_running == stats.num_waiting == 0
+        decode.kill()
+        replacement = EngineProcess("decode", model_factory("llama"), *ENGINE_ARGS, *KV_TIMEOUT, log_dir=tmp_path)
+        driver.close()
+        driver = Driver(replacement, prefill)
+        results = driver.generate(PROMPTS[:3], prefix="after", **GREEDY)
+        assert [r.token_ids for r in results] == expected
+        assert driver.decode_stats().num_kv_transfers_failed == 0
+        assert_no_leaks(driver)
+    finally:
+        shutdown(driver, *filter(None, (prefill, decode, replacement)))
