@@ -60,9 +60,7 @@ def as_buffer(obj: Any) -> memoryview:
     numpy array, without copying (a non-contiguous tensor is made contiguous first)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
-        if obj.device.type != "cpu":
-            raise ValueError(f"tensor is on {obj.device}: copy it to (pinned) CPU memory before sending")
-        return memoryview(obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # [nbytes]
+        return _tensor_bytes(obj, torch)
     try:
         view = memoryview(obj)
     except TypeError:
@@ -73,6 +71,17 @@ def as_buffer(obj: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def _tensor_bytes(tensor: Any, torch: Any) -> memoryview:
+    """[nbytes] view of a CPU tensor in as few torch calls as possible: this runs once per KV message."""
+    if not tensor.is_cpu:
+        raise ValueError(f"tensor is on {tensor.device}: copy it to (pinned) CPU memory before sending")
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.dim() == 0 or not tensor.is_contiguous():
+        tensor = tensor.reshape(-1).contiguous()
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+
+
 def tensor_from_frame(frame: Any, dtype: str, shape: Sequence[int]) -> Any:
     """A tensor viewing the frame's memory (no copy). Treat it as read-only, since it aliases the
     received frame: copy out of it (into KV blocks), never write into it."""
@@ -80,10 +89,11 @@ def tensor_from_frame(frame: Any, dtype: str, shape: Sequence[int]) -> Any:
 
     if dtype not in DTYPE_SIZES:
         raise ProtocolError(f"dtype {dtype!r} is not a KV dtype: expected one of {sorted(DTYPE_SIZES)}")
+    torch_dtype = getattr(torch, dtype)
     if memoryview(frame).readonly:  # bytes; zmq frames are writable
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch warns that the buffer is not writable
-            flat = torch.frombuffer(frame, dtype=torch.uint8)  # [nbytes]
+            flat = torch.frombuffer(frame, dtype=torch_dtype)  # [nbytes / itemsize]
     else:
-        flat = torch.frombuffer(frame, dtype=torch.uint8)
-    return flat.view(getattr(torch, dtype)).view(tuple(shape))
+        flat = torch.frombuffer(frame, dtype=torch_dtype)
+    return flat.view(tuple(shape))

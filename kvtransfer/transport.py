@@ -175,7 +175,8 @@ class _Link:
         self._sndtimeo = self._rcvtimeo = -2  # unset; -1 would mean "forever"
         self.closed = False
 
-    def _send_parts(self, parts: list[Any], timeout: float | None, where: str) -> None:
+    def _send_parts(self, parts: list[Any], timeout: float | None, peer_id: bytes | None = None) -> None:
+        """Send one multipart message; errors name the peer (peer_id on a ROUTER, the address otherwise)."""
         ms = _timeout_ms(self._send_timeout if timeout is None else timeout)
         if ms != self._sndtimeo:
             self._socket.setsockopt(zmq.SNDTIMEO, ms)
@@ -183,12 +184,17 @@ class _Link:
         try:
             self._socket.send_multipart(parts, copy=False)
         except zmq.Again:
+            where = self._peer_name(peer_id)
             raise TransportTimeout(f"no peer took the message to {where} within {ms} ms: check that the peer "
                                    f"is up, reachable and (with CURVE) holds the right keys") from None
         except zmq.ZMQError as exc:
+            where = self._peer_name(peer_id)
             if exc.errno == zmq.EHOSTUNREACH:
                 raise PeerUnreachableError(f"{where} is not connected (it left or never said Hello)") from None
             raise TransportError(f"send to {where} failed: {exc}") from exc
+
+    def _peer_name(self, peer_id: bytes | None) -> str:
+        return f"peer {peer_id.hex()}" if peer_id is not None else str(getattr(self, "address", "the peer"))
 
     def _recv_parts(self, timeout: float) -> list[zmq.Frame] | None:
         ms = _timeout_ms(timeout)
@@ -257,7 +263,7 @@ class KVServer(_Link):
 
     def send(self, peer_id: bytes, msg: Message, *buffers: Any, timeout: float | None = None) -> None:
         """Send msg (+ payload buffers, not copied) to one connected peer."""
-        self._send_parts([peer_id, *encode(msg, *buffers)], timeout, where=f"peer {peer_id.hex()}")
+        self._send_parts([peer_id, *encode(msg, *buffers)], timeout, peer_id)
 
     def recv(self, timeout: float) -> Routed | None:
         """Next message within `timeout` seconds, or None. A malformed message raises ProtocolError
@@ -321,7 +327,7 @@ class KVClient(_Link):
 
     def send(self, msg: Message, *buffers: Any, timeout: float | None = None) -> None:
         """Send msg (+ payload buffers, not copied) to the server."""
-        self._send_parts(encode(msg, *buffers), timeout, where=self.address)
+        self._send_parts(encode(msg, *buffers), timeout)
 
     def recv(self, timeout: float) -> Received | None:
         """Next message within `timeout` seconds, or None; a malformed one raises ProtocolError."""
