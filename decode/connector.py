@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
+from engine.cpu_threads import one_cpu_thread
 from engine.kv_connector import ConnectorEvents, KVConnector
 from engine.request import Request
 from kvtransfer.errors import KVTransferError, ProtocolError
@@ -184,9 +185,10 @@ class DecodeConnector(KVConnector):
         slots = incoming.block_ids[positions // block_size] * block_size + positions % block_size
         kv = kv.to(self.kv_cache.device, non_blocking=True)
         slots = slots.to(self.kv_cache.device)
-        for offset in range(msg.layer_end - msg.layer_start):
-            layer = self.kv_cache[msg.layer_start + offset]
-            kernels.store_kv(kv[offset, 0], kv[offset, 1], layer[0], layer[1], slots)
+        with one_cpu_thread(self.kv_cache.device):
+            for offset in range(msg.layer_end - msg.layer_start):
+                layer = self.kv_cache[msg.layer_start + offset]
+                kernels.store_kv(kv[offset, 0], kv[offset, 1], layer[0], layer[1], slots)
 
     def _on_done(self, link: _PrefillLink, msg: KVDone) -> None:
         incoming = self._incoming.get(msg.request_id)

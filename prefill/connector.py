@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 import kernels
+from engine.cpu_threads import one_cpu_thread
 from engine.kv_connector import ConnectorEvents, KVConnector
 from engine.request import Request, RequestStatus
 from kvtransfer.errors import KVTransferError, LayoutMismatchError, ProtocolError
@@ -140,10 +141,9 @@ class PrefillConnector(KVConnector):
             for job in jobs:
                 if self._transfers.get(job.request_id) is not job.transfer:  # aborted or failed meanwhile
                     continue
-                # layers [next_layer, layer_idx] of this step's tokens: [n, 2, T, kv_heads, head_dim]
-                kv = self.kv_cache[job.next_layer:layer_idx + 1].flatten(2, 3).index_select(2, job.slots)
+                kv = self._gather(job.next_layer, layer_idx + 1, job.slots)  # this step's tokens
                 try:
-                    self._send_payload(job.request_id, job.transfer, kv.cpu(), job.next_layer, job.begin)
+                    self._send_payload(job.request_id, job.transfer, kv, job.next_layer, job.begin)
                 except KVTransferError as exc:  # never fail the step (other requests share it)
                     self._drop_transfer(job.request_id, exc)
                     continue
@@ -297,12 +297,18 @@ class PrefillConnector(KVConnector):
         slots = None if aligned else self._slots(block_ids, start, end)
         for layer_start in range(0, num_layers, step):
             layer_end = min(num_layers, layer_start + step)
-            if aligned:  # [layers, 2, T, kv_heads, head_dim]
-                kv = kernels.kv_pack(self.kv_cache, table, end - start, layer_start, layer_end)
+            if aligned:  # whole blocks: [layers, 2, T, kv_heads, head_dim]
+                with one_cpu_thread(self.kv_cache.device):
+                    kv = kernels.kv_pack(self.kv_cache, table, end - start, layer_start, layer_end).cpu()
             else:
-                kv = self.kv_cache[layer_start:layer_end].flatten(2, 3).index_select(2, slots)
-            self._send_payload(request_id, transfer, kv.cpu(), layer_start, start)
+                kv = self._gather(layer_start, layer_end, slots)
+            self._send_payload(request_id, transfer, kv, layer_start, start)
         transfer.sent_upto = end
+
+    def _gather(self, layer_start: int, layer_end: int, slots: torch.Tensor) -> torch.Tensor:
+        """KV of layers [layer_start, layer_end) at cache slots [T], on the CPU: [layers, 2, T, kv_heads, head_dim]."""
+        with one_cpu_thread(self.kv_cache.device):
+            return self.kv_cache[layer_start:layer_end].flatten(2, 3).index_select(2, slots).cpu()
 
     def _send_payload(self, request_id: str, transfer: _Transfer, kv: torch.Tensor, layer_start: int,
                       position: int) -> None:
