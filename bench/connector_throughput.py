@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import queue
 import statistics
 import tempfile
@@ -84,7 +85,14 @@ def raw_router(address: str) -> zmq.Socket:
     return sock
 
 
-def run_sender(scenarios, address_queue, result_queue) -> None:
+def pin_to_core(core: int | None) -> None:
+    """Give this process one core of its own (None: let the OS place it)."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+
+
+def run_sender(scenarios, address_queue, result_queue, core) -> None:
+    pin_to_core(core)
     for index, (_, mode, size_mib, num_layers, num_requests, address) in enumerate(scenarios):
         link = raw_router(address) if mode == "raw" else KVServer(address, hwm=HWM)
         address_queue.put(link.getsockopt_string(zmq.LAST_ENDPOINT) if mode == "raw" else link.address)
@@ -128,7 +136,8 @@ def raw_dealer(address: str) -> zmq.Socket:
     return sock
 
 
-def run_receiver(scenarios, address_queue, result_queue) -> None:
+def run_receiver(scenarios, address_queue, result_queue, core) -> None:
+    pin_to_core(core)
     for index, (_, mode, _, _, num_requests, _) in enumerate(scenarios):
         address = address_queue.get(timeout=WAIT_S)
         link = raw_dealer(address) if mode == "raw" else KVClient(address, hwm=HWM)
@@ -160,11 +169,19 @@ def build_scenarios(args, ipc_dir: str) -> list[tuple]:
     return scenarios
 
 
-def run_scenarios(scenarios: list[tuple]) -> list[tuple]:
+def cores_for(pin: bool) -> tuple[int | None, int | None]:
+    """(sender core, receiver core): two different cores this process may use, or (None, None)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    return (allowed[0], allowed[1]) if pin and len(allowed) >= 2 else (None, None)
+
+
+def run_scenarios(scenarios: list[tuple], pin: bool = True) -> list[tuple]:
     ctx = mp.get_context("spawn")
     address_queue, result_queue = ctx.Queue(), ctx.Queue()
-    sender = ctx.Process(target=run_sender, args=(scenarios, address_queue, result_queue), name="sender")
-    receiver = ctx.Process(target=run_receiver, args=(scenarios, address_queue, result_queue), name="receiver")
+    sender_core, receiver_core = cores_for(pin)
+    sender = ctx.Process(target=run_sender, args=(scenarios, address_queue, result_queue, sender_core), name="sender")
+    receiver = ctx.Process(target=run_receiver, args=(scenarios, address_queue, result_queue, receiver_core),
+                           name="receiver")
     sender.start()
     receiver.start()
     results = []
@@ -240,10 +257,12 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=512, help="about this many MiB per timed run")
     parser.add_argument("--layers", type=int, default=4, help="payload messages per request")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-pin", action="store_true",
+                        help="let the OS place both processes (default: sender and receiver each get one core)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvb") as ipc_dir:
         scenarios = build_scenarios(args, ipc_dir)
-        results = run_scenarios(scenarios)
+        results = run_scenarios(scenarios, pin=not args.no_pin)
     print_table(summarize(scenarios, results), args)
 
 
