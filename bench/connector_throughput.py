@@ -1,24 +1,31 @@
 """KV connector throughput: pdserve's protocol + transport against raw pyzmq, same bytes, same sockets.
 
-    python -m bench.connector_throughput [--sizes-mib 1 4 16 64] [--total-mib 512] [--layers 4] [--repeats 3]
+    python -m bench.connector_throughput [--sizes-mib 1 4 16 64] [--total-mib 512] [--message-mib 4]
+                                         [--repeats 3] [--no-pin]
 
 For each transport (tcp loopback, ipc) and payload size S MiB per request, a sender process (P,
 ROUTER) streams N requests to a receiver process (D, DEALER) that asked for them; N * S is about
---total-mib. A request is --layers payload messages of S / layers bytes and one done message.
-  raw  pyzmq send_multipart([peer, fixed header, payload], copy=False); the receiver only counts.
-  kv   KVServer.send(KVLayer.from_tensor(...)) with a payload checksum per message, then KVDone;
-       the receiver decodes and validates each header, checks frame length and checksum, rebuilds
-       the bf16 tensor view, and checks KVDone's combined checksum.
-Time runs on the sender from its first send to the receiver's final ack. Repeats alternate raw and
-kv (to share machine noise fairly); the median is reported, with the CPU time both processes spent
-per MiB and the single-core speed of payload_checksum (XXH3) and of zlib.crc32. The paired ratio is the
-median of pdserve/raw over runs that ran back to back (order alternating), which cancels slow drift
-of a shared machine better than the ratio of the two medians.
+--total-mib. Like the prefill engine, which groups layers into ~4 MiB messages
+(prefill.connector.MESSAGE_TARGET_BYTES), a request goes as ceil(S / --message-mib) payload messages
+of equal size, then one done message. Three senders of the same bytes:
+  raw      pyzmq send_multipart([peer, fixed header, payload], copy=False) in the same messages as
+           pdserve; the receiver only counts. The baseline for the protocol's own cost.
+  raw-one  the same, but the whole request in one message (what a naive sender does).
+  kv       KVServer.send(KVLayer.from_tensor(...)) with a payload checksum per message, then KVDone;
+           the receiver decodes and validates each header, checks frame length and checksum, rebuilds
+           the bf16 tensor view, and checks KVDone's combined checksum.
+Time runs on the sender from its first send to the receiver's final ack. Repeats rotate the order of
+the three (to share machine noise fairly); medians are reported, with the CPU time both processes
+spent per MiB and the single-core speed of payload_checksum (XXH3) and of zlib.crc32. A paired ratio
+is the median of pdserve/raw over runs that ran back to back, which cancels slow drift of a shared
+machine better than the ratio of two medians. By default sender and receiver each get a core of
+their own (--no-pin lets the OS place them).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -33,6 +40,7 @@ import zmq
 
 from kvtransfer.protocol import KVAck, KVDone, KVLayer, KVWant, combine_checksums, payload_checksum
 from kvtransfer.transport import KVClient, KVServer
+from prefill.connector import MESSAGE_TARGET_BYTES
 
 MIB = 1 << 20
 HWM = 8  # messages in flight per socket, as an engine would bound its memory
@@ -40,8 +48,15 @@ NUM_KV_HEADS, HEAD_DIM = 8, 128  # bf16: 4 KiB of K+V per token per layer
 WAIT_S = 60.0
 
 
+MODES = ("raw", "raw-one", "kv")
+
+
 def request_count(size_mib: int, total_mib: int) -> int:
     return max(4, total_mib // size_mib)
+
+
+def messages_per_request(mode: str, size_mib: int, message_mib: int) -> int:
+    return 1 if mode == "raw-one" else max(1, math.ceil(size_mib / message_mib))
 
 
 # ---- sender (P) ----
@@ -53,21 +68,21 @@ def random_kv(layer_bytes: int) -> torch.Tensor:
     return torch.randn(1, 2, num_tokens, NUM_KV_HEADS, HEAD_DIM).to(torch.bfloat16)
 
 
-def send_raw(sock: zmq.Socket, peer: bytes, num_requests: int, num_layers: int, layer_bytes: int) -> None:
-    header = msgpack.packb({"type": "kv_layer", "version": 1, "request_id": "r0", "nbytes": layer_bytes})
-    payload = memoryview(random_kv(layer_bytes).view(torch.uint8).numpy()).cast("B")
+def send_raw(sock: zmq.Socket, peer: bytes, num_requests: int, num_messages: int, message_bytes: int) -> None:
+    header = msgpack.packb({"type": "kv_layer", "version": 1, "request_id": "r0", "nbytes": message_bytes})
+    payload = memoryview(random_kv(message_bytes).view(torch.uint8).numpy()).cast("B")
     for _ in range(num_requests):
-        for _ in range(num_layers):
+        for _ in range(num_messages):
             sock.send_multipart([peer, header, payload], copy=False)
         sock.send_multipart([peer, b"done"])
 
 
-def send_kv(server, peer: bytes, num_requests: int, num_layers: int, layer_bytes: int) -> None:
-    kv = random_kv(layer_bytes)  # [1, 2, T, H, D]
+def send_kv(server, peer: bytes, num_requests: int, num_messages: int, message_bytes: int) -> None:
+    kv = random_kv(message_bytes)  # [1, 2, T, H, D]: one message's layer group
     num_tokens = kv.shape[2]
     for index in range(num_requests):
         request_id, checksums = f"req-{index}", []
-        for layer in range(num_layers):
+        for layer in range(num_messages):
             msg, payload = KVLayer.from_tensor(kv, request_id=request_id, layer_start=layer, token_start=0)
             server.send(peer, msg, payload, timeout=WAIT_S)
             checksums.append(msg.checksum)
@@ -93,14 +108,15 @@ def pin_to_core(core: int | None) -> None:
 
 def run_sender(scenarios, address_queue, result_queue, core) -> None:
     pin_to_core(core)
-    for index, (_, mode, size_mib, num_layers, num_requests, address) in enumerate(scenarios):
-        link = raw_router(address) if mode == "raw" else KVServer(address, hwm=HWM)
-        address_queue.put(link.getsockopt_string(zmq.LAST_ENDPOINT) if mode == "raw" else link.address)
-        peer = link.recv_multipart()[0] if mode == "raw" else link.recv(WAIT_S).peer_id
+    for index, (_, mode, size_mib, num_messages, num_requests, address) in enumerate(scenarios):
+        raw = mode != "kv"
+        link = raw_router(address) if raw else KVServer(address, hwm=HWM)
+        address_queue.put(link.getsockopt_string(zmq.LAST_ENDPOINT) if raw else link.address)
+        peer = link.recv_multipart()[0] if raw else link.recv(WAIT_S).peer_id
         start, start_cpu = time.perf_counter(), time.process_time()
-        send = send_raw if mode == "raw" else send_kv
-        send(link, peer, num_requests, num_layers, size_mib * MIB // num_layers)
-        link.recv_multipart() if mode == "raw" else link.recv(WAIT_S)  # the receiver's final ack
+        send = send_raw if raw else send_kv
+        send(link, peer, num_requests, num_messages, size_mib * MIB // num_messages)
+        link.recv_multipart() if raw else link.recv(WAIT_S)  # the receiver's final ack
         result_queue.put(("send", index, time.perf_counter() - start, time.process_time() - start_cpu))
         link.close()
 
@@ -140,15 +156,16 @@ def run_receiver(scenarios, address_queue, result_queue, core) -> None:
     pin_to_core(core)
     for index, (_, mode, _, _, num_requests, _) in enumerate(scenarios):
         address = address_queue.get(timeout=WAIT_S)
-        link = raw_dealer(address) if mode == "raw" else KVClient(address, hwm=HWM)
-        if mode == "raw":
+        raw = mode != "kv"
+        link = raw_dealer(address) if raw else KVClient(address, hwm=HWM)
+        if raw:
             link.send(b"start")
         else:
             link.send(KVWant(request_id="bench", skip_tokens=0, num_tokens=1), timeout=WAIT_S)
         start_cpu = time.process_time()
-        receive_raw(link, num_requests) if mode == "raw" else receive_kv(link, num_requests)
+        receive_raw(link, num_requests) if raw else receive_kv(link, num_requests)
         result_queue.put(("recv", index, None, time.process_time() - start_cpu))
-        if mode == "raw":
+        if raw:
             link.send(b"ack")
         else:
             link.send(KVAck(request_id="bench", ok=True), timeout=WAIT_S)
@@ -162,9 +179,10 @@ def build_scenarios(args, ipc_dir: str) -> list[tuple]:
     for transport in ("tcp", "ipc"):
         for size_mib in args.sizes_mib:
             for repeat in range(args.repeats):
-                for mode in ("raw", "kv") if repeat % 2 == 0 else ("kv", "raw"):  # no order bias
+                shift = repeat % len(MODES)  # rotate the order: no mode always runs first
+                for mode in MODES[shift:] + MODES[:shift]:
                     address = "tcp://127.0.0.1:0" if transport == "tcp" else f"ipc://{ipc_dir}/kv-{len(scenarios)}.sock"
-                    scenarios.append((transport, mode, size_mib, args.layers,
+                    scenarios.append((transport, mode, size_mib, messages_per_request(mode, size_mib, args.message_mib),
                                       request_count(size_mib, args.total_mib), address))
     return scenarios
 
@@ -212,9 +230,10 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - start
 
 
-def summarize(scenarios: list[tuple], results: list[tuple]) -> dict[tuple, tuple[float, float]]:
-    """(transport, mode, size_mib) -> (median MiB/s, median CPU ms per MiB, sender + receiver);
-    (transport, "ratio", size_mib) -> (median of kv / raw over back-to-back pairs, 0)."""
+def summarize(scenarios: list[tuple], results: list[tuple]) -> dict[tuple, float]:
+    """(transport, mode, size_mib) -> median MiB/s; (transport, mode, size_mib, "cpu") -> median CPU ms
+    per MiB, sender + receiver; (transport, "kv/" + raw mode, size_mib) -> median of kv / raw over the
+    runs of one repeat (back to back)."""
     wall_s, cpu_s = {}, {}
     for side, index, wall, cpu in results:
         cpu_s[index] = cpu_s.get(index, 0.0) + cpu
@@ -224,29 +243,30 @@ def summarize(scenarios: list[tuple], results: list[tuple]) -> dict[tuple, tuple
     for index, (transport, mode, size_mib, _, num_requests, _) in enumerate(scenarios):
         num_mib = num_requests * size_mib
         runs.setdefault((transport, mode, size_mib), []).append((num_mib / wall_s[index], 1000 * cpu_s[index] / num_mib))
-    summary = {key: (statistics.median(r[0] for r in values), statistics.median(r[1] for r in values))
-               for key, values in runs.items()}
-    for transport, mode, size_mib in list(runs):
-        if mode == "kv":  # runs alternate raw/kv, so the i-th of each ran back to back
-            pairs = zip(runs[transport, "kv", size_mib], runs[transport, "raw", size_mib])
-            summary[transport, "ratio", size_mib] = (statistics.median(kv[0] / raw[0] for kv, raw in pairs), 0.0)
+    summary = {}
+    for (transport, mode, size_mib), values in runs.items():
+        summary[transport, mode, size_mib] = statistics.median(speed for speed, _ in values)
+        summary[transport, mode, size_mib, "cpu"] = statistics.median(cpu for _, cpu in values)
+        if mode != "kv":  # the i-th run of each mode belongs to the same repeat
+            pairs = zip(runs[transport, "kv", size_mib], values)
+            summary[transport, "kv/" + mode, size_mib] = statistics.median(kv[0] / raw[0] for kv, raw in pairs)
     return summary
 
 
-def print_table(summary: dict[tuple, tuple[float, float]], args) -> None:
-    print(f"\n{'transport':<9} {'MiB/req':>7} {'requests':>8} {'raw MiB/s':>10} {'pdserve MiB/s':>13} {'ratio':>6}"
-          f" {'paired ratio':>12}"
-          f" {'raw CPU ms/MiB':>15} {'pdserve CPU ms/MiB':>19}")
+def print_table(summary: dict[tuple, float], args) -> None:
+    print(f"\n{'transport':<9} {'MiB/req':>7} {'msgs/req':>8} {'requests':>8} {'raw MiB/s':>10} {'raw-one MiB/s':>13}"
+          f" {'pdserve MiB/s':>13} {'paired vs raw':>13} {'paired vs raw-one':>17} {'CPU ms/MiB raw / pdserve':>25}")
     for transport in ("tcp", "ipc"):
-        for size_mib in args.sizes_mib:
-            (raw, raw_cpu), (kv, kv_cpu) = summary[transport, "raw", size_mib], summary[transport, "kv", size_mib]
-            count = request_count(size_mib, args.total_mib)
-            paired = summary[transport, "ratio", size_mib][0]
-            print(f"{transport:<9} {size_mib:>7} {count:>8} {raw:>10.0f} {kv:>13.0f} {kv / raw:>6.0%} {paired:>12.0%}"
-                  f" {raw_cpu:>15.2f} {kv_cpu:>19.2f}")
-    print(f"\nCPU = sender + receiver process time (zmq I/O threads included). {args.layers} payload messages "
-          f"per request; median of {args.repeats} runs each; paired ratio = median of pdserve/raw over "
-          f"back-to-back pairs. One core: payload_checksum "
+        for size in args.sizes_mib:
+            raw, raw_one, kv = (summary[transport, mode, size] for mode in MODES)
+            cpu = f"{summary[transport, 'raw', size, 'cpu']:.2f} / {summary[transport, 'kv', size, 'cpu']:.2f}"
+            print(f"{transport:<9} {size:>7} {messages_per_request('kv', size, args.message_mib):>8}"
+                  f" {request_count(size, args.total_mib):>8} {raw:>10.0f} {raw_one:>13.0f} {kv:>13.0f}"
+                  f" {summary[transport, 'kv/raw', size]:>13.0%} {summary[transport, 'kv/raw-one', size]:>17.0%}"
+                  f" {cpu:>25}")
+    print(f"\nraw = the same messages as pdserve ({args.message_mib} MiB at most); raw-one = one message per request. "
+          f"CPU = sender + receiver process time (zmq I/O threads included). Median of {args.repeats} runs each; "
+          f"paired = median of pdserve/raw over runs of the same repeat. One core: payload_checksum "
           f"{mib_per_s(payload_checksum):.0f} MiB/s, zlib.crc32 {mib_per_s(zlib.crc32):.0f} MiB/s "
           f"(zlib {zlib.ZLIB_RUNTIME_VERSION}).")
 
@@ -255,7 +275,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--total-mib", type=int, default=512, help="about this many MiB per timed run")
-    parser.add_argument("--layers", type=int, default=4, help="payload messages per request")
+    parser.add_argument("--message-mib", type=int, default=MESSAGE_TARGET_BYTES // MIB,
+                        help="largest payload message; a request is split into equal messages up to this size "
+                             "(default: what the prefill engine sends)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-pin", action="store_true",
                         help="let the OS place both processes (default: sender and receiver each get one core)")
