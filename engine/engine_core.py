@@ -94,6 +94,8 @@ class EngineCore:
             "kv_blocks_total": self.runner.num_blocks,
             "queued_prefill_tokens": queued_prefill,
             "num_preemptions": scheduler.num_preemptions,
+            "prefix_cache_queries": scheduler.prefix_cache_queries,
+            "prefix_cache_hits": scheduler.prefix_cache_hits,
         }
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:

@@ -82,6 +82,8 @@ class Scheduler:
         self.delayed_free: dict[str, Request] = {}  # finished, blocks held until the peer has them
         self._pending: list[RequestDelta] = []  # produced outside a step (connector events, aborts)
         self.num_preemptions = 0  # since start, for stats and tests
+        self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the prefix cache, since start
+        self.prefix_cache_hits = 0  # of those, tokens found there (their KV was reused, not computed)
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -166,6 +168,7 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
                 return
             self.waiting.popleft()
+            self._count_prefix_lookup(request, num_hit)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -173,6 +176,11 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new, self.kv.get_block_ids(request.request_id)))
             budget -= num_new
+
+    def _count_prefix_lookup(self, request: Request, num_hit: int) -> None:
+        """One admission's prefix-cache lookup (a preempted request looks up again when readmitted)."""
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit
 
     def _start_remote_prefill(self, request: Request, hit_blocks: list, num_hit: int, num_external: int) -> bool:
         """Allocate blocks for KV that a prefill engine will send, and park the request until it lands."""
@@ -182,6 +190,7 @@ class Scheduler:
         if blocks is None:
             return False
         self.waiting.popleft()
+        self._count_prefix_lookup(request, num_hit)
         request.num_computed_tokens = num_hit
         request.num_cached_tokens = num_hit
         request.num_external_computed_tokens = num_external

@@ -105,6 +105,8 @@ class EngineStats(Message, type_name="engine_stats"):
     kv_blocks_total: Count
     queued_prefill_tokens: Count
     num_preemptions: Count = 0
+    prefix_cache_queries: Count = 0  # prompt tokens looked up in the engine's prefix cache, since start
+    prefix_cache_hits: Count = 0  # of those, tokens whose KV was reused instead of computed
     kv_bytes_sent: Count = 0
     kv_bytes_received: Count = 0
     num_kv_transfers_failed: Count = 0

@@ -143,6 +143,7 @@ class EngineServer:
             num_waiting_for_remote_kv=stats["num_waiting_for_remote_kv"],
             kv_blocks_used=stats["kv_blocks_used"], kv_blocks_total=stats["kv_blocks_total"],
             queued_prefill_tokens=stats["queued_prefill_tokens"], num_preemptions=stats["num_preemptions"],
+            prefix_cache_queries=stats["prefix_cache_queries"], prefix_cache_hits=stats["prefix_cache_hits"],
             kv_bytes_sent=getattr(self.connector, "bytes_sent", 0),
             kv_bytes_received=getattr(self.connector, "bytes_received", 0),
             num_kv_transfers_failed=getattr(self.connector, "num_failed", 0),

@@ -39,6 +39,10 @@ ENGINE_COUNTERS = (
      "KVDone verified; prefill engines, prompt computed to KVAck (the part compute did not hide); divide "
      "by pdserve_kv_transfers for the mean", "kv_transfer_seconds"),
     ("pdserve_num_preemptions", "requests preempted for lack of KV blocks", "num_preemptions"),
+    ("pdserve_prefix_cache_queries", "tokens of admitted requests looked up in the prefix cache",
+     "prefix_cache_queries"),
+    ("pdserve_prefix_cache_hits", "tokens found in the prefix cache (KV reused, not computed); divide by "
+     "pdserve_prefix_cache_queries for the hit rate", "prefix_cache_hits"),
 )
 
 

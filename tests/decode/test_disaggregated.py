@@ -109,7 +109,11 @@ def test_decode_prefix_hit_sends_exactly_the_missing_tokens(model_factory, tmp_p
         sent = driver.prefill_stats().kv_bytes_sent - sent_before
         assert sent == (26 - 20) * bytes_per_token, "only tokens after D's prefix hit may travel"
         assert results[0].token_ids == colocated_tokens(model_dir, [second], **GREEDY)[0]
-        assert driver.decode_stats().kv_bytes_received == driver.prefill_stats().kv_bytes_sent
+        decode_stats, prefill_stats = driver.decode_stats(), driver.prefill_stats()
+        assert decode_stats.kv_bytes_received == prefill_stats.kv_bytes_sent
+        # both engines reused the 5 shared blocks from their own prefix caches (P computed 6 tokens)
+        assert (decode_stats.prefix_cache_queries, decode_stats.prefix_cache_hits) == (23 + 26, 20)
+        assert (prefill_stats.prefix_cache_queries, prefill_stats.prefix_cache_hits) == (23 + 26, 20)
         assert_no_leaks(driver)
     finally:
         driver.close()

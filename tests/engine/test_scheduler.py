@@ -219,3 +219,17 @@ def test_delayed_free_keeps_blocks_until_sent():
     connector.events.sent.add("a")
     step(scheduler)
     assert_scheduler_empty(scheduler)
+
+
+def test_prefix_cache_lookups_are_counted():
+    scheduler = make_scheduler()
+    prompt = list(range(1, 11))  # 10 tokens: two full blocks of 4 and a partial one
+    params = SamplingParams(temperature=0, max_tokens=2)
+    scheduler.add_request(Request("first", prompt, params, eos_token_id=EOS, max_tokens=2))
+    run_to_end(scheduler)
+    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (10, 0)
+    scheduler.add_request(Request("second", prompt, params, eos_token_id=EOS, max_tokens=2))
+    run_to_end(scheduler)
+    # the two full blocks come from the cache; the partial block is never cached
+    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (20, 8)
+    assert_scheduler_empty(scheduler)

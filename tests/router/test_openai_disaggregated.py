@@ -70,6 +70,9 @@ def test_greedy_completions_equal_the_offline_engine(cluster, client, offline, t
     assert sum(received.values()) > 0, "the decode engine got its prompts' KV from the prefill engine"
     assert sum(metrics["pdserve_kv_transfers_total"].values()) >= 1
     assert sum(metrics["pdserve_kv_transfer_seconds_total"].values()) > 0, "transfer latency is reported"
+    queried = sum(metrics["pdserve_prefix_cache_queries_total"].values())
+    assert queried >= 2 * sum(len(offline.tokenizer.encode(p)) for p in PROMPTS), "both engines look up every prompt"
+    assert 0 <= sum(metrics["pdserve_prefix_cache_hits_total"].values()) <= queried
     used = wait_no_kv_used(cluster.url)
     assert len(used) == 2 and all(v == 0 for v in used.values()), used
 
