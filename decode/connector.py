@@ -180,12 +180,16 @@ class DecodeConnector(KVConnector):
 
     def _write(self, incoming: _Incoming, msg: KVLayer, kv: torch.Tensor) -> None:
         """kv [num_layers, 2, T, kv_heads, head_dim] -> the request's blocks at its token positions."""
-        block_size = self.kv_cache.shape[3]
-        positions = incoming.skip_tokens + msg.token_start + torch.arange(msg.num_tokens)
-        slots = incoming.block_ids[positions // block_size] * block_size + positions % block_size
-        kv = kv.to(self.kv_cache.device, non_blocking=True)
-        slots = slots.to(self.kv_cache.device)
-        with one_cpu_thread(self.kv_cache.device):
+        device, block_size = self.kv_cache.device, self.kv_cache.shape[3]
+        first = incoming.skip_tokens + msg.token_start  # prompt position of the message's first token
+        kv = kv.to(device, non_blocking=True)
+        with one_cpu_thread(device):
+            if first % block_size == 0:  # starts on a block boundary: one scatter for all its layers
+                blocks = incoming.block_ids[first // block_size:].to(device)
+                kernels.kv_unpack(kv, self.kv_cache, blocks, msg.num_tokens, msg.layer_start)
+                return
+            positions = first + torch.arange(msg.num_tokens)  # a chunk that starts mid-block
+            slots = (incoming.block_ids[positions // block_size] * block_size + positions % block_size).to(device)
             for offset in range(msg.layer_end - msg.layer_start):
                 layer = self.kv_cache[msg.layer_start + offset]
                 kernels.store_kv(kv[offset, 0], kv[offset, 1], layer[0], layer[1], slots)

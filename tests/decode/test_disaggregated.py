@@ -84,6 +84,19 @@ def test_kv_sent_after_the_prefill_equals_colocated(model_factory, tmp_path):
         assert_no_leaks(driver)
 
 
+def test_chunks_starting_mid_block_equal_colocated(model_factory, tmp_path):
+    """P's step budget (30 tokens) is not a multiple of the block size (4), so streamed chunks start
+    and end mid-block: D writes them token by token instead of whole blocks."""
+    model_dir = model_factory("llama")
+    prompts = [PROMPTS[4], list(range(300, 345))]  # 70 and 45 tokens
+    expected = colocated_tokens(model_dir, prompts, **GREEDY)
+    chunked = ("--kv-streaming", "on", "--max-num-batched-tokens", "30")
+    with running_pair(model_dir, tmp_path, prefill_args=chunked) as driver:
+        assert [r.token_ids for r in driver.generate(prompts, **GREEDY)] == expected
+        assert driver.decode_stats().num_kv_transfers_failed == 0
+        assert_no_leaks(driver)
+
+
 def test_seeded_sampling_equals_colocated(model_factory, tmp_path):
     """The first token is sampled on P, the rest on D: a seed gives the colocated tokens anyway."""
     model_dir = model_factory("llama")
