@@ -8,6 +8,8 @@
 # 2. python -m bench.gpu_kernels --sweep: every Triton kernel against its torch reference, timings,
 #    decode-attention bandwidth as a share of device copy bandwidth (goal >= 70%),
 # 3. python -m bench.gpu_engine: engine throughput with and without CUDA graphs, greedy parity on cuda.
+# 4. python -m bench.pd_transfer --device cuda: P -> D transfer time against prefill time, streamed per
+#    layer or sent after (skipped when the machine's python lacks pyzmq, msgpack, pydantic or xxhash).
 # Record the printed tables in docs/BENCHMARKS.md ("Triton kernels on a GPU").
 set -u
 OUT="${OUT:-gpu-out}"
@@ -26,3 +28,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 run cuda-tests 180 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graphs.py tests/kernels
 run gpu-kernels 240 python3 -m bench.gpu_kernels --sweep
 run gpu-engine 240 python3 -m bench.gpu_engine
+if python3 -c "import zmq, msgpack, pydantic, xxhash" 2>/dev/null; then
+    run pd-transfer-cuda 180 python3 -m bench.pd_transfer --device cuda --prompt-lens 1024 4096 --repeats 3
+else
+    echo "=== pd-transfer-cuda skipped: this python lacks pyzmq, msgpack, pydantic or xxhash" | tee "$OUT/pd-transfer-cuda.log"
+fi

@@ -1,6 +1,6 @@
 """KV transfer against prefill time, on real prefill and decode processes over loopback.
 
-    python -m bench.pd_transfer [--model DIR] [--prompt-lens 1024 4096] [--repeats 3]
+    python -m bench.pd_transfer [--model DIR] [--prompt-lens 1024 4096] [--repeats 3] [--device cuda]
 
 For each prompt length, time to first token (TTFT, seen by the client) in three modes, in one run:
   local      the decode engine prefills the prompt itself (no transfer: the baseline)
@@ -26,6 +26,7 @@ from kvtransfer.control import EngineStats
 from pdserve.local_cluster import Driver, EngineProcess
 
 ENGINE_ARGS = ("--max-num-batched-tokens", "2048", "--log-level", "WARNING")
+CUDA_KV_BLOCKS = "2048"  # per engine: the three engines share one GPU, so none may size itself to the free memory
 
 
 def bench_model() -> str:
@@ -71,21 +72,25 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: all three engines on the same GPU")
     args = parser.parse_args()
     model = args.model or bench_model()
     from engine.config import ModelConfig
 
     bytes_per_token = ModelConfig.from_hf(model, dtype="float32").kv_bytes_per_token
     logs = Path(tempfile.mkdtemp(prefix="pd-transfer-"))
-    streamed = EngineProcess("prefill", model, *ENGINE_ARGS, "--kv-streaming", "on", log_dir=logs)
-    after = EngineProcess("prefill", model, *ENGINE_ARGS, "--kv-streaming", "off", "--engine-id", "prefill-1",
+    engine_args = (*ENGINE_ARGS, "--device", args.device)
+    if args.device.startswith("cuda"):
+        engine_args += ("--num-kv-blocks", CUDA_KV_BLOCKS)
+    streamed = EngineProcess("prefill", model, *engine_args, "--kv-streaming", "on", log_dir=logs)
+    after = EngineProcess("prefill", model, *engine_args, "--kv-streaming", "off", "--engine-id", "prefill-1",
                           log_dir=logs)
-    decode = EngineProcess("decode", model, *ENGINE_ARGS, "--kv-timeout", "300", log_dir=logs)
+    decode = EngineProcess("decode", model, *engine_args, "--kv-timeout", "300", log_dir=logs)
     drivers = {"streamed": Driver(decode, streamed), "sent-after": Driver(decode, after)}
     local = drivers["streamed"]
     rng = random.Random(0)
     try:
-        print(f"model {model}")
+        print(f"model {model}; device {args.device}")
         print(f"{'prompt':>6} {'KV MiB':>7} {'TTFT local s':>13} {'sent-after s':>13} {'streamed s':>11} "
               f"{'exposed after ms':>17} {'exposed streamed ms':>20} {'hidden':>7}")
         for length in args.prompt_lens:
