@@ -8,8 +8,9 @@
 # 2. python -m bench.gpu_kernels --sweep: every Triton kernel against its torch reference, timings,
 #    decode-attention bandwidth as a share of device copy bandwidth (goal >= 70%),
 # 3. python -m bench.gpu_engine: engine throughput with and without CUDA graphs, greedy parity on cuda.
-# 4. python -m bench.pd_transfer --device cuda: P -> D transfer time against prefill time, streamed per
-#    layer or sent after (skipped when the machine's python lacks pyzmq, msgpack, pydantic or xxhash).
+# 4. P -> D on CUDA: greedy parity with colocated (streamed and sent after), then python -m
+#    bench.pd_transfer --device cuda: transfer time against prefill time (both skipped when the
+#    machine's python lacks pyzmq, msgpack, pydantic or xxhash).
 # Record the printed tables in docs/BENCHMARKS.md ("Triton kernels on a GPU").
 set -u
 OUT="${OUT:-gpu-out}"
@@ -29,6 +30,7 @@ run cuda-tests 180 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cu
 run gpu-kernels 240 python3 -m bench.gpu_kernels --sweep
 run gpu-engine 240 python3 -m bench.gpu_engine
 if python3 -c "import zmq, msgpack, pydantic, xxhash" 2>/dev/null; then
+    run pd-cuda-tests 180 python3 -m pytest -q -p no:cacheprovider tests/decode/test_disaggregated.py -k cuda
     run pd-transfer-cuda 180 python3 -m bench.pd_transfer --device cuda --prompt-lens 1024 4096 --repeats 3
 else
     echo "=== pd-transfer-cuda skipped: this python lacks pyzmq, msgpack, pydantic or xxhash" | tee "$OUT/pd-transfer-cuda.log"

@@ -11,7 +11,9 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 from typing import Callable
 
 import torch
@@ -66,6 +68,19 @@ class _StreamJob:
 
 
 @dataclass
+class _Copied:
+    """A streamed layer range on its way to host memory, sent once `ready` has passed (None: already
+    on the host). On CUDA the device-to-host copy runs behind the forward instead of stopping it."""
+
+    request_id: str
+    transfer: _Transfer
+    layer_start: int
+    position: int  # prompt position of its first token
+    kv: torch.Tensor  # [layers, 2, T, kv_heads, head_dim] on the CPU (pinned when it comes from CUDA)
+    ready: Any = None  # torch.cuda.Event recorded after the copy
+
+
+@dataclass
 class _AwaitingAck:
     deadline: float  # the lease: blocks are freed then even without an ack
     computed_at: float  # when the prompt's last layer was computed
@@ -92,6 +107,7 @@ class PrefillConnector(KVConnector):
         self.num_transfers = 0
         self.transfer_seconds = 0.0
         self._messages_sent = 0
+        self._copies: deque[_Copied] = deque()  # streamed layers not sent yet, in send order
         self._fault = _parse_fault(os.environ.get(FAULT_ENV, ""))
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
@@ -111,6 +127,7 @@ class PrefillConnector(KVConnector):
         return True
 
     def poll(self) -> ConnectorEvents:
+        self._send_copied(wait=True)  # between steps: nothing streamed may linger
         self._expire()
         events, self._events = self._events, ConnectorEvents()
         return events
@@ -141,16 +158,40 @@ class PrefillConnector(KVConnector):
             for job in jobs:
                 if self._transfers.get(job.request_id) is not job.transfer:  # aborted or failed meanwhile
                     continue
-                kv = self._gather(job.next_layer, layer_idx + 1, job.slots)  # this step's tokens
-                try:
-                    self._send_payload(job.request_id, job.transfer, kv, job.next_layer, job.begin)
-                except KVTransferError as exc:  # never fail the step (other requests share it)
-                    self._drop_transfer(job.request_id, exc)
-                    continue
+                self._copies.append(self._copy_to_host(job, layer_idx + 1))
                 job.next_layer = layer_idx + 1
-                if layer_idx == last_layer:
+                if layer_idx == last_layer:  # queued in order: sent before anything else of this request
                     job.transfer.sent_upto = job.end
+            self._send_copied(wait=False)
         return on_layer_stored
+
+    def _copy_to_host(self, job: _StreamJob, layer_end: int) -> _Copied:
+        """Layers [job.next_layer, layer_end) of this step's tokens, copied to the host. On CUDA the copy
+        is queued on the compute stream after the layer (no host sync), into pinned memory."""
+        kv = self._gather(job.next_layer, layer_end, job.slots)  # [layers, 2, T, kv_heads, head_dim]
+        copied = _Copied(job.request_id, job.transfer, job.next_layer, job.begin, kv)
+        if kv.device.type == "cuda":
+            copied.kv = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+            copied.kv.copy_(kv, non_blocking=True)
+            copied.ready = torch.cuda.Event()
+            copied.ready.record(torch.cuda.current_stream(kv.device))  # the stream the copy was queued on
+        return copied
+
+    def _send_copied(self, wait: bool) -> None:
+        """Send the streamed layers whose copy has landed, oldest first; with `wait`, all of them."""
+        while self._copies:
+            copied = self._copies[0]
+            if copied.ready is not None and not copied.ready.query():
+                if not wait:
+                    return  # keep the order: later copies wait behind this one
+                copied.ready.synchronize()
+            self._copies.popleft()
+            if self._transfers.get(copied.request_id) is not copied.transfer:  # aborted or failed meanwhile
+                continue
+            try:
+                self._send_payload(copied.request_id, copied.transfer, copied.kv, copied.layer_start, copied.position)
+            except KVTransferError as exc:  # never fail the step (other requests share it)
+                self._drop_transfer(copied.request_id, exc)
 
     def _pick_up_wants(self, unasked: list, jobs: list[_StreamJob]) -> None:
         """Read the KV socket mid-step; start streaming the chunks whose KVWant just came."""
@@ -268,6 +309,7 @@ class PrefillConnector(KVConnector):
 
     def _try_finish(self, request_id: str) -> None:
         """Once the prompt is computed and asked for: send what is left from the cache, then KVDone."""
+        self._send_copied(wait=True)  # the streamed layers go first
         prefilled, transfer = self._prefilled.get(request_id), self._transfers.get(request_id)
         if prefilled is None or transfer is None or not self._checked(prefilled.request, transfer):
             return
@@ -286,6 +328,7 @@ class PrefillConnector(KVConnector):
 
     def _send_range(self, request_id: str, transfer: _Transfer, block_ids: list[int], start: int, end: int) -> None:
         """Every layer of prompt tokens [start, end) from the cache, grouped into ~4 MiB messages."""
+        self._send_copied(wait=True)  # whatever was streamed for this request goes first
         if end <= start:
             return
         num_layers = self.kv_cache.shape[0]
@@ -297,18 +340,19 @@ class PrefillConnector(KVConnector):
         slots = None if aligned else self._slots(block_ids, start, end)
         for layer_start in range(0, num_layers, step):
             layer_end = min(num_layers, layer_start + step)
-            if aligned:  # whole blocks: [layers, 2, T, kv_heads, head_dim]
-                with one_cpu_thread(self.kv_cache.device):
-                    kv = kernels.kv_pack(self.kv_cache, table, end - start, layer_start, layer_end).cpu()
-            else:
-                kv = self._gather(layer_start, layer_end, slots)
-            self._send_payload(request_id, transfer, kv, layer_start, start)
+            with one_cpu_thread(self.kv_cache.device):
+                if aligned:  # whole blocks: [layers, 2, T, kv_heads, head_dim]
+                    kv = kernels.kv_pack(self.kv_cache, table, end - start, layer_start, layer_end)
+                else:
+                    kv = self._gather(layer_start, layer_end, slots)
+            self._send_payload(request_id, transfer, kv.cpu(), layer_start, start)
         transfer.sent_upto = end
 
     def _gather(self, layer_start: int, layer_end: int, slots: torch.Tensor) -> torch.Tensor:
-        """KV of layers [layer_start, layer_end) at cache slots [T], on the CPU: [layers, 2, T, kv_heads, head_dim]."""
+        """KV of layers [layer_start, layer_end) at cache slots [T], on the cache's device:
+        [layers, 2, T, kv_heads, head_dim]."""
         with one_cpu_thread(self.kv_cache.device):
-            return self.kv_cache[layer_start:layer_end].flatten(2, 3).index_select(2, slots).cpu()
+            return self.kv_cache[layer_start:layer_end].flatten(2, 3).index_select(2, slots)
 
     def _send_payload(self, request_id: str, transfer: _Transfer, kv: torch.Tensor, layer_start: int,
                       position: int) -> None:

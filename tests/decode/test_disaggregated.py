@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from pdserve.local_cluster import Driver, EngineProcess
@@ -18,8 +19,8 @@ GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 PROMPTS = [list(range(10, 14)), list(range(30, 46)), list(range(50, 61)), [7], list(range(100, 170))]
 
 
-def colocated_tokens(model_dir: str, prompts, **sampling) -> list[list[int]]:
-    llm = LLM(model_dir, dtype="float32", block_size=BLOCK, num_kv_blocks=256)
+def colocated_tokens(model_dir: str, prompts, device: str = "cpu", **sampling) -> list[list[int]]:
+    llm = LLM(model_dir, dtype="float32", device=device, block_size=BLOCK, num_kv_blocks=256)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**sampling))
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -73,6 +74,20 @@ def test_disaggregated_equals_colocated(model_factory, tmp_path, arch, transport
         assert_no_leaks(driver)  # every ack has reached P by now
         sent = driver.prefill_stats()  # P times computed -> acked: the exposed part of each transfer
         assert sent.num_kv_transfers == len(PROMPTS) and 0 < sent.kv_transfer_seconds < 60
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("streaming", ["on", "off"])
+def test_disaggregated_on_cuda_equals_colocated(model_factory, tmp_path, streaming):
+    """On CUDA the streamed layers reach the host through asynchronous copies into pinned memory."""
+    model_dir = model_factory("llama")
+    expected = colocated_tokens(model_dir, PROMPTS, device="cuda", **GREEDY)
+    cuda = ("--device", "cuda")
+    with running_pair(model_dir, tmp_path, prefill_args=("--kv-streaming", streaming, *cuda),
+                      decode_args=cuda) as driver:
+        assert [r.token_ids for r in driver.generate(PROMPTS, **GREEDY)] == expected
+        assert driver.decode_stats().num_kv_transfers_failed == 0
+        assert_no_leaks(driver)
 
 
 def test_kv_sent_after_the_prefill_equals_colocated(model_factory, tmp_path):

@@ -130,3 +130,42 @@ def test_a_failed_send_drops_that_transfer_and_the_step_goes_on(link, monkeypatc
     for layer in range(NUM_LAYERS):
         hook(layer)  # must not raise: the model step carries other requests too
     assert "r" not in connector._transfers
+
+
+class _FakeCopyEvent:
+    """Stands in for the torch.cuda.Event recorded after a device-to-host copy."""
+
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_copies_still_in_flight_hold_back_later_layers_and_order_is_kept(link):
+    """On CUDA a layer's KV reaches the host asynchronously: a layer whose copy has not landed is not
+    sent, nor is any later one (the decode engine relies on send order); waiting sends them all."""
+    from prefill.connector import _Copied
+
+    connector, client, kv_cache = link
+    client.send(KVWant(request_id="r", skip_tokens=0, num_tokens=PROMPT_LEN))
+    _wait_until(lambda: connector.receive() or "r" in connector._transfers)
+    transfer = connector._transfers["r"]
+    pending = _FakeCopyEvent(done=False)
+    for layer, ready in enumerate([pending, _FakeCopyEvent(done=True), None]):
+        kv = _expected(kv_cache, layer, layer)
+        connector._copies.append(_Copied("r", transfer, layer, 0, kv, ready))
+    connector._send_copied(wait=False)
+    assert client.recv(timeout=0.05) is None, "layer 0's copy is still in flight: nothing may overtake it"
+    pending.done = True
+    connector._send_copied(wait=False)
+    received = _layers_received(client, NUM_LAYERS)
+    assert [m.layer_start for m, _ in received] == [0, 1, 2]
+    for layer, (_, kv) in enumerate(received):
+        torch.testing.assert_close(kv, _expected(kv_cache, layer, layer), rtol=0, atol=0)
+    connector._copies.append(_Copied("r", transfer, 0, 0, _expected(kv_cache, 0, 0), _FakeCopyEvent(done=False)))
+    connector.poll()  # between steps: waits for the copy and sends it
+    assert not connector._copies and _layers_received(client, 1)[0][0].layer_start == 0
