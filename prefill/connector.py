@@ -13,8 +13,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -340,11 +339,11 @@ class PrefillConnector(KVConnector):
         slots = None if aligned else self._slots(block_ids, start, end)
         for layer_start in range(0, num_layers, step):
             layer_end = min(num_layers, layer_start + step)
-            with one_cpu_thread(self.kv_cache.device):
-                if aligned:  # whole blocks: [layers, 2, T, kv_heads, head_dim]
+            if aligned:  # whole blocks: [layers, 2, T, kv_heads, head_dim]
+                with one_cpu_thread(self.kv_cache.device):
                     kv = kernels.kv_pack(self.kv_cache, table, end - start, layer_start, layer_end)
-                else:
-                    kv = self._gather(layer_start, layer_end, slots)
+            else:
+                kv = self._gather(layer_start, layer_end, slots)
             self._send_payload(request_id, transfer, kv.cpu(), layer_start, start)
         transfer.sent_upto = end
 
