@@ -69,7 +69,7 @@ class _StreamJob:
 @dataclass
 class _Copied:
     """A streamed layer range on its way to host memory, sent once `ready` has passed (None: already
-    on the host). On CUDA the device-to-host copy runs behind the forward instead of stopping it."""
+    on the host). On CUDA the device-to-host copy runs beside the forward instead of stopping it."""
 
     request_id: str
     transfer: _Transfer
@@ -107,6 +107,7 @@ class PrefillConnector(KVConnector):
         self.transfer_seconds = 0.0
         self._messages_sent = 0
         self._copies: deque[_Copied] = deque()  # streamed layers not sent yet, in send order
+        self._copy_stream = None  # CUDA: the side stream of the device-to-host copies, made on first use
         self._fault = _parse_fault(os.environ.get(FAULT_ENV, ""))
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
@@ -165,16 +166,27 @@ class PrefillConnector(KVConnector):
         return on_layer_stored
 
     def _copy_to_host(self, job: _StreamJob, layer_end: int) -> _Copied:
-        """Layers [job.next_layer, layer_end) of this step's tokens, copied to the host. On CUDA the copy
-        is queued on the compute stream after the layer (no host sync), into pinned memory."""
+        """Layers [job.next_layer, layer_end) of this step's tokens, copied to the host. On CUDA the
+        gather runs on the compute stream and the copy into pinned memory on a side stream, so it
+        overlaps the next layers' kernels and the host never waits for it here."""
         kv = self._gather(job.next_layer, layer_end, job.slots)  # [layers, 2, T, kv_heads, head_dim]
         copied = _Copied(job.request_id, job.transfer, job.next_layer, job.begin, kv)
         if kv.device.type == "cuda":
-            copied.kv = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-            copied.kv.copy_(kv, non_blocking=True)
-            copied.ready = torch.cuda.Event()
-            copied.ready.record(torch.cuda.current_stream(kv.device))  # the stream the copy was queued on
+            copied.kv, copied.ready = self._copy_on_side_stream(kv)
         return copied
+
+    def _copy_on_side_stream(self, kv: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """(pinned host copy of kv, event recorded when it has landed)."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=kv.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(kv.device))  # kv is gathered by then
+        with torch.cuda.stream(self._copy_stream):
+            host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+            host.copy_(kv, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._copy_stream)
+        kv.record_stream(self._copy_stream)  # its memory is not reused before the side stream has read it
+        return host, ready
 
     def _send_copied(self, wait: bool) -> None:
         """Send the streamed layers whose copy has landed, oldest first; with `wait`, all of them."""
