@@ -147,3 +147,31 @@ def test_decode_prefix_hit_sends_exactly_the_missing_tokens(model_factory, tmp_p
         driver.close()
         prefill.stop()
         decode.stop()
+
+
+@pytest.mark.parametrize("streaming", ["on", "off"])
+def test_prefill_prefix_hit_serves_a_decode_engine_without_it(model_factory, tmp_path, streaming):
+    """Two decode engines share one prefill engine. A prefix prefilled for D1 is in P's prefix cache
+    but not in D2's: for D2, P sends those tokens from its cache and computes only the rest."""
+    model_dir = model_factory("llama")
+    bytes_per_token = 2 * 2 * 2 * 16 * 4  # K and V x layers x kv_heads x head_dim x fp32 bytes
+    prefill, first_decode = start_pair(model_dir, tmp_path, prefill_args=("--kv-streaming", streaming))
+    second_decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, log_dir=tmp_path)
+    first_driver, second_driver = Driver(first_decode, prefill), Driver(second_decode, prefill)
+    try:
+        shared = list(range(200, 220))  # 5 full blocks
+        first_driver.generate([shared + [1, 2, 3]], prefix="first", **GREEDY)
+        prompt = shared + [9, 9, 9, 9, 9, 9]
+        result = second_driver.generate([prompt], prefix="second", **GREEDY)[0]
+        assert result.token_ids == colocated_tokens(model_dir, [prompt], **GREEDY)[0]
+        decode_stats, prefill_stats = second_driver.decode_stats(), second_driver.prefill_stats()
+        assert decode_stats.prefix_cache_hits == 0 and decode_stats.kv_bytes_received == 26 * bytes_per_token
+        assert prefill_stats.prefix_cache_hits == 20, "P computed only the 6 new tokens"
+        assert decode_stats.num_kv_transfers_failed == 0
+        assert_no_leaks(first_driver)
+        assert_no_leaks(second_driver)
+    finally:
+        for driver in (first_driver, second_driver):
+            driver.close()
+        for process in (prefill, first_decode, second_decode):
+            process.stop()
