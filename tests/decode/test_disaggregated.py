@@ -175,3 +175,31 @@ def test_prefill_prefix_hit_serves_a_decode_engine_without_it(model_factory, tmp
             driver.close()
         for process in (prefill, first_decode, second_decode):
             process.stop()
+
+
+def test_one_decode_engine_pulls_from_two_prefill_engines(model_factory, tmp_path):
+    """2P1D: requests alternate between a streaming and a send-after prefill engine; the decode engine
+    keeps one KV link per prefill engine, all in flight at once."""
+    model_dir = model_factory("llama")
+    expected = colocated_tokens(model_dir, PROMPTS, **GREEDY)
+    streamed, decode = start_pair(model_dir, tmp_path)
+    after = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "off", "--engine-id", "prefill-1",
+                          log_dir=tmp_path)
+    drivers = [Driver(decode, streamed), Driver(decode, after)]
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            drivers[i % 2].submit(f"r{i}", prompt, **GREEDY)
+        results = {}
+        for k, driver in enumerate(drivers):
+            results.update(driver.collect([f"r{i}" for i in range(len(PROMPTS)) if i % 2 == k]))
+        assert [results[f"r{i}"].token_ids for i in range(len(PROMPTS))] == expected
+        stats = drivers[0].decode_stats()
+        assert stats.num_kv_transfers == len(PROMPTS) and stats.num_kv_transfers_failed == 0
+        assert [driver.prefill_stats().num_kv_transfers for driver in drivers] == [3, 2]
+        for driver in drivers:
+            assert_no_leaks(driver)
+    finally:
+        for driver in drivers:
+            driver.close()
+        for process in (streamed, after, decode):
+            process.stop()
