@@ -112,6 +112,20 @@ def test_chunks_starting_mid_block_equal_colocated(model_factory, tmp_path):
         assert_no_leaks(driver)
 
 
+def test_prefill_engine_with_a_tight_pool_serves_every_request(model_factory, tmp_path):
+    """P's pool (26 blocks of 4) cannot hold all five prompts at once, and finished prompts keep their
+    blocks until D acks: the long prompt waits for acks to free room. Every request arrives intact
+    and nothing leaks."""
+    model_dir = model_factory("llama")
+    expected = colocated_tokens(model_dir, PROMPTS, **GREEDY)
+    small_pool = ("--kv-streaming", "on", "--num-kv-blocks", "26")
+    with running_pair(model_dir, tmp_path, prefill_args=small_pool) as driver:
+        assert [r.token_ids for r in driver.generate(PROMPTS, **GREEDY)] == expected
+        assert driver.decode_stats().num_kv_transfers_failed == 0
+        assert driver.prefill_stats().kv_blocks_total == 26
+        assert_no_leaks(driver)
+
+
 def test_seeded_sampling_equals_colocated(model_factory, tmp_path):
     """The first token is sampled on P, the rest on D: a seed gives the colocated tokens anyway."""
     model_dir = model_factory("llama")

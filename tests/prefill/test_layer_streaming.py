@@ -169,3 +169,21 @@ def test_copies_still_in_flight_hold_back_later_layers_and_order_is_kept(link):
     connector._copies.append(_Copied("r", transfer, 0, 0, _expected(kv_cache, 0, 0), _FakeCopyEvent(done=False)))
     connector.poll()  # between steps: waits for the copy and sends it
     assert not connector._copies and _layers_received(client, 1)[0][0].layer_start == 0
+
+
+def test_a_recomputed_chunk_is_not_sent_twice(link):
+    """After a preemption P computes the prompt again from the start; what was already streamed for
+    the transfer is not sent a second time (the decode engine would count it twice)."""
+    connector, client, _ = link
+    client.send(KVWant(request_id="r", skip_tokens=0, num_tokens=PROMPT_LEN))
+    _wait_until(lambda: connector.receive() or "r" in connector._transfers)
+    hook = connector.layer_hook(_plan("r"))
+    for layer in range(NUM_LAYERS):
+        hook(layer)
+    assert len(_layers_received(client, NUM_LAYERS)) == NUM_LAYERS
+    again = connector.layer_hook(_plan("r"))  # the same chunk, recomputed after a preemption
+    if again is not None:
+        for layer in range(NUM_LAYERS):
+            again(layer)
+    assert client.recv(timeout=0.1) is None, "layers already sent went out again"
+    assert connector._transfers["r"].sent_upto == PROMPT_LEN
