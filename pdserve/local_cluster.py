@@ -65,6 +65,7 @@ class EngineProcess:
 @dataclass
 class Result:
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per token, when the request asked
     finish_reason: str | None = None
     error: str | None = None
 
@@ -97,6 +98,7 @@ class Driver:
                 if received is not None and isinstance(received.msg, TokenDelta):
                     result = results[received.msg.request_id]
                     result.token_ids.extend(received.msg.token_ids)
+                    result.logprobs.extend(dict(entry) for entry in received.msg.logprobs)
                     if received.msg.finish_reason is not None:
                         result.finish_reason, result.error = received.msg.finish_reason, received.msg.error
         return results

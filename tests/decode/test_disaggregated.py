@@ -126,6 +126,26 @@ def test_prefill_engine_with_a_tight_pool_serves_every_request(model_factory, tm
         assert_no_leaks(driver)
 
 
+def test_logprobs_of_the_first_token_come_from_the_prefill_engine(model_factory, tmp_path):
+    """The first token is sampled on P and its logprobs travel in KVDone; the rest come from D. Both
+    equal what the colocated engine reports."""
+    model_dir = model_factory("llama")
+    sampling = {**GREEDY, "logprobs": 2}
+    llm = LLM(model_dir, dtype="float32", block_size=BLOCK, num_kv_blocks=256)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], SamplingParams(**sampling))
+    with running_pair(model_dir, tmp_path) as driver:
+        results = driver.generate(PROMPTS[:3], **sampling)
+        for result, output in zip(results, outputs):
+            expected = output.outputs[0]
+            assert result.token_ids == expected.token_ids
+            assert len(result.logprobs) == len(expected.logprobs) == GREEDY["max_tokens"]
+            for got, want in zip(result.logprobs, expected.logprobs):
+                assert got.keys() == want.keys()
+                for token_id in want:
+                    assert got[token_id] == pytest.approx(want[token_id], abs=1e-4)
+        assert_no_leaks(driver)
+
+
 def test_seeded_sampling_equals_colocated(model_factory, tmp_path):
     """The first token is sampled on P, the rest on D: a seed gives the colocated tokens anyway."""
     model_dir = model_factory("llama")
