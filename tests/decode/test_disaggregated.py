@@ -146,6 +146,22 @@ def test_logprobs_of_the_first_token_come_from_the_prefill_engine(model_factory,
         assert_no_leaks(driver)
 
 
+def test_bf16_kv_travels_as_two_bytes_per_value_and_equals_colocated(model_factory, tmp_path):
+    """Engines in bfloat16: KV frames are bf16 bytes (no upcast on the wire), and a request decoded on
+    D equals the colocated bf16 engine (one request at a time, so both run the same shapes)."""
+    model_dir = model_factory("llama")
+    bytes_per_token = 2 * 2 * 2 * 16 * 2  # K and V x layers x kv_heads x head_dim x bf16 bytes
+    llm = LLM(model_dir, dtype="bfloat16", block_size=BLOCK, num_kv_blocks=256)
+    bf16 = ("--dtype", "bfloat16")
+    with running_pair(model_dir, tmp_path, prefill_args=("--kv-streaming", "on", *bf16), decode_args=bf16) as driver:
+        for i, prompt in enumerate(PROMPTS[:3]):
+            expected = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(**GREEDY))[0].outputs[0]
+            assert driver.generate([prompt], prefix=f"bf16-{i}-", **GREEDY)[0].token_ids == expected.token_ids
+        sent = sum(len(p) for p in PROMPTS[:3]) * bytes_per_token
+        assert driver.prefill_stats().kv_bytes_sent == driver.decode_stats().kv_bytes_received == sent
+        assert_no_leaks(driver)
+
+
 def test_seeded_sampling_equals_colocated(model_factory, tmp_path):
     """The first token is sampled on P, the rest on D: a seed gives the colocated tokens anyway."""
     model_dir = model_factory("llama")
