@@ -1,0 +1,43 @@
+"""KV messages about requests the decode engine did not ask for: dropped and logged, never written."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from decode.connector import DecodeConnector
+from kvtransfer.fingerprint import LayoutFingerprint
+from kvtransfer.protocol import Hello, HelloAck, KVDone, KVLayer
+from kvtransfer.transport import KVServer
+
+NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 2, 4, 4, 2, 8
+
+
+def test_kv_for_a_request_nobody_asked_for_is_dropped(caplog):
+    fingerprint = LayoutFingerprint(architecture="LlamaForCausalLM", num_layers=NUM_LAYERS, num_kv_heads=KV_HEADS,
+                                    head_dim=HEAD_DIM, dtype="float32", block_size=BLOCK_SIZE, weights_hash="w")
+    prefill = KVServer("tcp://127.0.0.1:0")  # plays a prefill engine that sends unasked KV
+    connector = DecodeConnector(fingerprint, "d0", timeout_s=5)
+    kv_cache = torch.zeros(NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    connector.bind_kv_cache(kv_cache)
+    try:
+        connector._link(prefill.address)  # D opens the link with Hello
+        hello = prefill.recv(timeout=5)
+        assert isinstance(hello.msg, Hello)
+        prefill.send(hello.peer_id, HelloAck(ok=True))
+        msg, payload = KVLayer.from_tensor(torch.randn(NUM_LAYERS, 2, 4, KV_HEADS, HEAD_DIM), request_id="nobody",
+                                           layer_start=0, token_start=0)
+        prefill.send(hello.peer_id, msg, payload)
+        prefill.send(hello.peer_id, KVDone(request_id="nobody", first_token=1, num_tokens=4, checksum=msg.checksum))
+        time.sleep(0.1)
+        with caplog.at_level(logging.WARNING, logger="pdserve.decode.connector"):
+            connector.receive()  # must not raise
+        assert "KV for unknown request nobody" in caplog.text and "KVDone for unknown request nobody" in caplog.text
+        assert not kv_cache.any(), "unasked KV must never reach the cache"
+        events = connector.poll()
+        assert not events.received and not events.failed and connector.bytes_received == 0
+    finally:
+        connector.close()
+        prefill.close()
