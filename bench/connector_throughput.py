@@ -1,7 +1,7 @@
 """KV connector throughput: pdserve's protocol + transport against raw pyzmq, same bytes, same sockets.
 
     python -m bench.connector_throughput [--sizes-mib 1 4 16 64] [--total-mib 512] [--message-mib 4]
-                                         [--repeats 3] [--no-pin]
+                                         [--repeats 3] [--no-pin] [--curve]
 
 For each transport (tcp loopback, ipc) and payload size S MiB per request, a sender process (P,
 ROUTER) streams N requests to a receiver process (D, DEALER) that asked for them; N * S is about
@@ -39,7 +39,9 @@ import torch
 import zmq
 
 from kvtransfer.protocol import KVAck, KVDone, KVLayer, KVWant, combine_checksums, payload_checksum
-from kvtransfer.transport import KVClient, KVServer
+from kvtransfer.transport import (
+    CurveClientConfig, CurveServerConfig, KVClient, KVServer, generate_curve_keypair,
+)
 from prefill.connector import MESSAGE_TARGET_BYTES
 
 MIB = 1 << 20
@@ -106,11 +108,11 @@ def pin_to_core(core: int | None) -> None:
         os.sched_setaffinity(0, {core})
 
 
-def run_sender(scenarios, address_queue, result_queue, core) -> None:
+def run_sender(scenarios, address_queue, result_queue, core, curve) -> None:
     pin_to_core(core)
     for index, (_, mode, size_mib, num_messages, num_requests, address) in enumerate(scenarios):
         raw = mode != "kv"
-        link = raw_router(address) if raw else KVServer(address, hwm=HWM)
+        link = raw_router(address) if raw else KVServer(address, hwm=HWM, curve=curve and curve[0])
         address_queue.put(link.getsockopt_string(zmq.LAST_ENDPOINT) if raw else link.address)
         peer = link.recv_multipart()[0] if raw else link.recv(WAIT_S).peer_id
         start, start_cpu = time.perf_counter(), time.process_time()
@@ -152,12 +154,12 @@ def raw_dealer(address: str) -> zmq.Socket:
     return sock
 
 
-def run_receiver(scenarios, address_queue, result_queue, core) -> None:
+def run_receiver(scenarios, address_queue, result_queue, core, curve) -> None:
     pin_to_core(core)
     for index, (_, mode, _, _, num_requests, _) in enumerate(scenarios):
         address = address_queue.get(timeout=WAIT_S)
         raw = mode != "kv"
-        link = raw_dealer(address) if raw else KVClient(address, hwm=HWM)
+        link = raw_dealer(address) if raw else KVClient(address, hwm=HWM, curve=curve and curve[1])
         if raw:
             link.send(b"start")
         else:
@@ -193,12 +195,21 @@ def cores_for(pin: bool) -> tuple[int | None, int | None]:
     return (allowed[0], allowed[1]) if pin and len(allowed) >= 2 else (None, None)
 
 
-def run_scenarios(scenarios: list[tuple], pin: bool = True) -> list[tuple]:
+def curve_configs() -> tuple[CurveServerConfig, CurveClientConfig]:
+    """Fresh CURVE keys: the sender as the server, the receiver as a client that knows its public key."""
+    server, client = generate_curve_keypair(), generate_curve_keypair()
+    return CurveServerConfig(server), CurveClientConfig(client, server.public_key)
+
+
+def run_scenarios(scenarios: list[tuple], pin: bool = True, curve: bool = False) -> list[tuple]:
+    """curve: pdserve's link encrypted and authenticated with CURVE (the raw baselines stay plain)."""
     ctx = mp.get_context("spawn")
     address_queue, result_queue = ctx.Queue(), ctx.Queue()
     sender_core, receiver_core = cores_for(pin)
-    sender = ctx.Process(target=run_sender, args=(scenarios, address_queue, result_queue, sender_core), name="sender")
-    receiver = ctx.Process(target=run_receiver, args=(scenarios, address_queue, result_queue, receiver_core),
+    configs = curve_configs() if curve else None
+    sender = ctx.Process(target=run_sender, args=(scenarios, address_queue, result_queue, sender_core, configs),
+                         name="sender")
+    receiver = ctx.Process(target=run_receiver, args=(scenarios, address_queue, result_queue, receiver_core, configs),
                            name="receiver")
     sender.start()
     receiver.start()
@@ -264,6 +275,8 @@ def print_table(summary: dict[tuple, float], args) -> None:
                   f" {request_count(size, args.total_mib):>8} {raw:>10.0f} {raw_one:>13.0f} {kv:>13.0f}"
                   f" {summary[transport, 'kv/raw', size]:>13.0%} {summary[transport, 'kv/raw-one', size]:>17.0%}"
                   f" {cpu:>25}")
+    if args.curve:
+        print("\npdserve's link is encrypted and authenticated with CURVE; raw and raw-one are plain.")
     print(f"\nraw = the same messages as pdserve ({args.message_mib} MiB at most); raw-one = one message per request. "
           f"CPU = sender + receiver process time (zmq I/O threads included). Median of {args.repeats} runs each; "
           f"paired = median of pdserve/raw over runs of the same repeat. One core: payload_checksum "
@@ -279,12 +292,14 @@ def main() -> None:
                         help="largest payload message; a request is split into equal messages up to this size "
                              "(default: what the prefill engine sends)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--curve", action="store_true",
+                        help="encrypt and authenticate pdserve's link with CURVE (the raw baselines stay plain)")
     parser.add_argument("--no-pin", action="store_true",
                         help="let the OS place both processes (default: sender and receiver each get one core)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvb") as ipc_dir:
         scenarios = build_scenarios(args, ipc_dir)
-        results = run_scenarios(scenarios, pin=not args.no_pin)
+        results = run_scenarios(scenarios, pin=not args.no_pin, curve=args.curve)
     print_table(summarize(scenarios, results), args)
 
 
