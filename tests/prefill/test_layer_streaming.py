@@ -55,6 +55,18 @@ def _expected(kv_cache: torch.Tensor, first: int, last: int) -> torch.Tensor:  #
     return kv_cache[first:last + 1].flatten(2, 3).index_select(2, slots)
 
 
+def _ask_for_prompt(connector, client) -> None:
+    """D's KVWant for the whole prompt of request "r", read by P."""
+    client.send(KVWant(request_id="r", skip_tokens=0, num_tokens=PROMPT_LEN))
+    _wait_until(lambda: connector.receive() or "r" in connector._transfers)
+
+
+def _run_step(hook) -> None:
+    """Every layer of one model step stores its KV (no hook: nothing to stream)."""
+    for layer in range(NUM_LAYERS if hook is not None else 0):
+        hook(layer)
+
+
 def _layers_received(client: KVClient, count: int) -> list[tuple[KVLayer, torch.Tensor]]:
     received = []
     while len(received) < count:
@@ -66,11 +78,8 @@ def _layers_received(client: KVClient, count: int) -> list[tuple[KVLayer, torch.
 
 def test_want_before_the_step_streams_one_message_per_layer(link):
     connector, client, kv_cache = link
-    client.send(KVWant(request_id="r", skip_tokens=0, num_tokens=PROMPT_LEN))
-    _wait_until(lambda: connector.receive() or "r" in connector._transfers)
-    hook = connector.layer_hook(_plan("r"))
-    for layer in range(NUM_LAYERS):
-        hook(layer)
+    _ask_for_prompt(connector, client)
+    _run_step(connector.layer_hook(_plan("r")))
     received = _layers_received(client, NUM_LAYERS)
     assert [(m.layer_start, m.layer_end, m.token_start, m.num_tokens) for m, _ in received] == [
         (layer, layer + 1, 0, PROMPT_LEN) for layer in range(NUM_LAYERS)]
@@ -119,16 +128,14 @@ def test_a_failed_send_drops_that_transfer_and_the_step_goes_on(link, monkeypatc
     from kvtransfer.transport import TransportTimeout
 
     connector, client, _ = link
-    client.send(KVWant(request_id="r", skip_tokens=0, num_tokens=PROMPT_LEN))
-    _wait_until(lambda: connector.receive() or "r" in connector._transfers)
+    _ask_for_prompt(connector, client)
     hook = connector.layer_hook(_plan("r"))
 
     def no_room(*args, **kwargs):
         raise TransportTimeout("no peer took the message")
 
     monkeypatch.setattr(connector.server, "send", no_room)
-    for layer in range(NUM_LAYERS):
-        hook(layer)  # must not raise: the model step carries other requests too
+    _run_step(hook)  # must not raise: the model step carries other requests too
     assert "r" not in connector._transfers
 
 
@@ -151,8 +158,7 @@ def test_copies_still_in_flight_hold_back_later_layers_and_order_is_kept(link):
     from prefill.connector import _Copied
 
     connector, client, kv_cache = link
-    client.send(KVWant(request_id="r", skip_tokens=0, num_tokens=PROMPT_LEN))
-    _wait_until(lambda: connector.receive() or "r" in connector._transfers)
+    _ask_for_prompt(connector, client)
     transfer = connector._transfers["r"]
     pending = _FakeCopyEvent(done=False)
     for layer, ready in enumerate([pending, _FakeCopyEvent(done=True), None]):
@@ -175,15 +181,9 @@ def test_a_recomputed_chunk_is_not_sent_twice(link):
     """After a preemption P computes the prompt again from the start; what was already streamed for
     the transfer is not sent a second time (the decode engine would count it twice)."""
     connector, client, _ = link
-    client.send(KVWant(request_id="r", skip_tokens=0, num_tokens=PROMPT_LEN))
-    _wait_until(lambda: connector.receive() or "r" in connector._transfers)
-    hook = connector.layer_hook(_plan("r"))
-    for layer in range(NUM_LAYERS):
-        hook(layer)
+    _ask_for_prompt(connector, client)
+    _run_step(connector.layer_hook(_plan("r")))
     assert len(_layers_received(client, NUM_LAYERS)) == NUM_LAYERS
-    again = connector.layer_hook(_plan("r"))  # the same chunk, recomputed after a preemption
-    if again is not None:
-        for layer in range(NUM_LAYERS):
-            again(layer)
+    _run_step(connector.layer_hook(_plan("r")))  # the same chunk, recomputed after a preemption
     assert client.recv(timeout=0.1) is None, "layers already sent went out again"
     assert connector._transfers["r"].sent_upto == PROMPT_LEN
