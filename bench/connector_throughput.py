@@ -48,8 +48,6 @@ MIB = 1 << 20
 HWM = 8  # messages in flight per socket, as an engine would bound its memory
 NUM_KV_HEADS, HEAD_DIM = 8, 128  # bf16: 4 KiB of K+V per token per layer
 WAIT_S = 60.0
-
-
 MODES = ("raw", "raw-one", "kv")
 
 
@@ -63,10 +61,10 @@ def messages_per_request(mode: str, size_mib: int, message_mib: int) -> int:
 
 # ---- sender (P) ----
 
-def random_kv(layer_bytes: int) -> torch.Tensor:
+def random_kv(message_bytes: int) -> torch.Tensor:
     """[1, 2, T, H, D] bf16 of random values: the same kind of bytes for both modes (a zero-filled
     buffer would be served from the shared zero page, flattering the raw baseline)."""
-    num_tokens = layer_bytes // (2 * NUM_KV_HEADS * HEAD_DIM * 2)
+    num_tokens = message_bytes // (2 * NUM_KV_HEADS * HEAD_DIM * 2)
     return torch.randn(1, 2, num_tokens, NUM_KV_HEADS, HEAD_DIM).to(torch.bfloat16)
 
 

@@ -59,4 +59,3 @@ def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("attention ran outside a forward pass: wrap the call in use_forward_context()")
     return _current
-

@@ -232,7 +232,6 @@ class PrefillConnector(KVConnector):
         start = request.num_computed_tokens
         if start > transfer.sent_upto:  # computed before the KVWant came: catch up from the cache
             self._send_range(request.request_id, transfer, item.block_ids, transfer.sent_upto, start)
-            transfer.sent_upto = start
         begin = max(start, transfer.sent_upto)  # a recompute after preemption is not sent twice
         end = min(start + item.num_new_tokens, request.num_prompt_tokens)
         if end <= begin:
@@ -320,7 +319,7 @@ class PrefillConnector(KVConnector):
 
     def _try_finish(self, request_id: str) -> None:
         """Once the prompt is computed and asked for: send what is left from the cache, then KVDone."""
-        self._send_copied(wait=True)  # the streamed layers go first
+        self._send_copied(wait=True)  # streamed layers go first, while the transfer is still current
         prefilled, transfer = self._prefilled.get(request_id), self._transfers.get(request_id)
         if prefilled is None or transfer is None or not self._checked(prefilled.request, transfer):
             return

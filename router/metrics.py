@@ -2,8 +2,9 @@
 
 Request metrics are recorded as requests end. Engine metrics are read at scrape time from what
 the engines last reported (/metrics asks every engine first), so an engine that left routing
-simply disappears from the next scrape. Engines report cumulative KV bytes; transfer latency is not
-reported by the engines yet, so there is no latency series for it.
+simply disappears from the next scrape. Engines report cumulative totals (KV bytes, transfers and their
+summed time, prefix-cache lookups), so the KV transfer latency is a mean (seconds / transfers), not a
+histogram.
 """
 
 from __future__ import annotations

@@ -19,10 +19,18 @@ GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 PROMPTS = [list(range(10, 14)), list(range(30, 46)), list(range(50, 61)), [7], list(range(100, 170))]
 
 
-def colocated_tokens(model_dir: str, prompts, device: str = "cpu", **sampling) -> list[list[int]]:
-    llm = LLM(model_dir, dtype="float32", device=device, block_size=BLOCK, num_kv_blocks=256)
+def colocated_llm(model_dir: str, dtype: str = "float32", device: str = "cpu") -> LLM:
+    """The offline engine with the engines' KV layout: the reference for disaggregated output."""
+    return LLM(model_dir, dtype=dtype, device=device, block_size=BLOCK, num_kv_blocks=256)
+
+
+def colocated_outputs(llm: LLM, prompts, **sampling) -> list:  # one CompletionOutput per prompt
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**sampling))
-    return [o.outputs[0].token_ids for o in outputs]
+    return [o.outputs[0] for o in outputs]
+
+
+def colocated_tokens(model_dir: str, prompts, device: str = "cpu", **sampling) -> list[list[int]]:
+    return [o.token_ids for o in colocated_outputs(colocated_llm(model_dir, device=device), prompts, **sampling)]
 
 
 def start_pair(model_dir: str, tmp_path, transport: str = "tcp", prefill_env=None, decode_args=(),
@@ -131,12 +139,10 @@ def test_logprobs_of_the_first_token_come_from_the_prefill_engine(model_factory,
     equal what the colocated engine reports."""
     model_dir = model_factory("llama")
     sampling = {**GREEDY, "logprobs": 2}
-    llm = LLM(model_dir, dtype="float32", block_size=BLOCK, num_kv_blocks=256)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], SamplingParams(**sampling))
+    outputs = colocated_outputs(colocated_llm(model_dir), PROMPTS[:3], **sampling)
     with running_pair(model_dir, tmp_path) as driver:
         results = driver.generate(PROMPTS[:3], **sampling)
-        for result, output in zip(results, outputs):
-            expected = output.outputs[0]
+        for result, expected in zip(results, outputs):
             assert result.token_ids == expected.token_ids
             assert len(result.logprobs) == len(expected.logprobs) == GREEDY["max_tokens"]
             for got, want in zip(result.logprobs, expected.logprobs):
@@ -151,11 +157,11 @@ def test_bf16_kv_travels_as_two_bytes_per_value_and_equals_colocated(model_facto
     D equals the colocated bf16 engine (one request at a time, so both run the same shapes)."""
     model_dir = model_factory("llama")
     bytes_per_token = 2 * 2 * 2 * 16 * 2  # K and V x layers x kv_heads x head_dim x bf16 bytes
-    llm = LLM(model_dir, dtype="bfloat16", block_size=BLOCK, num_kv_blocks=256)
+    llm = colocated_llm(model_dir, dtype="bfloat16")
     bf16 = ("--dtype", "bfloat16")
     with running_pair(model_dir, tmp_path, prefill_args=("--kv-streaming", "on", *bf16), decode_args=bf16) as driver:
         for i, prompt in enumerate(PROMPTS[:3]):
-            expected = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(**GREEDY))[0].outputs[0]
+            expected = colocated_outputs(llm, [prompt], **GREEDY)[0]
             assert driver.generate([prompt], prefix=f"bf16-{i}-", **GREEDY)[0].token_ids == expected.token_ids
         sent = sum(len(p) for p in PROMPTS[:3]) * bytes_per_token
         assert driver.prefill_stats().kv_bytes_sent == driver.decode_stats().kv_bytes_received == sent
