@@ -22,6 +22,7 @@ COPY pyproject.toml README.md ./
 COPY pdserve ./pdserve
 COPY engine ./engine
 COPY kernels ./kernels
+COPY control ./control
 COPY kvtransfer ./kvtransfer
 COPY prefill ./prefill
 COPY decode ./decode

@@ -1,6 +1,6 @@
 """Offline throughput of pdserve's native model code against the transformers backend, same model.
 
-    python -m bench.backend_throughput [--model DIR] [--batch 1 --batch 32] [--prompt-len 128]
+    python -m pdserve.bench.backend_throughput [--model DIR] [--batch 1 --batch 32] [--prompt-len 128]
                                        [--new-tokens 64] [--repeats 1] [--threads N] [--profile]
 
 Both run in this one process on the same random prompts (greedy, fp32, ignore_eos, no prefix
@@ -30,7 +30,7 @@ def make_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[
 
 
 def build_llm(model_dir: str, impl: str, batch: int, prompt_len: int):
-    from engine import LLM
+    from pdserve import LLM
 
     return LLM(model_dir, dtype="float32", model_impl=impl, max_num_seqs=batch,
                max_num_batched_tokens=max(2048, prompt_len * batch), enable_prefix_caching=False)
@@ -38,7 +38,7 @@ def build_llm(model_dir: str, impl: str, batch: int, prompt_len: int):
 
 def timed_generate(llm, prompts: list[list[int]], new_tokens: int) -> float:
     """Tokens per second of one generate() over all prompts."""
-    from engine import SamplingParams
+    from pdserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     started = time.perf_counter()
@@ -50,7 +50,7 @@ def timed_generate(llm, prompts: list[list[int]], new_tokens: int) -> float:
 
 
 def warm_up(llm) -> None:
-    from engine import SamplingParams
+    from pdserve import SamplingParams
 
     llm.generate({"prompt_token_ids": [11, 12, 13]}, SamplingParams(temperature=0, max_tokens=2))
 
@@ -92,10 +92,10 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.model is None:
-        from engine.demo_model import default_demo_model
+        from pdserve.demo_model import default_demo_model
 
         args.model = str(default_demo_model("llama", "small"))
-    from engine.config import ModelConfig
+    from pdserve.engine.config import ModelConfig
 
     vocab_size = ModelConfig.from_hf(args.model).vocab_size
     print(f"model {args.model}; torch threads {torch.get_num_threads()}; "

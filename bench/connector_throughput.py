@@ -1,6 +1,6 @@
 """KV connector throughput: pdserve's protocol + transport against raw pyzmq, same bytes, same sockets.
 
-    python -m bench.connector_throughput [--sizes-mib 1 4 16 64] [--total-mib 512] [--message-mib 4]
+    python -m pdserve.bench.connector_throughput [--sizes-mib 1 4 16 64] [--total-mib 512] [--message-mib 4]
                                          [--repeats 3] [--no-pin] [--curve]
 
 For each transport (tcp loopback, ipc) and payload size S MiB per request, a sender process (P,
@@ -38,11 +38,11 @@ import msgpack
 import torch
 import zmq
 
-from kvtransfer.protocol import KVAck, KVDone, KVLayer, KVWant, combine_checksums, payload_checksum
-from kvtransfer.transport import (
+from pdserve.kvtransfer.protocol import KVAck, KVDone, KVLayer, KVWant, combine_checksums, payload_checksum
+from pdserve.kvtransfer.transport import (
     CurveClientConfig, CurveServerConfig, KVClient, KVServer, generate_curve_keypair,
 )
-from prefill.connector import MESSAGE_TARGET_BYTES
+from pdserve.prefill.connector import MESSAGE_TARGET_BYTES
 
 MIB = 1 << 20
 HWM = 8  # messages in flight per socket, as an engine would bound its memory

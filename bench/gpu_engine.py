@@ -1,9 +1,9 @@
 """The whole engine on a GPU: greedy parity with transformers, and offline throughput with and
 without decode CUDA graphs.
 
-    python -m bench.gpu_engine                         # parity (tiny model, fp32) + throughput
-    python -m bench.gpu_engine --batch 1 --batch 64    # chosen batch sizes only
-    python -m bench.gpu_engine --skip-parity --model DIR --dtype bfloat16
+    python -m pdserve.bench.gpu_engine                         # parity (tiny model, fp32) + throughput
+    python -m pdserve.bench.gpu_engine --batch 1 --batch 64    # chosen batch sizes only
+    python -m pdserve.bench.gpu_engine --skip-parity --model DIR --dtype bfloat16
 
 Parity: a tiny random-weight Llama, fp32, greedy on cuda (with graphs, then eager) against
 transformers' generate() on the same weights on CPU; token for token, except that after a near tie
@@ -63,8 +63,8 @@ def _first_real_mismatch(ours: list[int], theirs: list[int], logits: list[torch.
 def check_parity(new_tokens: int = 16) -> bool:
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM, SamplingParams
-    from engine.demo_model import make_demo_model
+    from pdserve import LLM, SamplingParams
+    from pdserve.demo_model import make_demo_model
 
     model_dir = str(make_demo_model(tempfile.mkdtemp(prefix="pdserve-parity-"), arch="llama", size="tiny"))
     # 7 prompts (a padded batch of 8), 1 to 47 tokens: one block, block boundaries, several blocks.
@@ -102,7 +102,7 @@ def check_parity(new_tokens: int = 16) -> bool:
 
 
 def _engine(model: str, dtype: str, enforce_eager: bool, max_batch: int, context: int):
-    from engine import LLM
+    from pdserve import LLM
 
     num_blocks = max_batch * (-(-context // BLOCK_SIZE) + 1) + 64
     started = time.perf_counter()
@@ -113,7 +113,7 @@ def _engine(model: str, dtype: str, enforce_eager: bool, max_batch: int, context
 
 
 def _time_generate(llm, prompts: list[list[int]], new_tokens: int) -> float:
-    from engine import SamplingParams
+    from pdserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     torch.cuda.synchronize()
@@ -127,7 +127,7 @@ def _time_generate(llm, prompts: list[list[int]], new_tokens: int) -> float:
 
 def measure(model: str, dtype: str, batches: list[int], prompt_len: int, new_tokens: int) -> dict:
     """{(mode, batch): seconds for one generate() of `batch` prompts}, one engine per mode."""
-    from engine.config import ModelConfig
+    from pdserve.engine.config import ModelConfig
 
     vocab_size = ModelConfig.from_hf(model).vocab_size
     results = {}
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("no CUDA device: nothing to benchmark. Run `python -m bench.gpu_engine` on a GPU machine; on CPU, "
+        print("no CUDA device: nothing to benchmark. Run `python -m pdserve.bench.gpu_engine` on a GPU machine; on CPU, "
               "tests/engine/test_cuda_graphs.py checks the graph runner's padding and buffers without graphs.")
         return 0
     print(f"device {torch.cuda.get_device_name()}; torch {torch.__version__}")
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = check_parity()
     if not args.skip_throughput:
         if args.model is None:
-            from engine.demo_model import default_demo_model
+            from pdserve.demo_model import default_demo_model
 
             args.model = str(default_demo_model("llama", "small"))
         batches = args.batch or [1, 32, 64]

@@ -1,8 +1,8 @@
 """Check each Triton kernel against its torch reference on a GPU and time both.
 
-    python -m bench.gpu_kernels              # CUDA: checks, timings, decode bandwidth vs copy and SDPA
-    python -m bench.gpu_kernels --sweep      # also try decode tilings (block_n x partition x warps)
-    python -m bench.gpu_kernels --cpu-smoke  # no GPU: same code at tiny sizes, Triton interpreter
+    python -m pdserve.bench.gpu_kernels              # CUDA: checks, timings, decode bandwidth vs copy and SDPA
+    python -m pdserve.bench.gpu_kernels --sweep      # also try decode tilings (block_n x partition x warps)
+    python -m pdserve.bench.gpu_kernels --cpu-smoke  # no GPU: same code at tiny sizes, Triton interpreter
 
 The headline figure is paged decode attention at batch 64 x 4096 context with Llama-8B shapes
 (32 query heads, 8 kv heads, head_dim 128, bf16, block size 16): bytes of K/V read per second, as a
@@ -287,7 +287,7 @@ def bench_norm_and_rotary(sizes, dtype, device, timer, kernels) -> list[Row]:
 
 def sweep_decode(sizes, dtype, device, timer, configs) -> list[str]:
     """Time decode attention under other tilings; returns report lines, fastest first."""
-    from kernels.triton_decode_attention import launch_decode_attention
+    from pdserve.kernels.triton_decode_attention import launch_decode_attention
 
     args = decode_inputs(sizes, sizes.decode_batch, sizes.decode_context, dtype, device)
     out = torch.empty_like(args[0])
@@ -315,7 +315,7 @@ def sweep_decode(sizes, dtype, device, timer, configs) -> list[str]:
 
 def load_kernels() -> dict[str, tuple[Callable, Callable]]:
     """name -> (torch reference, Triton kernel), imported only now (after TRITON_INTERPRET is set)."""
-    from kernels.dispatch import KERNELS, triton_kernel
+    from pdserve.kernels.dispatch import KERNELS, triton_kernel
 
     return {name: (reference, triton_kernel(name)) for name, (reference, _) in KERNELS.items()}
 
@@ -378,7 +378,7 @@ def run(device: torch.device, sizes: Sizes, dtype: torch.dtype, sweep: bool) -> 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_kernels", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.gpu_kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="run the whole script at tiny sizes on CPU under the Triton interpreter")
     parser.add_argument("--sweep", action="store_true", help="also time decode attention under other tilings")

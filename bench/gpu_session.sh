@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # Every GPU check of pdserve in one run, for a lent GPU machine (its own python3 with torch + triton;
-# no installs, no network there). Writes logs to $OUT (or ./gpu-out) and never stops at the first failure.
+# no network there). Writes logs to $OUT (or ./gpu-out) and never stops at the first failure.
 #
 #     bash bench/gpu_session.sh          # about 5-8 minutes on one H200
 #
 # 1. the CUDA-only tests (CUDA graphs capture/replay, sm_90 kernel builds),
-# 2. python -m bench.gpu_kernels --sweep: every Triton kernel against its torch reference, timings,
+# 2. python -m pdserve.bench.gpu_kernels --sweep: every Triton kernel against its torch reference, timings,
 #    decode-attention bandwidth as a share of device copy bandwidth (goal >= 70%),
-# 3. python -m bench.gpu_engine: engine throughput with and without CUDA graphs, greedy parity on cuda.
+# 3. python -m pdserve.bench.gpu_engine: engine throughput with and without CUDA graphs, greedy parity on cuda.
 # 4. P -> D on CUDA: greedy parity with colocated (streamed and sent after), then python -m
-#    bench.pd_transfer --device cuda: transfer time against prefill time (both skipped when the
+#    pdserve.bench.pd_transfer --device cuda: transfer time against prefill time (both skipped when the
 #    machine's python lacks pyzmq, msgpack, pydantic or xxhash).
 # Record the printed tables in docs/BENCHMARKS.md ("Triton kernels on a GPU").
 set -u
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PDSERVE_CACHE="${PDSERVE_CACHE:-/tmp/pdserve-cache}"
+# pdserve's folders become the one `pdserve` package by pyproject's mapping: an editable install, offline
+# (the machine's setuptools builds it; no dependency is fetched).
+python3 -m pip install -q --no-deps --no-build-isolation -e . || { echo "cannot install pdserve here"; exit 1; }
+export PYTHONUNBUFFERED=1 PDSERVE_CACHE="${PDSERVE_CACHE:-/tmp/pdserve-cache}"
 run() {  # name, timeout seconds, command...
     local name=$1 limit=$2
     shift 2
@@ -27,11 +30,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
     | tee -a "$OUT/gpu.txt"
 run cuda-tests 180 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graphs.py tests/kernels
-run gpu-kernels 240 python3 -m bench.gpu_kernels --sweep
-run gpu-engine 240 python3 -m bench.gpu_engine
+run gpu-kernels 240 python3 -m pdserve.bench.gpu_kernels --sweep
+run gpu-engine 240 python3 -m pdserve.bench.gpu_engine
 if python3 -c "import zmq, msgpack, pydantic, xxhash" 2>/dev/null; then
     run pd-cuda-tests 180 python3 -m pytest -q -p no:cacheprovider tests/decode/test_disaggregated.py -k cuda
-    run pd-transfer-cuda 180 python3 -m bench.pd_transfer --device cuda --prompt-lens 1024 4096 --repeats 3
+    run pd-transfer-cuda 180 python3 -m pdserve.bench.pd_transfer --device cuda --prompt-lens 1024 4096 --repeats 3
 else
     echo "=== pd-transfer-cuda skipped: this python lacks pyzmq, msgpack, pydantic or xxhash" | tee "$OUT/pd-transfer-cuda.log"
 fi

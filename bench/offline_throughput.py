@@ -1,6 +1,6 @@
 """Offline generation throughput: pdserve's engine against transformers' generate() on the same model.
 
-    python -m bench.offline_throughput [--model DIR] [--batch 32 --batch 1] [--prompt-len 128] [--new-tokens 64]
+    python -m pdserve.bench.offline_throughput [--model DIR] [--batch 32 --batch 1] [--prompt-len 128] [--new-tokens 64]
                                        [--dtype float32|bfloat16]
 
 Both run greedy, in the same dtype (fp32 unless --dtype says otherwise), on the same random prompts in this one process, so the ratio is meaningful on
@@ -36,7 +36,7 @@ def run_transformers(model_dir: str, prompts: list[list[int]], batch: int, new_t
 
 
 def run_pdserve(model_dir: str, prompts: list[list[int]], batch: int, new_tokens: int, dtype: str) -> float:
-    from engine import LLM, SamplingParams
+    from pdserve import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=max(2048, 128 * batch),
               enable_prefix_caching=False)
@@ -59,10 +59,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines")
     args = parser.parse_args()
     if args.model is None:
-        from engine.demo_model import default_demo_model
+        from pdserve.demo_model import default_demo_model
 
         args.model = str(default_demo_model("llama", "small"))
-    from engine.config import ModelConfig
+    from pdserve.engine.config import ModelConfig
 
     vocab_size = ModelConfig.from_hf(args.model).vocab_size
     print(f"model {args.model}; {args.dtype}; torch threads {torch.get_num_threads()}")

@@ -1,6 +1,6 @@
 """KV transfer against prefill time, on real prefill and decode processes over loopback.
 
-    python -m bench.pd_transfer [--model DIR] [--prompt-lens 1024 4096] [--repeats 3] [--device cuda]
+    python -m pdserve.bench.pd_transfer [--model DIR] [--prompt-lens 1024 4096] [--repeats 3] [--device cuda]
 
 For each prompt length, time to first token (TTFT, seen by the client) in three modes, in one run:
   local      the decode engine prefills the prompt itself (no transfer: the baseline)
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvtransfer.control import EngineStats
+from pdserve.kvtransfer.control import EngineStats
 from pdserve.local_cluster import Driver, EngineProcess
 
 ENGINE_ARGS = ("--max-num-batched-tokens", "2048", "--log-level", "WARNING")
@@ -30,7 +30,7 @@ CUDA_KV_BLOCKS = "2048"  # per engine: the three engines share one GPU, so none 
 
 
 def bench_model() -> str:
-    from engine.demo_model import cache_dir, make_demo_model
+    from pdserve.demo_model import cache_dir, make_demo_model
 
     path = cache_dir() / "bench-models" / "llama-small-8k"
     if not (path / "config.json").is_file():
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: all three engines on the same GPU")
     args = parser.parse_args()
     model = args.model or bench_model()
-    from engine.config import ModelConfig
+    from pdserve.engine.config import ModelConfig
 
     bytes_per_token = ModelConfig.from_hf(model, dtype="float32").kv_bytes_per_token
     logs = Path(tempfile.mkdtemp(prefix="pd-transfer-"))

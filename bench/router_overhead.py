@@ -1,6 +1,6 @@
 """Router overhead: what one pdserve router process adds on top of the engine it routes to.
 
-    python -m bench.router_overhead [--model DIR] [--num-requests 60] [--max-tokens 8] [--prompt-len 32]
+    python -m pdserve.bench.router_overhead [--model DIR] [--num-requests 60] [--max-tokens 8] [--prompt-len 32]
                                     [--streams 32 128] [--stream-tokens 256]
 
 1. Latency. One decode engine (colocated, the tiny demo model unless --model) and one router given
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import httpx
 
-from kvtransfer.control import DescribeRequest, EngineStats, GenerateRequest, Register, StatsRequest, TokenDelta
-from kvtransfer.protocol import Abort
-from kvtransfer.transport import KVClient, KVServer
+from pdserve.kvtransfer.control import DescribeRequest, EngineStats, GenerateRequest, Register, StatsRequest, TokenDelta
+from pdserve.kvtransfer.protocol import Abort
+from pdserve.kvtransfer.transport import KVClient, KVServer
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 300
@@ -227,7 +227,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def measure_relay(model: str, args: argparse.Namespace, log_dir: Path) -> list[dict[str, float]]:
-    engine, ready = start([sys.executable, "-m", "bench.router_overhead", "--synthetic-engine", "--model", model],
+    engine, ready = start([sys.executable, "-m", "pdserve.bench.router_overhead", "--synthetic-engine", "--model", model],
                           log_dir / "synthetic.log")
     router, url = start_router(model, ready["control"], log_dir)
     rows = []
@@ -256,7 +256,7 @@ def text_tokens(model: str) -> list[int]:
 def resolve_model(model: str | None, scratch: Path) -> str:
     if model:
         return model
-    from engine.demo_model import make_demo_model
+    from pdserve.demo_model import make_demo_model
 
     return str(make_demo_model(scratch / "tiny", arch="llama", size="tiny", seed=0))
 
@@ -283,7 +283,7 @@ def report(latency: dict | None, relay: list | None, args: argparse.Namespace) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.router_overhead", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.router_overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model directory (default: a tiny demo model)")
     parser.add_argument("--num-requests", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kernels
-from engine.cpu_threads import one_cpu_thread
-from engine.kv_connector import ConnectorEvents, KVConnector
-from engine.request import Request
-from kvtransfer.errors import KVTransferError, ProtocolError
-from kvtransfer.fingerprint import LayoutFingerprint
-from kvtransfer.protocol import Abort, Error, HelloAck, Hello, KVAck, KVDone, KVLayer, KVWant, combine_checksums
-from kvtransfer.transport import CurveClientConfig, KVClient
+from pdserve import kernels
+from pdserve.engine.cpu_threads import one_cpu_thread
+from pdserve.engine.kv_connector import ConnectorEvents, KVConnector
+from pdserve.engine.request import Request
+from pdserve.kvtransfer.errors import KVTransferError, ProtocolError
+from pdserve.kvtransfer.fingerprint import LayoutFingerprint
+from pdserve.kvtransfer.protocol import Abort, Error, HelloAck, Hello, KVAck, KVDone, KVLayer, KVWant, combine_checksums
+from pdserve.kvtransfer.transport import CurveClientConfig, KVClient
 
 log = logging.getLogger("pdserve.decode.connector")
 

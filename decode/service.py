@@ -8,14 +8,14 @@ import dataclasses
 import logging
 from typing import Any
 
-from decode.connector import DecodeConnector
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.engine_core import EngineCore
-from engine.request import SamplingParams
-from kvtransfer.control import GenerateRequest
-from kvtransfer.curve_keys import load_cluster_keys
-from kvtransfer.engine_server import EngineServer
-from kvtransfer.fingerprint import engine_fingerprint
+from pdserve.decode.connector import DecodeConnector
+from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.request import SamplingParams
+from pdserve.kvtransfer.control import GenerateRequest
+from pdserve.kvtransfer.curve_keys import load_cluster_keys
+from pdserve.kvtransfer.engine_server import EngineServer
+from pdserve.kvtransfer.fingerprint import engine_fingerprint
 
 log = logging.getLogger("pdserve.decode")
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.forward_context import ForwardContext, use_forward_context
+from pdserve.engine.forward_context import ForwardContext, use_forward_context
 
 # Batch sizes captured by default: 1, 2, 4, then steps of 8 to 64, 16 to 128, 32 to 256, 64 to 512.
 # Small batches pad by up to 7 rows, which costs little (their matmuls are bound by reading the
@@ -53,7 +53,7 @@ def context_buckets(max_model_len: int, block_size: int) -> tuple[int, ...]:
     when the kernel tiles it differently from the next wider one: when it runs unsplit, or when the
     partition size changes. Between those, a wider table only adds partitions that exit at once.
     """
-    from kernels.triton_decode_attention import MIN_PARTITION_SIZE, choose_partition_size  # imports triton
+    from pdserve.kernels.triton_decode_attention import MIN_PARTITION_SIZE, choose_partition_size  # imports triton
 
     limit = -(-max_model_len // block_size)  # blocks
     widths = []

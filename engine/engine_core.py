@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_connector import KVConnector
-from engine.model_runner import ModelRunner
-from engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from engine.scheduler import KVFailurePolicy, RequestDelta, Scheduler
+from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from pdserve.engine.scheduler import KVFailurePolicy, RequestDelta, Scheduler
 
 
 class EngineCore:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, KVBlock, KVCacheInvariantError, compute_block_hashes
-from engine.request import Request
+from pdserve.engine.block_pool import BlockPool, KVBlock, KVCacheInvariantError, compute_block_hashes
+from pdserve.engine.request import Request
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.request import Request
+from pdserve.engine.request import Request
 
 
 @dataclass

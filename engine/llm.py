@@ -1,6 +1,6 @@
 """Offline generation, colocated, shaped like vLLM's `LLM` so users feel at home.
 
-    from engine import LLM, SamplingParams
+    from pdserve import LLM, SamplingParams
     llm = LLM("path/to/hf-model", dtype="float32")
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
     print(out[0].outputs[0].text)
@@ -14,12 +14,12 @@ from typing import Sequence
 
 import torch
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_core import EngineCore
-from engine.loader import resolve_model_dir
-from engine.request import InvalidRequestError, RequestStatus, SamplingParams
-from engine.tokenizer import load_tokenizer
+from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.loader import resolve_model_dir
+from pdserve.engine.request import InvalidRequestError, RequestStatus, SamplingParams
+from pdserve.engine.tokenizer import load_tokenizer
 
 PromptInput = str | dict
 
@@ -76,7 +76,7 @@ class LLM:
         enforce_eager: bool = False,
     ) -> None:
         if model is None:
-            from engine.demo_model import default_demo_model
+            from pdserve.demo_model import default_demo_model
 
             model = str(default_demo_model())
         model_dir = resolve_model_dir(model)

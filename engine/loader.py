@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.layers.linear import pack_linear_weights
-from engine.models.registry import resolve_model_class
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.linear import pack_linear_weights
+from pdserve.engine.models.registry import resolve_model_class
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
 

@@ -9,14 +9,14 @@ from typing import Callable
 
 import torch
 
-import kernels
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.cuda_graphs import DecodeGraphs, capture_batch_sizes, context_buckets
-from engine.forward_context import ForwardContext, use_forward_context
-from engine.layers.sampler import Sampler
-from engine.loader import load_model
-from engine.models.registry import NATIVE_MODELS
-from engine.scheduler import SchedulerOutput
+from pdserve import kernels
+from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs, capture_batch_sizes, context_buckets
+from pdserve.engine.forward_context import ForwardContext, use_forward_context
+from pdserve.engine.layers.sampler import Sampler
+from pdserve.engine.loader import load_model
+from pdserve.engine.models.registry import NATIVE_MODELS
+from pdserve.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

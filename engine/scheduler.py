@@ -9,10 +9,10 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_connector import KVConnector
-from engine.request import Request, RequestStatus
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.request import Request, RequestStatus
 
 
 class KVFailurePolicy(str, enum.Enum):

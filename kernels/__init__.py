@@ -9,8 +9,8 @@ Not the Hugging Face `kernels` package: this package deliberately has no `__vers
 its API, so transformers' `is_kernels_available()` stays False when it finds this one on sys.path.
 """
 
-from kernels.dispatch import build as _build
-from kernels.dispatch import kernel_backend
+from pdserve.kernels.dispatch import build as _build
+from pdserve.kernels.dispatch import kernel_backend
 
 store_kv = _build("store_kv")
 paged_decode_attention = _build("paged_decode_attention")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import INTERPRET
+from pdserve.kernels.triton_utils import INTERPRET
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -78,7 +78,7 @@ def check_devices(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> 
     raise ValueError(
         f"{names[0]} is on {first}: the Triton kernels need CUDA tensors (CPU tensors only under "
         f"TRITON_INTERPRET=1 set before triton is imported); use the torch kernels in "
-        f"kernels.reference for {first.type} tensors"
+        f"pdserve.kernels.reference for {first.type} tensors"
     )
 
 

@@ -20,20 +20,20 @@ from typing import Callable
 
 import torch
 
-from kernels import reference, reference_extra
+from pdserve.kernels import reference, reference_extra
 
 ENV_VAR = "PDSERVE_KERNELS"
 BACKENDS = ("torch", "triton")
 
 # kernel name -> (torch implementation, module holding the Triton implementation of the same name)
 KERNELS: dict[str, tuple[Callable, str]] = {
-    "store_kv": (reference.store_kv, "kernels.triton_store_kv"),
-    "paged_decode_attention": (reference.paged_decode_attention, "kernels.triton_decode_attention"),
-    "paged_prefill_attention": (reference.paged_prefill_attention, "kernels.triton_prefill_attention"),
-    "kv_pack": (reference.kv_pack, "kernels.triton_kv_transfer"),
-    "kv_unpack": (reference.kv_unpack, "kernels.triton_kv_transfer"),
-    "add_rms_norm": (reference_extra.add_rms_norm, "kernels.triton_norm"),
-    "rotary_embedding": (reference_extra.rotary_embedding, "kernels.triton_rotary"),
+    "store_kv": (reference.store_kv, "pdserve.kernels.triton_store_kv"),
+    "paged_decode_attention": (reference.paged_decode_attention, "pdserve.kernels.triton_decode_attention"),
+    "paged_prefill_attention": (reference.paged_prefill_attention, "pdserve.kernels.triton_prefill_attention"),
+    "kv_pack": (reference.kv_pack, "pdserve.kernels.triton_kv_transfer"),
+    "kv_unpack": (reference.kv_unpack, "pdserve.kernels.triton_kv_transfer"),
+    "add_rms_norm": (reference_extra.add_rms_norm, "pdserve.kernels.triton_norm"),
+    "rotary_embedding": (reference_extra.rotary_embedding, "pdserve.kernels.triton_rotary"),
 }
 
 

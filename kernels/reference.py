@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import torch_paged
+from pdserve.kernels import torch_paged
 
 
 def store_kv(

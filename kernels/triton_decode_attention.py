@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_last_dim_contiguous, check_paged_attention_args, check_shape
-from kernels.triton_utils import LOG2E, cdiv, dot_precision, launch_options, load_kv_tile, next_pow2, upcast_for_dot
+from pdserve.kernels.checks import check_last_dim_contiguous, check_paged_attention_args, check_shape
+from pdserve.kernels.triton_utils import LOG2E, cdiv, dot_precision, launch_options, load_kv_tile, next_pow2, upcast_for_dot
 
 DEFAULT_BLOCK_N = 64  # context positions per K/V tile (32 for rows wider than 256 bytes)
 MIN_PARTITION_SIZE = 512  # shortest context range worth a separate program

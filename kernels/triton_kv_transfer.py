@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import (
+from pdserve.kernels.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_contiguous,
@@ -23,7 +23,7 @@ from kernels.checks import (
     check_shape,
     check_tensor,
 )
-from kernels.triton_utils import cdiv, next_pow2
+from pdserve.kernels.triton_utils import cdiv, next_pow2
 
 MAX_CHUNK = 4096  # elements per program
 

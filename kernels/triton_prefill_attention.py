@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import (
+from pdserve.kernels.checks import (
     check_contiguous_1d,
     check_devices,
     check_last_dim_contiguous,
@@ -26,7 +26,7 @@ from kernels.checks import (
     check_shape,
     check_tensor,
 )
-from kernels.triton_utils import LOG2E, dot_precision, launch_options, load_kv_tile, next_pow2, upcast_for_dot
+from pdserve.kernels.triton_utils import LOG2E, dot_precision, launch_options, load_kv_tile, next_pow2, upcast_for_dot
 
 DEFAULT_BLOCK_M = 64  # query rows (tokens x group heads) per tile
 DEFAULT_BLOCK_N = 64  # key positions per tile

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import (
+from pdserve.kernels.checks import (
     FLOAT_DTYPES,
     check_contiguous_1d,
     check_devices,
@@ -14,7 +14,7 @@ from kernels.checks import (
     check_shape,
     check_tensor,
 )
-from kernels.triton_utils import next_pow2
+from pdserve.kernels.triton_utils import next_pow2
 
 
 @triton.jit

@@ -23,8 +23,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from kvtransfer.messages import MAX_TOKEN_ID, Role, TokenId
-from kvtransfer.schema import (
+from pdserve.kvtransfer.messages import MAX_TOKEN_ID, Role, TokenId
+from pdserve.kvtransfer.schema import (
     MAX_DICT_ITEMS, MAX_ID_LEN, MAX_TOKENS, UINT64_MAX, Message, WireInt, WireModel, max_items,
 )
 

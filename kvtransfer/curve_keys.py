@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtransfer.errors import TransportError
-from kvtransfer.transport import CurveClientConfig, CurveKeyPair, CurveServerConfig, generate_curve_keypair
+from pdserve.kvtransfer.errors import TransportError
+from pdserve.kvtransfer.transport import CurveClientConfig, CurveKeyPair, CurveServerConfig, generate_curve_keypair
 
 _FILES = {"server": "server.key", "client": "client.key"}
 

@@ -20,11 +20,11 @@ from typing import Any
 
 import zmq
 
-from kvtransfer.control import Deregister, DescribeRequest, EngineStats, Register, StatsRequest, TokenDelta
-from kvtransfer.errors import KVTransferError
-from kvtransfer.protocol import Abort, Error
-from kvtransfer.curve_keys import ClusterCurve
-from kvtransfer.transport import CurveClientConfig, KVClient, KVServer
+from pdserve.kvtransfer.control import Deregister, DescribeRequest, EngineStats, Register, StatsRequest, TokenDelta
+from pdserve.kvtransfer.errors import KVTransferError
+from pdserve.kvtransfer.protocol import Abort, Error
+from pdserve.kvtransfer.curve_keys import ClusterCurve
+from pdserve.kvtransfer.transport import CurveClientConfig, KVClient, KVServer
 
 log = logging.getLogger("pdserve.engine_server")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kvtransfer.errors import LayoutMismatchError, ProtocolError, WeightsHashError
+from pdserve.kvtransfer.errors import LayoutMismatchError, ProtocolError, WeightsHashError
 
 SAMPLES_PER_FILE = 16
 SAMPLE_BYTES = 64 * 1024

@@ -17,9 +17,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from kvtransfer.errors import ChecksumMismatchError, ProtocolError
-from kvtransfer.payload import DTYPE_SIZES, KVDtype, as_buffer, dtype_name, payload_checksum, tensor_from_frame
-from kvtransfer.schema import (
+from pdserve.kvtransfer.errors import ChecksumMismatchError, ProtocolError
+from pdserve.kvtransfer.payload import DTYPE_SIZES, KVDtype, as_buffer, dtype_name, payload_checksum, tensor_from_frame
+from pdserve.kvtransfer.schema import (
     MAX_CHECKSUM,
     MAX_DICT_ITEMS,
     MAX_FRAME_BYTES,

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import xxhash
 
-from kvtransfer.errors import ProtocolError
+from pdserve.kvtransfer.errors import ProtocolError
 
 # KV dtypes by torch attribute name, with their size in bytes.
 DTYPE_SIZES = {

@@ -24,14 +24,14 @@ from typing import Any
 
 import msgpack
 
-from kvtransfer.errors import ProtocolError
-from kvtransfer.messages import (
+from pdserve.kvtransfer.errors import ProtocolError
+from pdserve.kvtransfer.messages import (
     ROLES, Abort, Error, FrameDim, Hello, HelloAck, KVAck, KVDone, KVLayer, KVWant, Role, TokenId,
 )
-from kvtransfer.payload import (
+from pdserve.kvtransfer.payload import (
     DTYPE_SIZES, KVDtype, as_buffer, combine_checksums, dtype_name, payload_checksum, tensor_from_frame,
 )
-from kvtransfer.schema import (
+from pdserve.kvtransfer.schema import (
     INT64_MIN, MAX_CHECKSUM, MAX_DICT_ITEMS, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_ID_LEN, MAX_LAYERS,
     MAX_LOGPROBS, MAX_SHAPE_DIMS, MAX_STR_LEN, MAX_TOKENS, MESSAGE_TYPES, PROTOCOL_VERSION, UINT64_MAX,
     Message, WireInt, WireModel, bounded, max_items, short_repr,

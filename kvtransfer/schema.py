@@ -27,7 +27,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails, PydanticCustomError, PydanticUndefined
 
-from kvtransfer.errors import ProtocolError
+from pdserve.kvtransfer.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 

@@ -34,7 +34,7 @@ from typing import Any, Iterator, NamedTuple
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvtransfer.errors import (
+from pdserve.kvtransfer.errors import (
     CurveUnavailableError,
     KVTransferError,
     PeerUnreachableError,
@@ -42,7 +42,7 @@ from kvtransfer.errors import (
     TransportError,
     TransportTimeout,
 )
-from kvtransfer.protocol import MAX_FRAME_BYTES, Error, Message, decode, encode
+from pdserve.kvtransfer.protocol import MAX_FRAME_BYTES, Error, Message, decode, encode
 
 log = logging.getLogger("pdserve.transport")
 

@@ -1,0 +1,20 @@
+"""pdserve: prefill/decode-disaggregated LLM serving with its own inference runtime.
+
+    from pdserve import LLM, SamplingParams     # the offline API, as vLLM's
+
+Subpackages: engine (runtime), kernels, control (router <-> engine plane), kvtransfer (KV link),
+prefill, decode, router, bench. `import pdserve` alone loads no torch.
+"""
+
+from pdserve.engine.request import InvalidRequestError, SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "InvalidRequestError"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and transformers; import it only when asked for.
+    if name == "LLM":
+        from pdserve.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pdserve' has no attribute {name!r}")

@@ -69,13 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         if args.command == "demo-model":
-            from engine.demo_model import make_demo_model
+            from pdserve.demo_model import make_demo_model
 
             path = make_demo_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
             print(f"wrote {args.arch}-{args.size} demo model to {path}")
             return 0
         if args.command == "keygen":
-            from kvtransfer.curve_keys import write_cluster_keys
+            from pdserve.kvtransfer.curve_keys import write_cluster_keys
 
             print(f"wrote CURVE keys to {write_cluster_keys(args.dir)}; pass --curve-dir {args.dir} to every process")
             return 0

@@ -43,11 +43,11 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
 
 def _configs(args: argparse.Namespace) -> tuple:
     """(ModelConfig, CacheConfig, SchedulerConfig); torch is imported here, not at parse time."""
-    from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-    from engine.loader import resolve_model_dir
+    from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+    from pdserve.engine.loader import resolve_model_dir
 
     if args.model is None:
-        from engine.demo_model import default_demo_model
+        from pdserve.demo_model import default_demo_model
 
         args.model = str(default_demo_model())
     model_config = ModelConfig.from_hf(resolve_model_dir(args.model), dtype=args.dtype, device=args.device,
@@ -67,14 +67,14 @@ def run_engine(args: argparse.Namespace, role: str) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s")
     configs = _configs(args)
     if role == "prefill":
-        from prefill.service import PrefillOptions, build_prefill_server
+        from pdserve.prefill.service import PrefillOptions, build_prefill_server
 
         server = build_prefill_server(*configs, PrefillOptions(
             args.control_address, args.kv_address, args.engine_id, args.kv_want_timeout, args.kv_lease, args.device,
             streams_layers(args.kv_streaming, args.device), args.curve_dir))
         extra = f" kv={server.kv_address}"
     else:
-        from decode.service import DecodeOptions, build_decode_server
+        from pdserve.decode.service import DecodeOptions, build_decode_server
 
         server = build_decode_server(*configs, DecodeOptions(
             args.control_address, args.engine_id, args.kv_timeout, args.kv_failure, args.device, args.curve_dir))

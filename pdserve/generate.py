@@ -24,7 +24,7 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from pdserve import LLM, SamplingParams
 
     started = time.perf_counter()
     llm = LLM(

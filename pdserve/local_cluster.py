@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtransfer.control import EngineStats, GenerateRequest, PrefillRequest, StatsRequest, TokenDelta
-from kvtransfer.protocol import Abort
-from kvtransfer.transport import KVClient
+from pdserve.kvtransfer.control import EngineStats, GenerateRequest, PrefillRequest, StatsRequest, TokenDelta
+from pdserve.kvtransfer.protocol import Abort
+from pdserve.kvtransfer.transport import KVClient
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 120

@@ -48,13 +48,13 @@ def resolve_model(model: str | None) -> tuple[str, str]:
     """(model path or hub id, default served name); no model = the built-in demo model."""
     if model:
         return model, model
-    from engine.demo_model import default_demo_model
+    from pdserve.demo_model import default_demo_model
 
     return str(default_demo_model()), DEMO_MODEL_NAME
 
 
 def router_config(args: argparse.Namespace):
-    from router.config import RouterConfig
+    from pdserve.router.config import RouterConfig
 
     model, name = resolve_model(args.model)
     registration = None if str(args.registration_address).lower() == "none" else args.registration_address
@@ -70,6 +70,6 @@ def router_config(args: argparse.Namespace):
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from router.server import run
+    from pdserve.router.server import run
 
     return run(router_config(args))

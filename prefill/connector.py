@@ -17,14 +17,14 @@ from typing import Any, Callable
 
 import torch
 
-import kernels
-from engine.cpu_threads import one_cpu_thread
-from engine.kv_connector import ConnectorEvents, KVConnector
-from engine.request import Request, RequestStatus
-from kvtransfer.errors import KVTransferError, LayoutMismatchError, ProtocolError
-from kvtransfer.fingerprint import LayoutFingerprint, check_compatible
-from kvtransfer.protocol import Abort, Error, Hello, HelloAck, KVAck, KVDone, KVLayer, KVWant, combine_checksums
-from kvtransfer.transport import KVServer
+from pdserve import kernels
+from pdserve.engine.cpu_threads import one_cpu_thread
+from pdserve.engine.kv_connector import ConnectorEvents, KVConnector
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.kvtransfer.errors import KVTransferError, LayoutMismatchError, ProtocolError
+from pdserve.kvtransfer.fingerprint import LayoutFingerprint, check_compatible
+from pdserve.kvtransfer.protocol import Abort, Error, Hello, HelloAck, KVAck, KVDone, KVLayer, KVWant, combine_checksums
+from pdserve.kvtransfer.transport import KVServer
 
 log = logging.getLogger("pdserve.prefill.connector")
 

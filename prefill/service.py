@@ -8,16 +8,16 @@ import dataclasses
 import logging
 from typing import Any
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.engine_core import EngineCore
-from engine.request import SamplingParams
-from kvtransfer.control import PrefillRequest
-from kvtransfer.curve_keys import load_cluster_keys
-from kvtransfer.engine_server import EngineServer
-from kvtransfer.protocol import Abort
-from kvtransfer.fingerprint import engine_fingerprint
-from kvtransfer.transport import KVServer
-from prefill.connector import PrefillConnector
+from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.request import SamplingParams
+from pdserve.kvtransfer.control import PrefillRequest
+from pdserve.kvtransfer.curve_keys import load_cluster_keys
+from pdserve.kvtransfer.engine_server import EngineServer
+from pdserve.kvtransfer.protocol import Abort
+from pdserve.kvtransfer.fingerprint import engine_fingerprint
+from pdserve.kvtransfer.transport import KVServer
+from pdserve.prefill.connector import PrefillConnector
 
 log = logging.getLogger("pdserve.prefill")
 

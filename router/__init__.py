@@ -15,5 +15,5 @@
     api.py           the FastAPI routes and error handlers
     metrics.py       prometheus metrics (request histograms, per-engine gauges)
     server.py        run(): uvicorn on a pre-bound socket, the PDSERVE_READY line
-    probe.py         `python -m router.probe URL|ADDRESS`: health check for containers
+    probe.py         `python -m pdserve.router.probe URL|ADDRESS`: health check for containers
 """

@@ -15,13 +15,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.config import RouterConfig
-from router.errors import APIError, InvalidRequest, ModelNotFound, Unauthorized
-from router.gateway import Gateway
-from router.responses import ChatFormatter, CompletionFormatter, Prompt
-from router.schemas import ChatCompletionRequest, CompletionRequest
-from router.specs import chat_specs, completion_specs
-from router.streaming import endpoint_label, respond
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import APIError, InvalidRequest, ModelNotFound, Unauthorized
+from pdserve.router.gateway import Gateway
+from pdserve.router.responses import ChatFormatter, CompletionFormatter, Prompt
+from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.specs import chat_specs, completion_specs
+from pdserve.router.streaming import endpoint_label, respond
 
 log = logging.getLogger("pdserve.router.api")
 

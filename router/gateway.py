@@ -3,12 +3,12 @@ admission) that the API handlers and the generation code share."""
 
 from __future__ import annotations
 
-from router.config import RouterConfig
-from router.errors import NoEngineAvailable, Overloaded
-from router.metrics import RouterMetrics
-from router.policies import Route, RoutingPolicy
-from router.registry import EngineRegistry
-from router.tokenization import Tokenization
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import NoEngineAvailable, Overloaded
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import Route, RoutingPolicy
+from pdserve.router.registry import EngineRegistry
+from pdserve.router.tokenization import Tokenization
 
 
 class Gateway:

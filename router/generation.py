@@ -24,11 +24,11 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtransfer.control import GenerateRequest, PrefillRequest, TokenDelta
-from kvtransfer.protocol import Abort
-from router.errors import EngineFailed, InvalidRequest, RequestTimeout
-from router.link import EngineGone, EngineUnreachable
-from router.policies import Route
+from pdserve.kvtransfer.control import GenerateRequest, PrefillRequest, TokenDelta
+from pdserve.kvtransfer.protocol import Abort
+from pdserve.router.errors import EngineFailed, InvalidRequest, RequestTimeout
+from pdserve.router.link import EngineGone, EngineUnreachable
+from pdserve.router.policies import Route
 
 log = logging.getLogger("pdserve.router.generation")
 

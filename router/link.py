@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from kvtransfer.control import EngineStats, Register, StatsRequest, TokenDelta
-from kvtransfer.errors import KVTransferError, ProtocolError
-from kvtransfer.protocol import MAX_FRAME_BYTES, Error, Message, decode, encode
-from kvtransfer.transport import CurveClientConfig
+from pdserve.kvtransfer.control import EngineStats, Register, StatsRequest, TokenDelta
+from pdserve.kvtransfer.errors import KVTransferError, ProtocolError
+from pdserve.kvtransfer.protocol import MAX_FRAME_BYTES, Error, Message, decode, encode
+from pdserve.kvtransfer.transport import CurveClientConfig
 
 log = logging.getLogger("pdserve.router.link")
 

@@ -19,10 +19,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_pool import BlockHash, compute_block_hashes
-from router.config import RouterConfig
-from router.errors import NoEngineAvailable
-from router.link import EngineLink
+from pdserve.engine.block_pool import BlockHash, compute_block_hashes
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import NoEngineAvailable
+from pdserve.router.link import EngineLink
 
 PREFIX_BALANCE_TOKENS = 4096  # prefix_aware prefers a cache hit unless its engine is this much busier
 DEFAULT_INDEX_BLOCKS = 65536  # prefix index size of an engine that has not reported its cache size

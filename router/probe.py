@@ -1,7 +1,7 @@
 """Health probe for containers and scripts; exit status 0 = healthy.
 
-    python -m router.probe http://127.0.0.1:8000/health   # the router answers 200 (a decode engine is routable)
-    python -m router.probe tcp://127.0.0.1:5600           # an engine answers StatsRequest on its control socket
+    python -m pdserve.router.probe http://127.0.0.1:8000/health   # the router answers 200 (a decode engine is routable)
+    python -m pdserve.router.probe tcp://127.0.0.1:5600           # an engine answers StatsRequest on its control socket
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import sys
 import urllib.error
 import urllib.request
 
-from kvtransfer.control import EngineStats, StatsRequest
-from kvtransfer.errors import KVTransferError
-from kvtransfer.transport import KVClient
+from pdserve.kvtransfer.control import EngineStats, StatsRequest
+from pdserve.kvtransfer.errors import KVTransferError
+from pdserve.kvtransfer.transport import KVClient
 
 
 def probe_http(url: str, timeout: float) -> str | None:
@@ -40,7 +40,7 @@ def probe_engine(address: str, timeout: float) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m router.probe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.router.probe", description=__doc__.splitlines()[0])
     parser.add_argument("target",
                         help="http(s)://.../health of a router, or tcp://host:port of an engine's control socket")
     parser.add_argument("--timeout", type=float, default=3.0)

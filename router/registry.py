@@ -22,13 +22,13 @@ import time
 import zmq
 import zmq.asyncio
 
-from kvtransfer.control import DescribeRequest, Deregister, EngineStats, Register
-from kvtransfer.curve_keys import load_cluster_keys
-from kvtransfer.errors import ProtocolError
-from kvtransfer.protocol import MAX_FRAME_BYTES, decode
-from kvtransfer.transport import validate_address
-from router.config import RouterConfig
-from router.link import EngineLink
+from pdserve.kvtransfer.control import DescribeRequest, Deregister, EngineStats, Register
+from pdserve.kvtransfer.curve_keys import load_cluster_keys
+from pdserve.kvtransfer.errors import ProtocolError
+from pdserve.kvtransfer.protocol import MAX_FRAME_BYTES, decode
+from pdserve.kvtransfer.transport import validate_address
+from pdserve.router.config import RouterConfig
+from pdserve.router.link import EngineLink
 
 log = logging.getLogger("pdserve.router.registry")
 

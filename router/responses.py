@@ -14,8 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.generation import ChoiceDelta
-from router.tokenization import Tokenization
+from pdserve.router.generation import ChoiceDelta
+from pdserve.router.tokenization import Tokenization
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 

@@ -11,9 +11,9 @@ import socket
 
 import uvicorn
 
-from router.api import create_app
-from router.config import RouterConfig
-from router.gateway import Gateway
+from pdserve.router.api import create_app
+from pdserve.router.config import RouterConfig
+from pdserve.router.gateway import Gateway
 
 log = logging.getLogger("pdserve.router")
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.request import InvalidRequestError, SamplingParams
-from kvtransfer.control import SamplingFields
-from kvtransfer.errors import ProtocolError
-from router.errors import InvalidRequest
-from router.generation import ChoiceSpec
-from router.schemas import MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from pdserve.engine.request import InvalidRequestError, SamplingParams
+from pdserve.kvtransfer.control import SamplingFields
+from pdserve.kvtransfer.errors import ProtocolError
+from pdserve.router.errors import InvalidRequest
+from pdserve.router.generation import ChoiceSpec
+from pdserve.router.schemas import MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, param: str) -> int:

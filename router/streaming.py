@@ -18,10 +18,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from router.errors import APIError
-from router.gateway import Gateway
-from router.generation import ChoiceDelta, ChoiceRunner, Restarted, merge
-from router.responses import SSE_DONE, ChatFormatter, ChoiceTotal, Formatter, sse
+from pdserve.router.errors import APIError
+from pdserve.router.gateway import Gateway
+from pdserve.router.generation import ChoiceDelta, ChoiceRunner, Restarted, merge
+from pdserve.router.responses import SSE_DONE, ChatFormatter, ChoiceTotal, Formatter, sse
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")

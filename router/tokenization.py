@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import load_tokenizer
-from router.errors import InvalidRequest
-from router.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.router.errors import InvalidRequest
+from pdserve.router.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 
 class Tokenization:

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """make(arch, **config_overrides) -> path of a real HF model dir (cached per argument set)."""
-    from engine.demo_model import make_demo_model
+    from pdserve.demo_model import make_demo_model
 
     built: dict[str, str] = {}
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from engine.forward_context import ForwardContext, get_forward_context
-from kernels import torch_paged
+from pdserve import kernels
+from pdserve.engine.forward_context import ForwardContext, get_forward_context
+from pdserve.kernels import torch_paged
 
 
 class Attention(nn.Module):

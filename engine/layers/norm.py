@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from engine.layers.linear import default_weight_loader
+from pdserve import kernels
+from pdserve.engine.layers.linear import default_weight_loader
 
 
 class RMSNorm(nn.Module):

@@ -10,8 +10,8 @@ import math
 import torch
 from torch import nn
 
-import kernels
-from engine.forward_context import get_forward_context
+from pdserve import kernels
+from pdserve.engine.forward_context import get_forward_context
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.request import Request, SamplingParams
+from pdserve.engine.request import Request, SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
 MIN_TEMPERATURE = 1e-5

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.layers.attention import Attention
-from engine.layers.linear import Linear, MergedLinear, default_weight_loader
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.attention import Attention
+from pdserve.engine.layers.linear import Linear, MergedLinear, default_weight_loader
+from pdserve.engine.layers.norm import RMSNorm
+from pdserve.engine.layers.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)

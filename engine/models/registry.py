@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 NATIVE_MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -45,7 +45,7 @@ def resolve_model_class(config: ModelConfig) -> type[nn.Module]:
             "to run it through the transformers backend"
         )
     if architecture in transformers_causal_lm_names():
-        from engine.models.transformers_backend import TransformersForCausalLM  # imports modeling code lazily
+        from pdserve.engine.models.transformers_backend import TransformersForCausalLM  # imports modeling code lazily
 
         return TransformersForCausalLM
     import transformers

@@ -25,10 +25,10 @@ from torch import nn
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.initialization import no_init_weights
 
-from engine.config import ModelConfig
-from engine.layers.attention import Attention
-from engine.layers.linear import copy_checked, pack_torch_linears
-from engine.loader import ModelLoadError
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.attention import Attention
+from pdserve.engine.layers.linear import copy_checked, pack_torch_linears
+from pdserve.engine.loader import ModelLoadError
 
 ATTN_IMPLEMENTATION = "pdserve"
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")

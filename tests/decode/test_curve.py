@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer.curve_keys import load_cluster_keys, write_cluster_keys
-from kvtransfer.errors import TransportTimeout
-from kvtransfer.control import GenerateRequest
-from kvtransfer.transport import KVClient
+from pdserve.kvtransfer.curve_keys import load_cluster_keys, write_cluster_keys
+from pdserve.kvtransfer.errors import TransportTimeout
+from pdserve.kvtransfer.control import GenerateRequest
+from pdserve.kvtransfer.transport import KVClient
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
 

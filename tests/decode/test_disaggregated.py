@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve import LLM, SamplingParams
 from pdserve.local_cluster import Driver, EngineProcess
 
 BLOCK = 4

@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from decode.connector import DecodeConnector
-from kvtransfer.fingerprint import LayoutFingerprint
-from kvtransfer.protocol import Hello, HelloAck, KVDone, KVLayer
-from kvtransfer.transport import KVServer
+from pdserve.decode.connector import DecodeConnector
+from pdserve.kvtransfer.fingerprint import LayoutFingerprint
+from pdserve.kvtransfer.protocol import Hello, HelloAck, KVDone, KVLayer
+from pdserve.kvtransfer.transport import KVServer
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 2, 4, 4, 2, 8
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, InvalidRequestError, SamplingParams
-from engine.config import ConfigError, ModelConfig
-from engine.loader import ModelLoadError, resolve_model_dir
-from engine.models.registry import UnsupportedArchitectureError
-from engine.layers.linear import WeightShapeError
+from pdserve import LLM, InvalidRequestError, SamplingParams
+from pdserve.engine.config import ConfigError, ModelConfig
+from pdserve.engine.loader import ModelLoadError, resolve_model_dir
+from pdserve.engine.models.registry import UnsupportedArchitectureError
+from pdserve.engine.layers.linear import WeightShapeError
 
 
 @pytest.fixture(scope="module")

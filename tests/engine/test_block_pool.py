@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.block_pool import (
+from pdserve.engine.block_pool import (
     BlockPool,
     KVCacheInvariantError,
     NoFreeBlocksError,
@@ -68,7 +68,7 @@ def test_hash_rejects_non_int_tokens_with_a_clear_error():
 
 def test_hashes_are_stable_across_processes():
     code = (
-        "from engine.block_pool import compute_block_hashes;"
+        "from pdserve.engine.block_pool import compute_block_hashes;"
         "print(compute_block_hashes(list(range(10)), 4)[-1].hex())"
     )
     local = compute_block_hashes(list(range(10)), 4)[-1].hex()

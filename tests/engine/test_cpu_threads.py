@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.cpu_threads import one_cpu_thread
+from pdserve.engine.cpu_threads import one_cpu_thread
 
 
 @pytest.fixture

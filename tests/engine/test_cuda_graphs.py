@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.cuda_graphs import DecodeGraphs, capture_batch_sizes, context_buckets
+from pdserve import LLM, SamplingParams
+from pdserve.engine.cuda_graphs import DecodeGraphs, capture_batch_sizes, context_buckets
 
 BLOCK = 4  # tokens per KV block in these tests: short prompts already span several blocks
 NUM_BLOCKS = 128  # a small KV cache: the tests clone and compare it
@@ -84,7 +84,7 @@ def test_capture_batch_sizes_cover_every_batch_up_to_max_num_seqs():
 
 
 def test_context_buckets_follow_the_decode_kernels_tiling():
-    from kernels.triton_decode_attention import MIN_PARTITION_SIZE, choose_partition_size
+    from pdserve.kernels.triton_decode_attention import MIN_PARTITION_SIZE, choose_partition_size
 
     assert context_buckets(300, 16) == (19,)  # short models: one width, unsplit
     assert context_buckets(2048, 16) == (32, 128)  # unsplit up to 512, then one split width
@@ -231,11 +231,11 @@ def test_triton_decode_kernel_ignores_padding_rows_and_table_width():
     """What a replay relies on, checked on the Triton kernel itself (interpreter on CPU): padding rows
     (seq_len 0) give zeros, and real rows give the same output whether the table is the step's own
     or a wider, split-K bucket with stale entries past each sequence."""
-    from kernels.triton_utils import INTERPRET
+    from pdserve.kernels.triton_utils import INTERPRET
 
     if not INTERPRET and not torch.cuda.is_available():
         pytest.skip("triton was imported without TRITON_INTERPRET=1 and there is no GPU")
-    from kernels.triton_decode_attention import choose_partition_size, paged_decode_attention
+    from pdserve.kernels.triton_decode_attention import choose_partition_size, paged_decode_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
@@ -261,9 +261,9 @@ def test_triton_decode_kernel_ignores_padding_rows_and_table_width():
 
 _TRITON_ENGINE_SCRIPT = """
 import random, sys
-from engine import LLM, SamplingParams
-from engine.cuda_graphs import DecodeGraphs
-import kernels
+from pdserve import LLM, SamplingParams
+from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve import kernels
 assert kernels.kernel_backend("cpu") == "triton"
 rng = random.Random(0)
 prompts = [{"prompt_token_ids": [rng.randrange(5, 1024) for _ in range(rng.randint(1, 30))]} for _ in range(3)]
@@ -291,7 +291,7 @@ def test_padded_path_with_the_triton_kernels(model_factory):
 
     import random
 
-    from engine import LLM, SamplingParams
+    from pdserve import LLM, SamplingParams
 
     model_dir = model_factory("llama")
     rng = random.Random(0)  # the script's prompts
@@ -311,14 +311,14 @@ def test_padded_path_with_the_triton_kernels(model_factory):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA this would run the real benchmark")
 def test_gpu_engine_bench_without_cuda_explains_and_exits_zero(capsys):
-    from bench import gpu_engine
+    from pdserve.bench import gpu_engine
 
     assert gpu_engine.main([]) == 0
     assert "no CUDA device" in capsys.readouterr().out
 
 
 def test_gpu_engine_bench_table():
-    from bench.gpu_engine import format_results
+    from pdserve.bench.gpu_engine import format_results
 
     seconds = {("eager", 1): 2.0, ("graphs", 1): 0.5, ("eager", 32): 4.0, ("graphs", 32): 2.0}
     table = format_results(seconds, [1, 32], 100)
@@ -333,7 +333,7 @@ def test_gpu_engine_bench_table():
 def _skip_without_compiled_triton() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from kernels.triton_utils import INTERPRET
+    from pdserve.kernels.triton_utils import INTERPRET
 
     if INTERPRET:
         pytest.skip("triton runs under TRITON_INTERPRET=1 in this process (tests/kernels/conftest.py sets it): "

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import load_tokenizer
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

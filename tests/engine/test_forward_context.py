@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.forward_context import ForwardContext, get_forward_context, use_forward_context
+from pdserve.engine.forward_context import ForwardContext, get_forward_context, use_forward_context
 
 
 def _context() -> ForwardContext:

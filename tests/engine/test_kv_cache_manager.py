@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from engine.block_pool import KVCacheInvariantError
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, SamplingParams
+from pdserve.engine.block_pool import KVCacheInvariantError
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, SamplingParams
 
 BLOCK_SIZE = 4
 _request_ids = itertools.count()

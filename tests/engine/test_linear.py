@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import LLM
-from engine.layers.linear import Linear, MergedLinear, pack_linear_weights
+from pdserve import LLM
+from pdserve.engine.layers.linear import Linear, MergedLinear, pack_linear_weights
 
 
 def _filled(linear: Linear) -> Linear:

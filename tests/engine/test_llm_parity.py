@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
+from pdserve import LLM, SamplingParams
 from tests.engine.parity import assert_greedy_match, hf_greedy
 
 NEW_TOKENS = 12

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

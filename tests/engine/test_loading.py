@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.config import CacheConfig, ModelConfig
-from engine.loader import ModelLoadError, resolve_model_dir, safetensors_files
-from engine.model_runner import kv_cache_num_blocks
+from pdserve import LLM, SamplingParams
+from pdserve.engine.config import CacheConfig, ModelConfig
+from pdserve.engine.loader import ModelLoadError, resolve_model_dir, safetensors_files
+from pdserve.engine.model_runner import kv_cache_num_blocks
 
 REPO = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -73,7 +73,7 @@ def test_kv_cache_sized_from_memory_budget(model_factory):
 def test_hub_id_offline_gives_clear_error(tmp_path):
     """In a fresh process with HF_HUB_OFFLINE=1 (read at import), so no request ever leaves the machine."""
     code = (
-        "from engine.loader import resolve_model_dir, ModelLoadError\n"
+        "from pdserve.engine.loader import resolve_model_dir, ModelLoadError\n"
         "try:\n    resolve_model_dir('nobody/no-such-model')\n"
         "except ModelLoadError as e:\n    print('ERROR:', e)\n"
     )

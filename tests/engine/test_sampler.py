@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.layers.sampler import Sampler, apply_logits_processors, seeded_uniform
-from engine.request import Request, SamplingParams
+from pdserve.engine.layers.sampler import Sampler, apply_logits_processors, seeded_uniform
+from pdserve.engine.request import Request, SamplingParams
 
 
 def make_request(prompt=(0,), output=(), eos=None, request_id="r", **params) -> Request:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_connector import ConnectorEvents, KVConnector
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import KVFailurePolicy, Scheduler
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_connector import ConnectorEvents, KVConnector
+from pdserve.engine.request import Request, RequestStatus, SamplingParams
+from pdserve.engine.scheduler import KVFailurePolicy, Scheduler
 
 BLOCK = 4
 EOS = 99

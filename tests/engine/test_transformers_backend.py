@@ -19,12 +19,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from engine.config import ConfigError, ModelConfig
-from engine.loader import ModelLoadError, load_model
-from engine.models.llama import LlamaForCausalLM
-from engine.models.registry import UnsupportedArchitectureError, resolve_model_class
-from engine.models.transformers_backend import (
+from pdserve import LLM, SamplingParams
+from pdserve.engine.config import ConfigError, ModelConfig
+from pdserve.engine.loader import ModelLoadError, load_model
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.registry import UnsupportedArchitectureError, resolve_model_class
+from pdserve.engine.models.transformers_backend import (
     TransformersForCausalLM,
     UnsupportedModelFeatureError,
     unsupported_features,

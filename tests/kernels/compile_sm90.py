@@ -113,7 +113,7 @@ QUICK_CASES = [(torch.bfloat16, 28, 4, 128), (torch.float32, 8, 2, 96)]
 
 def run_wrappers_on_model_shapes(kernels_api, cases) -> None:
     """Call every public wrapper on small CPU tensors shaped like the real models."""
-    from kernels import triton_decode_attention
+    from pdserve.kernels import triton_decode_attention
 
     block_size, num_blocks = 16, 8
     for dtype, num_heads, num_kv_heads, head_dim in cases:
@@ -147,13 +147,13 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: this compiles for the GPU instead of interpreting")
         return 2
-    import kernels.checks
-    from kernels import (
+    from pdserve.kernels import checks
+    from pdserve.kernels import (
         triton_decode_attention, triton_kv_transfer, triton_norm, triton_prefill_attention,
         triton_rotary, triton_store_kv,
     )
 
-    kernels.checks.INTERPRET = True  # let CPU tensors through the wrappers: nothing is launched
+    checks.INTERPRET = True  # let CPU tensors through the wrappers: nothing is launched
     modules = [triton_store_kv, triton_decode_attention, triton_prefill_attention, triton_kv_transfer,
                triton_norm, triton_rotary]
     recorders = install_recorders(modules)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import gpu_kernels
+from pdserve.bench import gpu_kernels
 
 
 def test_cpu_smoke_checks_every_kernel_and_prints_the_table(capsys):

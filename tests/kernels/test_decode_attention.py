@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.triton_decode_attention import (
+from pdserve.kernels import reference
+from pdserve.kernels.triton_decode_attention import (
     choose_block_n,
     choose_partition_size,
     launch_decode_attention,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch, reference, reference_extra
+from pdserve.kernels import dispatch, reference, reference_extra
 from tests.kernels.subprocess_env import run_ok, run_python
 
 EXPORTED = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "kv_pack", "kv_unpack",
@@ -14,8 +14,8 @@ EXPORTED = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "kv
 
 def test_default_cpu_process_uses_reference_functions_and_never_imports_triton():
     out = run_ok(
-        "import sys, kernels\n"
-        "from kernels import reference, reference_extra\n"
+        "import sys\nfrom pdserve import kernels\n"
+        "from pdserve.kernels import reference, reference_extra\n"
         f"for name in {EXPORTED!r}:\n"
         "    source = reference_extra if name in ('add_rms_norm', 'rotary_embedding') else reference\n"
         "    assert getattr(kernels, name) is getattr(source, name), name\n"
@@ -25,15 +25,15 @@ def test_default_cpu_process_uses_reference_functions_and_never_imports_triton()
 
 
 def test_forced_torch_backend_everywhere():
-    out = run_ok("import kernels; print(kernels.kernel_backend('cuda'), kernels.kernel_backend('cpu'))",
+    out = run_ok("from pdserve import kernels; print(kernels.kernel_backend('cuda'), kernels.kernel_backend('cpu'))",
                  PDSERVE_KERNELS="torch")
     assert out.split() == ["torch", "torch"]
 
 
 def test_forced_triton_runs_triton_on_cpu_under_the_interpreter():
     out = run_ok(
-        "import sys, torch, kernels\n"
-        "from kernels import reference\n"
+        "import sys, torch\nfrom pdserve import kernels\n"
+        "from pdserve.kernels import reference\n"
         "torch.manual_seed(0)\n"
         "kc, vc = torch.randn(4, 16, 1, 64), torch.randn(4, 16, 1, 64)\n"
         "q = torch.randn(2, 2, 64)\n"
@@ -42,7 +42,7 @@ def test_forced_triton_runs_triton_on_cpu_under_the_interpreter():
         "got = kernels.paged_decode_attention(q, kc, vc, bt, lens, scale=0.125)\n"
         "want = reference.paged_decode_attention(q, kc, vc, bt, lens, 0.125)\n"
         "torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)\n"
-        "print(kernels.kernel_backend('cpu'), 'kernels.triton_decode_attention' in sys.modules)\n",
+        "print(kernels.kernel_backend('cpu'), 'pdserve.kernels.triton_decode_attention' in sys.modules)\n",
         PDSERVE_KERNELS="triton", TRITON_INTERPRET="1",
     )
     assert out.split() == ["triton", "True"]
@@ -50,7 +50,7 @@ def test_forced_triton_runs_triton_on_cpu_under_the_interpreter():
 
 def test_forced_triton_without_interpreter_explains_the_fix():
     result = run_python(
-        "import torch, kernels\n"
+        "import torch\nfrom pdserve import kernels\n"
         "kernels.kv_pack(torch.randn(1, 2, 2, 16, 1, 8), torch.tensor([0]), 3)\n",
         PDSERVE_KERNELS="triton",
     )
@@ -59,7 +59,7 @@ def test_forced_triton_without_interpreter_explains_the_fix():
 
 
 def test_unknown_backend_fails_at_import_with_the_choices():
-    result = run_python("import kernels", PDSERVE_KERNELS="cuda")
+    result = run_python("from pdserve import kernels", PDSERVE_KERNELS="cuda")
     assert result.returncode != 0
     assert "PDSERVE_KERNELS='cuda' is not a kernel backend: set it to 'torch' or 'triton'" in result.stderr
 
@@ -77,7 +77,7 @@ def test_by_device_wrapper_sends_cpu_tensors_to_the_reference_by_position_or_key
         calls.append(num_tokens)
         return reference.kv_pack(kv_cache, block_ids, num_tokens, layer_start, layer_end)
 
-    dispatch.KERNELS["_fake"] = (fake_reference, "kernels.does_not_exist")
+    dispatch.KERNELS["_fake"] = (fake_reference, "pdserve.kernels.does_not_exist")
     try:
         wrapper = dispatch._by_device("_fake", fake_reference)
         kv_cache = torch.randn(2, 2, 3, 4, 1, 8)
@@ -92,7 +92,7 @@ def test_by_device_wrapper_sends_cpu_tensors_to_the_reference_by_position_or_key
 
 
 def test_triton_kernel_lookup_returns_the_module_function():
-    from kernels import triton_store_kv
+    from pdserve.kernels import triton_store_kv
 
     assert dispatch.triton_kernel("store_kv") is triton_store_kv.store_kv
     assert reference_extra.add_rms_norm is dispatch.KERNELS["add_rms_norm"][0]

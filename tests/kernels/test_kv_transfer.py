@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.triton_kv_transfer import kv_pack, kv_unpack, launch_kv_pack
+from pdserve.kernels import reference
+from pdserve.kernels.triton_kv_transfer import kv_pack, kv_unpack, launch_kv_pack
 from tests.kernels.paged_data import generator_for, nan_like, randn
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

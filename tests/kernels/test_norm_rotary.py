@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from kernels import reference_extra
-from kernels.triton_norm import add_rms_norm, launch_add_rms_norm
-from kernels.triton_rotary import launch_rotary_embedding, rotary_embedding
+from pdserve.kernels import reference_extra
+from pdserve.kernels.triton_norm import add_rms_norm, launch_add_rms_norm
+from pdserve.kernels.triton_rotary import launch_rotary_embedding, rotary_embedding
 from tests.kernels.paged_data import assert_close, generator_for, nan_like, randn
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.triton_prefill_attention import choose_tiles, launch_prefill_attention, paged_prefill_attention
+from pdserve.kernels import reference
+from pdserve.kernels.triton_prefill_attention import choose_tiles, launch_prefill_attention, paged_prefill_attention
 from tests.kernels.paged_data import (
     assert_close,
     generator_for,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton_decode_attention import paged_decode_attention
-from kernels.triton_kv_transfer import kv_pack, kv_unpack
-from kernels.triton_norm import add_rms_norm
-from kernels.triton_prefill_attention import paged_prefill_attention
-from kernels.triton_rotary import rotary_embedding
-from kernels.triton_store_kv import store_kv
+from pdserve.kernels.triton_decode_attention import paged_decode_attention
+from pdserve.kernels.triton_kv_transfer import kv_pack, kv_unpack
+from pdserve.kernels.triton_norm import add_rms_norm
+from pdserve.kernels.triton_prefill_attention import paged_prefill_attention
+from pdserve.kernels.triton_rotary import rotary_embedding
+from pdserve.kernels.triton_store_kv import store_kv
 
 
 def _decode_args(**changes):

@@ -12,9 +12,9 @@ import pytest
 import torch
 from pydantic import Field, ValidationError
 
-from kvtransfer import protocol
-from kvtransfer.errors import ChecksumMismatchError, ProtocolError
-from kvtransfer.protocol import (
+from pdserve.kvtransfer import protocol
+from pdserve.kvtransfer.errors import ChecksumMismatchError, ProtocolError
+from pdserve.kvtransfer.protocol import (
     MAX_DICT_ITEMS,
     MAX_FRAME_BYTES,
     MAX_HEADER_BYTES,
@@ -38,7 +38,7 @@ from kvtransfer.protocol import (
     payload_checksum,
 )
 
-from kvtransfer import control  # noqa: E402 - registers the control message types
+from pdserve.kvtransfer import control  # noqa: E402 - registers the control message types
 
 FINGERPRINT = {"architecture": "LlamaForCausalLM", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
                "dtype": "bfloat16", "block_size": 16, "weights_hash": "ab12"}
@@ -390,6 +390,6 @@ def test_a_new_message_type_is_a_few_lines():
 
 
 def test_speaking_the_protocol_does_not_load_torch():
-    code = ("import sys, kvtransfer.protocol, kvtransfer.transport, kvtransfer.fingerprint; "
+    code = ("import sys, pdserve.kvtransfer.protocol, pdserve.kvtransfer.transport, pdserve.kvtransfer.fingerprint; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2]).returncode == 0

@@ -10,15 +10,15 @@ import pytest
 import torch
 import zmq
 
-from kvtransfer.errors import (
+from pdserve.kvtransfer.errors import (
     ChecksumMismatchError,
     PeerUnreachableError,
     ProtocolError,
     TransportError,
     TransportTimeout,
 )
-from kvtransfer.protocol import Error, Hello, HelloAck, KVAck, KVLayer, KVWant, encode
-from kvtransfer.transport import (
+from pdserve.kvtransfer.protocol import Error, Hello, HelloAck, KVAck, KVLayer, KVWant, encode
+from pdserve.kvtransfer.transport import (
     CurveClientConfig,
     CurveKeyPair,
     CurveServerConfig,

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvtransfer.fingerprint import LayoutFingerprint
-from kvtransfer.protocol import Hello, HelloAck, KVLayer, KVWant
-from kvtransfer.transport import KVClient, KVServer
-from prefill.connector import PrefillConnector
+from pdserve.kvtransfer.fingerprint import LayoutFingerprint
+from pdserve.kvtransfer.protocol import Hello, HelloAck, KVLayer, KVWant
+from pdserve.kvtransfer.transport import KVClient, KVServer
+from pdserve.prefill.connector import PrefillConnector
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 8, 4, 2, 8
 PROMPT_LEN, BLOCK_IDS = 6, [5, 2]  # two blocks, the second one partly filled
@@ -125,7 +125,7 @@ def test_kv_streaming_choice(choice, device, expected):
 
 
 def test_a_failed_send_drops_that_transfer_and_the_step_goes_on(link, monkeypatch):
-    from kvtransfer.transport import TransportTimeout
+    from pdserve.kvtransfer.transport import TransportTimeout
 
     connector, client, _ = link
     _ask_for_prompt(connector, client)
@@ -155,7 +155,7 @@ class _FakeCopyEvent:
 def test_copies_still_in_flight_hold_back_later_layers_and_order_is_kept(link):
     """On CUDA a layer's KV reaches the host asynchronously: a layer whose copy has not landed is not
     sent, nor is any later one (the decode engine relies on send order); waiting sends them all."""
-    from prefill.connector import _Copied
+    from pdserve.prefill.connector import _Copied
 
     connector, client, kv_cache = link
     _ask_for_prompt(connector, client)

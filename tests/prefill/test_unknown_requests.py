@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvtransfer.protocol import Error, KVAck, KVWant
+from pdserve.kvtransfer.protocol import Error, KVAck, KVWant
 from tests.prefill.test_layer_streaming import _wait_until, link  # noqa: F401  (link is a fixture)
 
 

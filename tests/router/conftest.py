@@ -30,7 +30,7 @@ def tiny_model(model_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tokenization(tiny_model):
-    from router.tokenization import Tokenization
+    from pdserve.router.tokenization import Tokenization
 
     return Tokenization(tiny_model)
 
@@ -41,9 +41,9 @@ def tokenization(tiny_model):
 async def router_app(model_dir: str, tokenization, **overrides):
     """(gateway, httpx client) for a router app served in this event loop; engines register at
     gateway.registry.registration_address."""
-    from router.api import create_app
-    from router.config import RouterConfig
-    from router.gateway import Gateway
+    from pdserve.router.api import create_app
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.gateway import Gateway
 
     settings = {"registration_address": "tcp://127.0.0.1:0", "heartbeat_timeout_s": 0.6, "stats_interval_s": 0.2,
                 "request_timeout_s": 30.0, **overrides}

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvtransfer.control import (
+from pdserve.kvtransfer.control import (
     DescribeRequest,
     EngineStats,
     GenerateRequest,
@@ -23,9 +23,9 @@ from kvtransfer.control import (
     StatsRequest,
     TokenDelta,
 )
-from kvtransfer.errors import KVTransferError
-from kvtransfer.protocol import Abort
-from kvtransfer.transport import KVClient, KVServer
+from pdserve.kvtransfer.errors import KVTransferError
+from pdserve.kvtransfer.protocol import Abort
+from pdserve.kvtransfer.transport import KVClient, KVServer
 
 VOCAB_SIZE = 1024
 

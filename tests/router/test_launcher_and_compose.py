@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tomllib
 from argparse import Namespace
 
 import pytest
@@ -65,13 +66,13 @@ def test_compose_healthchecks_probe_what_each_service_serves(name):
     services = load_compose(name)["services"]
     for service in ("router", "prefill", "decode"):
         test = services[service]["healthcheck"]["test"]
-        assert test[:4] == ["CMD", "python", "-m", "router.probe"], test
+        assert test[:4] == ["CMD", "python", "-m", "pdserve.router.probe"], test
         command = services[service]["command"]
         if service == "router":
             assert test[4] == f"http://127.0.0.1:{option(command, '--port')}/health"
         else:
             assert test[4] == f"tcp://127.0.0.1:{port_of(option(command, '--control-address'))}"
-    assert subprocess.run([sys.executable, "-m", "router.probe", "--help"], cwd=REPO,
+    assert subprocess.run([sys.executable, "-m", "pdserve.router.probe", "--help"], cwd=REPO,
                           capture_output=True).returncode == 0
 
 
@@ -98,10 +99,9 @@ def test_dockerfile_installs_every_package_and_runs_pdserve():
     dockerfile = (REPO / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["pdserve"]' in dockerfile
     assert "HF_HOME=/root/.cache/huggingface" in dockerfile, "the compose hf-cache volume is HF_HOME"
-    pyproject = (REPO / "pyproject.toml").read_text()
-    packages = re.search(r"include = \[(.*?)\]", pyproject).group(1)
-    for package in re.findall(r'"(\w+)\*"', packages):
-        assert f"COPY {package} ./{package}" in dockerfile, f"the image lacks the {package} package"
+    package_dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for folder in package_dirs.values():
+        assert f"COPY {folder} ./{folder}" in dockerfile, f"the image lacks the {folder} folder"
     cmd = re.search(r"^CMD (\[.*\])$", dockerfile, re.M).group(1)
     assert _build_parser().parse_args(yaml.safe_load(cmd)).command == "up"
 

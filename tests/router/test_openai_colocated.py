@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve import LLM, SamplingParams
 from tests.router.conftest import UpProcess, scrape, wait_no_kv_used
 
 API_KEY = "sesame-test-key"

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve import LLM, SamplingParams
 from tests.router.conftest import REPO, UpProcess, assert_openai_error, scrape, wait_no_kv_used
 
 PROMPTS = ["def main():", "import os\nimport sys\n\nclass Parser:\n    def __init__(self, text):",

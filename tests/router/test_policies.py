@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.block_pool import compute_block_hashes
-from kvtransfer.control import EngineStats, Register
-from router.config import RouterConfig
-from router.errors import NoEngineAvailable
-from router.policies import PREFIX_BALANCE_TOKENS, PrefixIndex, RoutingPolicy
+from pdserve.engine.block_pool import compute_block_hashes
+from pdserve.kvtransfer.control import EngineStats, Register
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import NoEngineAvailable
+from pdserve.router.policies import PREFIX_BALANCE_TOKENS, PrefixIndex, RoutingPolicy
 
 BLOCK = 4
 

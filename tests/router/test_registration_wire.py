@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from kvtransfer.control import DescribeRequest, Deregister, EngineStats, Register
-from kvtransfer.engine_server import Heartbeat, advertised_address
-from kvtransfer.errors import ProtocolError
-from kvtransfer.protocol import decode, encode
-from kvtransfer.transport import KVServer
+from pdserve.kvtransfer.control import DescribeRequest, Deregister, EngineStats, Register
+from pdserve.kvtransfer.engine_server import Heartbeat, advertised_address
+from pdserve.kvtransfer.errors import ProtocolError
+from pdserve.kvtransfer.protocol import decode, encode
+from pdserve.kvtransfer.transport import KVServer
 
 REGISTER = Register(engine_id="prefill-0", role="prefill", control_address="tcp://10.0.0.3:5600",
                     kv_address="tcp://10.0.0.3:5700", block_size=16, max_model_len=4096, vocab_size=32000,

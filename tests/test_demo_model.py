@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from engine import demo_model
-from engine.demo_model import (
+from pdserve import demo_model
+from pdserve.demo_model import (
     BOS_TOKEN,
     DEMO_SIZES,
     EOS_TOKEN,

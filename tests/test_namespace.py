@@ -1,0 +1,77 @@
+"""pdserve installs one import package, `pdserve`, whatever the repository's folders are called."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SUBPACKAGES = ("engine", "engine.layers", "engine.models", "kernels", "control", "kvtransfer", "prefill",
+               "decode", "router", "bench")
+
+
+def _python(code: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**_clean_env(), **env})
+
+
+def _clean_env() -> dict[str, str]:
+    import os
+
+    return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(out), str(REPO)], check=True, timeout=300, capture_output=True)
+    (built,) = out.glob("pdserve-*.whl")
+    return built
+
+
+def test_the_wheel_holds_only_the_pdserve_package(wheel):
+    with zipfile.ZipFile(wheel) as archive:
+        top_level = {name.split("/")[0] for name in archive.namelist()}
+        names = set(archive.namelist())
+    assert {name for name in top_level if not name.endswith(".dist-info")} == {"pdserve"}
+    for package in SUBPACKAGES:
+        assert f"pdserve/{package.replace('.', '/')}/__init__.py" in names, package
+    assert "pdserve/bench/gpu_session.sh" in names
+
+
+def test_the_installed_wheel_imports_every_subpackage_from_itself(wheel, tmp_path):
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+                    "--target", str(site), str(wheel)], check=True, timeout=300, capture_output=True)
+    code = ("import importlib, sys\n"
+            f"for name in {SUBPACKAGES!r}:\n"
+            "    module = importlib.import_module('pdserve.' + name)\n"
+            f"    assert module.__file__.startswith({str(site)!r}), module.__file__\n"
+            "from pdserve import LLM, SamplingParams\n"
+            "print('ok', 'torch' in sys.modules)")
+    result = _python(code, tmp_path, PYTHONPATH=str(site))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ok", "True"]  # LLM pulls in torch only when asked for
+
+
+def test_outside_the_checkout_only_pdserve_imports(tmp_path):
+    # The generic names of the repository's folders are not importable once pdserve is installed.
+    for name in ("engine", "kernels", "router", "bench", "kvtransfer", "prefill", "decode", "control"):
+        result = _python(f"import {name}", tmp_path)
+        assert result.returncode != 0 and "ModuleNotFoundError" in result.stderr, name
+    result = _python("import sys, pdserve, pdserve.kernels, pdserve.engine.layers.attention;"
+                     "print(pdserve.kernels.__name__, 'torch' in sys.modules)", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["pdserve.kernels", "True"]
+
+
+def test_importing_pdserve_alone_loads_no_torch(tmp_path):
+    result = _python("import sys, pdserve; print(pdserve.SamplingParams.__module__, 'torch' in sys.modules)",
+                     tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["pdserve.engine.request", "False"]
