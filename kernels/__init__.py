@@ -5,8 +5,6 @@ Each name below runs the Triton kernel on CUDA tensors and the pure-torch implem
 (kernels.reference, kernels.reference_extra) elsewhere; PDSERVE_KERNELS=torch|triton forces one
 (see kernels.dispatch). `kernel_backend(device)` says which one a device gets.
 
-Not the Hugging Face `kernels` package: this package deliberately has no `__version__` and none of
-its API, so transformers' `is_kernels_available()` stays False when it finds this one on sys.path.
 """
 
 from pdserve.kernels.dispatch import build as _build
