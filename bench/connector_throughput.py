@@ -11,7 +11,7 @@ of equal size, then one done message. Three senders of the same bytes:
   raw      pyzmq send_multipart([peer, fixed header, payload], copy=False) in the same messages as
            pdserve; the receiver only counts. The baseline for the protocol's own cost.
   raw-one  the same, but the whole request in one message (what a naive sender does).
-  kv       KVServer.send(KVLayer.from_tensor(...)) with a payload checksum per message, then KVDone;
+  kv       ServerSocket.send(KVLayer.from_tensor(...)) with a payload checksum per message, then KVDone;
            the receiver decodes and validates each header, checks frame length and checksum, rebuilds
            the bf16 tensor view, and checks KVDone's combined checksum.
 Time runs on the sender from its first send to the receiver's final ack. Repeats rotate the order of
@@ -38,10 +38,14 @@ import msgpack
 import torch
 import zmq
 
-from pdserve.kvtransfer.protocol import KVAck, KVDone, KVLayer, KVWant, combine_checksums, payload_checksum
-from pdserve.kvtransfer.transport import (
-    CurveClientConfig, CurveServerConfig, KVClient, KVServer, generate_curve_keypair,
+from pdserve.control.keys import (
+    CurveClientConfig,
+    CurveServerConfig,
+    generate_curve_keypair,
 )
+from pdserve.control.sockets import ClientSocket, ServerSocket
+from pdserve.kvtransfer.messages import KVAck, KVDone, KVLayer, KVWant
+from pdserve.kvtransfer.payload import combine_checksums, payload_checksum
 from pdserve.prefill.connector import MESSAGE_TARGET_BYTES
 
 MIB = 1 << 20
@@ -110,7 +114,7 @@ def run_sender(scenarios, address_queue, result_queue, core, curve) -> None:
     pin_to_core(core)
     for index, (_, mode, size_mib, num_messages, num_requests, address) in enumerate(scenarios):
         raw = mode != "kv"
-        link = raw_router(address) if raw else KVServer(address, hwm=HWM, curve=curve and curve[0])
+        link = raw_router(address) if raw else ServerSocket(address, hwm=HWM, curve=curve and curve[0])
         address_queue.put(link.getsockopt_string(zmq.LAST_ENDPOINT) if raw else link.address)
         peer = link.recv_multipart()[0] if raw else link.recv(WAIT_S).peer_id
         start, start_cpu = time.perf_counter(), time.process_time()
@@ -157,7 +161,7 @@ def run_receiver(scenarios, address_queue, result_queue, core, curve) -> None:
     for index, (_, mode, _, _, num_requests, _) in enumerate(scenarios):
         address = address_queue.get(timeout=WAIT_S)
         raw = mode != "kv"
-        link = raw_dealer(address) if raw else KVClient(address, hwm=HWM, curve=curve and curve[1])
+        link = raw_dealer(address) if raw else ClientSocket(address, hwm=HWM, curve=curve and curve[1])
         if raw:
             link.send(b"start")
         else:

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.kvtransfer.control import EngineStats
+from pdserve.control.messages import EngineStats
 from pdserve.local_cluster import Driver, EngineProcess
 
 ENGINE_ARGS = ("--max-num-batched-tokens", "2048", "--log-level", "WARNING")

@@ -34,9 +34,16 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.kvtransfer.control import DescribeRequest, EngineStats, GenerateRequest, Register, StatsRequest, TokenDelta
-from pdserve.kvtransfer.protocol import Abort
-from pdserve.kvtransfer.transport import KVClient, KVServer
+from pdserve.control.messages import (
+    Abort,
+    DescribeRequest,
+    EngineStats,
+    GenerateRequest,
+    Register,
+    StatsRequest,
+    TokenDelta,
+)
+from pdserve.control.sockets import ClientSocket, ServerSocket
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 300
@@ -89,7 +96,7 @@ def start_router(model: str, decode_address: str, log_dir: Path) -> tuple[subpro
 
 # ---- 1. latency ----
 
-def direct_request(client: KVClient, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+def direct_request(client: ClientSocket, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
     """(time to first token, end-to-end) of one request sent straight to the engine."""
     start_time = time.perf_counter()
     client.send(GenerateRequest(request_id=request_id, prompt_token_ids=prompt, temperature=0.0,
@@ -141,7 +148,7 @@ def measure_latency(model: str, args: argparse.Namespace, log_dir: Path) -> dict
     prompt = [(7 * i) % 900 + 10 for i in range(args.prompt_len)]
     samples = {name: [] for name in ("direct_e2e", "router_e2e", "direct_ttft", "router_ttft")}
     try:
-        with KVClient(ready["control"]) as client, httpx.Client(base_url=url, timeout=60) as http:
+        with ClientSocket(ready["control"]) as client, httpx.Client(base_url=url, timeout=60) as http:
             ids = (f"bench-{i}" for i in itertools.count())
             for i in range(args.num_requests + args.warmup):
                 ttft, e2e = direct_request(client, next(ids), prompt, args.max_tokens)
@@ -164,7 +171,7 @@ def measure_latency(model: str, args: argparse.Namespace, log_dir: Path) -> dict
 
 def synthetic_engine(tokens: list[int]) -> None:
     """A decode engine without a model: every step sends one token to every open request."""
-    server = KVServer("tcp://127.0.0.1:0")
+    server = ServerSocket("tcp://127.0.0.1:0")
     print(f"PDSERVE_READY role=decode engine_id=synthetic control={server.address}", flush=True)
     active: dict[str, list] = {}  # request id -> [peer, tokens left, position]
     while True:
@@ -182,7 +189,7 @@ def synthetic_engine(tokens: list[int]) -> None:
                 del active[request_id]
 
 
-def _answer(server: KVServer, routed, active: dict) -> None:
+def _answer(server: ServerSocket, routed, active: dict) -> None:
     msg, peer_id = routed.msg, routed.peer_id
     if isinstance(msg, DescribeRequest):
         server.send(peer_id, Register(engine_id="synthetic", role="decode", control_address=server.address,

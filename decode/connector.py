@@ -14,13 +14,17 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve import kernels
+from pdserve.control.errors import ProtocolError, WireError
+from pdserve.control.keys import CurveClientConfig
+from pdserve.control.messages import Abort, Error
+from pdserve.control.sockets import ClientSocket
 from pdserve.engine.cpu_threads import one_cpu_thread
 from pdserve.engine.kv_connector import ConnectorEvents, KVConnector
 from pdserve.engine.request import Request
-from pdserve.kvtransfer.errors import KVTransferError, ProtocolError
+from pdserve.kvtransfer.errors import KVTransferError
 from pdserve.kvtransfer.fingerprint import LayoutFingerprint
-from pdserve.kvtransfer.protocol import Abort, Error, HelloAck, Hello, KVAck, KVDone, KVLayer, KVWant, combine_checksums
-from pdserve.kvtransfer.transport import CurveClientConfig, KVClient
+from pdserve.kvtransfer.messages import Hello, HelloAck, KVAck, KVDone, KVLayer, KVWant
+from pdserve.kvtransfer.payload import combine_checksums
 
 log = logging.getLogger("pdserve.decode.connector")
 
@@ -30,7 +34,7 @@ SEND_TIMEOUT_S = 2.0
 @dataclass
 class _PrefillLink:
     address: str
-    client: KVClient
+    client: ClientSocket
     refused: str | None = None  # why the prefill engine refused the link (layout mismatch ...)
 
 
@@ -87,7 +91,7 @@ class DecodeConnector(KVConnector):
             self._incoming[request.request_id] = incoming
             link.client.send(KVWant(request_id=request.request_id, skip_tokens=skip, num_tokens=num_external_tokens),
                              timeout=SEND_TIMEOUT_S)
-        except KVTransferError as exc:
+        except WireError as exc:
             self._fail(request.request_id, f"cannot reach prefill engine {request.prefill_kv_address}: {exc}")
 
     def on_request_aborted(self, request: Request) -> None:
@@ -105,7 +109,7 @@ class DecodeConnector(KVConnector):
     def _link(self, address: str) -> _PrefillLink:
         link = self._links.get(address)
         if link is None:
-            client = KVClient(address, curve=self.curve, send_timeout=SEND_TIMEOUT_S)
+            client = ClientSocket(address, curve=self.curve, send_timeout=SEND_TIMEOUT_S)
             link = _PrefillLink(address, client)
             self._links[address] = link
             client.send(Hello(fingerprint=self.fingerprint.to_dict(), role="decode", engine_id=self.engine_id))
@@ -235,7 +239,7 @@ class DecodeConnector(KVConnector):
     def _send_quietly(self, link: _PrefillLink, msg) -> None:
         try:
             link.client.send(msg, timeout=0.1)
-        except KVTransferError as exc:  # the peer is gone; our side is already cleaned up
+        except WireError as exc:  # the peer is gone; our side is already cleaned up
             log.info("could not send %s to %s: %s", msg.type_name, link.address, exc)
 
     def close(self) -> None:

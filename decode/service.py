@@ -8,13 +8,13 @@ import dataclasses
 import logging
 from typing import Any
 
+from pdserve.control.engine_server import EngineServer
+from pdserve.control.keys import load_cluster_keys
+from pdserve.control.messages import GenerateRequest
 from pdserve.decode.connector import DecodeConnector
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.request import SamplingParams
-from pdserve.kvtransfer.control import GenerateRequest
-from pdserve.kvtransfer.curve_keys import load_cluster_keys
-from pdserve.kvtransfer.engine_server import EngineServer
 from pdserve.kvtransfer.fingerprint import engine_fingerprint
 
 log = logging.getLogger("pdserve.decode")

@@ -1,30 +1,18 @@
-"""Errors raised by the KV transfer layer; each carries a short `code` an Error reply can repeat."""
+"""Errors of the KV link itself (payloads and layouts); transport and protocol errors are
+pdserve.control.errors."""
 
 from __future__ import annotations
 
+from pdserve.control.errors import ProtocolError, WireError
 
-class KVTransferError(Exception):
-    """Base of every kvtransfer error."""
+
+class KVTransferError(WireError):
+    """Base of the KV link's own errors."""
 
     code = "kv_transfer_error"
 
 
-class ProtocolError(KVTransferError, ValueError):
-    """A message that breaks the wire protocol: bad header, field, size, frame or checksum.
-
-    The receiving loop answers it with an `Error` message and keeps serving. `request_id` is set
-    when the bad message named one; `peer_id` is set by a ROUTER socket that knows the sender.
-    """
-
-    code = "protocol_error"
-
-    def __init__(self, message: str, *, request_id: str | None = None, peer_id: bytes | None = None):
-        super().__init__(message)
-        self.request_id = request_id
-        self.peer_id = peer_id
-
-
-class ChecksumMismatchError(ProtocolError):
+class ChecksumMismatchError(ProtocolError, KVTransferError):
     """A payload whose checksum differs from the one its header promised (corrupted in flight)."""
 
     code = "checksum_mismatch"
@@ -44,27 +32,3 @@ class WeightsHashError(KVTransferError, ValueError):
     """A path that holds no readable safetensors weights to fingerprint."""
 
     code = "weights_unreadable"
-
-
-class TransportError(KVTransferError):
-    """A socket that cannot be made, bound, connected or used as asked."""
-
-    code = "transport_error"
-
-
-class TransportTimeout(TransportError, TimeoutError):
-    """A send that no peer accepted within its time bound."""
-
-    code = "timeout"
-
-
-class PeerUnreachableError(TransportError):
-    """A ROUTER send addressed to a peer that is not (or no longer) connected."""
-
-    code = "peer_unreachable"
-
-
-class CurveUnavailableError(TransportError):
-    """CURVE was asked for but the installed libzmq was built without it."""
-
-    code = "curve_unavailable"

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pdserve.kvtransfer.errors import LayoutMismatchError, ProtocolError, WeightsHashError
+from pdserve.control.errors import ProtocolError
+from pdserve.kvtransfer.errors import LayoutMismatchError, WeightsHashError
 
 SAMPLES_PER_FILE = 16
 SAMPLE_BYTES = 64 * 1024

@@ -3,23 +3,22 @@
     D -> P   Hello (layout fingerprint), KVWant (send this request's KV)
     P -> D   HelloAck, KVLayer (+ one payload frame) per layer range, KVDone
     D -> P   KVAck
-    either   Abort, Error
+    either   Abort, Error (pdserve.control.messages: both planes use them)
 
-Schemas, bounds and error wording: kvtransfer.schema. Payload layout and checksums: kvtransfer.payload.
+Schemas and bounds: pdserve.control.schema. Payload layout and checksums: kvtransfer.payload.
 """
 
 from __future__ import annotations
 
 import math
-import typing
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from pdserve.kvtransfer.errors import ChecksumMismatchError, ProtocolError
-from pdserve.kvtransfer.payload import DTYPE_SIZES, KVDtype, as_buffer, dtype_name, payload_checksum, tensor_from_frame
-from pdserve.kvtransfer.schema import (
+from pdserve.control.errors import ProtocolError
+from pdserve.control.protocol import as_buffer
+from pdserve.control.schema import (
     MAX_CHECKSUM,
     MAX_DICT_ITEMS,
     MAX_FRAME_BYTES,
@@ -27,16 +26,21 @@ from pdserve.kvtransfer.schema import (
     MAX_LAYERS,
     MAX_LOGPROBS,
     MAX_SHAPE_DIMS,
-    MAX_STR_LEN,
     MAX_TOKENS,
     Message,
+    Role,
+    TokenId,
     max_items,
 )
+from pdserve.kvtransfer.errors import ChecksumMismatchError
+from pdserve.kvtransfer.payload import (
+    DTYPE_SIZES,
+    KVDtype,
+    dtype_name,
+    payload_checksum,
+    tensor_from_frame,
+)
 
-Role = Literal["prefill", "decode"]
-ROLES: tuple[str, ...] = typing.get_args(Role)
-MAX_TOKEN_ID = (1 << 31) - 1
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 FrameDim = Annotated[int, Field(ge=1, le=MAX_FRAME_BYTES)]  # one dimension of a payload's shape
 
 
@@ -141,24 +145,3 @@ class KVAck(Message, type_name="kv_ack"):
     request_id: str = Field(max_length=MAX_ID_LEN)
     ok: bool
     reason: str = ""
-
-
-class Abort(Message, type_name="abort"):
-    """Either way: stop work on a request and free what it holds."""
-
-    request_id: str = Field(max_length=MAX_ID_LEN)
-    reason: str = ""
-
-
-class Error(Message, type_name="error"):
-    """Either way: the peer's last message could not be served; code is an error class's `code`."""
-
-    code: str = Field(max_length=64)
-    message: str
-    request_id: str | None = Field(default=None, max_length=MAX_ID_LEN)
-
-    @classmethod
-    def from_exception(cls, exc: BaseException) -> Error:
-        request_id = getattr(exc, "request_id", None)
-        return cls(code=str(getattr(exc, "code", "internal_error"))[:64], message=str(exc)[:MAX_STR_LEN],
-                   request_id=request_id if isinstance(request_id, str) and len(request_id) <= MAX_ID_LEN else None)

@@ -10,14 +10,13 @@ router) does not load it.
 from __future__ import annotations
 
 import hashlib
-import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import xxhash
 
-from pdserve.kvtransfer.errors import ProtocolError
+from pdserve.control.errors import ProtocolError
 
 # KV dtypes by torch attribute name, with their size in bytes.
 DTYPE_SIZES = {
@@ -53,33 +52,6 @@ def dtype_name(dtype: Any) -> str:
     if name not in DTYPE_SIZES:
         raise ValueError(f"KV dtype {dtype} cannot be sent: use one of {sorted(DTYPE_SIZES)}")
     return name
-
-
-def as_buffer(obj: Any) -> memoryview:
-    """A flat byte view of a CPU tensor (any dtype, bf16 included), bytes, bytearray, memoryview or
-    numpy array, without copying (a non-contiguous tensor is made contiguous first)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
-        return _tensor_bytes(obj, torch)
-    try:
-        view = memoryview(obj)
-    except TypeError:
-        raise TypeError(f"cannot send a {type(obj).__name__} as a frame: pass a CPU torch.Tensor, bytes, "
-                        f"bytearray, memoryview or numpy array") from None
-    if not view.c_contiguous:
-        raise ValueError("cannot send a non-contiguous buffer as a frame: make it contiguous first")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _tensor_bytes(tensor: Any, torch: Any) -> memoryview:
-    """[nbytes] view of a CPU tensor in as few torch calls as possible: this runs once per KV message."""
-    if not tensor.is_cpu:
-        raise ValueError(f"tensor is on {tensor.device}: copy it to (pinned) CPU memory before sending")
-    if tensor.requires_grad:
-        tensor = tensor.detach()
-    if tensor.dim() == 0 or not tensor.is_contiguous():
-        tensor = tensor.reshape(-1).contiguous()
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
 
 
 def tensor_from_frame(frame: Any, dtype: str, shape: Sequence[int]) -> Any:

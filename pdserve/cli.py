@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.arch}-{args.size} demo model to {path}")
             return 0
         if args.command == "keygen":
-            from pdserve.kvtransfer.curve_keys import write_cluster_keys
+            from pdserve.control.keys import write_cluster_keys
 
             print(f"wrote CURVE keys to {write_cluster_keys(args.dir)}; pass --curve-dir {args.dir} to every process")
             return 0

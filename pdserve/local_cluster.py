@@ -13,9 +13,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.kvtransfer.control import EngineStats, GenerateRequest, PrefillRequest, StatsRequest, TokenDelta
-from pdserve.kvtransfer.protocol import Abort
-from pdserve.kvtransfer.transport import KVClient
+from pdserve.control.messages import (
+    Abort,
+    EngineStats,
+    GenerateRequest,
+    PrefillRequest,
+    StatsRequest,
+    TokenDelta,
+)
+from pdserve.control.sockets import ClientSocket
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 120
@@ -75,8 +81,8 @@ class Driver:
 
     def __init__(self, decode: EngineProcess, prefill: EngineProcess | None = None, curve=None) -> None:
         """curve: a CurveClientConfig when the engines run with --curve-dir."""
-        self.decode = KVClient(decode.addresses["control"], curve=curve)
-        self.prefill = KVClient(prefill.addresses["control"], curve=curve) if prefill else None
+        self.decode = ClientSocket(decode.addresses["control"], curve=curve)
+        self.prefill = ClientSocket(prefill.addresses["control"], curve=curve) if prefill else None
         self.prefill_kv = prefill.addresses["kv"] if prefill else None
 
     def submit(self, request_id: str, prompt: list[int], remote: bool = True, **sampling) -> None:
@@ -116,7 +122,7 @@ class Driver:
             self.prefill.send(Abort(request_id=request_id, reason="client went away"))
 
     @staticmethod
-    def _stats(client: KVClient) -> EngineStats:
+    def _stats(client: ClientSocket) -> EngineStats:
         client.send(StatsRequest())
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

@@ -18,13 +18,16 @@ from typing import Any, Callable
 import torch
 
 from pdserve import kernels
+from pdserve.control.errors import ProtocolError, WireError
+from pdserve.control.messages import Abort, Error
+from pdserve.control.sockets import ServerSocket
 from pdserve.engine.cpu_threads import one_cpu_thread
 from pdserve.engine.kv_connector import ConnectorEvents, KVConnector
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kvtransfer.errors import KVTransferError, LayoutMismatchError, ProtocolError
+from pdserve.kvtransfer.errors import LayoutMismatchError
 from pdserve.kvtransfer.fingerprint import LayoutFingerprint, check_compatible
-from pdserve.kvtransfer.protocol import Abort, Error, Hello, HelloAck, KVAck, KVDone, KVLayer, KVWant, combine_checksums
-from pdserve.kvtransfer.transport import KVServer
+from pdserve.kvtransfer.messages import Hello, HelloAck, KVAck, KVDone, KVLayer, KVWant
+from pdserve.kvtransfer.payload import combine_checksums
 
 log = logging.getLogger("pdserve.prefill.connector")
 
@@ -86,7 +89,7 @@ class _AwaitingAck:
 
 
 class PrefillConnector(KVConnector):
-    def __init__(self, server: KVServer, fingerprint: LayoutFingerprint, want_timeout_s: float = 30.0,
+    def __init__(self, server: ServerSocket, fingerprint: LayoutFingerprint, want_timeout_s: float = 30.0,
                  lease_s: float = 30.0, stream_layers: bool = True) -> None:
         self.server = server
         self.fingerprint = fingerprint
@@ -201,7 +204,7 @@ class PrefillConnector(KVConnector):
                 continue
             try:
                 self._send_payload(copied.request_id, copied.transfer, copied.kv, copied.layer_start, copied.position)
-            except KVTransferError as exc:  # never fail the step (other requests share it)
+            except WireError as exc:  # never fail the step (other requests share it)
                 self._drop_transfer(copied.request_id, exc)
 
     def _pick_up_wants(self, unasked: list, jobs: list[_StreamJob]) -> None:
@@ -217,7 +220,7 @@ class PrefillConnector(KVConnector):
     def _start_streaming(self, item, transfer: _Transfer, jobs: list[_StreamJob]) -> None:
         try:
             jobs.extend(self._stream_job(item, transfer))
-        except KVTransferError as exc:
+        except WireError as exc:
             self._drop_transfer(item.request.request_id, exc)
 
     def _drop_transfer(self, request_id: str, exc: Exception) -> None:
@@ -332,7 +335,7 @@ class PrefillConnector(KVConnector):
                 request_id=request_id, first_token=request.output_token_ids[0], num_tokens=transfer.num_tokens,
                 checksum=combine_checksums(transfer.checksums),
                 first_logprobs=request.logprobs[0] if request.logprobs else None))
-        except KVTransferError as exc:
+        except WireError as exc:
             log.warning("sending KV of %s failed: %s", request_id, exc)
             self._release(request_id, str(exc))
 

@@ -8,15 +8,14 @@ import dataclasses
 import logging
 from typing import Any
 
+from pdserve.control.engine_server import EngineServer
+from pdserve.control.keys import load_cluster_keys
+from pdserve.control.messages import Abort, PrefillRequest
+from pdserve.control.sockets import ServerSocket
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.request import SamplingParams
-from pdserve.kvtransfer.control import PrefillRequest
-from pdserve.kvtransfer.curve_keys import load_cluster_keys
-from pdserve.kvtransfer.engine_server import EngineServer
-from pdserve.kvtransfer.protocol import Abort
 from pdserve.kvtransfer.fingerprint import engine_fingerprint
-from pdserve.kvtransfer.transport import KVServer
 from pdserve.prefill.connector import PrefillConnector
 
 log = logging.getLogger("pdserve.prefill")
@@ -66,7 +65,7 @@ class PrefillServer(EngineServer):
 def build_prefill_server(model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                          options: PrefillOptions) -> PrefillServer:
     curve = load_cluster_keys(options.curve_dir) if options.curve_dir else None
-    kv_server = KVServer(options.kv_address, curve=curve.server if curve else None)
+    kv_server = ServerSocket(options.kv_address, curve=curve.server if curve else None)
     connector = PrefillConnector(kv_server, engine_fingerprint(model_config, cache_config.block_size),
                                  want_timeout_s=options.want_timeout_s, lease_s=options.lease_s,
                                  stream_layers=options.stream_layers)

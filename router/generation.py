@@ -24,8 +24,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.kvtransfer.control import GenerateRequest, PrefillRequest, TokenDelta
-from pdserve.kvtransfer.protocol import Abort
+from pdserve.control.messages import Abort, GenerateRequest, PrefillRequest, TokenDelta
 from pdserve.router.errors import EngineFailed, InvalidRequest, RequestTimeout
 from pdserve.router.link import EngineGone, EngineUnreachable
 from pdserve.router.policies import Route
@@ -38,7 +37,7 @@ log = logging.getLogger("pdserve.router.generation")
 class ChoiceSpec:
     index: int
     prompt_token_ids: list[int]
-    fields: dict[str, Any]  # kvtransfer.control.SamplingFields keyword arguments
+    fields: dict[str, Any]  # control.messages.SamplingFields keyword arguments
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
 

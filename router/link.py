@@ -16,10 +16,18 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from pdserve.kvtransfer.control import EngineStats, Register, StatsRequest, TokenDelta
-from pdserve.kvtransfer.errors import KVTransferError, ProtocolError
-from pdserve.kvtransfer.protocol import MAX_FRAME_BYTES, Error, Message, decode, encode
-from pdserve.kvtransfer.transport import CurveClientConfig
+from pdserve.control.errors import ProtocolError, WireError
+from pdserve.control.keys import CurveClientConfig
+from pdserve.control.messages import (
+    EngineStats,
+    Error,
+    Register,
+    StatsRequest,
+    TokenDelta,
+)
+from pdserve.control.protocol import decode, encode
+from pdserve.control.schema import Message
+from pdserve.control.sockets import open_socket
 
 log = logging.getLogger("pdserve.router.link")
 
@@ -53,17 +61,9 @@ class EngineLink:
         self.pending_tokens = 0  # prompt tokens sent since the last stats (load not yet reported)
         self.streams: dict[str, asyncio.Queue] = {}
         self._stats_waiters: list[asyncio.Future] = []
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IMMEDIATE, 1)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.SNDHWM, LINK_HWM)
-        self.socket.setsockopt(zmq.RCVHWM, LINK_HWM)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        if curve is not None:
-            self.socket.curve_secretkey = curve.keypair.secret_key
-            self.socket.curve_publickey = curve.keypair.public_key
-            self.socket.curve_serverkey = curve.server_public_key
-        self.socket.connect(control_address)
+        self._opened = open_socket(zmq.DEALER, control_address, bind=False, curve=curve, context=context,
+                                   hwm=LINK_HWM, linger_s=0)
+        self.socket: zmq.asyncio.Socket = self._opened.socket
         self._reader = asyncio.create_task(self._read_loop(), name=f"link {control_address}")
 
     @property
@@ -83,7 +83,7 @@ class EngineLink:
         except zmq.Again:
             raise EngineUnreachable(f"engine {self.engine_id} at {self.control_address} is not connected "
                                     f"or not taking messages") from None
-        except (zmq.ZMQError, KVTransferError) as exc:
+        except (zmq.ZMQError, WireError) as exc:
             raise EngineUnreachable(f"send to engine {self.engine_id} failed: {exc}") from exc
 
     def try_send(self, msg: Message) -> bool:
@@ -178,4 +178,4 @@ class EngineLink:
             await self._reader
         except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing; the reader's end is moot
             pass
-        self.socket.close(linger=0)
+        self._opened.close(linger_s=0)

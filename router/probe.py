@@ -11,9 +11,9 @@ import sys
 import urllib.error
 import urllib.request
 
-from pdserve.kvtransfer.control import EngineStats, StatsRequest
-from pdserve.kvtransfer.errors import KVTransferError
-from pdserve.kvtransfer.transport import KVClient
+from pdserve.control.errors import WireError
+from pdserve.control.messages import EngineStats, StatsRequest
+from pdserve.control.sockets import ClientSocket
 
 
 def probe_http(url: str, timeout: float) -> str | None:
@@ -29,10 +29,10 @@ def probe_http(url: str, timeout: float) -> str | None:
 
 def probe_engine(address: str, timeout: float) -> str | None:
     try:
-        with KVClient(address, linger=0) as client:
+        with ClientSocket(address, linger=0) as client:
             client.send(StatsRequest(), timeout=timeout)
             received = client.recv(timeout=timeout)
-    except KVTransferError as exc:
+    except WireError as exc:
         return f"engine at {address}: {exc}"
     if received is None or not isinstance(received.msg, EngineStats):
         return f"engine at {address} did not answer StatsRequest within {timeout}s"

@@ -22,11 +22,11 @@ import time
 import zmq
 import zmq.asyncio
 
-from pdserve.kvtransfer.control import DescribeRequest, Deregister, EngineStats, Register
-from pdserve.kvtransfer.curve_keys import load_cluster_keys
-from pdserve.kvtransfer.errors import ProtocolError
-from pdserve.kvtransfer.protocol import MAX_FRAME_BYTES, decode
-from pdserve.kvtransfer.transport import validate_address
+from pdserve.control.errors import ProtocolError, TransportError
+from pdserve.control.keys import load_cluster_keys
+from pdserve.control.messages import Deregister, DescribeRequest, EngineStats, Register
+from pdserve.control.protocol import decode
+from pdserve.control.sockets import OpenSocket, open_socket, validate_address
 from pdserve.router.config import RouterConfig
 from pdserve.router.link import EngineLink
 
@@ -46,7 +46,7 @@ class EngineRegistry:
         self.on_change: list = []  # callbacks(link) when an engine joins or leaves routing
         self._peers: dict[bytes, str] = {}  # registration peer id -> control address
         self._tasks: list[asyncio.Task] = []
-        self._registration: zmq.asyncio.Socket | None = None
+        self._registration: OpenSocket | None = None
 
     async def start(self) -> None:
         if self.config.registration_address:
@@ -60,20 +60,13 @@ class EngineRegistry:
         self._tasks.append(asyncio.create_task(self._liveness_loop(), name="liveness"))
 
     def _bind_registration(self, address: str) -> None:
-        socket = self.context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        if self.curve is not None:  # engines must hold the cluster's keys to register
-            socket.curve_secretkey = self.curve.server.keypair.secret_key
-            socket.curve_publickey = self.curve.server.keypair.public_key
-            socket.curve_server = True
+        # engines must hold the cluster's keys to register: the server config admits only its client key
         try:
-            socket.bind(validate_address(address, bind=True))
-        except zmq.ZMQError as exc:
-            socket.close()
-            raise ValueError(f"cannot bind the registration address {address}: {exc}: pick a free port") from exc
-        self._registration = socket
-        self.registration_address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._registration = open_socket(zmq.ROUTER, address, bind=True, context=self.context,
+                                             curve=self.curve.server if self.curve else None, linger_s=0)
+        except TransportError as exc:
+            raise ValueError(f"cannot bind the registration address {address}: {exc}") from exc
+        self.registration_address = self._registration.address
 
     def _client_keys(self):
         return self.curve.client if self.curve is not None else None
@@ -102,7 +95,7 @@ class EngineRegistry:
 
     async def _registration_loop(self) -> None:
         while True:
-            parts = await self._registration.recv_multipart(copy=False)
+            parts = await self._registration.socket.recv_multipart(copy=False)
             peer_id = parts[0].bytes
             try:
                 msg, _ = decode(parts[1:])
@@ -218,5 +211,5 @@ class EngineRegistry:
             await link.close()
         self.links.clear()
         if self._registration is not None:
-            self._registration.close(linger=0)
+            self._registration.close(linger_s=0)
         self.context.term()

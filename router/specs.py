@@ -5,12 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.control.errors import ProtocolError
+from pdserve.control.messages import SamplingFields
 from pdserve.engine.request import InvalidRequestError, SamplingParams
-from pdserve.kvtransfer.control import SamplingFields
-from pdserve.kvtransfer.errors import ProtocolError
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.generation import ChoiceSpec
-from pdserve.router.schemas import MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from pdserve.router.schemas import (
+    MAX_STOP_STRINGS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, param: str) -> int:

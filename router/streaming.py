@@ -21,7 +21,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.router.errors import APIError
 from pdserve.router.gateway import Gateway
 from pdserve.router.generation import ChoiceDelta, ChoiceRunner, Restarted, merge
-from pdserve.router.responses import SSE_DONE, ChatFormatter, ChoiceTotal, Formatter, sse
+from pdserve.router.responses import (
+    SSE_DONE,
+    ChatFormatter,
+    ChoiceTotal,
+    Formatter,
+    sse,
+)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")

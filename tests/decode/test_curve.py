@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.kvtransfer.curve_keys import load_cluster_keys, write_cluster_keys
-from pdserve.kvtransfer.errors import TransportTimeout
-from pdserve.kvtransfer.control import GenerateRequest
-from pdserve.kvtransfer.transport import KVClient
+from pdserve.control.errors import TransportTimeout
+from pdserve.control.keys import load_cluster_keys, write_cluster_keys
+from pdserve.control.messages import GenerateRequest
+from pdserve.control.sockets import ClientSocket
 from pdserve.local_cluster import Driver, EngineProcess
-from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_disaggregated import (
+    ENGINE_ARGS,
+    GREEDY,
+    PROMPTS,
+    assert_no_leaks,
+    colocated_tokens,
+)
 
 
 def test_encrypted_cluster_serves_key_holders_only(model_factory, tmp_path):
@@ -24,11 +30,11 @@ def test_encrypted_cluster_serves_key_holders_only(model_factory, tmp_path):
         assert [r.token_ids for r in results] == colocated_tokens(model_dir, PROMPTS[:3], **GREEDY)
         assert driver.decode_stats().kv_bytes_received > 0, "the KV link itself ran under CURVE"
         assert_no_leaks(driver)
-        with KVClient(decode.addresses["control"], send_timeout=1.0) as stranger:  # no keys
+        with ClientSocket(decode.addresses["control"], send_timeout=1.0) as stranger:  # no keys
             with pytest.raises(TransportTimeout):
                 stranger.send(GenerateRequest(request_id="x", prompt_token_ids=[1, 2], max_tokens=2))
         other_keys = load_cluster_keys(write_cluster_keys(tmp_path / "other"))
-        with KVClient(decode.addresses["control"], curve=other_keys.client, send_timeout=1.0) as impostor:
+        with ClientSocket(decode.addresses["control"], curve=other_keys.client, send_timeout=1.0) as impostor:
             with pytest.raises(TransportTimeout):
                 impostor.send(GenerateRequest(request_id="y", prompt_token_ids=[1, 2], max_tokens=2))
     finally:

@@ -9,7 +9,13 @@ import time
 import pytest
 
 from pdserve.local_cluster import Driver, EngineProcess
-from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_disaggregated import (
+    ENGINE_ARGS,
+    GREEDY,
+    PROMPTS,
+    assert_no_leaks,
+    colocated_tokens,
+)
 
 KV_TIMEOUT = ("--kv-timeout", "4")
 

@@ -7,10 +7,10 @@ import time
 
 import torch
 
+from pdserve.control.sockets import ServerSocket
 from pdserve.decode.connector import DecodeConnector
 from pdserve.kvtransfer.fingerprint import LayoutFingerprint
-from pdserve.kvtransfer.protocol import Hello, HelloAck, KVDone, KVLayer
-from pdserve.kvtransfer.transport import KVServer
+from pdserve.kvtransfer.messages import Hello, HelloAck, KVDone, KVLayer
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 2, 4, 4, 2, 8
 
@@ -18,7 +18,7 @@ NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 2, 4, 4, 2, 8
 def test_kv_for_a_request_nobody_asked_for_is_dropped(caplog):
     fingerprint = LayoutFingerprint(architecture="LlamaForCausalLM", num_layers=NUM_LAYERS, num_kv_heads=KV_HEADS,
                                     head_dim=HEAD_DIM, dtype="float32", block_size=BLOCK_SIZE, weights_hash="w")
-    prefill = KVServer("tcp://127.0.0.1:0")  # plays a prefill engine that sends unasked KV
+    prefill = ServerSocket("tcp://127.0.0.1:0")  # plays a prefill engine that sends unasked KV
     connector = DecodeConnector(fingerprint, "d0", timeout_s=5)
     kv_cache = torch.zeros(NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     connector.bind_kv_cache(kv_cache)

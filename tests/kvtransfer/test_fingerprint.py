@@ -10,10 +10,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from pdserve.control.errors import ProtocolError
+from pdserve.control.protocol import decode, encode
 from pdserve.kvtransfer import fingerprint as fp
-from pdserve.kvtransfer.errors import LayoutMismatchError, ProtocolError, WeightsHashError
-from pdserve.kvtransfer.fingerprint import LayoutFingerprint, check_compatible, hash_weights_file
-from pdserve.kvtransfer.protocol import Hello, decode, encode
+from pdserve.kvtransfer.errors import LayoutMismatchError, WeightsHashError
+from pdserve.kvtransfer.fingerprint import (
+    LayoutFingerprint,
+    check_compatible,
+    hash_weights_file,
+)
+from pdserve.kvtransfer.messages import Hello
 
 DROP = object()
 LOCAL = LayoutFingerprint(architecture="LlamaForCausalLM", num_layers=4, num_kv_heads=2, head_dim=16,

@@ -1,5 +1,5 @@
 """PrefillConnector.layer_hook: each layer's prompt KV goes out as soon as it is stored, including for a
-KVWant that arrives while the step runs (real KVServer/KVClient sockets; the engine is stood in for by
+KVWant that arrives while the step runs (real ServerSocket/ClientSocket sockets; the engine is stood in for by
 a hand-made KV cache and plan)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pdserve.control.sockets import ClientSocket, ServerSocket
 from pdserve.kvtransfer.fingerprint import LayoutFingerprint
-from pdserve.kvtransfer.protocol import Hello, HelloAck, KVLayer, KVWant
-from pdserve.kvtransfer.transport import KVClient, KVServer
+from pdserve.kvtransfer.messages import Hello, HelloAck, KVLayer, KVWant
 from pdserve.prefill.connector import PrefillConnector
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 8, 4, 2, 8
@@ -23,11 +23,11 @@ PROMPT_LEN, BLOCK_IDS = 6, [5, 2]  # two blocks, the second one partly filled
 def link():
     fingerprint = LayoutFingerprint(architecture="LlamaForCausalLM", num_layers=NUM_LAYERS, num_kv_heads=KV_HEADS,
                                     head_dim=HEAD_DIM, dtype="float32", block_size=BLOCK_SIZE, weights_hash="w")
-    server = KVServer("tcp://127.0.0.1:0")
+    server = ServerSocket("tcp://127.0.0.1:0")
     connector = PrefillConnector(server, fingerprint)
     kv_cache = torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     connector.bind_kv_cache(kv_cache)
-    client = KVClient(server.address)
+    client = ClientSocket(server.address)
     client.send(Hello(fingerprint=fingerprint.to_dict(), role="decode", engine_id="d0"))
     _wait_until(lambda: connector.receive() or bool(connector._peers))
     assert isinstance(client.recv(timeout=5).msg, HelloAck)
@@ -67,7 +67,7 @@ def _run_step(hook) -> None:
         hook(layer)
 
 
-def _layers_received(client: KVClient, count: int) -> list[tuple[KVLayer, torch.Tensor]]:
+def _layers_received(client: ClientSocket, count: int) -> list[tuple[KVLayer, torch.Tensor]]:
     received = []
     while len(received) < count:
         message = client.recv(timeout=5)
@@ -125,7 +125,7 @@ def test_kv_streaming_choice(choice, device, expected):
 
 
 def test_a_failed_send_drops_that_transfer_and_the_step_goes_on(link, monkeypatch):
-    from pdserve.kvtransfer.transport import TransportTimeout
+    from pdserve.control.errors import TransportTimeout
 
     connector, client, _ = link
     _ask_for_prompt(connector, client)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from pdserve.kvtransfer.protocol import Error, KVAck, KVWant
+from pdserve.control.messages import Error
+from pdserve.kvtransfer.messages import KVAck, KVWant
 from tests.prefill.test_layer_streaming import _wait_until, link  # noqa: F401  (link is a fixture)
 
 

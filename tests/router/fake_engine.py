@@ -14,7 +14,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from pdserve.kvtransfer.control import (
+from pdserve.control.errors import WireError
+from pdserve.control.messages import (
+    Abort,
     DescribeRequest,
     EngineStats,
     GenerateRequest,
@@ -23,9 +25,7 @@ from pdserve.kvtransfer.control import (
     StatsRequest,
     TokenDelta,
 )
-from pdserve.kvtransfer.errors import KVTransferError
-from pdserve.kvtransfer.protocol import Abort
-from pdserve.kvtransfer.transport import KVClient, KVServer
+from pdserve.control.sockets import ClientSocket, ServerSocket
 
 VOCAB_SIZE = 1024
 
@@ -60,11 +60,11 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.control = KVServer("tcp://127.0.0.1:0")
+        self.control = ServerSocket("tcp://127.0.0.1:0")
         self.kv_address = "tcp://127.0.0.1:9" if self.role == "prefill" else None
         self.active: dict[str, _Active] = {}
         self._stop = threading.Event()
-        self._registration = KVClient(self.router_address) if self.router_address else None
+        self._registration = ClientSocket(self.router_address) if self.router_address else None
         self.beating.set()
         self.answering.set()
         self._thread = threading.Thread(target=self._run, name=f"fake-{self.engine_id}", daemon=True)
@@ -105,7 +105,7 @@ class FakeEngine:
         for msg in (self.register_msg(), self.stats_msg()):
             try:
                 self._registration.send(msg, timeout=0.05)
-            except KVTransferError:
+            except WireError:
                 pass
 
     def _handle_control(self) -> None:
@@ -151,7 +151,7 @@ class FakeEngine:
     def _reply(self, peer_id: bytes, msg) -> None:
         try:
             self.control.send(peer_id, msg, timeout=0.5)
-        except KVTransferError:
+        except WireError:
             pass
 
     def close(self) -> None:

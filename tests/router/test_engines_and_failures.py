@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pdserve.kvtransfer.control import GenerateRequest
+from pdserve.control.messages import GenerateRequest
 from tests.router.conftest import assert_openai_error, router_app, wait_until
 from tests.router.fake_engine import FakeEngine, fake_tokens
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tomllib
 from argparse import Namespace
 
 import pytest
+import tomllib
 import yaml
 
 from pdserve.cli import _build_parser

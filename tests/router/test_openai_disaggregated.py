@@ -17,7 +17,13 @@ import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
-from tests.router.conftest import REPO, UpProcess, assert_openai_error, scrape, wait_no_kv_used
+from tests.router.conftest import (
+    REPO,
+    UpProcess,
+    assert_openai_error,
+    scrape,
+    wait_no_kv_used,
+)
 
 PROMPTS = ["def main():", "import os\nimport sys\n\nclass Parser:\n    def __init__(self, text):",
            "x", "for i in range(10):\n    total += i * i  # squares\n" * 3]

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from pdserve.control.messages import EngineStats, Register
 from pdserve.engine.block_pool import compute_block_hashes
-from pdserve.kvtransfer.control import EngineStats, Register
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import NoEngineAvailable
 from pdserve.router.policies import PREFIX_BALANCE_TOKENS, PrefixIndex, RoutingPolicy

@@ -1,33 +1,16 @@
-"""Message schemas of the wire protocol: pydantic v2 models, strict, frozen, bounded.
-
-Every message type subclasses `Message` with `type_name=` (and `max_frames=` if it carries
-payload). Its fields are pydantic fields; `Field(ge=, le=, max_length=)` holds the limits, and the
-model config adds the rest:
-    strict       no coercion: an int refuses bool, float and str; a float takes an int (stored as
-                 float); a str refuses bytes; a tuple field takes a list (stored as a tuple, see
-                 `max_items`) but no other iterable
-    frozen       messages are immutable (rebuild one with `type(msg)(**{**vars(msg), ...})`)
-    extra        unknown header keys are refused
-    str limit    every str (dict keys included) is at most MAX_STR_LEN characters unless its field
-                 says otherwise
-Rules that span fields are `@model_validator(mode="after")` methods raising ProtocolError.
-
-A ValidationError never leaves this module: building or decoding a message raises ProtocolError
-naming the field as `type_name.field` (`kv_layer.shape[2]`, `kv_done.first_logprobs key`) and the
-problem in plain words. Build messages with the constructor or `from_header`: pydantic's
-`model_validate` would wrap that ProtocolError in a ValidationError, and `model_copy(update=...)`
-skips validation.
-"""
+"""Message schemas of the wire protocol: pydantic v2 models, strict, frozen, bounded, whose
+validation errors become ProtocolError naming the field (rules: docs/wire-protocol.md)."""
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Sequence
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
-from pydantic_core import ErrorDetails, PydanticCustomError, PydanticUndefined
+from pydantic_core import ErrorDetails, PydanticCustomError
 
-from pdserve.kvtransfer.errors import ProtocolError
+from pdserve.control.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 
@@ -40,11 +23,15 @@ MAX_SHAPE_DIMS = 8
 MAX_LAYERS = 1024
 MAX_TOKENS = 1 << 24
 MAX_LOGPROBS = 21  # top-20 plus the sampled token
-MAX_FRAME_BYTES = 1 << 31  # one payload frame; transport.py also sets it as ZMQ_MAXMSGSIZE
+MAX_FRAME_BYTES = 1 << 31  # one payload frame; control/sockets.py also sets it as ZMQ_MAXMSGSIZE
 MAX_CHECKSUM = (1 << 64) - 1  # payload_checksum is 64-bit
 INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
 
 WireInt = Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)]  # any int msgpack can carry
+MAX_TOKEN_ID = (1 << 31) - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+Role = Literal["prefill", "decode"]
+ROLES: tuple[str, ...] = typing.get_args(Role)
 
 
 def max_items(limit: int) -> BeforeValidator:
@@ -57,12 +44,6 @@ def max_items(limit: int) -> BeforeValidator:
             raise PydanticCustomError("too_long", "over the limit of {max_length}", {"max_length": limit})
         return tuple(value) if type(value) is list else value
     return BeforeValidator(check)
-
-
-def bounded(*, default: Any = PydanticUndefined, max_len: int | None = None, min: int | None = None,
-            max: int | None = None) -> Any:
-    """`Field` with the limit names of the first schema: max_len (str, bytes), min / max (int)."""
-    return Field(default, max_length=max_len, ge=min, le=max)
 
 
 # ---- ValidationError -> ProtocolError ----

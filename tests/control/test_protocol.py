@@ -12,33 +12,23 @@ import pytest
 import torch
 from pydantic import Field, ValidationError
 
-from pdserve.kvtransfer import protocol
-from pdserve.kvtransfer.errors import ChecksumMismatchError, ProtocolError
-from pdserve.kvtransfer.protocol import (
+from pdserve.control.errors import ProtocolError
+from pdserve.control import messages as control
+from pdserve.control.messages import Abort, Error
+from pdserve.control.protocol import decode, encode
+from pdserve.control.schema import (
     MAX_DICT_ITEMS,
     MAX_FRAME_BYTES,
     MAX_HEADER_BYTES,
     MAX_STR_LEN,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
-    Abort,
-    Error,
-    Hello,
-    HelloAck,
-    KVAck,
-    KVDone,
-    KVLayer,
-    KVWant,
     Message,
-    bounded,
-    combine_checksums,
-    decode,
-    encode,
     max_items,
-    payload_checksum,
 )
-
-from pdserve.kvtransfer import control  # noqa: E402 - registers the control message types
+from pdserve.kvtransfer.errors import ChecksumMismatchError
+from pdserve.kvtransfer.messages import Hello, HelloAck, KVAck, KVDone, KVLayer, KVWant
+from pdserve.kvtransfer.payload import combine_checksums, payload_checksum
 
 FINGERPRINT = {"architecture": "LlamaForCausalLM", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
                "dtype": "bfloat16", "block_size": 16, "weights_hash": "ab12"}
@@ -67,7 +57,7 @@ SAMPLES = [
     Abort(request_id="req-1", reason="client went away"),
     Error(code="protocol_error", message="bad header"),
     Error(code="checksum_mismatch", message="corrupt", request_id="req-1"),
-    # control plane (kvtransfer/control.py) rides on the same format
+    # the control plane's messages (control/messages.py) share the format
     control.GenerateRequest(request_id="req-2", prompt_token_ids=[1, 2, 3], temperature=0.0, seed=5,
                             stop_token_ids=[7], prefill_kv_address="tcp://127.0.0.1:5555"),
     control.PrefillRequest(request_id="req-2", prompt_token_ids=[1, 2, 3], top_k=5, logprobs=2),
@@ -368,7 +358,7 @@ def test_error_reply_from_exception():
 def test_a_new_message_type_is_a_few_lines():
     class Probe(Message, type_name="test_probe", max_frames=2):
         token_ids: Annotated[tuple[Annotated[int, Field(ge=0)], ...], max_items(4)]
-        blob: bytes = bounded(max_len=8)
+        blob: bytes = Field(max_length=8)
         load: float
         note: str | None = None
 
@@ -386,10 +376,11 @@ def test_a_new_message_type_is_a_few_lines():
         with pytest.raises(TypeError, match="already defined"):
             type("Again", (Message,), {}, type_name="test_probe")
     finally:
-        del protocol.MESSAGE_TYPES["test_probe"]
+        del MESSAGE_TYPES["test_probe"]
 
 
 def test_speaking_the_protocol_does_not_load_torch():
-    code = ("import sys, pdserve.kvtransfer.protocol, pdserve.kvtransfer.transport, pdserve.kvtransfer.fingerprint; "
+    code = ("import sys, pdserve.control.protocol, pdserve.control.sockets, pdserve.control.messages, "
+            "pdserve.kvtransfer.messages, pdserve.kvtransfer.fingerprint; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2]).returncode == 0

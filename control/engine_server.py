@@ -2,29 +2,31 @@
 
 One thread: wait on the control socket and the KV connector's sockets (not at all while the engine
 has runnable work), handle what arrived, step the engine once, publish what the step produced.
-The prefill and decode services subclass it with their request types.
-
-With a router registration address (`enable_registration`), a Heartbeat thread connects a DEALER
-there and sends Register + the latest EngineStats every interval (a thread, so a long engine step
-never looks like a dead engine), and Deregister when the engine stops.
+The prefill and decode services subclass it with their request types; registration with a router
+runs beside it (control.heartbeat).
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-import socket as socketlib
 import threading
-import time
 from typing import Any
 
 import zmq
 
-from pdserve.kvtransfer.control import Deregister, DescribeRequest, EngineStats, Register, StatsRequest, TokenDelta
-from pdserve.kvtransfer.errors import KVTransferError
-from pdserve.kvtransfer.protocol import Abort, Error
-from pdserve.kvtransfer.curve_keys import ClusterCurve
-from pdserve.kvtransfer.transport import CurveClientConfig, KVClient, KVServer
+from pdserve.control.heartbeat import Heartbeat, advertised_address
+from pdserve.control.keys import ClusterCurve
+from pdserve.control.messages import (
+    Abort,
+    DescribeRequest,
+    EngineStats,
+    Error,
+    Register,
+    StatsRequest,
+    TokenDelta,
+)
+from pdserve.control.sockets import ServerSocket
 
 log = logging.getLogger("pdserve.engine_server")
 
@@ -40,7 +42,7 @@ class EngineServer:
         self.connector = connector
         self.engine_id = engine_id
         self.curve = curve  # CURVE keys of the cluster: every link encrypted and authenticated
-        self.control = KVServer(control_address, curve=curve.server if curve else None)
+        self.control = ServerSocket(control_address, curve=curve.server if curve else None)
         self.owners: dict[str, bytes] = {}  # request id -> control peer that sent it
         self._stop = threading.Event()
         self.heartbeat: Heartbeat | None = None
@@ -175,58 +177,3 @@ class EngineServer:
             block_size=self.engine.cache_config.block_size, max_model_len=config.max_model_len,
             vocab_size=config.vocab_size,
             heartbeat_interval_s=self.heartbeat.interval_s if self.heartbeat else 1.0)
-
-
-WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
-
-
-def advertised_address(address: str, advertise_host: str | None = None) -> str:
-    """The address a peer can connect to: a wildcard bind host becomes advertise_host, else this
-    machine's address (in a container: its IP on the compose network)."""
-    scheme, sep, rest = address.partition("://")
-    host, colon, port = rest.rpartition(":")
-    if scheme != "tcp" or not colon or host not in WILDCARD_HOSTS:
-        return address
-    return f"tcp://{advertise_host or socketlib.gethostbyname(socketlib.gethostname())}:{port}"
-
-
-class Heartbeat(threading.Thread):
-    """Sends Register + the latest EngineStats to the router every interval_s seconds, from its own
-    thread and DEALER socket; messages the router cannot take right now are dropped (the next beat
-    repeats them), so a router that starts later or restarts learns the engine within one interval."""
-
-    def __init__(self, router_address: str, interval_s: float, curve: CurveClientConfig | None = None) -> None:
-        super().__init__(name="pdserve-heartbeat", daemon=True)
-        self.router_address = router_address
-        self.interval_s = interval_s
-        self.register: Register | None = None  # set before start()
-        self._stats: EngineStats | None = None
-        self._stats_time = 0.0
-        self._done = threading.Event()
-        self._client = KVClient(router_address, curve=curve)  # used by this thread only once started
-
-    def wants_stats(self) -> bool:
-        return time.monotonic() - self._stats_time >= self.interval_s / 2
-
-    def set_stats(self, stats: EngineStats) -> None:
-        self._stats, self._stats_time = stats, time.monotonic()
-
-    def run(self) -> None:
-        while True:
-            self._send(self.register)
-            self._send(self._stats)
-            if self._done.wait(self.interval_s):
-                break
-        self._send(Deregister(engine_id=self.register.engine_id, control_address=self.register.control_address))
-        self._client.close()
-
-    def _send(self, msg: Any) -> None:
-        try:  # bounded: a router that is down costs at most half an interval per message
-            self._client.send(msg, timeout=self.interval_s / 2)
-        except KVTransferError as exc:
-            log.debug("router %s did not take %s: %s", self.router_address, msg.type_name, exc)
-
-    def stop(self) -> None:
-        self._done.set()
-        if self.is_alive():
-            self.join(timeout=2.0)

@@ -1,11 +1,10 @@
-"""Control messages between the router (or a test driver) and the engines, on the same wire format
-as the KV link (kvtransfer.protocol): typed msgpack headers, validated on receipt
-(kvtransfer.schema).
+"""Control messages between the router (or a test driver) and the engines, in the wire format of
+pdserve.control.protocol; Abort and Error serve the KV link too.
 
     router -> decode engine   GenerateRequest   (prefill_kv_address names the prefill engine's KV link,
                                                  or None to prefill locally)
     router -> prefill engine  PrefillRequest
-    router -> either          Abort, StatsRequest
+    router -> either          Abort, StatsRequest       (Abort and Error: either way, on either plane)
     decode engine -> router   TokenDelta        (new tokens, and the finish reason at the end)
     prefill engine -> router  TokenDelta        (only to report an error for the request)
     either -> router          EngineStats       (answer to StatsRequest, and the heartbeat)
@@ -23,9 +22,19 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from pdserve.kvtransfer.messages import MAX_TOKEN_ID, Role, TokenId
-from pdserve.kvtransfer.schema import (
-    MAX_DICT_ITEMS, MAX_ID_LEN, MAX_TOKENS, UINT64_MAX, Message, WireInt, WireModel, max_items,
+from pdserve.control.schema import (
+    MAX_DICT_ITEMS,
+    MAX_ID_LEN,
+    MAX_STR_LEN,
+    MAX_TOKEN_ID,
+    MAX_TOKENS,
+    UINT64_MAX,
+    Message,
+    Role,
+    TokenId,
+    WireInt,
+    WireModel,
+    max_items,
 )
 
 MAX_STOP_TOKEN_IDS = 64
@@ -57,11 +66,6 @@ class SamplingFields(WireModel):
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.request.SamplingParams."""
         return {name: getattr(self, name) for name in SamplingFields.model_fields}
-
-    @staticmethod
-    def from_sampling_params(params: Any) -> dict[str, Any]:
-        """The SamplingFields keyword arguments of an engine.request.SamplingParams."""
-        return {name: getattr(params, name) for name in SamplingFields.model_fields}
 
 
 class GenerateRequest(SamplingFields, Message, type_name="generate"):
@@ -140,3 +144,25 @@ class Deregister(Message, type_name="deregister"):
 
     engine_id: str = Field(max_length=MAX_ID_LEN)
     control_address: str = Field(max_length=1024)
+
+
+class Abort(Message, type_name="abort"):
+    """Either way, on either plane: stop work on a request and free what it holds."""
+
+    request_id: str = Field(max_length=MAX_ID_LEN)
+    reason: str = ""
+
+
+class Error(Message, type_name="error"):
+    """Either way, on either plane: the peer's last message could not be served; code is an error
+    class's `code`."""
+
+    code: str = Field(max_length=64)
+    message: str
+    request_id: str | None = Field(default=None, max_length=MAX_ID_LEN)
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> Error:
+        request_id = getattr(exc, "request_id", None)
+        return cls(code=str(getattr(exc, "code", "internal_error"))[:64], message=str(exc)[:MAX_STR_LEN],
+                   request_id=request_id if isinstance(request_id, str) and len(request_id) <= MAX_ID_LEN else None)

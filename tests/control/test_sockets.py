@@ -10,23 +10,23 @@ import pytest
 import torch
 import zmq
 
-from pdserve.kvtransfer.errors import (
-    ChecksumMismatchError,
+from pdserve.control.errors import (
     PeerUnreachableError,
     ProtocolError,
     TransportError,
     TransportTimeout,
 )
-from pdserve.kvtransfer.protocol import Error, Hello, HelloAck, KVAck, KVLayer, KVWant, encode
-from pdserve.kvtransfer.transport import (
+from pdserve.control.keys import (
     CurveClientConfig,
     CurveKeyPair,
     CurveServerConfig,
-    KVClient,
-    KVServer,
     generate_curve_keypair,
-    validate_address,
 )
+from pdserve.control.messages import Error
+from pdserve.control.protocol import encode
+from pdserve.control.sockets import ClientSocket, ServerSocket, validate_address
+from pdserve.kvtransfer.errors import ChecksumMismatchError
+from pdserve.kvtransfer.messages import Hello, HelloAck, KVAck, KVLayer, KVWant
 
 WAIT_S = 5.0  # generous bound for messages that must arrive; tests finish far sooner
 needs_curve = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
@@ -47,8 +47,8 @@ def address(request, ipc_dir):
 def connected_pair(address: str, curve_server: CurveServerConfig | None = None,
                    curve_client: CurveClientConfig | None = None):
     """Server + client whose link is proven by one Hello; returns (server, client, client's peer_id)."""
-    server = KVServer(address, curve=curve_server)
-    client = KVClient(server.address, curve=curve_client)
+    server = ServerSocket(address, curve=curve_server)
+    client = ClientSocket(server.address, curve=curve_client)
     client.send(Hello(fingerprint={"num_layers": 2}, role="decode", engine_id="d0"), timeout=WAIT_S)
     received = server.recv(WAIT_S)
     assert received is not None and received.msg.engine_id == "d0"
@@ -80,8 +80,8 @@ def test_kv_round_trip_is_bit_exact(address, dtype):
 
 
 def test_resolved_address_and_many_clients(address):
-    server = KVServer(address)
-    clients = [KVClient(server.address) for _ in range(3)]
+    server = ServerSocket(address)
+    clients = [ClientSocket(server.address) for _ in range(3)]
     try:
         assert server.address.startswith(address.split(":")[0]) and not server.address.endswith(":*")
         for index, client in enumerate(clients):
@@ -149,7 +149,7 @@ def test_recv_timeout_is_honored(address):
 
 
 def test_send_without_a_server_times_out(ipc_dir):
-    with KVClient(f"ipc://{ipc_dir}/nobody.sock") as client:
+    with ClientSocket(f"ipc://{ipc_dir}/nobody.sock") as client:
         start = time.monotonic()
         with pytest.raises(TransportTimeout, match="within 200 ms"):
             client.send(KVAck(request_id="r", ok=True), timeout=0.2)
@@ -158,8 +158,8 @@ def test_send_without_a_server_times_out(ipc_dir):
 
 
 def test_send_to_a_stuck_peer_times_out(ipc_dir):
-    server = KVServer(f"ipc://{ipc_dir}/kv.sock", hwm=2)
-    client = KVClient(server.address, hwm=2)
+    server = ServerSocket(f"ipc://{ipc_dir}/kv.sock", hwm=2)
+    client = ClientSocket(server.address, hwm=2)
     with server, client:
         client.send(KVAck(request_id="hello", ok=True))
         peer_id = server.recv(WAIT_S).peer_id
@@ -208,7 +208,7 @@ def test_close_does_not_hang_with_undelivered_messages(ipc_dir):
 ])
 def test_bad_addresses_are_named(address, words):
     with pytest.raises(TransportError) as info:
-        KVClient(address)
+        ClientSocket(address)
     for word in words:
         assert word in str(info.value)
 
@@ -216,8 +216,8 @@ def test_bad_addresses_are_named(address, words):
 def test_validate_address_on_bind():
     assert validate_address("tcp://127.0.0.1:0", bind=True) == "tcp://127.0.0.1:*"
     assert validate_address("tcp://127.0.0.1:5600", bind=True) == "tcp://127.0.0.1:5600"
-    with KVServer("tcp://127.0.0.1:0") as first, pytest.raises(TransportError, match="cannot bind"):
-        KVServer(first.address)
+    with ServerSocket("tcp://127.0.0.1:0") as first, pytest.raises(TransportError, match="cannot bind"):
+        ServerSocket(first.address)
 
 
 # ---- CURVE ----
@@ -239,12 +239,12 @@ def test_curve_pair_talks(address):
 @needs_curve
 def test_curve_wrong_server_key_does_not_get_through():
     server_keys, client_keys, impostor = generate_curve_keypair(), generate_curve_keypair(), generate_curve_keypair()
-    with KVServer("tcp://127.0.0.1:0", curve=CurveServerConfig(server_keys)) as server:
-        with KVClient(server.address, curve=CurveClientConfig(client_keys, impostor.public_key)) as client:
+    with ServerSocket("tcp://127.0.0.1:0", curve=CurveServerConfig(server_keys)) as server:
+        with ClientSocket(server.address, curve=CurveClientConfig(client_keys, impostor.public_key)) as client:
             with pytest.raises(TransportTimeout):
                 client.send(KVAck(request_id="r", ok=True), timeout=0.5)
             assert server.recv(0.3) is None
-        with KVClient(server.address) as plain, pytest.raises(TransportTimeout):  # no CURVE at all
+        with ClientSocket(server.address) as plain, pytest.raises(TransportTimeout):  # no CURVE at all
             plain.send(KVAck(request_id="r", ok=True), timeout=0.3)
 
 
@@ -252,11 +252,11 @@ def test_curve_wrong_server_key_does_not_get_through():
 def test_curve_allow_list_admits_only_listed_clients():
     server_keys, allowed, stranger = generate_curve_keypair(), generate_curve_keypair(), generate_curve_keypair()
     config = CurveServerConfig(server_keys, allowed_client_keys=frozenset([allowed.public_key]))
-    with KVServer("tcp://127.0.0.1:0", curve=config) as server:
+    with ServerSocket("tcp://127.0.0.1:0", curve=config) as server:
         stranger_config = CurveClientConfig(stranger, server_keys.public_key)
-        with KVClient(server.address, curve=stranger_config) as client, pytest.raises(TransportTimeout):
+        with ClientSocket(server.address, curve=stranger_config) as client, pytest.raises(TransportTimeout):
             client.send(KVAck(request_id="stranger", ok=True), timeout=0.5)
-        with KVClient(server.address, curve=CurveClientConfig(allowed, server_keys.public_key)) as client:
+        with ClientSocket(server.address, curve=CurveClientConfig(allowed, server_keys.public_key)) as client:
             client.send(KVAck(request_id="friend", ok=True), timeout=WAIT_S)
             assert server.recv(WAIT_S).msg.request_id == "friend"
         assert server.recv(0.2) is None

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from pdserve.kvtransfer.control import DescribeRequest, Deregister, EngineStats, Register
-from pdserve.kvtransfer.engine_server import Heartbeat, advertised_address
-from pdserve.kvtransfer.errors import ProtocolError
-from pdserve.kvtransfer.protocol import decode, encode
-from pdserve.kvtransfer.transport import KVServer
+from pdserve.control.errors import ProtocolError
+from pdserve.control.heartbeat import Heartbeat, advertised_address
+from pdserve.control.messages import Deregister, DescribeRequest, EngineStats, Register
+from pdserve.control.protocol import decode, encode
+from pdserve.control.sockets import ServerSocket
 
 REGISTER = Register(engine_id="prefill-0", role="prefill", control_address="tcp://10.0.0.3:5600",
                     kv_address="tcp://10.0.0.3:5700", block_size=16, max_model_len=4096, vocab_size=32000,
@@ -44,7 +44,7 @@ def test_wildcard_binds_advertise_a_reachable_host():
 
 
 def test_heartbeat_registers_reports_and_says_goodbye():
-    router = KVServer("tcp://127.0.0.1:0")
+    router = ServerSocket("tcp://127.0.0.1:0")
     heartbeat = Heartbeat(router.address, interval_s=0.05)
     heartbeat.register = REGISTER
     heartbeat.set_stats(STATS)

@@ -1,52 +1,50 @@
-"""Wire protocol of the KV link and the control plane: encode and decode of typed msgpack headers
-followed by raw payload frames.
-
-A message is one ZeroMQ multipart message:
-
-    [header, *payload_frames]
-    header          msgpack map {"type": str, "version": int, <the fields of that message type>}
-    payload_frames  raw bytes (a KV tensor viewed as uint8), never packed into msgpack
-
-`decode` refuses an oversized header before unpacking it, a bad field before building the message,
-and a wrong frame count or length before any tensor is made.
-
-The protocol is split by responsibility; this module re-exports what callers import from it:
-    kvtransfer.schema    Message base (pydantic), registry, bounds, header <-> message, errors
-    kvtransfer.messages  the KV link's messages (Hello ... KVLayer ... Error)
-    kvtransfer.payload   payload buffers, tensor views of frames, checksums
-    kvtransfer.control   the router <-> engine messages
-"""
+"""Encode and decode one message: [msgpack header, *raw payload frames], validated and bounded
+before anything sized by the peer is built (layout: docs/wire-protocol.md)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 
-from pdserve.kvtransfer.errors import ProtocolError
-from pdserve.kvtransfer.messages import (
-    ROLES, Abort, Error, FrameDim, Hello, HelloAck, KVAck, KVDone, KVLayer, KVWant, Role, TokenId,
-)
-from pdserve.kvtransfer.payload import (
-    DTYPE_SIZES, KVDtype, as_buffer, combine_checksums, dtype_name, payload_checksum, tensor_from_frame,
-)
-from pdserve.kvtransfer.schema import (
-    INT64_MIN, MAX_CHECKSUM, MAX_DICT_ITEMS, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_ID_LEN, MAX_LAYERS,
-    MAX_LOGPROBS, MAX_SHAPE_DIMS, MAX_STR_LEN, MAX_TOKENS, MESSAGE_TYPES, PROTOCOL_VERSION, UINT64_MAX,
-    Message, WireInt, WireModel, bounded, max_items, short_repr,
+from pdserve.control.errors import ProtocolError
+from pdserve.control.schema import (
+    MAX_HEADER_BYTES,
+    MAX_ID_LEN,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Message,
+    short_repr,
 )
 
-# The names of the single-module protocol, and the new field types: imports from here keep working.
-__all__ = [
-    "DTYPE_SIZES", "INT64_MIN", "MAX_CHECKSUM", "MAX_DICT_ITEMS", "MAX_FRAME_BYTES", "MAX_HEADER_BYTES",
-    "MAX_ID_LEN", "MAX_LAYERS", "MAX_LOGPROBS", "MAX_SHAPE_DIMS", "MAX_STR_LEN", "MAX_TOKENS",
-    "MESSAGE_TYPES", "PROTOCOL_VERSION", "ROLES", "UINT64_MAX",
-    "Abort", "Error", "FrameDim", "Hello", "HelloAck", "KVAck", "KVDone", "KVDtype", "KVLayer", "KVWant",
-    "Message", "Role", "TokenId", "WireInt", "WireModel",
-    "as_buffer", "bounded", "combine_checksums", "decode", "dtype_name", "encode", "max_items",
-    "payload_checksum", "tensor_from_frame",
-]
+
+def as_buffer(obj: Any) -> memoryview:
+    """A flat byte view of a CPU tensor (any dtype, bf16 included), bytes, bytearray, memoryview or
+    numpy array, without copying (a non-contiguous tensor is made contiguous first)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _tensor_bytes(obj, torch)
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise TypeError(f"cannot send a {type(obj).__name__} as a frame: pass a CPU torch.Tensor, bytes, "
+                        f"bytearray, memoryview or numpy array") from None
+    if not view.c_contiguous:
+        raise ValueError("cannot send a non-contiguous buffer as a frame: make it contiguous first")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _tensor_bytes(tensor: Any, torch: Any) -> memoryview:
+    """[nbytes] view of a CPU tensor in as few torch calls as possible: this runs once per KV message."""
+    if not tensor.is_cpu:
+        raise ValueError(f"tensor is on {tensor.device}: copy it to (pinned) CPU memory before sending")
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.dim() == 0 or not tensor.is_contiguous():
+        tensor = tensor.reshape(-1).contiguous()
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
 
 
 def encode(msg: Message, *buffers: Any) -> list[bytes | memoryview]:

@@ -1,0 +1,49 @@
+"""Errors of the wire layer (codec and sockets) shared by every plane; each has a short `code` that an
+Error reply can repeat."""
+
+from __future__ import annotations
+
+
+class WireError(Exception):
+    """Base of every error raised while encoding, decoding, sending or receiving a message."""
+
+    code = "wire_error"
+
+
+class ProtocolError(WireError, ValueError):
+    """A message that breaks the wire protocol: bad header, field, size, frame or checksum.
+
+    The receiving loop answers it with an `Error` message and keeps serving. `request_id` is set
+    when the bad message named one; `peer_id` is set by a ROUTER socket that knows the sender.
+    """
+
+    code = "protocol_error"
+
+    def __init__(self, message: str, *, request_id: str | None = None, peer_id: bytes | None = None):
+        super().__init__(message)
+        self.request_id = request_id
+        self.peer_id = peer_id
+
+
+class TransportError(WireError):
+    """A socket that cannot be made, bound, connected or used as asked."""
+
+    code = "transport_error"
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """A send that no peer accepted within its time bound."""
+
+    code = "timeout"
+
+
+class PeerUnreachableError(TransportError):
+    """A ROUTER send addressed to a peer that is not (or no longer) connected."""
+
+    code = "peer_unreachable"
+
+
+class CurveUnavailableError(TransportError):
+    """CURVE was asked for but the installed libzmq was built without it."""
+
+    code = "curve_unavailable"

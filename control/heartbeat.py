@@ -1,0 +1,72 @@
+"""Registration with a router: a Heartbeat thread sends Register + the latest EngineStats every
+interval on its own DEALER (a thread, so a long engine step never looks like a dead engine), and
+Deregister when the engine stops; advertised_address() is the address peers can reach."""
+
+from __future__ import annotations
+
+import logging
+import socket as socketlib
+import threading
+import time
+from typing import Any
+
+from pdserve.control.errors import WireError
+from pdserve.control.keys import CurveClientConfig
+from pdserve.control.messages import Deregister, EngineStats, Register
+from pdserve.control.sockets import ClientSocket
+
+log = logging.getLogger("pdserve.heartbeat")
+
+WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+
+
+def advertised_address(address: str, advertise_host: str | None = None) -> str:
+    """The address a peer can connect to: a wildcard bind host becomes advertise_host, else this
+    machine's address (in a container: its IP on the compose network)."""
+    scheme, sep, rest = address.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if scheme != "tcp" or not colon or host not in WILDCARD_HOSTS:
+        return address
+    return f"tcp://{advertise_host or socketlib.gethostbyname(socketlib.gethostname())}:{port}"
+
+
+class Heartbeat(threading.Thread):
+    """Sends Register + the latest EngineStats to the router every interval_s seconds, from its own
+    thread and DEALER socket; messages the router cannot take right now are dropped (the next beat
+    repeats them), so a router that starts later or restarts learns the engine within one interval."""
+
+    def __init__(self, router_address: str, interval_s: float, curve: CurveClientConfig | None = None) -> None:
+        super().__init__(name="pdserve-heartbeat", daemon=True)
+        self.router_address = router_address
+        self.interval_s = interval_s
+        self.register: Register | None = None  # set before start()
+        self._stats: EngineStats | None = None
+        self._stats_time = 0.0
+        self._done = threading.Event()
+        self._client = ClientSocket(router_address, curve=curve)  # used by this thread only once started
+
+    def wants_stats(self) -> bool:
+        return time.monotonic() - self._stats_time >= self.interval_s / 2
+
+    def set_stats(self, stats: EngineStats) -> None:
+        self._stats, self._stats_time = stats, time.monotonic()
+
+    def run(self) -> None:
+        while True:
+            self._send(self.register)
+            self._send(self._stats)
+            if self._done.wait(self.interval_s):
+                break
+        self._send(Deregister(engine_id=self.register.engine_id, control_address=self.register.control_address))
+        self._client.close()
+
+    def _send(self, msg: Any) -> None:
+        try:  # bounded: a router that is down costs at most half an interval per message
+            self._client.send(msg, timeout=self.interval_s / 2)
+        except WireError as exc:
+            log.debug("router %s did not take %s: %s", self.router_address, msg.type_name, exc)
+
+    def stop(self) -> None:
+        self._done.set()
+        if self.is_alive():
+            self.join(timeout=2.0)
