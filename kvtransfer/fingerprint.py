@@ -1,18 +1,6 @@
-"""KV layout fingerprint: what two engines must agree on before one accepts the other's KV.
-
-Exchanged once per link (Hello / HelloAck). A mismatch refuses the link with a message that names
-every differing field, because KV computed by a different model, dtype or layout is silently wrong.
-
-`hash_weights_file` fingerprints the weights cheaply, without reading whole checkpoints:
-  for each *.safetensors file, in name order:  file size, the 8-byte header length, the JSON header
-  (every tensor's name, dtype, shape and offsets), and SAMPLES_PER_FILE slices of SAMPLE_BYTES
-  spread evenly over the data section (the whole data section when it is smaller than that).
-It reads at most 1 MiB plus the header per file, so a 140 GB checkpoint costs a few dozen MiB of
-reads. Headers catch a different architecture, size or dtype; the samples catch a different
-checkpoint of the same shapes (a fine-tune changes nearly every byte). It is an integrity check
-against operator mistakes, not a security measure: an edit to bytes between samples goes unseen.
-File names are not hashed, so renamed shards of the same weights still match.
-"""
+"""KV layout fingerprint: what two engines must agree on before one accepts the other's KV,
+exchanged once per link (Hello / HelloAck); a mismatch refuses the link naming every differing
+field. `hash_weights_file` fingerprints weights cheaply (how: docs/kv-link.md)."""
 
 from __future__ import annotations
 

@@ -1,28 +1,6 @@
-"""One token per sequence from a step's logits.
-
-Pipeline, all vectorized over the batch (R = rows that sample, V = vocab size):
-  raw logits -> log-probs (only for requests that asked for them; vLLM's "raw" logprobs)
-  raw logits -> penalties (repetition, presence, frequency) -> min_tokens masking
-             -> greedy rows: argmax
-             -> other rows: temperature -> min_p -> top-k -> inverse-CDF draw, redrawn while the
-                token falls outside the top-p nucleus (no sort of the vocabulary)
-
-Randomness is one uniform number per row and draw. Unseeded rows take it from the global torch
-RNG; a seeded row takes it from a hash of (seed, num_output_tokens, draw) alone, so given the same
-logits its token does not depend on the batch, the row position, the process, or the machine that
-samples it: a first token sampled on a prefill engine and the next ones on a decode engine, or a
-preempted request sampled again, draw the same numbers. One uniform per row (instead of one
-exponential per vocab entry, as in an exponential race) keeps the random-number cost at R numbers
-instead of R x V.
-
-Choices worth knowing:
-- Temperatures below 1e-5 count as greedy (dividing by them overflows float32 logits).
-- min_tokens masks every stop_token_id and, unless ignore_eos is set, the request's eos_token_id:
-  with ignore_eos, eos is an ordinary token that cannot end the request, so there is nothing to
-  hold back (vLLM does the same). Stop ids outside the vocabulary are skipped.
-- Filters keep every token tied with the cutoff logit, so top_k=k may keep more than k tokens when
-  the k-th largest logit is tied.
-"""
+"""One token per sequence from a step's logits: penalties, min_tokens, greedy or temperature /
+min-p / top-k / top-p sampling with stateless per-request seeds, and logprobs, vectorized over the
+batch (pipeline and choices: docs/sampling.md)."""
 
 from __future__ import annotations
 
