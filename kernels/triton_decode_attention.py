@@ -18,7 +18,9 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.checks import check_last_dim_contiguous, check_paged_attention_args, check_shape
-from pdserve.kernels.triton_utils import LOG2E, cdiv, dot_precision, launch_options, load_kv_tile, next_pow2, upcast_for_dot
+from pdserve.kernels.triton_utils import (
+    LOG2E, cdiv, dot_precision, launch_options, load_kv_tile, next_pow2, upcast_for_dot,
+)
 
 DEFAULT_BLOCK_N = 64  # context positions per K/V tile (32 for rows wider than 256 bytes)
 MIN_PARTITION_SIZE = 512  # shortest context range worth a separate program
@@ -203,14 +205,10 @@ def launch_decode_attention(
 
 
 def paged_decode_attention(
-    query: torch.Tensor,  # [S, num_heads, head_dim], one new token per sequence
-    key_cache: torch.Tensor,  # [N, B, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [N, B, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [S, max_blocks] int32
-    seq_lens: torch.Tensor,  # [S] int32, context length including the new token
-    scale: float,
-) -> torch.Tensor:  # [S, num_heads, head_dim]
-    """Attention of one query token per sequence over that sequence's whole cached context.
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The Triton kernel of kernels.reference.paged_decode_attention (arguments, shapes and result as there).
 
     The number of split-K partitions follows the context the block tables can hold
     (max_blocks * block_size), so pass block tables trimmed to the batch's longest sequence.

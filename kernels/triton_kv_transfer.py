@@ -110,13 +110,10 @@ def _launch_copy(kv_cache, buffer, block_ids, num_tokens, layer_start, num_layer
 
 
 def kv_pack(
-    kv_cache: torch.Tensor,  # [num_layers, 2, N, B, num_kv_heads, head_dim]
-    block_ids: torch.Tensor,  # [num_blocks] int32/int64, the request's blocks holding the tokens, in order
-    num_tokens: int,  # tokens to take, starting at offset 0 of block_ids[0]
-    layer_start: int = 0,
-    layer_end: int | None = None,
-) -> torch.Tensor:  # [layer_end - layer_start, 2, num_tokens, num_kv_heads, head_dim], contiguous
-    """Gather num_tokens tokens of KV from the given blocks, for a range of layers, into one buffer."""
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int, layer_start: int = 0,
+    layer_end: int | None = None
+) -> torch.Tensor:
+    """The Triton kernel of kernels.reference.kv_pack (arguments, shapes and result as there)."""
     check_tensor("kv_cache", kv_cache, 6, FLOAT_DTYPES)
     layer_end = kv_cache.shape[0] if layer_end is None else layer_end
     _check_cache_and_blocks(kv_cache, block_ids, num_tokens, layer_start, layer_end)
@@ -147,13 +144,9 @@ def launch_kv_pack(
 
 
 def kv_unpack(
-    buffer: torch.Tensor,  # [num_layers_in_buffer, 2, num_tokens, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,  # [num_layers, 2, N, B, num_kv_heads, head_dim]
-    block_ids: torch.Tensor,  # [num_blocks] int32/int64, destination blocks, in order
-    num_tokens: int,
-    layer_start: int = 0,
+    buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int, layer_start: int = 0
 ) -> None:
-    """Scatter a packed buffer into the destination blocks (inverse of kv_pack)."""
+    """The Triton kernel of kernels.reference.kv_unpack (arguments, shapes and result as there)."""
     check_tensor("buffer", buffer, 5, FLOAT_DTYPES)
     num_layers_in = buffer.shape[0]
     check_non_negative_int("layer_start", layer_start)

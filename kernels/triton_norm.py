@@ -7,12 +7,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.checks import (
-    FLOAT_DTYPES,
-    check_devices,
-    check_last_dim_contiguous,
-    check_same_dtype,
-    check_shape,
-    check_tensor,
+    FLOAT_DTYPES, check_devices, check_last_dim_contiguous, check_same_dtype, check_shape, check_tensor,
 )
 from pdserve.kernels.triton_utils import next_pow2
 
@@ -84,12 +79,9 @@ def launch_add_rms_norm(
 
 
 def add_rms_norm(
-    hidden: torch.Tensor,  # [T, hidden_size]
-    residual: torch.Tensor | None,  # [T, hidden_size], or None for the first layer
-    weight: torch.Tensor,  # [hidden_size]
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, hidden_size], new residual [T, hidden_size])
-    """new_residual = hidden + residual (in hidden's dtype); normed = weight * rmsnorm(new_residual)."""
+    hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel of kernels.reference_extra.add_rms_norm (arguments, shapes and result as there)."""
     _check_norm_args(hidden, residual, weight, eps)
     out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     new_residual = torch.empty_like(out)

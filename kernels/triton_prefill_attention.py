@@ -171,15 +171,10 @@ def launch_prefill_attention(
 
 
 def paged_prefill_attention(
-    query: torch.Tensor,  # [T, num_heads, head_dim], the new tokens of all sequences, concatenated
-    key_cache: torch.Tensor,  # [N, B, num_kv_heads, head_dim], new tokens already stored
-    value_cache: torch.Tensor,  # [N, B, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [S, max_blocks] int32
-    query_start_loc: torch.Tensor,  # [S + 1] int32, sequence i owns query rows [loc[i], loc[i+1])
-    seq_lens: torch.Tensor,  # [S] int32, context length including this step's new tokens
-    scale: float,
-) -> torch.Tensor:  # [T, num_heads, head_dim]
-    """Causal attention of each sequence's new tokens over its cached prefix plus themselves.
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The Triton kernel of kernels.reference.paged_prefill_attention (arguments, shapes and result as there).
 
     Query row j of a sequence with q new tokens and context length L sits at position L - q + j and
     attends to positions [0, L - q + j].

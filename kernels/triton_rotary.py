@@ -7,15 +7,8 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.checks import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    check_contiguous,
-    check_contiguous_1d,
-    check_devices,
-    check_last_dim_contiguous,
-    check_same_dtype,
-    check_shape,
-    check_tensor,
+    FLOAT_DTYPES, INDEX_DTYPES, check_contiguous, check_contiguous_1d,
+    check_devices, check_last_dim_contiguous, check_same_dtype, check_shape, check_tensor,
 )
 from pdserve.kernels.triton_utils import next_pow2
 
@@ -118,13 +111,9 @@ def launch_rotary_embedding(
 
 
 def rotary_embedding(
-    positions: torch.Tensor,  # [T] int64
-    query: torch.Tensor,  # [T, num_heads, head_dim]
-    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] fp32: cos in the first half, sin in the second
-) -> tuple[torch.Tensor, torch.Tensor]:  # (query, key) rotated, new contiguous tensors
-    """Neox-style rotary embedding of query and key (see kernels.reference_extra.rotary_embedding).
-    Positions must lie below max_position (not checked: that would sync the GPU)."""
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel of kernels.reference_extra.rotary_embedding (arguments, shapes and result as there)."""
     _check_rotary_args(positions, query, key, cos_sin_cache)
     query_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     key_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)

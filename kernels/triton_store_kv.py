@@ -69,13 +69,10 @@ def _check_store_kv_args(key, value, key_cache, value_cache, slot_mapping) -> No
 
 
 def store_kv(
-    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    key_cache: torch.Tensor,  # [N, B, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [N, B, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [T] int64; slot = block_id * B + offset; negative = skip
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor
 ) -> None:
-    """Write each token's key/value into its cache slot; tokens with a negative slot are skipped.
+    """The Triton kernel of kernels.reference.store_kv (arguments, shapes and result as there).
 
     key/value may be strided views (e.g. slices of a fused QKV output) as long as head_dim is
     contiguous. Slots must lie below num_blocks * block_size (not checked: that would sync the GPU).
