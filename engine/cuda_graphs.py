@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.forward_context import ForwardContext, use_forward_context
 
 # Batch sizes captured by default: 1, 2, 4, then steps of 8 to 64, 16 to 128, 32 to 256, 64 to 512.
@@ -87,6 +88,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model: nn.Module,  # forward(input_ids, positions) -> hidden; compute_logits(hidden) -> [R, vocab]
+        attn_backend: AttentionBackend,  # the one the model's layers are bound to
         vocab_size: int,
         block_size: int,
         device: torch.device,
@@ -100,6 +102,7 @@ class DecodeGraphs:
         if use_cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}: pass use_cuda_graphs=False")
         self.model = model
+        self.attn_backend = attn_backend
         self.block_size = block_size
         self.device = device
         self.use_cuda_graphs = use_cuda_graphs
@@ -147,8 +150,9 @@ class DecodeGraphs:
     # ---- capture
 
     def _forward(self, graph: DecodeGraph) -> None:
-        """What a graph holds: the decode forward of all B rows, logits into the static buffer."""
-        with use_forward_context(graph.context):
+        """What a graph holds: the decode forward of all B rows, logits into the static buffer. The
+        backend prepares the step's metadata inside it, from the static buffers."""
+        with use_forward_context(graph.context, self.attn_backend):
             hidden = self.model(graph.input_ids, graph.positions)  # [B, hidden]
         self.logits[: graph.batch_size].copy_(self.model.compute_logits(hidden))  # [B, vocab]
 

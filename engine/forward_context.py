@@ -1,16 +1,20 @@
 """Per-step attention metadata, installed around one forward pass.
 
-Models only call `self.attn(q, k, v)`; the attention layer finds slot mappings and block tables here.
+Models only call `self.attn(q, k, v)`; the attention layer finds slot mappings and block tables here,
+and what its attention backend prepared from them for the whole step.
 Tokens of a step are ordered decodes first (one token per sequence), then prefill chunks.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from pdserve.engine.attention.backend import AttentionBackend
 
 
 @dataclass
@@ -24,15 +28,9 @@ class ForwardContext:
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, context length including the chunk
     # Called with the layer index right after that layer's K/V is in the cache (KV streaming).
     on_layer_stored: Callable[[int], None] | None = None
-    # What every layer derives from this metadata alike (attention plans, rotary cos/sin), built by
-    # the first layer that asks. Cleared whenever the context is installed, so a CUDA graph capture
-    # records the ops that build it instead of reusing tensors from an earlier run.
-    step_cache: dict[Hashable, Any] = field(default_factory=dict)
-
-    def cached(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        if key not in self.step_cache:
-            self.step_cache[key] = build()
-        return self.step_cache[key]
+    # The attention backend's prepare() of the fields above, shared by every layer. Rebuilt whenever
+    # the context is installed, so a CUDA graph capture records the ops that build it.
+    attn_metadata: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -43,11 +41,12 @@ _current: ForwardContext | None = None
 
 
 @contextlib.contextmanager
-def use_forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
+def use_forward_context(context: ForwardContext, attn_backend: AttentionBackend) -> Iterator[ForwardContext]:
+    """Install `context` for one forward pass, with attn_backend's metadata for the step."""
     global _current
     if _current is not None:
         raise RuntimeError("a forward context is already installed: forward passes cannot nest")
-    context.step_cache.clear()
+    context.attn_metadata = attn_backend.prepare(context)
     _current = context
     try:
         yield context

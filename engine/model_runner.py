@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from pdserve import kernels
+from pdserve.engine.attention.selector import get_attn_backend
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_batch_sizes, context_buckets
 from pdserve.engine.forward_context import ForwardContext, use_forward_context
@@ -60,7 +60,10 @@ class ModelRunner:
         self.cache_config = cache_config
         self.device = torch.device(device)
         self.block_size = cache_config.block_size
+        # Chosen once: every layer's attention, norms and rotary run this backend's kernels.
+        self.attn_backend = get_attn_backend(self.device, self.block_size)
         self.model = load_model(model_config, self.device)
+        self.attn_backend.bind_layer_kernels(self.model)
         self.sampler = Sampler()
         self.num_blocks = kv_cache_num_blocks(model_config, cache_config, self.device)
         # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], allocated once
@@ -69,7 +72,7 @@ class ModelRunner:
             model_config.num_kv_heads, model_config.head_dim,
             dtype=model_config.dtype, device=self.device,
         )
-        self.model.bind_kv_cache(self.kv_cache)
+        self.model.bind_kv_cache(self.kv_cache, self.attn_backend)
         # Decode-only steps up to max_num_seqs sequences replay CUDA graphs (CUDA only), else None.
         self.decode_graphs = self._build_decode_graphs(max_num_seqs or SchedulerConfig().max_num_seqs)
 
@@ -79,9 +82,9 @@ class ModelRunner:
             return f"CUDA graphs need a CUDA device (this runner is on {self.device})"
         if self.model_config.enforce_eager:
             return "enforce_eager is set"
-        if kernels.kernel_backend(self.device) != "triton":
-            return ("PDSERVE_KERNELS=torch: the torch kernels read sequence lengths on the host, which a CUDA "
-                    "graph cannot capture; unset it to capture graphs")
+        if not self.attn_backend.supports_cuda_graphs:
+            return (f"PDSERVE_KERNELS=torch: the {self.attn_backend.name} attention backend reads sequence lengths "
+                    "on the host, which a CUDA graph cannot capture; unset it to capture graphs")
         if type(self.model) not in NATIVE_MODELS.values():
             return "the transformers backend runs eagerly (CUDA graphs are captured for native models only)"
         return None
@@ -94,7 +97,7 @@ class ModelRunner:
             return None
         started = time.perf_counter()
         graphs = DecodeGraphs(
-            self.model, self.model_config.vocab_size, self.block_size, self.device,
+            self.model, self.attn_backend, self.model_config.vocab_size, self.block_size, self.device,
             capture_batch_sizes(max_num_seqs), context_buckets(self.model_config.max_model_len, self.block_size),
         )
         graphs.capture()
@@ -185,7 +188,7 @@ class ModelRunner:
             logits = graphs.run(inputs.input_ids, inputs.positions, context, inputs.max_seq_len)  # [n, vocab]
             return logits.index_select(0, inputs.logits_indices) if inputs.sampling_requests else None
         context.on_layer_stored = on_layer_stored
-        with use_forward_context(context):
+        with use_forward_context(context, self.attn_backend):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         if not inputs.sampling_requests:
             return None

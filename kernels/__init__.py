@@ -3,7 +3,9 @@ transfer, fused residual-add + RMSNorm and rotary embedding.
 
 Each name below runs the Triton kernel on CUDA tensors and the pure-torch implementation
 (kernels.reference, kernels.reference_extra) elsewhere; PDSERVE_KERNELS=torch|triton forces one
-(see kernels.dispatch). `kernel_backend(device)` says which one a device gets.
+(see kernels.dispatch). `kernel_backend(device)` says which one a device gets. The KV transfer path
+calls these names; the model's layers do not: a model runner picks its attention backend once
+(engine/attention), which calls the kernel modules directly.
 
 """
 

@@ -2,9 +2,9 @@
 per-layer run.
 
 Everything derived from the step's metadata alone (gather indices, masks, host-side lengths) is the
-same for every layer, so the engine builds each plan once per step (ForwardContext.cached) and every
-layer only runs it. kernels.reference composes plan + run into the plain kernel signatures that the
-Triton kernels are tested against.
+same for every layer, so the engine's torch-paged attention backend builds each plan once per step
+(engine/attention/torch_paged.py) and every layer only runs it. kernels.reference composes plan +
+run into the plain kernel signatures that the Triton kernels are tested against.
 
 Shapes as in kernels.reference: caches [N, B, num_kv_heads, head_dim], block tables [S, max_blocks].
 """

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ("engine", "engine.layers", "engine.models", "kernels", "control", "kvtransfer", "prefill",
-               "decode", "router", "bench")
+SUBPACKAGES = ("engine", "engine.attention", "engine.layers", "engine.models", "kernels", "control", "kvtransfer",
+               "prefill", "decode", "router", "bench")
 
 
 def _python(code: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
-from pdserve import kernels
 from pdserve.engine.layers.linear import default_weight_loader
+from pdserve.kernels import reference_extra
+
+# (x, residual or None, weight, eps) -> (norm(x + residual), x + residual), like kernels.reference_extra
+NormKernel = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 
 
 class RMSNorm(nn.Module):
@@ -15,22 +20,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
+        # torch, computed in float32 like transformers and cast back before the weight multiply
+        self.kernel: NormKernel = reference_extra.add_rms_norm
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in float32 like transformers, then cast back before the weight multiply.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def use_kernel(self, kernel: NormKernel) -> None:
+        """Normalise with `kernel` from now on (the attention backend's fused kernel, bound once)."""
+        self.kernel = kernel
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] (or [T, heads, head_dim] for q/k norms). With a residual, returns
         (norm(x + residual), x + residual)."""
-        if x.dim() == 2 and kernels.kernel_backend(x.device) == "triton":  # fused add + norm, one pass
-            normed, summed = kernels.add_rms_norm(x, residual, self.weight, self.eps)
-            return normed if residual is None else (normed, summed)
-        if residual is None:
-            return self._norm(x)
-        summed = x + residual
-        return self._norm(summed), summed
+        normed, summed = self.kernel(x, residual, self.weight, self.eps)
+        return normed if residual is None else (normed, summed)

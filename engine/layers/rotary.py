@@ -5,15 +5,19 @@ Supported scalings: default, linear, llama3. Others raise a clear error at start
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import torch
 from torch import nn
 
-from pdserve import kernels
-from pdserve.engine.forward_context import get_forward_context
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# (query [T, H, D], key [T, Hkv, D]) -> both rotated: one step's rotation, applied by every layer
+Rotation = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (positions [T], query, key, cos_sin_cache [max_positions, rotary_dim]) -> (query, key), like kernels.reference_extra
+RotaryKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class UnsupportedRopeError(ValueError):
@@ -55,6 +59,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
+    """One cos/sin table per model. Once per step, `rotary(positions, dtype)` gives the step's Rotation,
+    which every layer applies to its query and key."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
@@ -62,24 +69,36 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
         # [max_positions, head_dim]: cos | sin, the layout the Triton rotary kernel reads too
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        self.make_rotation: Callable[..., Rotation] = TableRotation
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T] int64
-        query: torch.Tensor,  # [T, num_heads, head_dim]
-        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if kernels.kernel_backend(query.device) == "triton":  # one fused kernel gathers and rotates
-            return kernels.rotary_embedding(positions, query, key, self.cos_sin_cache)
-        # the same for every layer of the step: looked up once
-        cos, sin = get_forward_context().cached(("rotary", id(self), query.dtype),
-                                                lambda: self._cos_sin(positions, query.dtype))
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    def use_kernel(self, kernel: RotaryKernel) -> None:
+        """Rotate with `kernel` from now on (the attention backend's fused kernel, bound once)."""
+        self.make_rotation = functools.partial(KernelRotation, kernel)
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_sin = self.cos_sin_cache.index_select(0, positions)[:, None, :].to(dtype)  # [T, 1, head_dim]
-        cos, sin = cos_sin.chunk(2, dim=-1)  # [T, 1, head_dim // 2] each
-        return cos, sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:  # positions [T] int64
+        return self.make_rotation(self.cos_sin_cache, positions, dtype)
+
+
+class TableRotation:
+    """torch: the step's cos/sin gathered once, in the model dtype like transformers; each layer rotates with them."""
+
+    def __init__(self, cos_sin_cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        cos_sin = cos_sin_cache.index_select(0, positions)[:, None, :].to(dtype)  # [T, 1, head_dim]
+        self.cos, self.sin = cos_sin.chunk(2, dim=-1)  # [T, 1, head_dim // 2] each
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rotate(query, self.cos, self.sin), _rotate(key, self.cos, self.sin)
+
+
+class KernelRotation:
+    """A fused kernel gathers cos/sin from the table and rotates query and key, in one launch per layer."""
+
+    def __init__(self, kernel: RotaryKernel, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+                 dtype: torch.dtype) -> None:  # dtype: the kernel writes query's own
+        self.kernel, self.cos_sin_cache, self.positions = kernel, cos_sin_cache, positions
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernel(self.positions, query, key, self.cos_sin_cache)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.attention import Attention
 from pdserve.engine.layers.linear import Linear, MergedLinear, default_weight_loader
 from pdserve.engine.layers.norm import RMSNorm
-from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.layers.rotary import RotaryEmbedding, Rotation
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class ArchFlags:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -34,10 +35,9 @@ class DecoderAttention(nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags.qk_norm else None
-        self.rotary = rotary  # one module shared by all layers: one cos/sin table, looked up once per step
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, rotation: Rotation, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
@@ -45,7 +45,7 @@ class DecoderAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = rotation(q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -62,21 +62,21 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, flags, layer_idx, rotary)
+        self.self_attn = DecoderAttention(config, flags, layer_idx)
         self.mlp = GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+        self, rotation: Rotation, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(rotation, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -87,14 +87,17 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_tokens.weight.weight_loader = default_weight_loader
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(config, flags, i, rotary) for i in range(config.num_layers))
+        # one cos/sin table for all layers, looked up once per step
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(config, flags, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        rotation = self.rotary_emb(positions, hidden.dtype)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(rotation, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -126,10 +129,10 @@ class LlamaForCausalLM(nn.Module):
         """hidden [R, hidden] -> logits [R, vocab] (float32)."""
         return self.lm_head(hidden).float()
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+    def bind_kv_cache(self, kv_cache: torch.Tensor, attn_backend: AttentionBackend) -> None:
         """kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
         for layer_idx, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.bind_kv_cache(kv_cache[layer_idx, 0], kv_cache[layer_idx, 1])
+            layer.self_attn.attn.bind_kv_cache(kv_cache[layer_idx, 0], kv_cache[layer_idx, 1], attn_backend)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

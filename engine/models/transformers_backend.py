@@ -25,6 +25,7 @@ from torch import nn
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.initialization import no_init_weights
 
+from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.attention import Attention
 from pdserve.engine.layers.linear import copy_checked, pack_torch_linears
@@ -269,10 +270,10 @@ class TransformersForCausalLM(nn.Module):
         logits = self.lm_head(hidden).float()
         return self.logit_transform(logits) if self.logit_transform is not None else logits
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+    def bind_kv_cache(self, kv_cache: torch.Tensor, attn_backend: AttentionBackend) -> None:
         """kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
         for layer_idx, attn in enumerate(self.attention_layers):
-            attn.bind_kv_cache(kv_cache[layer_idx, 0], kv_cache[layer_idx, 1])
+            attn.bind_kv_cache(kv_cache[layer_idx, 0], kv_cache[layer_idx, 1], attn_backend)
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint tensors under transformers' names; each parameter exactly once (tied ones once)."""

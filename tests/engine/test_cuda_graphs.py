@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.attention.torch_paged import TorchPagedBackend
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_batch_sizes, context_buckets
 
 BLOCK = 4  # tokens per KV block in these tests: short prompts already span several blocks
@@ -30,7 +31,7 @@ def attach_emulated_graphs(llm: LLM, batch_sizes, table_widths) -> DecodeGraphs:
     runner = llm.engine.runner
     assert runner.decode_graphs is None, "a CPU runner captures no graphs by itself"
     runner.decode_graphs = DecodeGraphs(
-        runner.model, runner.model_config.vocab_size, runner.block_size, runner.device,
+        runner.model, runner.attn_backend, runner.model_config.vocab_size, runner.block_size, runner.device,
         batch_sizes, table_widths, use_cuda_graphs=False,
     )
     return runner.decode_graphs
@@ -99,8 +100,9 @@ def test_context_buckets_follow_the_decode_kernels_tiling():
 
 
 def test_graph_for_picks_the_smallest_batch_and_narrowest_table():
-    model = torch.nn.Identity()
-    graphs = DecodeGraphs(model, 8, BLOCK, torch.device("cpu"), (1, 2, 4, 8), (4, 16, 64), use_cuda_graphs=False)
+    model, backend = torch.nn.Identity(), TorchPagedBackend(BLOCK)
+    graphs = DecodeGraphs(model, backend, 8, BLOCK, torch.device("cpu"), (1, 2, 4, 8), (4, 16, 64),
+                          use_cuda_graphs=False)
     assert len(graphs.graphs) == 12
     picked = graphs.graph_for(3, 17)
     assert (picked.batch_size, picked.num_table_blocks) == (4, 16)
@@ -110,7 +112,7 @@ def test_graph_for_picks_the_smallest_batch_and_narrowest_table():
     with pytest.raises(ValueError, match="fits no captured graph"):
         graphs.graph_for(9, 10)
     with pytest.raises(ValueError, match="need a CUDA device"):
-        DecodeGraphs(model, 8, BLOCK, torch.device("cpu"), (1,), (4,))
+        DecodeGraphs(model, backend, 8, BLOCK, torch.device("cpu"), (1,), (4,))
 
 
 def test_cpu_runner_captures_nothing(model_factory):
@@ -272,7 +274,8 @@ eager = LLM(sys.argv[1], dtype="float32", block_size=16, num_kv_blocks=64).gener
 assert [o.outputs[0].token_ids for o in eager] == EXPECTED, "Triton kernels differ from the torch ones"
 llm = LLM(sys.argv[1], dtype="float32", block_size=16, num_kv_blocks=64)
 runner = llm.engine.runner
-runner.decode_graphs = DecodeGraphs(runner.model, 1024, 16, runner.device, (1, 4), (2, 64), use_cuda_graphs=False)
+runner.decode_graphs = DecodeGraphs(runner.model, runner.attn_backend, 1024, 16, runner.device, (1, 4), (2, 64),
+                                    use_cuda_graphs=False)
 for ours, theirs in zip(llm.generate(prompts, params), eager):
     ours, theirs = ours.outputs[0], theirs.outputs[0]
     assert ours.token_ids == theirs.token_ids, (ours.token_ids, theirs.token_ids)
@@ -367,7 +370,8 @@ def test_cuda_graph_replay_equals_padded_eager_run_on_gpu(model_factory):
               enforce_eager=True)
     engine, runner = llm.engine, llm.engine.runner
     runner.decode_graphs = graphs = DecodeGraphs(
-        runner.model, runner.model_config.vocab_size, runner.block_size, runner.device, (1, 4, 8), (8, 32))
+        runner.model, runner.attn_backend, runner.model_config.vocab_size, runner.block_size, runner.device,
+        (1, 4, 8), (8, 32))
     graphs.capture()
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(3, 1024, seed=13)):

@@ -1,10 +1,11 @@
-"""ForwardContext.cached: built once per forward pass, rebuilt when the context is installed again."""
+"""use_forward_context: the backend prepares the step once per installation; contexts do not nest."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pdserve.engine.attention.torch_paged import TorchPagedBackend
 from pdserve.engine.forward_context import ForwardContext, get_forward_context, use_forward_context
 
 
@@ -13,21 +14,31 @@ def _context() -> ForwardContext:
     return ForwardContext(torch.zeros(0, dtype=torch.int64), 0, empty, empty, empty, empty, empty)
 
 
-def test_cached_builds_once_per_installation():
-    context, builds = _context(), []
+class CountingBackend(TorchPagedBackend):
+    def __init__(self) -> None:
+        super().__init__(block_size=4)
+        self.prepared: list[object] = []
+
+    def prepare(self, context: ForwardContext):
+        self.prepared.append(super().prepare(context))
+        return self.prepared[-1]
+
+
+def test_prepare_runs_once_per_installation():
+    context, backend = _context(), CountingBackend()
     for _ in range(2):  # e.g. a warm-up run then a CUDA graph capture with the same context
-        with use_forward_context(context):
+        with use_forward_context(context, backend):
             assert get_forward_context() is context
-            for _layer in range(3):
-                value = context.cached("plan", lambda: builds.append(1) or len(builds))
-            assert value == len(builds)
-    assert len(builds) == 2
+            assert context.attn_metadata is backend.prepared[-1]
+    assert len(backend.prepared) == 2 and backend.prepared[0] is not backend.prepared[1]
     with pytest.raises(RuntimeError, match="outside a forward pass"):
         get_forward_context()
 
 
 def test_contexts_cannot_nest():
-    with use_forward_context(_context()):
+    backend = CountingBackend()
+    with use_forward_context(_context(), backend):
         with pytest.raises(RuntimeError, match="cannot nest"):
-            with use_forward_context(_context()):
+            with use_forward_context(_context(), backend):
                 pass
+    assert len(backend.prepared) == 1
