@@ -6,7 +6,7 @@
 For each transport (tcp loopback, ipc) and payload size S MiB per request, a sender process (P,
 ROUTER) streams N requests to a receiver process (D, DEALER) that asked for them; N * S is about
 --total-mib. Like the prefill engine, which groups layers into ~4 MiB messages
-(prefill.connector.MESSAGE_TARGET_BYTES), a request goes as ceil(S / --message-mib) payload messages
+(prefill.kv_sender.MESSAGE_TARGET_BYTES), a request goes as ceil(S / --message-mib) payload messages
 of equal size, then one done message. Three senders of the same bytes:
   raw      pyzmq send_multipart([peer, fixed header, payload], copy=False) in the same messages as
            pdserve; the receiver only counts. The baseline for the protocol's own cost.
@@ -38,15 +38,11 @@ import msgpack
 import torch
 import zmq
 
-from pdserve.control.keys import (
-    CurveClientConfig,
-    CurveServerConfig,
-    generate_curve_keypair,
-)
-from pdserve.control.sockets import ClientSocket, ServerSocket
 from pdserve.kvtransfer.messages import KVAck, KVDone, KVLayer, KVWant
 from pdserve.kvtransfer.payload import combine_checksums, payload_checksum
-from pdserve.prefill.connector import MESSAGE_TARGET_BYTES
+from pdserve.control.keys import CurveClientConfig, CurveServerConfig, generate_curve_keypair
+from pdserve.control.sockets import ClientSocket, ServerSocket
+from pdserve.prefill.kv_sender import MESSAGE_TARGET_BYTES
 
 MIB = 1 << 20
 HWM = 8  # messages in flight per socket, as an engine would bound its memory

@@ -17,15 +17,7 @@ import zmq
 
 from pdserve.control.heartbeat import Heartbeat, advertised_address
 from pdserve.control.keys import ClusterCurve
-from pdserve.control.messages import (
-    Abort,
-    DescribeRequest,
-    EngineStats,
-    Error,
-    Register,
-    StatsRequest,
-    TokenDelta,
-)
+from pdserve.control.messages import Abort, DescribeRequest, EngineStats, Error, Register, StatsRequest, TokenDelta
 from pdserve.control.sockets import ServerSocket
 
 log = logging.getLogger("pdserve.engine_server")
@@ -39,7 +31,7 @@ class EngineServer:
     def __init__(self, engine: Any, connector: Any, control_address: str, engine_id: str,
                  curve: ClusterCurve | None = None) -> None:
         self.engine = engine  # engine.engine_core.EngineCore
-        self.connector = connector
+        self.connector = connector  # the KV connector's transfer side (engine.kv_connector.KVTransferSide)
         self.engine_id = engine_id
         self.curve = curve  # CURVE keys of the cluster: every link encrypted and authenticated
         self.control = ServerSocket(control_address, curve=curve.server if curve else None)
@@ -71,7 +63,6 @@ class EngineServer:
                 poller.poll(0 if self.engine.has_runnable_work() else IDLE_WAIT_MS)
                 self._guarded(self._drain_control)
                 self._guarded(self.connector.receive)
-                self._guarded(self.after_receive)
                 if self.engine.has_work():
                     self.publish(self.engine.step())
                 if self.heartbeat is not None and self.heartbeat.wants_stats():
@@ -115,9 +106,6 @@ class EngineServer:
         else:
             self.reply(peer_id, Error(code="unexpected", message=f"{msg.type_name} is not served by a {self.role} engine"))
 
-    def after_receive(self) -> None:
-        """Hook for work that follows network input (e.g. aborts the KV peer asked for)."""
-
     def publish(self, deltas: list) -> None:
         for delta in deltas:
             owner = self.owners.get(delta.request_id)
@@ -138,7 +126,7 @@ class EngineServer:
         self.control.answer(peer_id, msg, timeout=1.0)
 
     def stats(self) -> EngineStats:
-        stats = self.engine.stats()
+        stats, kv = self.engine.stats(), self.connector.stats
         return EngineStats(
             engine_id=self.engine_id, role=self.role,
             num_waiting=stats["num_waiting"], num_running=stats["num_running"],
@@ -146,11 +134,8 @@ class EngineServer:
             kv_blocks_used=stats["kv_blocks_used"], kv_blocks_total=stats["kv_blocks_total"],
             queued_prefill_tokens=stats["queued_prefill_tokens"], num_preemptions=stats["num_preemptions"],
             prefix_cache_queries=stats["prefix_cache_queries"], prefix_cache_hits=stats["prefix_cache_hits"],
-            kv_bytes_sent=getattr(self.connector, "bytes_sent", 0),
-            kv_bytes_received=getattr(self.connector, "bytes_received", 0),
-            num_kv_transfers_failed=getattr(self.connector, "num_failed", 0),
-            num_kv_transfers=getattr(self.connector, "num_transfers", 0),
-            kv_transfer_seconds=getattr(self.connector, "transfer_seconds", 0.0),
+            kv_bytes_sent=kv.bytes_sent, kv_bytes_received=kv.bytes_received, num_kv_transfers_failed=kv.num_failed,
+            num_kv_transfers=kv.num_transfers, kv_transfer_seconds=kv.transfer_seconds,
         )
 
     # ---- registration with a router ----

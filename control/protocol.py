@@ -10,14 +10,7 @@ from typing import Any
 import msgpack
 
 from pdserve.control.errors import ProtocolError
-from pdserve.control.schema import (
-    MAX_HEADER_BYTES,
-    MAX_ID_LEN,
-    MESSAGE_TYPES,
-    PROTOCOL_VERSION,
-    Message,
-    short_repr,
-)
+from pdserve.control.schema import MAX_HEADER_BYTES, MAX_ID_LEN, MESSAGE_TYPES, PROTOCOL_VERSION, Message, short_repr
 
 
 def as_buffer(obj: Any) -> memoryview:

@@ -13,13 +13,7 @@ from typing import Any, Iterator, NamedTuple
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from pdserve.control.errors import (
-    PeerUnreachableError,
-    ProtocolError,
-    TransportError,
-    TransportTimeout,
-    WireError,
-)
+from pdserve.control.errors import PeerUnreachableError, ProtocolError, TransportError, TransportTimeout, WireError
 from pdserve.control.keys import CurveClientConfig, CurveServerConfig, require_curve
 from pdserve.control.messages import Error
 from pdserve.control.protocol import decode, encode

@@ -8,13 +8,14 @@ import dataclasses
 import logging
 from typing import Any
 
-from pdserve.control.engine_server import EngineServer
-from pdserve.control.keys import load_cluster_keys
-from pdserve.control.messages import GenerateRequest
-from pdserve.decode.connector import DecodeConnector
+from pdserve.decode.scheduler_side import DecodeSchedulerSide
+from pdserve.decode.transfer_side import DecodeTransferSide
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.request import SamplingParams
+from pdserve.control.messages import GenerateRequest
+from pdserve.control.keys import load_cluster_keys
+from pdserve.control.engine_server import EngineServer
 from pdserve.kvtransfer.fingerprint import engine_fingerprint
 
 log = logging.getLogger("pdserve.decode")
@@ -46,8 +47,10 @@ class DecodeServer(EngineServer):
 def build_decode_server(model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                         options: DecodeOptions) -> DecodeServer:
     curve = load_cluster_keys(options.curve_dir) if options.curve_dir else None
-    connector = DecodeConnector(engine_fingerprint(model_config, cache_config.block_size), options.engine_id,
-                                timeout_s=options.kv_timeout_s, curve=curve.client if curve else None)
-    engine = EngineCore(model_config, cache_config, scheduler_config, options.device, connector, options.kv_failure)
-    connector.bind_kv_cache(engine.runner.kv_cache)
-    return DecodeServer(engine, connector, options.control_address, options.engine_id, curve)
+    transfer = DecodeTransferSide(engine_fingerprint(model_config, cache_config.block_size), options.engine_id,
+                                  timeout_s=options.kv_timeout_s, curve=curve.client if curve else None)
+    engine = EngineCore(model_config, cache_config, scheduler_config, options.device,
+                        connector=DecodeSchedulerSide(transfer), kv_failure_policy=options.kv_failure,
+                        kv_transfer=transfer)
+    transfer.bind_kv_cache(engine.runner.kv_cache)
+    return DecodeServer(engine, transfer, options.control_address, options.engine_id, curve)

@@ -1,4 +1,5 @@
-"""One engine: scheduler + KV cache manager + model runner, driven one step at a time. No sockets."""
+"""One engine: scheduler + KV cache manager + model runner, driven one step at a time. No sockets: a
+KV connector's scheduler side goes to the scheduler, its transfer side only lends the per-layer hook."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import dataclasses
 
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_connector import KVConnector, KVTransferSide
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from pdserve.engine.scheduler import KVFailurePolicy, RequestDelta, Scheduler
@@ -21,6 +22,7 @@ class EngineCore:
         device: str = "cpu",
         connector: KVConnector | None = None,
         kv_failure_policy: KVFailurePolicy | str = KVFailurePolicy.RECOMPUTE,
+        kv_transfer: KVTransferSide | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -31,6 +33,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             scheduler_config, self.kv_cache_manager, model_config.max_model_len, connector, kv_failure_policy
         )
+        self.kv_transfer = kv_transfer or KVTransferSide()
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Validate a request against this model and fill in what the model decides (eos, max_tokens)."""
@@ -80,7 +83,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return self.scheduler.take_pending()
-        sampled = self.runner.execute(plan, self.scheduler.connector.layer_hook(plan))
+        sampled = self.runner.execute(plan, self.kv_transfer.layer_hook(plan))
         return self.scheduler.update_from_output(plan, sampled)
 
     def stats(self) -> dict:

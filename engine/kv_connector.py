@@ -1,6 +1,8 @@
-"""The scheduler-side hooks a KV connector implements (prefill and decode roles of disaggregation).
+"""The two sides of a KV connector (prefill and decode roles of disaggregation).
 
-The scheduler calls these; a connector never touches the scheduler's queues itself.
+`KVConnector` is the scheduler side: hooks the scheduler calls, bookkeeping only, no sockets.
+`KVTransferSide` owns the sockets and the copies; the engine loop drives it between steps, and the
+model runner calls its one per-layer hook inside a step. The base classes move nothing.
 """
 
 from __future__ import annotations
@@ -22,10 +24,26 @@ class ConnectorEvents:
     failed: dict[str, str] = field(default_factory=dict)
     # Prefill role: requests whose blocks the peer has acknowledged (or whose lease expired): free them now.
     sent: set[str] = field(default_factory=set)
+    # Prefill role: requests the peer gave up on: abort them wherever they are (computing or held).
+    aborted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class KVConnectorStats:
+    """An engine's KV transfers since start, one counter per fact."""
+
+    bytes_sent: int = 0  # KVLayer payload bytes (prefill role)
+    bytes_received: int = 0  # KVLayer payload bytes written into blocks (decode role)
+    num_transfers: int = 0  # completed: acked by the peer (prefill) or verified (decode)
+    num_failed: int = 0  # transfers that ended without the KV in place (decode role)
+    # Summed time of the completed transfers. Prefill: prompt computed -> KVAck, the part that layer
+    # streaming did not hide behind compute. Decode: KVWant sent -> KVDone verified.
+    transfer_seconds: float = 0.0
 
 
 class KVConnector:
-    """Base class: a connector that moves nothing. Subclasses override what their role needs."""
+    """Scheduler side. Subclasses override what their role needs; a connector never touches the
+    scheduler's queues itself."""
 
     def num_external_tokens(self, request: Request, num_local_hit_tokens: int) -> int:
         """Tokens of the prompt, after the local prefix hit, whose KV will be loaded from outside."""
@@ -39,24 +57,29 @@ class KVConnector:
         return False
 
     def on_request_aborted(self, request: Request) -> None:
-        """A request was aborted at any stage; tell the peer so it frees its side too."""
+        """A request was aborted at any stage (its blocks may be held for the peer); stop its transfer."""
 
     def poll(self) -> ConnectorEvents:
         return ConnectorEvents()
+
+
+class KVTransferSide:
+    """Transfer side: sockets and copies, driven by the engine loop and the per-layer hook."""
+
+    def __init__(self) -> None:
+        self.stats = KVConnectorStats()
+
+    def sockets(self) -> list:
+        """Sockets the engine loop should wait on besides its control socket."""
+        return []
+
+    def receive(self) -> None:
+        """The engine loop's call between steps: handle what arrived, end what timed out."""
 
     def layer_hook(self, plan) -> Callable[[int], None] | None:
         """Called before a step runs; a callable returned is called with each layer index right after
         that layer's K/V of the step is in the cache (prefill role: stream KV while computing)."""
         return None
-
-    # ---- network side, used by the service loop (not the scheduler) ----
-
-    def sockets(self) -> list:
-        """Sockets the service loop should wait on besides its control socket."""
-        return []
-
-    def receive(self) -> None:
-        """Handle what arrived on the connector's sockets; called between steps."""
 
     def close(self) -> None:
         pass

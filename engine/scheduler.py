@@ -97,7 +97,7 @@ class Scheduler:
         """End a request at any stage and free its blocks. Returns False for an unknown id."""
         request = self.requests.get(request_id)
         if request is None:
-            return False
+            return self._abort_delayed_free(request_id)
         if request in self.waiting:
             self.waiting.remove(request)
         if request in self.running:
@@ -105,6 +105,15 @@ class Scheduler:
         self.waiting_for_remote_kv.pop(request_id, None)
         self.connector.on_request_aborted(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def _abort_delayed_free(self, request_id: str) -> bool:
+        """A finished request whose blocks wait for the peer: the peer will not take them now."""
+        request = self.delayed_free.pop(request_id, None)
+        if request is None:
+            return False
+        self.connector.on_request_aborted(request)
+        self.kv.free(request)
         return True
 
     @property
@@ -289,6 +298,8 @@ class Scheduler:
             self._on_remote_kv_received(request_id, first_token, logprobs)
         for request_id, reason in events.failed.items():
             self._on_remote_kv_failed(request_id, reason)
+        for request_id in events.aborted:
+            self.abort(request_id)
 
     def _on_remote_kv_received(self, request_id: str, first_token: int, logprobs: dict | None) -> None:
         request = self.waiting_for_remote_kv.pop(request_id, None)

@@ -33,13 +33,7 @@ from pdserve.control.schema import (
     max_items,
 )
 from pdserve.kvtransfer.errors import ChecksumMismatchError
-from pdserve.kvtransfer.payload import (
-    DTYPE_SIZES,
-    KVDtype,
-    dtype_name,
-    payload_checksum,
-    tensor_from_frame,
-)
+from pdserve.kvtransfer.payload import DTYPE_SIZES, KVDtype, dtype_name, payload_checksum, tensor_from_frame
 
 FrameDim = Annotated[int, Field(ge=1, le=MAX_FRAME_BYTES)]  # one dimension of a payload's shape
 

@@ -13,14 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.control.messages import (
-    Abort,
-    EngineStats,
-    GenerateRequest,
-    PrefillRequest,
-    StatsRequest,
-    TokenDelta,
-)
+from pdserve.control.messages import Abort, EngineStats, GenerateRequest, PrefillRequest, StatsRequest, TokenDelta
 from pdserve.control.sockets import ClientSocket
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,12 +21,14 @@ START_TIMEOUT_S = 120
 
 
 class EngineProcess:
-    """`python -m pdserve <role> ...` as a child process; waits for its PDSERVE_READY line."""
+    """`python -m pdserve <role> ...` as a child process; waits for its PDSERVE_READY line. `module` runs
+    another entry point with the same command line (tests: one that injects faults first)."""
 
-    def __init__(self, role: str, model_dir: str, *args: str, env: dict | None = None, log_dir: Path) -> None:
+    def __init__(self, role: str, model_dir: str, *args: str, env: dict | None = None, log_dir: Path,
+                 module: str = "pdserve") -> None:
         self.role = role
         self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
-        command = [sys.executable, "-m", "pdserve", role, "--model", model_dir, "--dtype", "float32", *args]
+        command = [sys.executable, "-m", module, role, "--model", model_dir, "--dtype", "float32", *args]
         self.process = subprocess.Popen(
             command, cwd=REPO, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True,
             env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})

@@ -8,15 +8,16 @@ import dataclasses
 import logging
 from typing import Any
 
-from pdserve.control.engine_server import EngineServer
-from pdserve.control.keys import load_cluster_keys
-from pdserve.control.messages import Abort, PrefillRequest
-from pdserve.control.sockets import ServerSocket
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.request import SamplingParams
+from pdserve.control.messages import PrefillRequest
+from pdserve.control.keys import load_cluster_keys
+from pdserve.control.engine_server import EngineServer
 from pdserve.kvtransfer.fingerprint import engine_fingerprint
-from pdserve.prefill.connector import PrefillConnector
+from pdserve.control.sockets import ServerSocket
+from pdserve.prefill.scheduler_side import PrefillSchedulerSide
+from pdserve.prefill.transfer_side import PrefillTransferSide
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -37,8 +38,6 @@ class PrefillServer(EngineServer):
     role = "prefill"
 
     def handle(self, peer_id: bytes, msg: Any) -> None:
-        if isinstance(msg, Abort):  # finished prefills wait in the connector, not the engine
-            self.connector.abort(msg.request_id)
         if not isinstance(msg, PrefillRequest):
             return super().handle(peer_id, msg)
         params = SamplingParams(**msg.sampling_kwargs())
@@ -47,11 +46,6 @@ class PrefillServer(EngineServer):
         request = self.engine.make_request(msg.request_id, list(msg.prompt_token_ids), params)
         self.engine.add_request(request)
         self.owners[msg.request_id] = peer_id
-
-    def after_receive(self) -> None:
-        aborted, self.connector.aborted_by_peer = self.connector.aborted_by_peer, []
-        for request_id in aborted:
-            self.engine.abort(request_id)
 
     def should_publish(self, delta: Any) -> bool:
         # The router hears about a prefill only when it failed; tokens reach it through the decode engine.
@@ -66,9 +60,10 @@ def build_prefill_server(model_config: ModelConfig, cache_config: CacheConfig, s
                          options: PrefillOptions) -> PrefillServer:
     curve = load_cluster_keys(options.curve_dir) if options.curve_dir else None
     kv_server = ServerSocket(options.kv_address, curve=curve.server if curve else None)
-    connector = PrefillConnector(kv_server, engine_fingerprint(model_config, cache_config.block_size),
-                                 want_timeout_s=options.want_timeout_s, lease_s=options.lease_s,
-                                 stream_layers=options.stream_layers)
-    engine = EngineCore(model_config, cache_config, scheduler_config, options.device, connector)
-    connector.bind_kv_cache(engine.runner.kv_cache)
-    return PrefillServer(engine, connector, options.control_address, options.engine_id, curve)
+    transfer = PrefillTransferSide(kv_server, engine_fingerprint(model_config, cache_config.block_size),
+                                   want_timeout_s=options.want_timeout_s, lease_s=options.lease_s,
+                                   stream_layers=options.stream_layers)
+    engine = EngineCore(model_config, cache_config, scheduler_config, options.device,
+                        connector=PrefillSchedulerSide(transfer), kv_transfer=transfer)
+    transfer.bind_kv_cache(engine.runner.kv_cache)
+    return PrefillServer(engine, transfer, options.control_address, options.engine_id, curve)

@@ -18,13 +18,7 @@ import zmq.asyncio
 
 from pdserve.control.errors import ProtocolError, WireError
 from pdserve.control.keys import CurveClientConfig
-from pdserve.control.messages import (
-    EngineStats,
-    Error,
-    Register,
-    StatsRequest,
-    TokenDelta,
-)
+from pdserve.control.messages import EngineStats, Error, Register, StatsRequest, TokenDelta
 from pdserve.control.protocol import decode, encode
 from pdserve.control.schema import Message
 from pdserve.control.sockets import open_socket

@@ -22,8 +22,8 @@ from pdserve.control.schema import (
     MAX_HEADER_BYTES,
     MAX_STR_LEN,
     MESSAGE_TYPES,
-    PROTOCOL_VERSION,
     Message,
+    PROTOCOL_VERSION,
     max_items,
 )
 from pdserve.kvtransfer.errors import ChecksumMismatchError

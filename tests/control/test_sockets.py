@@ -10,18 +10,8 @@ import pytest
 import torch
 import zmq
 
-from pdserve.control.errors import (
-    PeerUnreachableError,
-    ProtocolError,
-    TransportError,
-    TransportTimeout,
-)
-from pdserve.control.keys import (
-    CurveClientConfig,
-    CurveKeyPair,
-    CurveServerConfig,
-    generate_curve_keypair,
-)
+from pdserve.control.errors import PeerUnreachableError, ProtocolError, TransportError, TransportTimeout
+from pdserve.control.keys import CurveClientConfig, CurveKeyPair, CurveServerConfig, generate_curve_keypair
 from pdserve.control.messages import Error
 from pdserve.control.protocol import encode
 from pdserve.control.sockets import ClientSocket, ServerSocket, validate_address

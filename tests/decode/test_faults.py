@@ -25,11 +25,13 @@ def expected(model_factory):
     return colocated_tokens(model_factory("llama"), PROMPTS[:3], **GREEDY)
 
 
-def run_pair(model_factory, tmp_path, prefill_env=None, decode_args=KV_TIMEOUT, prefill_model=None,
-             prefill_args=()):
+def run_pair(model_factory, tmp_path, fault=None, decode_args=KV_TIMEOUT, prefill_model=None, prefill_args=()):
+    """fault: "drop:0" etc., acted out by the prefill engine's KV sender (tests/decode/faulty_prefill.py)."""
     model_dir = model_factory("llama")
+    launch = {"module": "tests.decode.faulty_prefill"} if fault else {}
+    fault_args = ("--fault", fault) if fault else ()
     prefill = EngineProcess("prefill", prefill_model or model_dir, *ENGINE_ARGS, "--kv-streaming", "on",
-                            *prefill_args, env=prefill_env, log_dir=tmp_path)
+                            *prefill_args, *fault_args, log_dir=tmp_path, **launch)
     decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *decode_args, log_dir=tmp_path)
     return prefill, decode, Driver(decode, prefill)
 
@@ -42,7 +44,7 @@ def shutdown(driver, *processes):
 
 @pytest.mark.parametrize("fault, reason", [("drop:0", "incomplete"), ("corrupt:1", "checksum")])
 def test_lost_or_corrupt_kv_is_recomputed(model_factory, tmp_path, expected, fault, reason):
-    prefill, decode, driver = run_pair(model_factory, tmp_path, {"PDSERVE_FAULT_INJECT": fault})
+    prefill, decode, driver = run_pair(model_factory, tmp_path, fault)
     try:
         results = driver.generate(PROMPTS[:3], **GREEDY)
         assert [r.token_ids for r in results] == expected
@@ -54,7 +56,7 @@ def test_lost_or_corrupt_kv_is_recomputed(model_factory, tmp_path, expected, fau
 
 
 def test_prefill_killed_mid_transfer(model_factory, tmp_path, expected):
-    prefill, decode, driver = run_pair(model_factory, tmp_path, {"PDSERVE_FAULT_INJECT": "stall:0"})
+    prefill, decode, driver = run_pair(model_factory, tmp_path, "stall:0")
     try:
         for i, prompt in enumerate(PROMPTS[:3]):
             driver.submit(f"r{i}", prompt, **GREEDY)
@@ -86,7 +88,7 @@ def test_wrong_fingerprint_refuses_link_with_clear_error(model_factory, tmp_path
 
 
 def test_abort_during_transfer_frees_both_sides(model_factory, tmp_path):
-    prefill, decode, driver = run_pair(model_factory, tmp_path, {"PDSERVE_FAULT_INJECT": "delay:0"})
+    prefill, decode, driver = run_pair(model_factory, tmp_path, "delay:0")
     try:
         driver.submit("slow", PROMPTS[1], **GREEDY)
         time.sleep(1.0)  # P is inside the delayed send; D waits for the KV
@@ -118,7 +120,7 @@ def test_prefill_frees_its_blocks_when_decode_dies_or_hangs(model_factory, tmp_p
     """D is killed (-9) or frozen (SIGSTOP: its sockets stay open, it never acks) while P holds the
     prompts' KV for it. P frees every block within its bounds (a send to the gone peer fails, or the
     2 s ack lease / KVWant wait runs out) and keeps serving another decode engine."""
-    prefill, decode, driver = run_pair(model_factory, tmp_path, {"PDSERVE_FAULT_INJECT": "delay:0"},
+    prefill, decode, driver = run_pair(model_factory, tmp_path, "delay:0",
                                        prefill_args=("--kv-lease", "2", "--kv-want-timeout", "2"))
     replacement = None
     try:

@@ -7,10 +7,12 @@ import time
 
 import torch
 
-from pdserve.control.sockets import ServerSocket
-from pdserve.decode.connector import DecodeConnector
+from pdserve.decode.scheduler_side import DecodeSchedulerSide
+from pdserve.decode.transfer_side import DecodeTransferSide
+from pdserve.engine.request import Request, SamplingParams
 from pdserve.kvtransfer.fingerprint import LayoutFingerprint
-from pdserve.kvtransfer.messages import Hello, HelloAck, KVDone, KVLayer
+from pdserve.kvtransfer.messages import Hello, HelloAck, KVDone, KVLayer, KVWant
+from pdserve.control.sockets import ServerSocket
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 2, 4, 4, 2, 8
 
@@ -19,25 +21,29 @@ def test_kv_for_a_request_nobody_asked_for_is_dropped(caplog):
     fingerprint = LayoutFingerprint(architecture="LlamaForCausalLM", num_layers=NUM_LAYERS, num_kv_heads=KV_HEADS,
                                     head_dim=HEAD_DIM, dtype="float32", block_size=BLOCK_SIZE, weights_hash="w")
     prefill = ServerSocket("tcp://127.0.0.1:0")  # plays a prefill engine that sends unasked KV
-    connector = DecodeConnector(fingerprint, "d0", timeout_s=5)
+    side = DecodeTransferSide(fingerprint, "d0", timeout_s=5)
+    scheduler_side = DecodeSchedulerSide(side)
     kv_cache = torch.zeros(NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    connector.bind_kv_cache(kv_cache)
+    side.bind_kv_cache(kv_cache)
+    asked = Request("asked", [1, 2, 3, 4], SamplingParams(max_tokens=1), max_tokens=1)
+    asked.prefill_kv_address = prefill.address
     try:
-        connector._link(prefill.address)  # D opens the link with Hello
+        scheduler_side.on_blocks_allocated(asked, [0], 4)  # D opens the link with Hello, then asks
         hello = prefill.recv(timeout=5)
         assert isinstance(hello.msg, Hello)
         prefill.send(hello.peer_id, HelloAck(ok=True))
+        assert isinstance(prefill.recv(timeout=5).msg, KVWant)
         msg, payload = KVLayer.from_tensor(torch.randn(NUM_LAYERS, 2, 4, KV_HEADS, HEAD_DIM), request_id="nobody",
                                            layer_start=0, token_start=0)
         prefill.send(hello.peer_id, msg, payload)
         prefill.send(hello.peer_id, KVDone(request_id="nobody", first_token=1, num_tokens=4, checksum=msg.checksum))
         time.sleep(0.1)
-        with caplog.at_level(logging.WARNING, logger="pdserve.decode.connector"):
-            connector.receive()  # must not raise
+        with caplog.at_level(logging.WARNING, logger="pdserve.decode.transfer_side"):
+            side.receive()  # must not raise
         assert "KV for unknown request nobody" in caplog.text and "KVDone for unknown request nobody" in caplog.text
         assert not kv_cache.any(), "unasked KV must never reach the cache"
-        events = connector.poll()
-        assert not events.received and not events.failed and connector.bytes_received == 0
+        events = scheduler_side.poll()
+        assert not events.received and not events.failed and side.stats.bytes_received == 0
     finally:
-        connector.close()
+        side.close()
         prefill.close()

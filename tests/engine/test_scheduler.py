@@ -221,6 +221,45 @@ def test_delayed_free_keeps_blocks_until_sent():
     assert_scheduler_empty(scheduler)
 
 
+class FakePrefillConnector(FakeConnector):
+    """Prefill role: prompts are computed here; a finished one's blocks wait for the peer."""
+
+    def __init__(self) -> None:
+        super().__init__(delay_free=True)
+
+    def num_external_tokens(self, request, num_local_hit_tokens):
+        return 0
+
+    def on_request_finished(self, request, block_ids):
+        return request.status is not RequestStatus.FINISHED_ABORTED
+
+
+def test_abort_of_a_finished_request_frees_the_blocks_held_for_the_peer():
+    connector = FakePrefillConnector()
+    scheduler = make_scheduler(connector=connector)
+    scheduler.add_request(make_request("a", 9, max_tokens=1))
+    step(scheduler)
+    assert scheduler.kv.num_used_blocks == 3
+    assert scheduler.abort("a") and connector.aborted == ["a"]
+    assert not scheduler.abort("a")
+    assert_scheduler_empty(scheduler)
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_an_abort_event_ends_the_request_computing_or_held(held):
+    """Prefill role: the peer gave up on a request, whether it still computes or its blocks are held."""
+    connector = FakePrefillConnector()
+    scheduler = make_scheduler(connector=connector, budget=4)
+    scheduler.add_request(make_request("a", 9 if not held else 3, max_tokens=1))
+    step(scheduler)
+    assert (scheduler.kv.num_used_blocks > 0) and (("a" in scheduler.delayed_free) is held)
+    connector.events.aborted.add("a")
+    _, deltas = step(scheduler)
+    assert [(d.request_id, d.finish_reason) for d in deltas] == ([] if held else [("a", "abort")])
+    assert connector.aborted == ["a"]
+    assert_scheduler_empty(scheduler)
+
+
 def test_prefix_cache_lookups_are_counted():
     scheduler = make_scheduler()
     prompt = list(range(1, 11))  # 10 tokens: two full blocks of 4 and a partial one

@@ -1,0 +1,192 @@
+"""Decode role, transfer side: the links to prefill engines. Asks for a prompt's KV, writes the frames
+straight into the blocks the scheduler allocated, verifies them and acks.
+
+One DEALER link per prefill engine (opened on first use, Hello + fingerprint first). Everything runs on
+the engine loop's thread: `receive()` drains the links between steps and ends transfers that timed out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.decode.incoming import IncomingState, IncomingTransfer
+from pdserve.decode.kv_writer import layer_problem, write_layers
+from pdserve.engine.kv_connector import KVTransferSide
+from pdserve.control.errors import ProtocolError, WireError
+from pdserve.kvtransfer.errors import KVTransferError
+from pdserve.kvtransfer.fingerprint import LayoutFingerprint
+from pdserve.control.messages import Abort, Error
+from pdserve.kvtransfer.messages import Hello, HelloAck, KVAck, KVDone, KVLayer, KVWant
+from pdserve.kvtransfer.payload import combine_checksums
+from pdserve.control.keys import CurveClientConfig
+from pdserve.control.sockets import ClientSocket
+
+log = logging.getLogger("pdserve.decode.transfer_side")
+
+SEND_TIMEOUT_S = 2.0
+
+
+@dataclass
+class _PrefillLink:
+    address: str
+    client: ClientSocket
+    refused: str | None = None  # why the prefill engine refused the link (layout mismatch ...)
+
+
+class DecodeTransferSide(KVTransferSide):
+    def __init__(self, fingerprint: LayoutFingerprint, engine_id: str, timeout_s: float = 30.0,
+                 curve: CurveClientConfig | None = None) -> None:
+        super().__init__()
+        self.fingerprint = fingerprint
+        self.engine_id = engine_id
+        self.timeout_s = timeout_s
+        self.curve = curve
+        self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.transfers: dict[str, IncomingTransfer] = {}  # shared with the scheduler side
+        self._links: dict[str, _PrefillLink] = {}
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def sockets(self) -> list:
+        return [link.client.socket for link in self._links.values()]
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.client.close()
+
+    # ---- asked by the scheduler side ----
+
+    def ask(self, incoming: IncomingTransfer) -> None:
+        """Send the KVWant (opening the link first if this is its first request)."""
+        try:
+            link = self._link(incoming.address)
+            link.client.send(KVWant(request_id=incoming.request_id, skip_tokens=incoming.skip_tokens,
+                                    num_tokens=incoming.num_tokens), timeout=SEND_TIMEOUT_S)
+        except WireError as exc:
+            self._fail(incoming, f"cannot reach prefill engine {incoming.address}: {exc}")
+
+    def abort(self, incoming: IncomingTransfer, reason: str) -> None:
+        """Tell the prefill engine to stop and free its side."""
+        link = self._links.get(incoming.address)
+        if link is not None:
+            self._send_quietly(link, Abort(request_id=incoming.request_id, reason=reason))
+
+    def _link(self, address: str) -> _PrefillLink:
+        link = self._links.get(address)
+        if link is None:
+            client = ClientSocket(address, curve=self.curve, send_timeout=SEND_TIMEOUT_S)
+            link = _PrefillLink(address, client)
+            self._links[address] = link
+            client.send(Hello(fingerprint=self.fingerprint.to_dict(), role="decode", engine_id=self.engine_id))
+        if link.refused:
+            raise KVTransferError(f"the link was refused: {link.refused}")
+        return link
+
+    # ---- incoming ----
+
+    def receive(self) -> None:
+        """Handle every message waiting on any link, then end the transfers that timed out."""
+        for link in list(self._links.values()):
+            while True:
+                try:
+                    received = link.client.recv(timeout=0)
+                except ProtocolError as exc:
+                    log.warning("bad message from %s: %s", link.address, exc)
+                    if exc.request_id:
+                        self._fail_id(exc.request_id, f"bad KV message: {exc}", ack_to=link)
+                    continue
+                if received is None:
+                    break
+                self._dispatch(link, received.msg, received.frames)
+        self._expire()
+
+    def _dispatch(self, link: _PrefillLink, msg, frames) -> None:
+        if isinstance(msg, HelloAck):
+            if not msg.ok:
+                self._refuse(link, msg.reason)
+        elif isinstance(msg, KVLayer):
+            self._on_layer(link, msg, frames[0])
+        elif isinstance(msg, KVDone):
+            self._on_done(link, msg)
+        elif isinstance(msg, Error) and msg.request_id:
+            self._fail_id(msg.request_id, f"prefill engine error: {msg.message}")
+        elif isinstance(msg, Abort):
+            self._fail_id(msg.request_id, f"prefill engine aborted: {msg.reason}")
+        else:
+            log.warning("unexpected %s from %s ignored", msg.type_name, link.address)
+
+    def _refuse(self, link: _PrefillLink, reason: str) -> None:
+        log.error("prefill engine %s refused the KV link: %s", link.address, reason)
+        link.refused = reason
+        for incoming in list(self.transfers.values()):
+            if incoming.address == link.address and incoming.state is IncomingState.RECEIVING:
+                self._fail(incoming, f"prefill engine refused the KV link: {reason}")
+                self._send_quietly(link, Abort(request_id=incoming.request_id, reason="KV link refused"))
+
+    def _receiving(self, request_id: str) -> IncomingTransfer | None:
+        incoming = self.transfers.get(request_id)
+        return incoming if incoming is not None and incoming.state is IncomingState.RECEIVING else None
+
+    def _on_layer(self, link: _PrefillLink, msg: KVLayer, frame) -> None:
+        incoming = self._receiving(msg.request_id)
+        if incoming is None:
+            log.warning("KV for unknown request %s from %s dropped", msg.request_id, link.address)
+            return
+        problem = layer_problem(self.kv_cache, incoming, msg)
+        if problem:
+            self._fail(incoming, problem, ack_to=link)
+            return
+        write_layers(self.kv_cache, incoming, msg, msg.tensor(frame))
+        incoming.layer_tokens_received += (msg.layer_end - msg.layer_start) * msg.num_tokens
+        incoming.checksums.append(msg.checksum)
+        self.stats.bytes_received += msg.nbytes
+
+    def _on_done(self, link: _PrefillLink, msg: KVDone) -> None:
+        incoming = self._receiving(msg.request_id)
+        if incoming is None:
+            log.warning("KVDone for unknown request %s from %s dropped", msg.request_id, link.address)
+            return
+        expected = self.kv_cache.shape[0] * incoming.num_tokens
+        if incoming.layer_tokens_received != expected or msg.num_tokens != incoming.num_tokens:
+            self._fail(incoming, f"KV incomplete: {incoming.layer_tokens_received} of {expected} "
+                                 "layer-tokens arrived", ack_to=link)
+        elif combine_checksums(incoming.checksums) != msg.checksum:
+            self._fail(incoming, "KV checksum over all layers does not match: a message was lost, "
+                                 "repeated or reordered", ack_to=link)
+        else:
+            incoming.received(msg.first_token, msg.first_logprobs)
+            self.stats.num_transfers += 1
+            self.stats.transfer_seconds += time.monotonic() - incoming.started
+            self._send_quietly(link, KVAck(request_id=msg.request_id, ok=True))
+
+    # ---- failures ----
+
+    def _fail_id(self, request_id: str, reason: str, ack_to: _PrefillLink | None = None) -> None:
+        incoming = self._receiving(request_id)
+        if incoming is not None:
+            self._fail(incoming, reason, ack_to)
+
+    def _fail(self, incoming: IncomingTransfer, reason: str, ack_to: _PrefillLink | None = None) -> None:
+        log.warning("remote prefill of %s failed: %s", incoming.request_id, reason)
+        self.stats.num_failed += 1
+        incoming.fail(reason)
+        if ack_to is not None:  # the prefill engine may free its blocks now
+            self._send_quietly(ack_to, KVAck(request_id=incoming.request_id, ok=False, reason=reason[:4000]))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for incoming in list(self.transfers.values()):
+            if incoming.state is IncomingState.RECEIVING and now - incoming.started > self.timeout_s:
+                self.abort(incoming, "KV timed out on decode")
+                self._fail(incoming, f"no complete KV from {incoming.address} within {self.timeout_s:g}s")
+
+    def _send_quietly(self, link: _PrefillLink, msg) -> None:
+        try:
+            link.client.send(msg, timeout=0.1)
+        except WireError as exc:  # the peer is gone; our side is already cleaned up
+            log.info("could not send %s to %s: %s", msg.type_name, link.address, exc)

@@ -1,0 +1,78 @@
+"""Reads a prompt's KV out of the prefill engine's cache and sends it as KVLayer messages, then KVDone.
+Every KVLayer goes through `KVSender.send_layer`, which counts the bytes sent."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pdserve import kernels
+from pdserve.engine.cpu_threads import one_cpu_thread
+from pdserve.engine.kv_connector import KVConnectorStats
+from pdserve.kvtransfer.messages import KVDone, KVLayer
+from pdserve.kvtransfer.payload import combine_checksums
+from pdserve.control.sockets import ServerSocket
+from pdserve.prefill.transfers import Transfer
+
+MESSAGE_TARGET_BYTES = 4 << 20  # group layers so each KVLayer frame is about this big (fewer, larger sends)
+
+
+class KVSender:
+    def __init__(self, server: ServerSocket, stats: KVConnectorStats) -> None:
+        self.server = server
+        self.stats = stats
+        self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+
+    def slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:  # [end - start] int64
+        block_size = self.kv_cache.shape[3]
+        positions = torch.arange(start, end)
+        table = torch.tensor(block_ids, dtype=torch.int64)
+        slots = table[positions // block_size] * block_size + positions % block_size
+        return slots.to(self.kv_cache.device)
+
+    def gather(self, layer_start: int, layer_end: int, slots: torch.Tensor) -> torch.Tensor:
+        """KV of layers [layer_start, layer_end) at cache slots [T], on the cache's device:
+        [layers, 2, T, kv_heads, head_dim]."""
+        with one_cpu_thread(self.kv_cache.device):
+            return self.kv_cache[layer_start:layer_end].flatten(2, 3).index_select(2, slots)
+
+    def send_range(self, transfer: Transfer, block_ids: list[int], start: int, end: int) -> None:
+        """Every layer of prompt tokens [start, end) from the cache, grouped into ~4 MiB messages."""
+        if end <= start:
+            return
+        num_layers = self.kv_cache.shape[0]
+        per_layer = self.kv_cache[0, :, 0, 0].numel() * (end - start) * self.kv_cache.element_size()
+        step = max(1, min(num_layers, math.ceil(MESSAGE_TARGET_BYTES / per_layer)))
+        block_size = self.kv_cache.shape[3]
+        aligned = start % block_size == 0
+        table = torch.tensor(block_ids[start // block_size:], dtype=torch.int64, device=self.kv_cache.device)
+        slots = None if aligned else self.slots(block_ids, start, end)
+        for layer_start in range(0, num_layers, step):
+            layer_end = min(num_layers, layer_start + step)
+            if aligned:  # whole blocks: [layers, 2, T, kv_heads, head_dim]
+                with one_cpu_thread(self.kv_cache.device):
+                    kv = kernels.kv_pack(self.kv_cache, table, end - start, layer_start, layer_end)
+            else:
+                kv = self.gather(layer_start, layer_end, slots)
+            self.send_payload(transfer, kv.cpu(), layer_start, start)
+        transfer.sent_upto = end
+
+    def send_payload(self, transfer: Transfer, kv: torch.Tensor, layer_start: int, position: int) -> None:
+        """kv [layers, 2, T, kv_heads, head_dim] on the host: prompt tokens from `position` on."""
+        msg, payload = KVLayer.from_tensor(kv, request_id=transfer.request_id, layer_start=layer_start,
+                                           token_start=position - transfer.skip_tokens)
+        transfer.checksums.append(msg.checksum)
+        self.send_layer(transfer.peer_id, msg, payload)
+
+    def send_layer(self, peer_id: bytes, msg: KVLayer, payload: memoryview) -> None:
+        self.server.send(peer_id, msg, payload)
+        self.stats.bytes_sent += msg.nbytes
+
+    def send_done(self, transfer: Transfer) -> None:
+        """KVDone: the first token sampled here and the checksum over every KVLayer sent."""
+        request = transfer.request
+        self.server.send(transfer.peer_id, KVDone(
+            request_id=transfer.request_id, first_token=request.output_token_ids[0], num_tokens=transfer.num_tokens,
+            checksum=combine_checksums(transfer.checksums),
+            first_logprobs=request.logprobs[0] if request.logprobs else None))

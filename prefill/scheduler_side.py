@@ -1,0 +1,53 @@
+"""Prefill role, scheduler side: a finished prompt keeps its blocks (delayed free) while its transfer
+lasts, and the scheduler hears which blocks may go and which requests the decode engine gave up on.
+No sockets: a computed prompt that was already asked for is handed to the transfer side to finish."""
+
+from __future__ import annotations
+
+import logging
+
+from pdserve.engine.kv_connector import ConnectorEvents, KVConnector
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.prefill.transfer_side import PrefillTransferSide
+from pdserve.prefill.transfers import Transfer, TransferState
+
+log = logging.getLogger("pdserve.prefill.scheduler_side")
+
+
+class PrefillSchedulerSide(KVConnector):
+    def __init__(self, transfer_side: PrefillTransferSide) -> None:
+        self.transfer_side = transfer_side
+        self.transfers = transfer_side.transfers
+
+    def on_request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        transfer = self.transfers.get(request.request_id)
+        if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR) or (
+                transfer is not None and transfer.is_ended):
+            self.transfers.pop(request.request_id, None)
+            return False
+        if transfer is None:
+            self.transfers[request.request_id] = Transfer.computed(request, block_ids)
+            return True
+        transfer.prompt_computed(request, block_ids)
+        self.transfer_side.finish(transfer)
+        return True
+
+    def on_request_aborted(self, request: Request) -> None:
+        transfer = self.transfers.pop(request.request_id, None)
+        if transfer is not None:
+            transfer.move(TransferState.ABORTED, "aborted")  # its layers still queued are not sent
+
+    def poll(self) -> ConnectorEvents:
+        """Ended transfers: the blocks of a computed prompt may go; a request the decode engine
+        aborted is aborted here too."""
+        events = ConnectorEvents()
+        for request_id, transfer in list(self.transfers.items()):
+            if transfer.state is TransferState.ABORTED:
+                events.aborted.add(request_id)
+            elif transfer.is_ended and transfer.request is not None:
+                log.debug("releasing blocks of %s: %s", request_id, transfer.reason)
+                events.sent.add(request_id)
+            else:
+                continue
+            del self.transfers[request_id]
+        return events

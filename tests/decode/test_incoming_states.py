@@ -1,0 +1,80 @@
+"""One decode transfer's state through its life, against a stand-in prefill engine on a real socket:
+received and verified, or timed out (the prefill engine is told to stop); the scheduler side reports
+each once."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdserve.decode.incoming import IncomingState
+from pdserve.decode.scheduler_side import DecodeSchedulerSide
+from pdserve.decode.transfer_side import DecodeTransferSide
+from pdserve.engine.request import Request, SamplingParams
+from pdserve.kvtransfer.fingerprint import LayoutFingerprint
+from pdserve.control.messages import Abort
+from pdserve.kvtransfer.messages import Hello, HelloAck, KVAck, KVDone, KVLayer, KVWant
+from pdserve.kvtransfer.payload import combine_checksums
+from pdserve.control.sockets import ServerSocket
+
+NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 2, 4, 4, 2, 8
+PROMPT_LEN = 8  # two blocks
+
+
+@pytest.fixture
+def pair():
+    """(decode scheduler side, decode transfer side, stand-in prefill server, D's peer id there)."""
+    fingerprint = LayoutFingerprint(architecture="LlamaForCausalLM", num_layers=NUM_LAYERS, num_kv_heads=KV_HEADS,
+                                    head_dim=HEAD_DIM, dtype="float32", block_size=BLOCK_SIZE, weights_hash="w")
+    prefill = ServerSocket("tcp://127.0.0.1:0")
+    side = DecodeTransferSide(fingerprint, "d0", timeout_s=5)
+    side.bind_kv_cache(torch.zeros(NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM))
+    scheduler_side = DecodeSchedulerSide(side)
+    request = Request("r", list(range(PROMPT_LEN)), SamplingParams(max_tokens=2), max_tokens=2)
+    request.prefill_kv_address = prefill.address
+    scheduler_side.on_blocks_allocated(request, [3, 1], PROMPT_LEN)
+    hello = prefill.recv(timeout=5)
+    assert isinstance(hello.msg, Hello)
+    prefill.send(hello.peer_id, HelloAck(ok=True))
+    assert isinstance(prefill.recv(timeout=5).msg, KVWant)
+    yield scheduler_side, side, prefill, hello.peer_id
+    side.close()
+    prefill.close()
+
+
+def _receive_until(side, condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        side.receive()
+        time.sleep(0.005)
+
+
+def test_verified_kv_is_received_once_and_acked(pair):
+    scheduler_side, side, prefill, peer_id = pair
+    kv = torch.randn(NUM_LAYERS, 2, PROMPT_LEN, KV_HEADS, HEAD_DIM)
+    msg, payload = KVLayer.from_tensor(kv, request_id="r", layer_start=0, token_start=0)
+    prefill.send(peer_id, msg, payload)
+    prefill.send(peer_id, KVDone(request_id="r", first_token=5, num_tokens=PROMPT_LEN,
+                                       checksum=combine_checksums([msg.checksum])))
+    _receive_until(side, lambda: side.transfers["r"].state is IncomingState.RECEIVED)
+    ack = prefill.recv(timeout=5).msg
+    assert isinstance(ack, KVAck) and ack.ok
+    torch.testing.assert_close(side.kv_cache[:, :, [3, 1]].flatten(2, 3), kv, rtol=0, atol=0)
+    assert scheduler_side.poll().received == {"r": (5, None)}
+    assert not scheduler_side.poll().received, "reported once"
+    assert side.stats.num_transfers == 1 and side.stats.bytes_received == msg.nbytes
+
+
+def test_kv_that_never_completes_fails_after_the_timeout_and_aborts_the_prefill(pair):
+    scheduler_side, side, prefill, _ = pair
+    side.timeout_s = 0.1
+    time.sleep(0.2)
+    side.receive()
+    assert side.transfers["r"].state is IncomingState.FAILED
+    abort = prefill.recv(timeout=5).msg
+    assert isinstance(abort, Abort) and abort.request_id == "r"
+    events = scheduler_side.poll()
+    assert "within 0.1s" in events.failed["r"] and side.stats.num_failed == 1 and not side.transfers
