@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.control.messages import Abort
+from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.kvtransfer.messages import KVAck, KVDone, KVLayer, KVWant
 from pdserve.prefill.scheduler_side import PrefillSchedulerSide
 from pdserve.prefill.transfers import TransferState
@@ -23,7 +23,12 @@ def _computed_prompt(request_id: str = "r") -> Request:
 
 
 def _wait_for_state(side, request_id: str, state: TransferState) -> None:
-    _wait_until(lambda: side.receive() or side.transfers[request_id].state is state)
+    def reached() -> bool:
+        side.receive()
+        transfer = side.transfers.get(request_id)  # None until the KVWant has arrived
+        return transfer is not None and transfer.state is state
+
+    _wait_until(reached)
 
 
 def test_prompt_computed_first_is_sent_on_its_want_and_freed_on_the_ack(link):  # noqa: F811
