@@ -10,11 +10,10 @@ from typing import Any
 
 from pdserve.control.engine_server import EngineServer
 from pdserve.control.keys import load_cluster_keys
-from pdserve.control.messages import Abort, PrefillRequest
+from pdserve.control.messages import Abort, PrefillRequest, TokenDelta
 from pdserve.control.sockets import ServerSocket
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.request import SamplingParams
 from pdserve.kvtransfer.fingerprint import engine_fingerprint
 from pdserve.prefill.connector import PrefillConnector
 
@@ -41,9 +40,8 @@ class PrefillServer(EngineServer):
             self.connector.abort(msg.request_id)
         if not isinstance(msg, PrefillRequest):
             return super().handle(peer_id, msg)
-        params = SamplingParams(**msg.sampling_kwargs())
         # Only the first token is sampled here; min_tokens still bans eos for it, as it would colocated.
-        params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        params = msg.sampling_params.replace(max_tokens=1, min_tokens=min(msg.sampling_params.min_tokens, 1))
         request = self.engine.make_request(msg.request_id, list(msg.prompt_token_ids), params)
         self.engine.add_request(request)
         self.owners[msg.request_id] = peer_id
@@ -53,7 +51,7 @@ class PrefillServer(EngineServer):
         for request_id in aborted:
             self.engine.abort(request_id)
 
-    def should_publish(self, delta: Any) -> bool:
+    def should_publish(self, delta: TokenDelta) -> bool:
         # The router hears about a prefill only when it failed; tokens reach it through the decode engine.
         return delta.finish_reason == "error"
 

@@ -8,7 +8,7 @@
     registry.py      EngineRegistry: registration, heartbeats, static engines, liveness
     policies.py      prefill / decode routing policies, the prefix index
     gateway.py       Gateway: the router's long-lived state (engines, policy, metrics, admission)
-    specs.py         validated requests -> ChoiceSpecs (context length, sampling fields, n x prompts)
+    specs.py         validated requests -> ChoiceSpecs (context length, SamplingParams, n x prompts)
     generation.py    one choice of one request: route, submit, relay, stop strings, retry, abort
     responses.py     OpenAI response and stream-chunk bodies
     streaming.py     serving one request: whole or as server-sent events; disconnects, 429, metrics
