@@ -43,6 +43,7 @@ from pdserve.control.messages import (
     StatsRequest,
     TokenDelta,
 )
+from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.sockets import ClientSocket, ServerSocket
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,8 +100,8 @@ def start_router(model: str, decode_address: str, log_dir: Path) -> tuple[subpro
 def direct_request(client: ClientSocket, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
     """(time to first token, end-to-end) of one request sent straight to the engine."""
     start_time = time.perf_counter()
-    client.send(GenerateRequest(request_id=request_id, prompt_token_ids=prompt, temperature=0.0,
-                                max_tokens=max_tokens, ignore_eos=True))
+    client.send(GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
+                                sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
     first = None
     while True:
         received = client.recv(timeout=60)

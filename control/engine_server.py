@@ -15,6 +15,7 @@ from typing import Any
 
 import zmq
 
+from pdserve.control.errors import InvalidRequestError, ProtocolError
 from pdserve.control.heartbeat import Heartbeat, advertised_address
 from pdserve.control.keys import ClusterCurve
 from pdserve.control.messages import Abort, DescribeRequest, EngineStats, Error, Register, StatsRequest, TokenDelta
@@ -23,6 +24,22 @@ from pdserve.control.sockets import ServerSocket
 log = logging.getLogger("pdserve.engine_server")
 
 IDLE_WAIT_MS = 20  # longest wait for input while nothing can run (bounds timeout checks, too)
+
+
+def _invalid_request(exc: Exception, request_id: str | None) -> TokenDelta | Error:
+    """A request the engine refuses is the client's fault: its stream ends with error_code
+    "invalid_request" (the router's 400)."""
+    if request_id:
+        return TokenDelta(request_id=request_id, finish_reason="error", error=str(exc), error_code="invalid_request")
+    return Error(code="invalid_request", message=str(exc))
+
+
+def _refusal(exc: ProtocolError) -> TokenDelta | Error:
+    """The answer to a control message that did not decode: a request refused for its values (e.g.
+    sampling out of range) like any invalid request, anything else as a protocol error."""
+    if isinstance(exc, InvalidRequestError):
+        return _invalid_request(exc, exc.request_id)
+    return Error.from_exception(exc)
 
 
 class EngineServer:
@@ -87,14 +104,11 @@ class EngineServer:
     # ---- control plane ----
 
     def _drain_control(self) -> None:
-        for routed in self.control.drain():
+        for routed in self.control.drain(_refusal):
             try:
                 self.handle(routed.peer_id, routed.msg)
             except ValueError as exc:  # InvalidRequestError and friends: the client's fault, named
-                request_id = getattr(routed.msg, "request_id", None)
-                self.reply(routed.peer_id, TokenDelta(request_id=request_id, finish_reason="error", error=str(exc),
-                                                      error_code="invalid_request")
-                           if request_id else Error(code="invalid_request", message=str(exc)))
+                self.reply(routed.peer_id, _invalid_request(exc, getattr(routed.msg, "request_id", None)))
 
     def handle(self, peer_id: bytes, msg: Any) -> None:
         if isinstance(msg, Abort):
@@ -106,20 +120,16 @@ class EngineServer:
         else:
             self.reply(peer_id, Error(code="unexpected", message=f"{msg.type_name} is not served by a {self.role} engine"))
 
-    def publish(self, deltas: list) -> None:
+    def publish(self, deltas: list[TokenDelta]) -> None:
+        """Send each delta of a step, as the scheduler made it, to the peer that sent its request."""
         for delta in deltas:
             owner = self.owners.get(delta.request_id)
             if delta.finish_reason is not None:
                 self.owners.pop(delta.request_id, None)
             if owner is not None and self.should_publish(delta):
-                self.reply(owner, TokenDelta(
-                    request_id=delta.request_id, token_ids=delta.new_token_ids, logprobs=delta.new_logprobs,
-                    finish_reason=delta.finish_reason, error=delta.error,
-                    stop_reason=delta.stop_reason if isinstance(delta.stop_reason, int) else None,
-                    num_cached_tokens=delta.num_cached_tokens or 0,
-                    error_code=delta.error_code or ("internal_error" if delta.finish_reason == "error" else None)))
+                self.reply(owner, delta)
 
-    def should_publish(self, delta: Any) -> bool:
+    def should_publish(self, delta: TokenDelta) -> bool:
         return True
 
     def reply(self, peer_id: bytes | None, msg: Any) -> None:

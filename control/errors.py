@@ -1,5 +1,5 @@
-"""Errors of the wire layer (codec and sockets) shared by every plane; each has a short `code` that an
-Error reply can repeat."""
+"""Errors of the wire layer (codec and sockets) shared by every plane, and the refusal of a request
+that engines and the router share; each has a short `code` that an Error reply can repeat."""
 
 from __future__ import annotations
 
@@ -47,3 +47,15 @@ class CurveUnavailableError(TransportError):
     """CURVE was asked for but the installed libzmq was built without it."""
 
     code = "curve_unavailable"
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never be served as given; the message says what to change. Engines answer
+    it with a TokenDelta whose error_code is "invalid_request" (the router's 400)."""
+
+    code = "invalid_request"
+
+
+class InvalidSamplingParams(InvalidRequestError, ProtocolError):
+    """Sampling values out of range. A ProtocolError too, so that a header carrying them is refused
+    while it is decoded, with the request id it named."""

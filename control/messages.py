@@ -13,15 +13,18 @@ pdserve.control.protocol; Abort and Error serve the KV link too.
     either -> router          Register          (on the router's registration socket, with EngineStats
                                                  every heartbeat; Deregister when it stops)
 
-Stop strings, n and detokenization stay in the router; engines see token ids only.
+Requests carry their SamplingParams (control.sampling_params) whole, as vLLM's EngineCoreRequest does,
+but stop strings and detokenization are the router's: engines see token ids only. The engine's
+scheduler makes each TokenDelta, and the engine loop sends it as it is.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
+from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.schema import (
     MAX_DICT_ITEMS,
     MAX_ID_LEN,
@@ -33,50 +36,25 @@ from pdserve.control.schema import (
     TokenId,
     UINT64_MAX,
     WireInt,
-    WireModel,
     max_items,
 )
 
-MAX_STOP_TOKEN_IDS = 64
 Count = Annotated[int, Field(ge=0, le=UINT64_MAX)]
 TokenIds = Annotated[tuple[TokenId, ...], max_items(MAX_TOKENS)]  # a list is stored as a tuple
 TokenLogprobs = Annotated[dict[WireInt, float], max_items(MAX_DICT_ITEMS)]  # {token_id: logprob} of one token
 
 
-class SamplingFields(WireModel):
-    """The engine-side sampling knobs of a request (engine.request.SamplingParams without the
-    router-side ones: n, stop strings, skip_special_tokens). Defaults equal SamplingParams'."""
-
-    type_name: ClassVar[str] = "sampling"  # names its fields in errors: "sampling.top_k"
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = Field(default=0, ge=-1, le=MAX_TOKEN_ID)
-    min_p: float = 0.0
-    seed: WireInt | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = None
-    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
-    stop_token_ids: Annotated[tuple[TokenId, ...], max_items(MAX_STOP_TOKEN_IDS)] = ()
-    ignore_eos: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for engine.request.SamplingParams."""
-        return {name: getattr(self, name) for name in SamplingFields.model_fields}
-
-
-class GenerateRequest(SamplingFields, Message, type_name="generate"):
+class GenerateRequest(Message, type_name="generate"):
     request_id: str = Field(max_length=MAX_ID_LEN)
     prompt_token_ids: TokenIds
+    sampling_params: SamplingParams
     prefill_kv_address: Annotated[str, Field(max_length=1024)] | None = None
 
 
-class PrefillRequest(SamplingFields, Message, type_name="prefill"):
+class PrefillRequest(Message, type_name="prefill"):
     request_id: str = Field(max_length=MAX_ID_LEN)
     prompt_token_ids: TokenIds
+    sampling_params: SamplingParams
 
 
 class TokenDelta(Message, type_name="token_delta"):

@@ -49,7 +49,8 @@ def max_items(limit: int) -> BeforeValidator:
 # ---- ValidationError -> ProtocolError ----
 
 _EXPECTED = {"int_type": "int", "float_type": "float", "string_type": "str", "bool_type": "bool",
-             "bytes_type": "bytes", "dict_type": "dict", "tuple_type": "list", "none_required": "None"}
+             "bytes_type": "bytes", "dict_type": "dict", "tuple_type": "list", "none_required": "None",
+             "model_type": "dict"}
 _UNITS = {"string_too_long": "characters", "bytes_too_long": "bytes"}
 
 
@@ -58,21 +59,37 @@ def short_repr(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _path(prefix: str, loc: Sequence[int | str]) -> str:
-    """("first_logprobs", 42) -> "kv_done.first_logprobs[42]"; a dict key's own error ends in "[key]"."""
-    path = f"{prefix}.{loc[0]}" if loc else prefix
-    for index, part in enumerate(loc[1:], start=1):
-        if part != "[key]":
+def _walk(cls: type[WireModel], loc: Sequence[int | str]) -> tuple[str, type[WireModel] | None]:
+    """("first_logprobs", 42) -> "kv_done.first_logprobs[42]"; a nested model's field is ".name"
+    ("generate.sampling_params.top_k"); a dict key's own error ends in "[key]". Also returns the
+    model that the path ends in (None when it ends in anything else)."""
+    path, model = cls.type_name, cls
+    for index, part in enumerate(loc):
+        if index == 0 or (model is not None and part in model.model_fields):
+            field = model.model_fields.get(part) if model is not None else None
+            path += f".{part}"
+            model = _nested_model(field.annotation) if field is not None else None
+        elif part != "[key]":
+            model = None
             path += " key" if loc[index + 1:index + 2] == ("[key]",) else f"[{short_repr(part, 20)}]"
-    return path
+    return path, model
+
+
+def _path(cls: type[WireModel], loc: Sequence[int | str]) -> str:
+    return _walk(cls, loc)[0]
+
+
+def _nested_model(annotation: Any) -> type[WireModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, WireModel) else None
 
 
 def _describe(cls: type[WireModel], error: ErrorDetails) -> str:
     kind, value, ctx, loc = error["type"], error["input"], error.get("ctx", {}), error["loc"]
-    path = _path(cls.type_name, loc)
+    path = _path(cls, loc)
     if kind in _EXPECTED:
-        field = cls.model_fields.get(str(loc[0])) if len(loc) == 1 else None
-        nullable = " or None" if field is not None and field.default is None else ""
+        parent = _walk(cls, loc[:-1])[1] if loc else None
+        field = parent.model_fields.get(str(loc[-1])) if parent is not None else None
+        nullable = " or None" if field is not None and type(None) in typing.get_args(field.annotation) else ""
         return f"{path}: expected {_EXPECTED[kind]}{nullable}, got {type(value).__name__} {short_repr(value)}"
     if kind in ("greater_than_equal", "less_than_equal"):
         bound = f">= {ctx['ge']}" if "ge" in ctx else f"<= {ctx['le']}"
@@ -80,6 +97,8 @@ def _describe(cls: type[WireModel], error: ErrorDetails) -> str:
     if kind in ("too_long", "string_too_long", "bytes_too_long"):
         unit = _UNITS.get(kind, "entries" if isinstance(value, dict) else "items")
         return f"{path} has {len(value)} {unit}, over the limit of {ctx['max_length']}"
+    if kind == "finite_number":
+        return f"{path}={short_repr(value)} is not allowed: it must be a finite number"
     if kind == "literal_error":
         return f"{path}={short_repr(value)} is not allowed: it must be {ctx['expected']}"
     return f"{path}: {error['msg']}"
@@ -97,24 +116,34 @@ def _union_arms(errors: list[ErrorDetails]) -> list[ErrorDetails]:
     return arms
 
 
-def _unexpected(cls: type[WireModel], keys: list[Any]) -> ProtocolError:
-    expected = sorted(cls.model_fields)
-    return ProtocolError(f"{cls.type_name}: unexpected field(s) {short_repr(keys)}; expected {expected}")
+def _unexpected(cls: type[WireModel], keys: list[Any], where: Sequence[int | str] = ()) -> ProtocolError:
+    path, model = _walk(cls, where)
+    expected = sorted(model.model_fields) if model is not None else []
+    return ProtocolError(f"{path}: unexpected field(s) {short_repr(keys)}; expected {expected}")
+
+
+def _field_names(errors: list[ErrorDetails], kind: str) -> tuple[tuple, list] | None:
+    """(where, names): the fields that errors of `kind` (extra_forbidden, missing) name in the model of
+    the first such error, at loc `where` (() for the message itself, a nested model's field otherwise)."""
+    locs = [error["loc"] for error in errors if error["type"] == kind]
+    if not locs:
+        return None
+    return locs[0][:-1], [loc[-1] for loc in locs if loc[:-1] == locs[0][:-1]]
 
 
 def protocol_error(cls: type[WireModel], exc: ValidationError) -> ProtocolError:
     """The first problem pydantic found, as a ProtocolError (a cross-field rule's own ProtocolError
     comes back as it was raised)."""
-    errors, prefix = exc.errors(include_url=False), cls.type_name
+    errors = exc.errors(include_url=False)
     raised = errors[0].get("ctx", {}).get("error")
     if isinstance(raised, ProtocolError):
         return raised
-    unknown = [error["loc"][0] for error in errors if error["type"] == "extra_forbidden"]
+    unknown = _field_names(errors, "extra_forbidden")
     if unknown:
-        return _unexpected(cls, unknown)
-    missing = [error["loc"][0] for error in errors if error["type"] == "missing"]
+        return _unexpected(cls, unknown[1], unknown[0])
+    missing = _field_names(errors, "missing")
     if missing:
-        return ProtocolError(f"{prefix}: missing field(s) {missing}")
+        return ProtocolError(f"{_path(cls, missing[0])}: missing field(s) {missing[1]}")
     arms = _union_arms(errors)
     if len(arms) == 1:
         return ProtocolError(_describe(cls, arms[0]))
@@ -122,7 +151,7 @@ def protocol_error(cls: type[WireModel], exc: ValidationError) -> ProtocolError:
     if fitting:
         return ProtocolError(_describe(cls, {**fitting[0], "loc": fitting[0]["loc"][:-1]}))
     value, expected = arms[0]["input"], " or ".join(_EXPECTED[arm["type"]] for arm in arms)
-    return ProtocolError(f"{_path(prefix, arms[0]['loc'][:-1])}: expected {expected}, "
+    return ProtocolError(f"{_path(cls, arms[0]['loc'][:-1])}: expected {expected}, "
                          f"got {type(value).__name__} {short_repr(value)}")
 
 
@@ -140,6 +169,10 @@ class WireModel(BaseModel):
         except ValidationError as exc:
             raise protocol_error(type(self), exc) from None
 
+    # It only validates, as BaseModel.__init__ does: pydantic may validate a nested model without it,
+    # which keeps a peer's nested errors in the message's own ValidationError (named from the message).
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
 
 MESSAGE_TYPES: dict[str, type[Message]] = {}
 
@@ -148,6 +181,7 @@ class Message(WireModel):
     """Base of every message type; subclasses register themselves under `type_name`."""
 
     max_frames: ClassVar[int] = 0
+    nested_fields: ClassVar[tuple[str, ...]] = ()  # fields holding a WireModel: a map in the header
 
     def __init_subclass__(cls, *, type_name: str, max_frames: int = 0, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -155,6 +189,12 @@ class Message(WireModel):
             raise TypeError(f"message type {type_name!r} is already defined by {MESSAGE_TYPES[type_name].__name__}")
         cls.type_name, cls.max_frames = type_name, max_frames
         MESSAGE_TYPES[type_name] = cls
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        # pydantic calls this once the fields are known (they are not yet in __init_subclass__)
+        cls.nested_fields = tuple(name for name, field in cls.model_fields.items()
+                                  if _nested_model(field.annotation) is not None)
 
     def frame_sizes(self) -> tuple[int, ...]:
         """Byte length of each payload frame this header promises (none for control messages)."""
@@ -169,8 +209,12 @@ class Message(WireModel):
                 raise ProtocolError(f"{self.type_name} frame {index} has {frame.nbytes} bytes, the header promises {size}")
 
     def to_header(self) -> dict[str, Any]:
-        """{"type", "version", then every field in declaration order}: the msgpack header map."""
-        return {"type": self.type_name, "version": PROTOCOL_VERSION, **self.__dict__}
+        """{"type", "version", then every field in declaration order}: the msgpack header map (a nested
+        model's fields as a map of their own)."""
+        header = {"type": self.type_name, "version": PROTOCOL_VERSION, **self.__dict__}
+        for name in self.nested_fields:
+            header[name] = header[name].__dict__
+        return header
 
     @classmethod
     def from_header(cls, header: dict) -> Message:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -244,15 +245,16 @@ class ServerSocket(_SyncSocket):
             raise
         return Routed(peer_id, msg, frames)
 
-    def drain(self) -> Iterator[Routed]:
-        """Every message waiting now. A malformed one is logged, answered with Error (so the peer
-        learns what was wrong) and skipped: bad input never stops the caller's loop."""
+    def drain(self, refusal: Callable[[ProtocolError], Message] = Error.from_exception) -> Iterator[Routed]:
+        """Every message waiting now. A malformed one is logged, answered with `refusal(exc)` (an Error
+        unless the caller says otherwise, so the peer learns what was wrong) and skipped: bad input
+        never stops the caller's loop."""
         while True:
             try:
                 routed = self.recv(timeout=0)
             except ProtocolError as exc:
                 log.warning("bad message on %s: %s", self.address, exc)
-                self.answer(exc.peer_id, Error.from_exception(exc))
+                self.answer(exc.peer_id, refusal(exc))
                 continue
             if routed is None:
                 return

@@ -8,14 +8,13 @@ import dataclasses
 import logging
 from typing import Any
 
+from pdserve.control.engine_server import EngineServer
+from pdserve.control.keys import load_cluster_keys
+from pdserve.control.messages import GenerateRequest
 from pdserve.decode.scheduler_side import DecodeSchedulerSide
 from pdserve.decode.transfer_side import DecodeTransferSide
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.request import SamplingParams
-from pdserve.control.messages import GenerateRequest
-from pdserve.control.keys import load_cluster_keys
-from pdserve.control.engine_server import EngineServer
 from pdserve.kvtransfer.fingerprint import engine_fingerprint
 
 log = logging.getLogger("pdserve.decode")
@@ -37,8 +36,7 @@ class DecodeServer(EngineServer):
     def handle(self, peer_id: bytes, msg: Any) -> None:
         if not isinstance(msg, GenerateRequest):
             return super().handle(peer_id, msg)
-        params = SamplingParams(**msg.sampling_kwargs())
-        request = self.engine.make_request(msg.request_id, list(msg.prompt_token_ids), params)
+        request = self.engine.make_request(msg.request_id, list(msg.prompt_token_ids), msg.sampling_params)
         request.prefill_kv_address = msg.prefill_kv_address
         self.engine.add_request(request)
         self.owners[msg.request_id] = peer_id

@@ -3,14 +3,13 @@ KV connector's scheduler side goes to the scheduler, its transfer side only lend
 
 from __future__ import annotations
 
-import dataclasses
-
+from pdserve.control.messages import TokenDelta
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector, KVTransferSide
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from pdserve.engine.scheduler import KVFailurePolicy, RequestDelta, Scheduler
+from pdserve.engine.scheduler import KVFailurePolicy, Scheduler
 
 
 class EngineCore:
@@ -53,7 +52,7 @@ class EngineCore:
         self._check_fits_cache(num_prompt + max_tokens)
         eos, *extra_eos = config.eos_token_ids or (None,)
         if extra_eos and not params.ignore_eos:  # e.g. Llama 3's <|eot_id|> beside <|end_of_text|>
-            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + tuple(extra_eos))
+            params = params.replace(stop_token_ids=params.stop_token_ids + tuple(extra_eos))
         return Request(request_id, list(prompt_token_ids), params, eos_token_id=eos, max_tokens=max_tokens)
 
     def _check_fits_cache(self, num_tokens: int) -> None:
@@ -78,7 +77,7 @@ class EngineCore:
         """Requests that a step can advance now (not only ones waiting on a peer)."""
         return bool(self.scheduler.waiting or self.scheduler.running)
 
-    def step(self) -> list[RequestDelta]:
+    def step(self) -> list[TokenDelta]:
         """Schedule, run the model once, and report every request's new tokens and endings."""
         plan = self.scheduler.schedule()
         if plan.is_empty:

@@ -145,9 +145,9 @@ class LLM:
         while self.engine.has_work():
             for delta in self.engine.step():
                 tracker = trackers[delta.request_id]
-                tracker.token_ids.extend(delta.new_token_ids)
-                tracker.logprobs.extend(delta.new_logprobs)
-                tracker.detokenizer.add_tokens(delta.new_token_ids)
+                tracker.token_ids.extend(delta.token_ids)
+                tracker.logprobs.extend(delta.logprobs)
+                tracker.detokenizer.add_tokens(delta.token_ids)
                 if delta.finish_reason is not None:
                     tracker.finish_reason, tracker.stop_reason = delta.finish_reason, delta.stop_reason
                 elif tracker.detokenizer.stopped_by is not None:

@@ -1,4 +1,6 @@
-"""Requests and their sampling parameters, counted in tokens (no "phase": only num_computed_tokens)."""
+"""Requests counted in tokens (no "phase": only num_computed_tokens). A request's SamplingParams and
+the InvalidRequestError that refuses it are the wire's (control.sampling_params, control.errors): the
+engine takes them as the router sent them; this module names them for the engine and pdserve."""
 
 from __future__ import annotations
 
@@ -6,67 +8,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pdserve.control.errors import InvalidRequestError
+from pdserve.control.sampling_params import SamplingParams
 
-class InvalidRequestError(ValueError):
-    """A request that can never be served as given; the message says what to change."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling knobs, named and defaulted like vLLM's `SamplingParams`.
-
-    temperature == 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
-    """
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        # Lists are accepted for convenience and frozen into tuples.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
-        self._validate()
-
-    def _validate(self) -> None:
-        checks = [
-            (self.n == 1, f"n={self.n}: only n=1 is supported; send several requests instead"),
-            (self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 is greedy)"),
-            (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]"),
-            (self.top_k >= -1, f"top_k={self.top_k} must be -1 or 0 (disabled) or a positive count"),
-            (0 <= self.min_p <= 1, f"min_p={self.min_p} must be in [0, 1]"),
-            (self.repetition_penalty > 0, f"repetition_penalty={self.repetition_penalty} must be > 0"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty={self.presence_penalty} must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]"),
-            (self.max_tokens is None or self.max_tokens > 0,
-             f"max_tokens={self.max_tokens} must be a positive number of tokens to generate"),
-            (self.min_tokens >= 0, f"min_tokens={self.min_tokens} must be >= 0"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs={self.logprobs} must be in [0, 20]"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise InvalidRequestError(message)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+__all__ = ["InvalidRequestError", "Request", "RequestStatus", "SamplingParams"]
 
 
 class RequestStatus(enum.IntEnum):

@@ -9,6 +9,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.control.messages import TokenDelta
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector
@@ -47,20 +48,6 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
-class RequestDelta:
-    """What one step did to one request: tokens it produced and whether it ended."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache; on the first token
-    error_code: str | None = None  # with an error: "kv_transfer_failed", ... (TokenDelta.error_code)
-
-
 class Scheduler:
     def __init__(
         self,
@@ -80,7 +67,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_remote_kv: dict[str, Request] = {}
         self.delayed_free: dict[str, Request] = {}  # finished, blocks held until the peer has them
-        self._pending: list[RequestDelta] = []  # produced outside a step (connector events, aborts)
+        self._pending: list[TokenDelta] = []  # produced outside a step (connector events, aborts)
         self.num_preemptions = 0  # since start, for stats and tests
         self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the prefix cache, since start
         self.prefix_cache_hits = 0  # of those, tokens found there (their KV was reused, not computed)
@@ -220,7 +207,7 @@ class Scheduler:
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: dict[str, tuple[int, dict[int, float] | None]]
-    ) -> list[RequestDelta]:
+    ) -> list[TokenDelta]:
         """Advance each scheduled request by its tokens, append sampled tokens, finish what stopped."""
         deltas, self._pending = self._pending, []
         for item in output.scheduled:
@@ -232,24 +219,26 @@ class Scheduler:
             deltas.append(self._append_token(request, token_id, logprobs))
         return deltas
 
-    def take_pending(self) -> list[RequestDelta]:
+    def take_pending(self) -> list[TokenDelta]:
         """Deltas produced without a model step (aborts, remote-KV failures) since the last call."""
         deltas, self._pending = self._pending, []
         return deltas
 
-    def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> RequestDelta:
+    def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> TokenDelta:
+        """The token's TokenDelta, as the engine loop sends it (prompt tokens from the prefix cache with
+        the first token, the finish reason with the last)."""
         request.append_output_token(token_id)
         if logprobs is not None:
             request.logprobs.append(logprobs)
-        delta = RequestDelta(request.request_id, [token_id], [logprobs] if logprobs is not None else [])
-        if len(request.output_token_ids) == 1:
-            delta.num_cached_tokens = max(request.num_cached_tokens, 0)
+        num_cached = max(request.num_cached_tokens, 0) if request.num_output_tokens == 1 else 0
         status = self._stop_status(request)
         if status is not None:
             self.running.remove(request)
             self._finish(request, status, report=False)
-            delta.finish_reason, delta.stop_reason = status.finish_reason(), request.stop_reason
-        return delta
+        return TokenDelta(request_id=request.request_id, token_ids=(token_id,),
+                          logprobs=(logprobs,) if logprobs is not None else (), num_cached_tokens=num_cached,
+                          finish_reason=status.finish_reason() if status is not None else None,
+                          stop_reason=request.stop_reason if status is not None else None)
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
@@ -274,8 +263,10 @@ class Scheduler:
         else:
             self.kv.free(request)
         if report:
-            self._pending.append(RequestDelta(request.request_id, [], [], status.finish_reason(), error=error,
-                                              error_code=error_code))
+            if status is RequestStatus.FINISHED_ERROR and error_code is None:
+                error_code = "internal_error"
+            self._pending.append(TokenDelta(request_id=request.request_id, finish_reason=status.finish_reason(),
+                                            error=error, error_code=error_code))
 
     def finish_externally(self, request_id: str, status: RequestStatus, error: str | None = None) -> bool:
         """End a running request for a reason found outside the model (e.g. a stop string matched)."""

@@ -6,7 +6,8 @@ Subpackages: engine (runtime), kernels, control (router <-> engine plane), kvtra
 prefill, decode, router, bench. `import pdserve` alone loads no torch.
 """
 
-from pdserve.engine.request import InvalidRequestError, SamplingParams
+from pdserve.control.errors import InvalidRequestError
+from pdserve.control.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "InvalidRequestError"]
 

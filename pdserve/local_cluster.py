@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.control.messages import Abort, EngineStats, GenerateRequest, PrefillRequest, StatsRequest, TokenDelta
+from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.sockets import ClientSocket
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,11 +82,13 @@ class Driver:
         self.prefill_kv = prefill.addresses["kv"] if prefill else None
 
     def submit(self, request_id: str, prompt: list[int], remote: bool = True, **sampling) -> None:
+        """sampling: SamplingParams keyword arguments."""
+        params = SamplingParams(**sampling)
         use_prefill = remote and self.prefill is not None
         if use_prefill:
-            self.prefill.send(PrefillRequest(request_id=request_id, prompt_token_ids=prompt, **sampling))
-        self.decode.send(GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
-                                         prefill_kv_address=self.prefill_kv if use_prefill else None, **sampling))
+            self.prefill.send(PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params))
+        self.decode.send(GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
+                                         prefill_kv_address=self.prefill_kv if use_prefill else None))
 
     def collect(self, request_ids, timeout_s: float = 60.0) -> dict[str, Result]:
         results = {request_id: Result() for request_id in request_ids}

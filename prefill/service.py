@@ -8,14 +8,13 @@ import dataclasses
 import logging
 from typing import Any
 
+from pdserve.control.engine_server import EngineServer
+from pdserve.control.keys import load_cluster_keys
+from pdserve.control.messages import PrefillRequest, TokenDelta
+from pdserve.control.sockets import ServerSocket
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.request import SamplingParams
-from pdserve.control.messages import PrefillRequest
-from pdserve.control.keys import load_cluster_keys
-from pdserve.control.engine_server import EngineServer
 from pdserve.kvtransfer.fingerprint import engine_fingerprint
-from pdserve.control.sockets import ServerSocket
 from pdserve.prefill.scheduler_side import PrefillSchedulerSide
 from pdserve.prefill.transfer_side import PrefillTransferSide
 
@@ -40,14 +39,13 @@ class PrefillServer(EngineServer):
     def handle(self, peer_id: bytes, msg: Any) -> None:
         if not isinstance(msg, PrefillRequest):
             return super().handle(peer_id, msg)
-        params = SamplingParams(**msg.sampling_kwargs())
         # Only the first token is sampled here; min_tokens still bans eos for it, as it would colocated.
-        params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        params = msg.sampling_params.replace(max_tokens=1, min_tokens=min(msg.sampling_params.min_tokens, 1))
         request = self.engine.make_request(msg.request_id, list(msg.prompt_token_ids), params)
         self.engine.add_request(request)
         self.owners[msg.request_id] = peer_id
 
-    def should_publish(self, delta: Any) -> bool:
+    def should_publish(self, delta: TokenDelta) -> bool:
         # The router hears about a prefill only when it failed; tokens reach it through the decode engine.
         return delta.finish_reason == "error"
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.control.messages import Abort, GenerateRequest, PrefillRequest, TokenDelta
+from pdserve.control.sampling_params import SamplingParams
 from pdserve.router.errors import EngineFailed, InvalidRequest, RequestTimeout
 from pdserve.router.link import EngineGone, EngineUnreachable
 from pdserve.router.policies import Route
@@ -37,9 +38,7 @@ log = logging.getLogger("pdserve.router.generation")
 class ChoiceSpec:
     index: int
     prompt_token_ids: list[int]
-    fields: dict[str, Any]  # control.messages.SamplingFields keyword arguments
-    stop: tuple[str, ...] = ()
-    skip_special_tokens: bool = True
+    sampling_params: SamplingParams  # sent to the engines as it is; its stop strings are applied here
 
 
 @dataclass
@@ -99,13 +98,14 @@ class Submission:
         prompt = tuple(spec.prompt_token_ids)
         if prefill is not None:
             try:
-                prefill.send(PrefillRequest(request_id=self.request_id, prompt_token_ids=prompt, **spec.fields))
+                prefill.send(PrefillRequest(request_id=self.request_id, prompt_token_ids=prompt,
+                                            sampling_params=spec.sampling_params))
             except EngineUnreachable as exc:
                 raise _Retry(str(exc), exclude=prefill.control_address) from exc
         kv_address = prefill.info.kv_address if prefill is not None else None
         try:
             decode.send(GenerateRequest(request_id=self.request_id, prompt_token_ids=prompt,
-                                        prefill_kv_address=kv_address, **spec.fields))
+                                        sampling_params=spec.sampling_params, prefill_kv_address=kv_address))
         except EngineUnreachable as exc:
             raise _Retry(str(exc), exclude=decode.control_address) from exc
 
@@ -161,8 +161,9 @@ class ChoiceRunner:
                 yield Restarted(self.spec.index)
 
     async def _relay(self, submission: Submission) -> AsyncIterator[ChoiceDelta]:
-        detokenizer = self.gateway.tokenization.detokenizer(
-            self.spec.prompt_token_ids, self.spec.skip_special_tokens, self.spec.stop)
+        params = self.spec.sampling_params
+        detokenizer = self.gateway.tokenization.detokenizer(self.spec.prompt_token_ids, params.skip_special_tokens,
+                                                            params.stop)
         self.token_ids = []
         while True:
             source, item = await self._next(submission.queue)

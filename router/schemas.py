@@ -2,6 +2,7 @@
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do; a field of the wrong type
 or out of range is a 400 that names it (api.py turns pydantic's errors into OpenAI's shape).
+specs.py builds each choice's SamplingParams from these once; the limits both know are its.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.control.sampling_params import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
+
 INT64 = 1 << 63
-MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
 
 
 class StreamOptions(BaseModel):
@@ -43,7 +44,7 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     return_token_ids: bool = False
 
@@ -60,7 +61,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
@@ -85,7 +86,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None

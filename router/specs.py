@@ -1,21 +1,14 @@
 """Validated API requests -> ChoiceSpecs the engines can run: token limits against the context
-length, sampling fields, n x prompts fan-out. Everything refused here is a 400 that names the fix."""
+length, one SamplingParams per prompt (the engines get it as it is), n x prompts fan-out. Everything
+refused here is a 400 that names the fix."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from pdserve.control.errors import ProtocolError
-from pdserve.control.messages import SamplingFields
-from pdserve.engine.request import InvalidRequestError, SamplingParams
+from pdserve.control.errors import InvalidRequestError
+from pdserve.control.sampling_params import SamplingParams
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.generation import ChoiceSpec
-from pdserve.router.schemas import (
-    MAX_STOP_STRINGS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingRequest,
-)
+from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, param: str) -> int:
@@ -44,43 +37,36 @@ def check_token_ids(token_ids: list[int], vocab_size: int | None, param: str) ->
         raise InvalidRequest(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab_size})", param=param)
 
 
-def sampling_fields(request: SamplingRequest, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
-    """SamplingFields keyword arguments, checked by the engine's own rules before anything is sent."""
-    fields = {
-        "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
-        "min_p": request.min_p, "seed": request.seed, "repetition_penalty": request.repetition_penalty,
-        "presence_penalty": request.presence_penalty, "frequency_penalty": request.frequency_penalty,
-        "max_tokens": max_tokens, "min_tokens": request.min_tokens,
-        "stop_token_ids": tuple(request.stop_token_ids or ()), "ignore_eos": request.ignore_eos,
-        "logprobs": logprobs,
-    }
+def sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The request's SamplingParams: its checks (e.g. min_tokens <= max_tokens, at most 16 stop strings)
+    refuse it here, as a 400, rather than on an engine."""
     try:
-        SamplingParams(**fields)  # the engine's checks (e.g. min_tokens <= max_tokens), as a 400 here
-        SamplingFields(**fields)  # the wire bounds
-    except (InvalidRequestError, ProtocolError) as exc:
+        return SamplingParams(
+            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
+            seed=request.seed, repetition_penalty=request.repetition_penalty,
+            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+            max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop_strings(),
+            stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=request.skip_special_tokens)
+    except InvalidRequestError as exc:
         raise InvalidRequest(str(exc)) from exc
-    return fields
 
 
-def _check_common(request: SamplingRequest, num_prompts: int, max_n: int) -> None:
-    if len(request.stop_strings()) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"stop has {len(request.stop_strings())} strings: send at most {MAX_STOP_STRINGS}",
-                             param="stop")
+def _check_n(request: SamplingRequest, num_prompts: int, max_n: int) -> None:
     if request.n * num_prompts > max_n:
         raise InvalidRequest(f"n={request.n} x {num_prompts} prompt(s) asks for {request.n * num_prompts} "
                              f"choices, over this server's limit of {max_n}: send several requests",
                              param="n")
 
 
-def _specs(request: SamplingRequest, prompts: list[list[int]], fields_of: list[dict]) -> list[ChoiceSpec]:
+def _specs(request: SamplingRequest, prompts: list[list[int]], params_of: list[SamplingParams]) -> list[ChoiceSpec]:
     specs = []
-    for prompt_index, (token_ids, fields) in enumerate(zip(prompts, fields_of)):
+    for prompt_index, (token_ids, params) in enumerate(zip(prompts, params_of)):
         for sample in range(request.n):
-            seeded = dict(fields)
-            if fields["seed"] is not None and sample:  # distinct samples, still reproducible
-                seeded["seed"] = (fields["seed"] + sample) % (1 << 63)
-            specs.append(ChoiceSpec(prompt_index * request.n + sample, token_ids, seeded,
-                                    request.stop_strings(), request.skip_special_tokens))
+            seeded = params
+            if params.seed is not None and sample:  # distinct samples, still reproducible
+                seeded = params.replace(seed=(params.seed + sample) % (1 << 63))
+            specs.append(ChoiceSpec(prompt_index * request.n + sample, token_ids, seeded))
     return specs
 
 
@@ -93,21 +79,21 @@ def completion_specs(request: CompletionRequest, prompts: list[list[int]], max_m
     if request.echo and request.logprobs is not None:
         raise InvalidRequest("echo with logprobs needs prompt logprobs, which this server does not compute: "
                              "drop one of them", param="echo")
-    _check_common(request, len(prompts), max_n)
-    fields_of = []
+    _check_n(request, len(prompts), max_n)
+    params_of = []
     for token_ids in prompts:
         check_token_ids(token_ids, vocab_size, "prompt")
         max_tokens = resolve_max_tokens(len(token_ids), request.max_tokens, max_model_len, "prompt")
-        fields_of.append(sampling_fields(request, max_tokens, request.logprobs))
-    return _specs(request, prompts, fields_of)
+        params_of.append(sampling_params(request, max_tokens, request.logprobs))
+    return _specs(request, prompts, params_of)
 
 
 def chat_specs(request: ChatCompletionRequest, token_ids: list[int], max_model_len: int,
                max_n: int) -> list[ChoiceSpec]:
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
-    _check_common(request, 1, max_n)
+    _check_n(request, 1, max_n)
     check_token_ids(token_ids, None, "messages")
     max_tokens = resolve_max_tokens(len(token_ids), request.max_new_tokens(), max_model_len, "messages")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _specs(request, [token_ids], [sampling_fields(request, max_tokens, logprobs)])
+    return _specs(request, [token_ids], [sampling_params(request, max_tokens, logprobs)])

@@ -11,13 +11,16 @@ REPO = Path(__file__).resolve().parents[1]
 # package -> the pdserve packages it may import (besides itself)
 ALLOWED = {
     "kernels": set(),
-    "engine": {"kernels", "demo_model"},  # LLM(None) builds the demo model
     "control": set(),
+    # the engine speaks the wire's types (SamplingParams in, TokenDelta out), never its sockets or loop;
+    # LLM(None) builds the demo model
+    "engine": {"kernels", "demo_model", "control.errors", "control.schema", "control.sampling_params",
+               "control.messages"},
     "kvtransfer": {"control"},
     "prefill": {"engine", "kernels", "control", "kvtransfer"},
     "decode": {"engine", "kernels", "control", "kvtransfer"},
-    # the torch-free engine modules the router shares; engine.request: SamplingParams' checks, until the sampling parameters have one wire type
-    "router": {"control", "engine.tokenizer", "engine.detokenizer", "engine.block_pool", "engine.request"},
+    # the torch-free engine modules the router shares
+    "router": {"control", "engine.tokenizer", "engine.detokenizer", "engine.block_pool"},
 }
 
 

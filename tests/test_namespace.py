@@ -74,4 +74,4 @@ def test_importing_pdserve_alone_loads_no_torch(tmp_path):
     result = _python("import sys, pdserve; print(pdserve.SamplingParams.__module__, 'torch' in sys.modules)",
                      tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["pdserve.engine.request", "False"]
+    assert result.stdout.split() == ["pdserve.control.sampling_params", "False"]

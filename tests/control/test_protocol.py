@@ -12,10 +12,11 @@ import pytest
 import torch
 from pydantic import Field, ValidationError
 
-from pdserve.control.errors import ProtocolError
+from pdserve.control.errors import InvalidSamplingParams, ProtocolError
 from pdserve.control import messages as control
 from pdserve.control.messages import Abort, Error
 from pdserve.control.protocol import decode, encode
+from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.schema import (
     MAX_DICT_ITEMS,
     MAX_FRAME_BYTES,
@@ -58,9 +59,11 @@ SAMPLES = [
     Error(code="protocol_error", message="bad header"),
     Error(code="checksum_mismatch", message="corrupt", request_id="req-1"),
     # the control plane's messages (control/messages.py) share the format
-    control.GenerateRequest(request_id="req-2", prompt_token_ids=[1, 2, 3], temperature=0.0, seed=5,
-                            stop_token_ids=[7], prefill_kv_address="tcp://127.0.0.1:5555"),
-    control.PrefillRequest(request_id="req-2", prompt_token_ids=[1, 2, 3], top_k=5, logprobs=2),
+    control.GenerateRequest(request_id="req-2", prompt_token_ids=[1, 2, 3],
+                            sampling_params=SamplingParams(temperature=0.0, seed=5, stop_token_ids=[7]),
+                            prefill_kv_address="tcp://127.0.0.1:5555"),
+    control.PrefillRequest(request_id="req-2", prompt_token_ids=[1, 2, 3],
+                           sampling_params=SamplingParams(top_k=5, logprobs=2)),
     control.TokenDelta(request_id="req-2", token_ids=[4], logprobs=[{4: -0.5}], finish_reason="stop"),
     control.StatsRequest(),
     control.EngineStats(engine_id="decode-0", role="decode", num_waiting=1, num_running=2, kv_blocks_used=3,
@@ -267,26 +270,28 @@ def test_construction_validates_locally():
         KVWant("r", 0, 1)  # keyword-only: field order never matters
 
 
-# Golden headers written by the hand-written validator this schema replaced: the wire must not change.
+# Golden headers: the KV layer's as the hand-written validator this schema replaced wrote it; the wire
+# must not change unless a message's shape does.
 GOLDEN_KV_LAYER = (
     "8ba474797065a86b765f6c61796572a776657273696f6e01aa726571756573745f6964a57265712d31ab6c617965725f7374"
     "61727404a96c617965725f656e6406ab746f6b656e5f737461727420aa6e756d5f746f6b656e7305a56474797065a862666c"
     "6f61743136a57368617065950202050208a66e6279746573cd0280a8636865636b73756dcf0123456789abcdef")
-GOLDEN_GENERATE = (
-    "de0012a474797065a867656e6572617465a776657273696f6e01ab74656d7065726174757265cb0000000000000000a574"
-    "6f705f70cb3ff0000000000000a5746f705f6b00a56d696e5f70cb0000000000000000a47365656405b27265706574697469"
-    "6f6e5f70656e616c7479cb3ff0000000000000b070726573656e63655f70656e616c7479cb0000000000000000b166726571"
-    "75656e63795f70656e616c7479cb0000000000000000aa6d61785f746f6b656e73c0aa6d696e5f746f6b656e7300ae73746f"
-    "705f746f6b656e5f6964739107aa69676e6f72655f656f73c2a86c6f6770726f6273c0aa726571756573745f6964a57265"
-    "712d32b070726f6d70745f746f6b656e5f69647393010203b270726566696c6c5f6b765f61646472657373a77463703a2f2f61")
+GOLDEN_GENERATE = (  # since SamplingParams travels nested (control/sampling_params.py)
+    "86a474797065a867656e6572617465a776657273696f6e01aa726571756573745f6964a57265712d32b070726f6d70745f74"
+    "6f6b656e5f69647393010203af73616d706c696e675f706172616d73de0010a16e01ab74656d7065726174757265cb000000"
+    "0000000000a5746f705f70cb3ff0000000000000a5746f705f6b00a56d696e5f70cb0000000000000000a47365656405b272"
+    "657065746974696f6e5f70656e616c7479cb3ff0000000000000b070726573656e63655f70656e616c7479cb000000000000"
+    "0000b16672657175656e63795f70656e616c7479cb0000000000000000aa6d61785f746f6b656e7310aa6d696e5f746f6b65"
+    "6e7300a473746f7090ae73746f705f746f6b656e5f6964739107aa69676e6f72655f656f73c2a86c6f6770726f6273c0b373"
+    "6b69705f7370656369616c5f746f6b656e73c3b270726566696c6c5f6b765f61646472657373a77463703a2f2f61")
 
 
 def test_headers_are_byte_identical_to_the_first_schema():
     layer = KVLayer(request_id="req-1", layer_start=4, layer_end=6, token_start=32, num_tokens=5, dtype="bfloat16",
                     shape=[2, 2, 5, 2, 8], nbytes=640, checksum=0x0123456789ABCDEF)
     assert bytes(encode(layer, bytes(640))[0]).hex() == GOLDEN_KV_LAYER
-    generate = control.GenerateRequest(request_id="req-2", prompt_token_ids=[1, 2, 3], temperature=0, seed=5,
-                                       stop_token_ids=[7], prefill_kv_address="tcp://a")
+    generate = control.GenerateRequest(request_id="req-2", prompt_token_ids=[1, 2, 3], prefill_kv_address="tcp://a",
+                                       sampling_params=SamplingParams(temperature=0, seed=5, stop_token_ids=[7]))
     assert bytes(encode(generate)[0]).hex() == GOLDEN_GENERATE
     assert decode([bytes.fromhex(GOLDEN_GENERATE)])[0] == generate
 
@@ -328,13 +333,35 @@ def test_header_keys_that_are_not_strings():
     assert error.request_id == "req-1"
 
 
-def test_sampling_fields_check_the_wire_bounds_on_their_own():
-    with pytest.raises(ProtocolError, match=r"sampling.top_k=-2 is out of bounds"):
-        control.SamplingFields(top_k=-2)
-    with pytest.raises(ProtocolError, match=r"sampling.stop_token_ids has 65 items"):
-        control.SamplingFields(stop_token_ids=list(range(65)))
-    fields = control.SamplingFields(temperature=0, seed=3).sampling_kwargs()
-    assert fields["temperature"] == 0.0 and fields["seed"] == 3 and fields["stop_token_ids"] == ()
+def test_sampling_params_check_the_wire_bounds_on_their_own():
+    with pytest.raises(InvalidSamplingParams, match=r"top_k=-2 must be -1 or 0"):
+        SamplingParams(top_k=-2)
+    with pytest.raises(InvalidSamplingParams, match=r"sampling_params.stop_token_ids has 65 items"):
+        SamplingParams(stop_token_ids=list(range(65)))
+    with pytest.raises(InvalidSamplingParams, match=r"sampling_params.temperature=inf is not allowed"):
+        SamplingParams(temperature=float("inf"))
+    params = SamplingParams(temperature=0, seed=3, stop="x", stop_token_ids=[5])
+    assert (params.temperature, params.seed, params.stop, params.stop_token_ids) == (0.0, 3, ("x",), (5,))
+    assert params.replace(max_tokens=1).max_tokens == 1 and params.max_tokens == 16
+    with pytest.raises(InvalidSamplingParams, match="min_tokens=4 must not exceed max_tokens=1"):
+        params.replace(min_tokens=4, max_tokens=1)  # a copy is validated again
+
+
+def _generate_header(**sampling) -> bytes:
+    header = SAMPLES[10].to_header()
+    return msgpack.packb({**header, "sampling_params": {**header["sampling_params"], **sampling}})
+
+
+def test_a_peers_sampling_values_out_of_range_are_an_invalid_request():
+    error = expect_error([_generate_header(temperature=-1.0)], "temperature=-1.0 must be >= 0",
+                         error=InvalidSamplingParams)
+    assert (error.code, error.request_id) == ("invalid_request", "req-2")
+    error = expect_error([_generate_header(top_k="5")], "generate.sampling_params.top_k: expected int, got str")
+    assert (error.code, error.request_id) == ("protocol_error", "req-2"), "a malformed header is not a request"
+    expect_error([_generate_header(max_tokens=1.5)], "generate.sampling_params.max_tokens: expected int or None")
+    expect_error([_generate_header(best_of=2)], "generate.sampling_params: unexpected field(s) ['best_of']")
+    expect_error([_generate_header(stop=["x"] * 17)], "generate.sampling_params.stop has 17 items")
+    expect_error([header_of(SAMPLES[10], sampling_params=5)], "generate.sampling_params: expected dict, got int")
 
 
 def test_encode_checks_buffers_against_the_header():

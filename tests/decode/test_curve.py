@@ -7,6 +7,7 @@ import pytest
 from pdserve.control.errors import TransportTimeout
 from pdserve.control.keys import load_cluster_keys, write_cluster_keys
 from pdserve.control.messages import GenerateRequest
+from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.sockets import ClientSocket
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.test_disaggregated import (
@@ -16,6 +17,8 @@ from tests.decode.test_disaggregated import (
     assert_no_leaks,
     colocated_tokens,
 )
+
+TWO_TOKENS = SamplingParams(max_tokens=2)
 
 
 def test_encrypted_cluster_serves_key_holders_only(model_factory, tmp_path):
@@ -32,11 +35,11 @@ def test_encrypted_cluster_serves_key_holders_only(model_factory, tmp_path):
         assert_no_leaks(driver)
         with ClientSocket(decode.addresses["control"], send_timeout=1.0) as stranger:  # no keys
             with pytest.raises(TransportTimeout):
-                stranger.send(GenerateRequest(request_id="x", prompt_token_ids=[1, 2], max_tokens=2))
+                stranger.send(GenerateRequest(request_id="x", prompt_token_ids=[1, 2], sampling_params=TWO_TOKENS))
         other_keys = load_cluster_keys(write_cluster_keys(tmp_path / "other"))
         with ClientSocket(decode.addresses["control"], curve=other_keys.client, send_timeout=1.0) as impostor:
             with pytest.raises(TransportTimeout):
-                impostor.send(GenerateRequest(request_id="y", prompt_token_ids=[1, 2], max_tokens=2))
+                impostor.send(GenerateRequest(request_id="y", prompt_token_ids=[1, 2], sampling_params=TWO_TOKENS))
     finally:
         driver.close()
         prefill.stop()

@@ -92,7 +92,7 @@ def test_preemption_recomputes_and_finishes_everything():
     for request in requests:
         assert request.status is RequestStatus.FINISHED_LENGTH
         assert request.output_token_ids == [7] * 8
-        assert sum(len(d.new_token_ids) for d in deltas[request.request_id]) == 8
+        assert sum(len(d.token_ids) for d in deltas[request.request_id]) == 8
     assert_scheduler_empty(scheduler)
 
 
@@ -170,7 +170,7 @@ def test_remote_kv_parks_request_then_decodes():
     assert scheduler.kv.pool.num_cached_blocks == 0, "blocks being filled must not be published yet"
     connector.events.received["a"] = (11, None)
     plan, deltas = step(scheduler)
-    assert [d.new_token_ids for d in deltas][0] == [11], "the remote first token is reported first"
+    assert [list(d.token_ids) for d in deltas][0] == [11], "the remote first token is reported first"
     assert request.num_computed_tokens >= 10 and scheduler.kv.pool.num_cached_blocks == 2
     run_to_end(scheduler)
     assert request.output_token_ids == [11, 7, 7]

@@ -131,7 +131,7 @@ class FakeEngine:
                 self._reply(peer_id, TokenDelta(request_id=msg.request_id, finish_reason="error",
                                                 error=self.reject_with, error_code=self.reject_code))
                 return
-            tokens = self.script or fake_tokens(msg.prompt_token_ids, msg.max_tokens or 16)
+            tokens = self.script or fake_tokens(msg.prompt_token_ids, msg.sampling_params.max_tokens or 16)
             self.active[msg.request_id] = _Active(peer_id, tokens, time.monotonic() + self.token_delay_s)
 
     def _stream(self, now: float) -> None:

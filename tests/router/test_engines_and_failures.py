@@ -242,7 +242,7 @@ def test_n_choices_are_fanned_out_with_distinct_seeds(tiny_model, tokenization):
                 body = (await client.post("/v1/completions", json=completion(n=3, seed=11, temperature=0.8))).json()
                 assert [c["index"] for c in body["choices"]] == [0, 1, 2]
                 assert body["usage"]["completion_tokens"] == 18 and body["usage"]["prompt_tokens"] == 5
-                seeds = sorted(msg.seed for msg in engine.generate_requests())
+                seeds = sorted(msg.sampling_params.seed for msg in engine.generate_requests())
                 assert seeds == [11, 12, 13]
                 assert all(isinstance(msg, GenerateRequest) for msg in engine.received)
             finally:

@@ -1,0 +1,102 @@
+"""SamplingParams: the sampling knobs of one request, named and defaulted like vLLM's, and the one type
+for them from the router to the sampler: the router builds it from the HTTP body, GenerateRequest and
+PrefillRequest carry it, the engine's Request holds it. Field types and sizes are wire bounds; every
+value range is checked in `_check_ranges`, which raises InvalidSamplingParams naming field and fix."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar
+
+from pydantic import BeforeValidator, ConfigDict, model_validator
+
+from pdserve.control.errors import InvalidRequestError, InvalidSamplingParams, ProtocolError
+from pdserve.control.schema import MAX_TOKEN_ID, MAX_TOKENS, WireInt, WireModel, max_items
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_LOGPROBS = 20
+
+
+def _one_or_many(value: Any) -> Any:
+    """stop="x" means ("x",); None means none (vLLM accepts both)."""
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else value
+
+
+StopStrings = Annotated[tuple[str, ...], max_items(MAX_STOP_STRINGS), BeforeValidator(_one_or_many)]
+StopTokenIds = Annotated[tuple[int, ...], max_items(MAX_STOP_TOKEN_IDS), BeforeValidator(_one_or_many)]
+
+
+class SamplingParams(WireModel):
+    """Per-request sampling knobs. temperature == 0 means greedy; top_k <= 0, top_p == 1 and min_p == 0
+    disable those filters. Lists are frozen into tuples; copy with changes through `replace`.
+    stop strings, n and skip_special_tokens are the router's (or LLM's): engines see token ids only."""
+
+    model_config = ConfigDict(allow_inf_nan=False)  # merged into WireModel's
+    type_name: ClassVar[str] = "sampling_params"  # names its fields in errors: "sampling_params.top_k"
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: WireInt | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: StopStrings = ()
+    stop_token_ids: StopTokenIds = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __init__(self, /, **fields: Any) -> None:
+        try:
+            super().__init__(**fields)
+        except InvalidRequestError:
+            raise
+        except ProtocolError as exc:  # a wrong type or size, from a caller rather than a peer's header
+            raise InvalidSamplingParams(str(exc)) from None
+
+    # As WireModel's: a nested SamplingParams (a peer's header) is validated without this __init__, so a
+    # wrong type or size there stays a ProtocolError of the message; its ranges are checked either way.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with `changes`, validated again (model_copy(update=...) would skip validation)."""
+        return SamplingParams(**{**self.__dict__, **changes})
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> SamplingParams:
+        max_tokens, min_tokens = self.max_tokens, self.min_tokens
+        checks = [
+            (self.n == 1, f"n={self.n}: only n=1 is supported; send several requests instead"),
+            (self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 is greedy)"),
+            (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]"),
+            (-1 <= self.top_k <= MAX_TOKEN_ID,
+             f"top_k={self.top_k} must be -1 or 0 (disabled) or a positive count up to {MAX_TOKEN_ID}"),
+            (0 <= self.min_p <= 1, f"min_p={self.min_p} must be in [0, 1]"),
+            (self.repetition_penalty > 0, f"repetition_penalty={self.repetition_penalty} must be > 0"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty={self.presence_penalty} must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]"),
+            (max_tokens is None or 0 < max_tokens <= MAX_TOKENS,
+             f"max_tokens={max_tokens} must be a positive number of tokens to generate, at most {MAX_TOKENS}"),
+            (0 <= min_tokens <= MAX_TOKENS, f"min_tokens={min_tokens} must be in [0, {MAX_TOKENS}]"),
+            (max_tokens is None or min_tokens <= max_tokens,
+             f"min_tokens={min_tokens} must not exceed max_tokens={max_tokens}"),
+            (all(0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
+             f"stop_token_ids={self.stop_token_ids} must be token ids in [0, {MAX_TOKEN_ID}]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+             f"logprobs={self.logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidSamplingParams(message)
+        return self
