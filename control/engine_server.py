@@ -8,6 +8,7 @@ runs beside it (control.heartbeat).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -136,17 +137,9 @@ class EngineServer:
         self.control.answer(peer_id, msg, timeout=1.0)
 
     def stats(self) -> EngineStats:
-        stats, kv = self.engine.stats(), self.connector.stats
-        return EngineStats(
-            engine_id=self.engine_id, role=self.role,
-            num_waiting=stats["num_waiting"], num_running=stats["num_running"],
-            num_waiting_for_remote_kv=stats["num_waiting_for_remote_kv"],
-            kv_blocks_used=stats["kv_blocks_used"], kv_blocks_total=stats["kv_blocks_total"],
-            queued_prefill_tokens=stats["queued_prefill_tokens"], num_preemptions=stats["num_preemptions"],
-            prefix_cache_queries=stats["prefix_cache_queries"], prefix_cache_hits=stats["prefix_cache_hits"],
-            kv_bytes_sent=kv.bytes_sent, kv_bytes_received=kv.bytes_received, num_kv_transfers_failed=kv.num_failed,
-            num_kv_transfers=kv.num_transfers, kv_transfer_seconds=kv.transfer_seconds,
-        )
+        """The engine's figures and its KV connector's, as they are (their fields are EngineStats')."""
+        return EngineStats(engine_id=self.engine_id, role=self.role, **dataclasses.asdict(self.engine.stats()),
+                           **dataclasses.asdict(self.connector.stats))
 
     # ---- registration with a router ----
 

@@ -144,7 +144,7 @@ class DecodeTransferSide(KVTransferSide):
         write_layers(self.kv_cache, incoming, msg, msg.tensor(frame))
         incoming.layer_tokens_received += (msg.layer_end - msg.layer_start) * msg.num_tokens
         incoming.checksums.append(msg.checksum)
-        self.stats.bytes_received += msg.nbytes
+        self.stats.kv_bytes_received += msg.nbytes
 
     def _on_done(self, link: _PrefillLink, msg: KVDone) -> None:
         incoming = self._receiving(msg.request_id)
@@ -160,8 +160,8 @@ class DecodeTransferSide(KVTransferSide):
                                  "repeated or reordered", ack_to=link)
         else:
             incoming.received(msg.first_token, msg.first_logprobs)
-            self.stats.num_transfers += 1
-            self.stats.transfer_seconds += time.monotonic() - incoming.started
+            self.stats.num_kv_transfers += 1
+            self.stats.kv_transfer_seconds += time.monotonic() - incoming.started
             self._send_quietly(link, KVAck(request_id=msg.request_id, ok=True))
 
     # ---- failures ----
@@ -173,7 +173,7 @@ class DecodeTransferSide(KVTransferSide):
 
     def _fail(self, incoming: IncomingTransfer, reason: str, ack_to: _PrefillLink | None = None) -> None:
         log.warning("remote prefill of %s failed: %s", incoming.request_id, reason)
-        self.stats.num_failed += 1
+        self.stats.num_kv_transfers_failed += 1
         incoming.fail(reason)
         if ack_to is not None:  # the prefill engine may free its blocks now
             self._send_quietly(ack_to, KVAck(request_id=incoming.request_id, ok=False, reason=reason[:4000]))

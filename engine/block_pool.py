@@ -110,10 +110,6 @@ class BlockPool:
         return self.num_blocks - len(self._free_queue)
 
     @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
-    @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 

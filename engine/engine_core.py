@@ -10,6 +10,7 @@ from pdserve.engine.kv_connector import KVConnector, KVTransferSide
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from pdserve.engine.scheduler import KVFailurePolicy, Scheduler
+from pdserve.engine.stats import SchedulerStats
 
 
 class EngineCore:
@@ -85,20 +86,19 @@ class EngineCore:
         sampled = self.runner.execute(plan, self.kv_transfer.layer_hook(plan))
         return self.scheduler.update_from_output(plan, sampled)
 
-    def stats(self) -> dict:
+    def stats(self) -> SchedulerStats:
         scheduler = self.scheduler
-        queued_prefill = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
-        return {
-            "num_waiting": len(scheduler.waiting),
-            "num_running": len(scheduler.running),
-            "num_waiting_for_remote_kv": len(scheduler.waiting_for_remote_kv),
-            "kv_blocks_used": self.kv_cache_manager.num_used_blocks,
-            "kv_blocks_total": self.runner.num_blocks,
-            "queued_prefill_tokens": queued_prefill,
-            "num_preemptions": scheduler.num_preemptions,
-            "prefix_cache_queries": scheduler.prefix_cache_queries,
-            "prefix_cache_hits": scheduler.prefix_cache_hits,
-        }
+        return SchedulerStats(
+            num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running),
+            num_waiting_for_remote_kv=len(scheduler.waiting_for_remote_kv),
+            kv_blocks_used=self.kv_cache_manager.num_used_blocks,
+            kv_blocks_total=self.runner.num_blocks,
+            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting),
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=scheduler.prefix_cache_stats.queries,
+            prefix_cache_hits=scheduler.prefix_cache_stats.hits,
+        )
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
         self.scheduler.finish_externally(request_id, status)

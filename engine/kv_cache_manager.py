@@ -12,23 +12,9 @@ the step in flight) valid; blocks waiting for remote KV are published later by c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from pdserve.engine.block_pool import BlockPool, KVBlock, KVCacheInvariantError, compute_block_hashes
 from pdserve.engine.request import Request
-
-
-@dataclass
-class PrefixCacheStats:
-    """Cumulative prefix-cache lookups, counted in tokens."""
-
-    num_requests: int = 0
-    num_query_tokens: int = 0
-    num_hit_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -45,7 +31,6 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # request_id -> how many of its leading blocks are published in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
-        self.prefix_cache_stats = PrefixCacheStats()
 
     # -- counts ---------------------------------------------------------------------------------
 
@@ -60,10 +45,6 @@ class KVCacheManager:
     @property
     def num_used_blocks(self) -> int:
         return self.pool.num_used_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
@@ -95,9 +76,6 @@ class KVCacheManager:
                 break
             hit_blocks.append(block)
         num_hit_tokens = len(hit_blocks) * self.block_size
-        self.prefix_cache_stats.num_requests += 1
-        self.prefix_cache_stats.num_query_tokens += request.num_tokens
-        self.prefix_cache_stats.num_hit_tokens += num_hit_tokens
         return hit_blocks, num_hit_tokens
 
     # -- allocation -----------------------------------------------------------------------------

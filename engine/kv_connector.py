@@ -30,15 +30,15 @@ class ConnectorEvents:
 
 @dataclass
 class KVConnectorStats:
-    """An engine's KV transfers since start, one counter per fact."""
+    """An engine's KV transfers since start, one counter per fact (named as in EngineStats)."""
 
-    bytes_sent: int = 0  # KVLayer payload bytes (prefill role)
-    bytes_received: int = 0  # KVLayer payload bytes written into blocks (decode role)
-    num_transfers: int = 0  # completed: acked by the peer (prefill) or verified (decode)
-    num_failed: int = 0  # transfers that ended without the KV in place (decode role)
+    kv_bytes_sent: int = 0  # KVLayer payload bytes (prefill role)
+    kv_bytes_received: int = 0  # KVLayer payload bytes written into blocks (decode role)
+    num_kv_transfers: int = 0  # completed: acked by the peer (prefill) or verified (decode)
+    num_kv_transfers_failed: int = 0  # transfers that ended without the KV in place (decode role)
     # Summed time of the completed transfers. Prefill: prompt computed -> KVAck, the part that layer
     # streaming did not hide behind compute. Decode: KVWant sent -> KVDone verified.
-    transfer_seconds: float = 0.0
+    kv_transfer_seconds: float = 0.0
 
 
 class KVConnector:

@@ -14,6 +14,7 @@ from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.stats import PrefixCacheStats
 
 
 class KVFailurePolicy(str, enum.Enum):
@@ -69,8 +70,7 @@ class Scheduler:
         self.delayed_free: dict[str, Request] = {}  # finished, blocks held until the peer has them
         self._pending: list[TokenDelta] = []  # produced outside a step (connector events, aborts)
         self.num_preemptions = 0  # since start, for stats and tests
-        self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the prefix cache, since start
-        self.prefix_cache_hits = 0  # of those, tokens found there (their KV was reused, not computed)
+        self.prefix_cache_stats = PrefixCacheStats()
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -175,8 +175,8 @@ class Scheduler:
 
     def _count_prefix_lookup(self, request: Request, num_hit: int) -> None:
         """One admission's prefix-cache lookup (a preempted request looks up again when readmitted)."""
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_hit
 
     def _start_remote_prefill(self, request: Request, hit_blocks: list, num_hit: int, num_external: int) -> bool:
         """Allocate blocks for KV that a prefill engine will send, and park the request until it lands."""

@@ -67,7 +67,7 @@ class KVSender:
 
     def send_layer(self, peer_id: bytes, msg: KVLayer, payload: memoryview) -> None:
         self.server.send(peer_id, msg, payload)
-        self.stats.bytes_sent += msg.nbytes
+        self.stats.kv_bytes_sent += msg.nbytes
 
     def send_done(self, transfer: Transfer) -> None:
         """KVDone: the first token sampled here and the checksum over every KVLayer sent."""

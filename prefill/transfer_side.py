@@ -111,8 +111,8 @@ class PrefillTransferSide(KVTransferSide):
         if transfer is None or transfer.is_ended:
             return
         if transfer.state is TransferState.AWAITING_ACK and msg.ok:
-            self.stats.num_transfers += 1
-            self.stats.transfer_seconds += time.monotonic() - transfer.computed_at
+            self.stats.num_kv_transfers += 1
+            self.stats.kv_transfer_seconds += time.monotonic() - transfer.computed_at
             transfer.move(TransferState.DONE, "acked")
         else:  # the decode engine gave up on it (a KVAck before KVDone is one, too)
             transfer.move(TransferState.FAILED, f"nacked: {msg.reason}" if not msg.ok else "acked before KVDone")

@@ -65,7 +65,7 @@ def test_verified_kv_is_received_once_and_acked(pair):
     torch.testing.assert_close(side.kv_cache[:, :, [3, 1]].flatten(2, 3), kv, rtol=0, atol=0)
     assert scheduler_side.poll().received == {"r": (5, None)}
     assert not scheduler_side.poll().received, "reported once"
-    assert side.stats.num_transfers == 1 and side.stats.bytes_received == msg.nbytes
+    assert side.stats.num_kv_transfers == 1 and side.stats.kv_bytes_received == msg.nbytes
 
 
 def test_kv_that_never_completes_fails_after_the_timeout_and_aborts_the_prefill(pair):
@@ -77,4 +77,4 @@ def test_kv_that_never_completes_fails_after_the_timeout_and_aborts_the_prefill(
     abort = prefill.recv(timeout=5).msg
     assert isinstance(abort, Abort) and abort.request_id == "r"
     events = scheduler_side.poll()
-    assert "within 0.1s" in events.failed["r"] and side.stats.num_failed == 1 and not side.transfers
+    assert "within 0.1s" in events.failed["r"] and side.stats.num_kv_transfers_failed == 1 and not side.transfers

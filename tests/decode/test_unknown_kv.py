@@ -43,7 +43,7 @@ def test_kv_for_a_request_nobody_asked_for_is_dropped(caplog):
         assert "KV for unknown request nobody" in caplog.text and "KVDone for unknown request nobody" in caplog.text
         assert not kv_cache.any(), "unasked KV must never reach the cache"
         events = scheduler_side.poll()
-        assert not events.received and not events.failed and side.stats.bytes_received == 0
+        assert not events.received and not events.failed and side.stats.kv_bytes_received == 0
     finally:
         side.close()
         prefill.close()

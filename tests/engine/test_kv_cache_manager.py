@@ -93,8 +93,6 @@ def test_hits_stop_before_the_last_token():
     assert num_hit_tokens == 8 and len(blocks) == 2
     assert all(b.ref_cnt == 0 for b in blocks)  # lookups take no references
 
-    stats = manager.prefix_cache_stats
-    assert (stats.num_requests, stats.num_query_tokens, stats.num_hit_tokens) == (3, 8 + 8 + 9, 12)
     assert_all_blocks_free(manager)
 
 

@@ -64,20 +64,19 @@ def test_chunked_prefill_and_prefix_hits(model_factory):
     model_dir = model_factory("llama")
     prompts = make_prompts(1024, seed=1)
     llm = run_parity(model_dir, prompts, max_num_batched_tokens=7)
-    stats = llm.kv_cache_manager.prefix_cache_stats
-    assert stats.num_hit_tokens > 0, "repeated prompts must hit the prefix cache"
+    assert llm.engine.stats().prefix_cache_hits > 0, "repeated prompts must hit the prefix cache"
 
 
 def test_prefix_hits_across_generate_calls(model_factory):
     model_dir = model_factory("qwen3")
     prompts = make_prompts(1024, seed=2)
     llm = run_parity(model_dir, prompts, max_num_batched_tokens=64)
-    before = llm.kv_cache_manager.prefix_cache_stats.num_hit_tokens
+    before = llm.engine.stats().prefix_cache_hits
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     first = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
-    assert llm.kv_cache_manager.prefix_cache_stats.num_hit_tokens > before
+    assert llm.engine.stats().prefix_cache_hits > before
     assert llm.kv_cache_manager.num_used_blocks == 0
 
 

@@ -266,9 +266,9 @@ def test_prefix_cache_lookups_are_counted():
     params = SamplingParams(temperature=0, max_tokens=2)
     scheduler.add_request(Request("first", prompt, params, eos_token_id=EOS, max_tokens=2))
     run_to_end(scheduler)
-    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (10, 0)
+    assert (scheduler.prefix_cache_stats.queries, scheduler.prefix_cache_stats.hits) == (10, 0)
     scheduler.add_request(Request("second", prompt, params, eos_token_id=EOS, max_tokens=2))
     run_to_end(scheduler)
     # the two full blocks come from the cache; the partial block is never cached
-    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (20, 8)
+    assert (scheduler.prefix_cache_stats.queries, scheduler.prefix_cache_stats.hits) == (20, 8)
     assert_scheduler_empty(scheduler)

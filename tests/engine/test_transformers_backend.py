@@ -147,7 +147,7 @@ def test_chunked_prefill_and_prefix_hits(hf_model_dir):
     """A 7-token step budget splits long prompts into chunks mixed with decodes; repeats hit the cache."""
     llm = run_parity(hf_model_dir("gpt-neox"), make_prompts(VOCAB_SIZE, seed=1), max_num_batched_tokens=7,
                      num_kv_blocks=NUM_KV_BLOCKS)
-    assert llm.kv_cache_manager.prefix_cache_stats.num_hit_tokens > 0
+    assert llm.engine.stats().prefix_cache_hits > 0
 
 
 def test_backend_matches_native_path(model_factory):

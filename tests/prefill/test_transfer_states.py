@@ -45,7 +45,7 @@ def test_prompt_computed_first_is_sent_on_its_want_and_freed_on_the_ack(link):  
     client.send(KVAck(request_id="r", ok=True))
     _wait_for_state(side, "r", TransferState.DONE)
     assert scheduler_side.poll().sent == {"r"} and "r" not in side.transfers
-    assert side.stats.num_transfers == 1 and side.stats.bytes_sent == layer.nbytes
+    assert side.stats.num_kv_transfers == 1 and side.stats.kv_bytes_sent == layer.nbytes
 
 
 def test_want_first_then_prompt_computed_sends_at_once(link):  # noqa: F811

@@ -28,5 +28,5 @@ def test_an_ack_for_an_unknown_request_changes_nothing(link):  # noqa: F811
     time.sleep(0.05)
     side.receive()
     events = PrefillSchedulerSide(side).poll()
-    assert not events.sent and side.stats.num_transfers == 0
+    assert not events.sent and side.stats.num_kv_transfers == 0
     assert client.recv(timeout=0.05) is None  # nothing to answer
