@@ -24,44 +24,37 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 
-class InvalidRequest(APIError):
+class ClientError(APIError):
+    """The request's fault (4xx): OpenAI's invalid_request_error."""
+
+    error_type = "invalid_request_error"
+
+
+class InvalidRequest(ClientError):
     status_code = 400
-    error_type = "invalid_request_error"
 
 
-class Unauthorized(APIError):
-    status_code = 401
-    error_type = "invalid_request_error"
-    code = "invalid_api_key"
+class Unauthorized(ClientError):
+    status_code, code = 401, "invalid_api_key"
 
 
-class ModelNotFound(APIError):
-    status_code = 404
-    error_type = "invalid_request_error"
-    code = "model_not_found"
+class ModelNotFound(ClientError):
+    status_code, code = 404, "model_not_found"
 
 
 class Overloaded(APIError):
-    status_code = 429
-    error_type = "rate_limit_error"
-    code = "rate_limit_exceeded"
+    status_code, error_type, code = 429, "rate_limit_error", "rate_limit_exceeded"
 
 
-class NoEngineAvailable(APIError):
-    status_code = 503
-    error_type = "server_error"
-    code = "no_engine_available"
+class NoEngineAvailable(APIError):  # server_error, as every 5xx here
+    status_code, code = 503, "no_engine_available"
 
 
 class EngineFailed(APIError):
     """An engine died or failed while serving a request that could not be retried."""
 
-    status_code = 502
-    error_type = "server_error"
-    code = "engine_failed"
+    status_code, code = 502, "engine_failed"
 
 
 class RequestTimeout(APIError):
-    status_code = 504
-    error_type = "server_error"
-    code = "timeout"
+    status_code, code = 504, "timeout"

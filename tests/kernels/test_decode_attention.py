@@ -7,10 +7,7 @@ import torch
 
 from pdserve.kernels import reference
 from pdserve.kernels.triton_decode_attention import (
-    choose_block_n,
-    choose_partition_size,
-    launch_decode_attention,
-    paged_decode_attention,
+    choose_block_n, choose_partition_size, launch_decode_attention, paged_decode_attention,
 )
 from tests.kernels.paged_data import assert_close, generator_for, make_paged_cache, nan_like, randn
 

@@ -7,14 +7,7 @@ import torch
 
 from pdserve.kernels import reference
 from pdserve.kernels.triton_prefill_attention import choose_tiles, launch_prefill_attention, paged_prefill_attention
-from tests.kernels.paged_data import (
-    assert_close,
-    generator_for,
-    make_paged_cache,
-    nan_like,
-    query_start_loc,
-    randn,
-)
+from tests.kernels.paged_data import assert_close, generator_for, make_paged_cache, nan_like, query_start_loc, randn
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BLOCK = 16
