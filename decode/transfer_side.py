@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.decode.incoming import IncomingState, IncomingTransfer
-from pdserve.decode.kv_writer import layer_problem, write_layers
+from pdserve.decode.kv_writer import KVWriter
 from pdserve.engine.kv_connector import KVTransferSide
 from pdserve.control.errors import ProtocolError, WireError
 from pdserve.kvtransfer.errors import KVTransferError
@@ -45,12 +45,12 @@ class DecodeTransferSide(KVTransferSide):
         self.engine_id = engine_id
         self.timeout_s = timeout_s
         self.curve = curve
-        self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.writer: KVWriter | None = None  # set when the cache is bound
         self.transfers: dict[str, IncomingTransfer] = {}  # shared with the scheduler side
         self._links: dict[str, _PrefillLink] = {}
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.kv_cache = kv_cache
+        self.writer = KVWriter(kv_cache)  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
 
     def sockets(self) -> list:
         return [link.client.socket for link in self._links.values()]
@@ -137,11 +137,11 @@ class DecodeTransferSide(KVTransferSide):
         if incoming is None:
             log.warning("KV for unknown request %s from %s dropped", msg.request_id, link.address)
             return
-        problem = layer_problem(self.kv_cache, incoming, msg)
+        problem = self.writer.layer_problem(incoming, msg)
         if problem:
             self._fail(incoming, problem, ack_to=link)
             return
-        write_layers(self.kv_cache, incoming, msg, msg.tensor(frame))
+        self.writer.write(incoming, msg, msg.tensor(frame))
         incoming.layer_tokens_received += (msg.layer_end - msg.layer_start) * msg.num_tokens
         incoming.checksums.append(msg.checksum)
         self.stats.kv_bytes_received += msg.nbytes
@@ -151,7 +151,7 @@ class DecodeTransferSide(KVTransferSide):
         if incoming is None:
             log.warning("KVDone for unknown request %s from %s dropped", msg.request_id, link.address)
             return
-        expected = self.kv_cache.shape[0] * incoming.num_tokens
+        expected = self.writer.kv_cache.shape[0] * incoming.num_tokens
         if incoming.layer_tokens_received != expected or msg.num_tokens != incoming.num_tokens:
             self._fail(incoming, f"KV incomplete: {incoming.layer_tokens_received} of {expected} "
                                  "layer-tokens arrived", ack_to=link)

@@ -1,12 +1,10 @@
 """pdserve's kernels: paged KV cache store, paged decode/prefill attention, KV pack/unpack for
 transfer, fused residual-add + RMSNorm and rotary embedding.
 
-Each name below runs the Triton kernel on CUDA tensors and the pure-torch implementation
-(kernels.reference, kernels.reference_extra) elsewhere; PDSERVE_KERNELS=torch|triton forces one
-(see kernels.dispatch). `kernel_backend(device)` says which one a device gets. The KV transfer path
-calls these names; the model's layers do not: a model runner picks its attention backend once
-(engine/attention), which calls the kernel modules directly.
-
+The engine chooses its kernels once: a model runner picks its attention backend (engine/attention),
+the KV transfer path picks its copy kernels when it binds the cache (dispatch.kernel_for). The names
+below dispatch on every call, by the device of their first tensor (Triton on CUDA, the torch
+references elsewhere; PDSERVE_KERNELS=torch|triton forces one), for the kernel tests and benchmarks.
 """
 
 from pdserve.kernels.dispatch import build as _build

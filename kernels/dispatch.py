@@ -66,6 +66,12 @@ def triton_kernel(name: str) -> Callable:
     return getattr(importlib.import_module(KERNELS[name][1]), name)
 
 
+def kernel_for(name: str, device: torch.device | str) -> Callable:
+    """The implementation of kernel `name` for tensors on `device`: for callers that choose once (the KV
+    transfer path picks its kernels when it binds the cache) instead of dispatching on every call."""
+    return triton_kernel(name) if kernel_backend(device) == "triton" else KERNELS[name][0]
+
+
 def _cuda_possible() -> bool:
     # Compile-time facts only: torch.cuda.is_available() would initialize the driver at import.
     return torch.backends.cuda.is_built() or torch.version.hip is not None

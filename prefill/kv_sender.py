@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from pdserve import kernels
 from pdserve.engine.cpu_threads import one_cpu_thread
 from pdserve.engine.kv_connector import KVConnectorStats
+from pdserve.kernels.dispatch import kernel_for
 from pdserve.kvtransfer.messages import KVDone, KVLayer
 from pdserve.kvtransfer.payload import combine_checksums
 from pdserve.control.sockets import ServerSocket
@@ -23,6 +23,10 @@ class KVSender:
         self.server = server
         self.stats = stats
         self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self._kv_pack = None  # the cache device's kv_pack, chosen when the cache is bound
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache, self._kv_pack = kv_cache, kernel_for("kv_pack", kv_cache.device)
 
     def slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:  # [end - start] int64
         block_size = self.kv_cache.shape[3]
@@ -52,7 +56,7 @@ class KVSender:
             layer_end = min(num_layers, layer_start + step)
             if aligned:  # whole blocks: [layers, 2, T, kv_heads, head_dim]
                 with one_cpu_thread(self.kv_cache.device):
-                    kv = kernels.kv_pack(self.kv_cache, table, end - start, layer_start, layer_end)
+                    kv = self._kv_pack(self.kv_cache, table, end - start, layer_start, layer_end)
             else:
                 kv = self.gather(layer_start, layer_end, slots)
             self.send_payload(transfer, kv.cpu(), layer_start, start)

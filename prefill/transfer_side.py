@@ -44,7 +44,7 @@ class PrefillTransferSide(KVTransferSide):
         self._peers: set[bytes] = set()  # decode engines whose Hello was accepted
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.sender.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.sender.bind_kv_cache(kv_cache)  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
 
     def sockets(self) -> list:
         return [self.server.socket]

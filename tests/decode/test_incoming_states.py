@@ -62,7 +62,7 @@ def test_verified_kv_is_received_once_and_acked(pair):
     _receive_until(side, lambda: side.transfers["r"].state is IncomingState.RECEIVED)
     ack = prefill.recv(timeout=5).msg
     assert isinstance(ack, KVAck) and ack.ok
-    torch.testing.assert_close(side.kv_cache[:, :, [3, 1]].flatten(2, 3), kv, rtol=0, atol=0)
+    torch.testing.assert_close(side.writer.kv_cache[:, :, [3, 1]].flatten(2, 3), kv, rtol=0, atol=0)
     assert scheduler_side.poll().received == {"r": (5, None)}
     assert not scheduler_side.poll().received, "reported once"
     assert side.stats.num_kv_transfers == 1 and side.stats.kv_bytes_received == msg.nbytes

@@ -96,3 +96,10 @@ def test_triton_kernel_lookup_returns_the_module_function():
 
     assert dispatch.triton_kernel("store_kv") is triton_store_kv.store_kv
     assert reference_extra.add_rms_norm is dispatch.KERNELS["add_rms_norm"][0]
+
+
+def test_kernel_for_chooses_once_by_device():
+    from pdserve.kernels import reference
+
+    assert dispatch.kernel_for("store_kv", "cpu") is reference.store_kv  # no wrapper left to dispatch per call
+    assert dispatch.kernel_for("kv_unpack", "cuda:0") is dispatch.triton_kernel("kv_unpack")
