@@ -199,7 +199,7 @@ def _answer(server: ServerSocket, routed, active: dict) -> None:
         server.send(peer_id, EngineStats(engine_id="synthetic", role="decode", num_waiting=0, num_running=len(active),
                                          kv_blocks_used=0, kv_blocks_total=1, queued_prefill_tokens=0))
     elif isinstance(msg, GenerateRequest):
-        active[msg.request_id] = [peer_id, msg.max_tokens, 0]
+        active[msg.request_id] = [peer_id, msg.sampling_params.max_tokens, 0]
     elif isinstance(msg, Abort):
         active.pop(msg.request_id, None)
 

@@ -46,10 +46,10 @@ def _refusal(exc: ProtocolError) -> TokenDelta | Error:
 class EngineServer:
     role = ""
 
-    def __init__(self, engine: Any, connector: Any, control_address: str, engine_id: str,
+    def __init__(self, engine: Any, kv_transfer: Any, control_address: str, engine_id: str,
                  curve: ClusterCurve | None = None) -> None:
         self.engine = engine  # engine.engine_core.EngineCore
-        self.connector = connector  # the KV connector's transfer side (engine.kv_connector.KVTransferSide)
+        self.kv_transfer = kv_transfer  # the KV connector's transfer side (engine.kv_connector.KVTransferSide)
         self.engine_id = engine_id
         self.curve = curve  # CURVE keys of the cluster: every link encrypted and authenticated
         self.control = ServerSocket(control_address, curve=curve.server if curve else None)
@@ -74,13 +74,13 @@ class EngineServer:
         registered: set = set()
         try:
             while not self._stop.is_set():
-                for socket in [self.control.socket, *self.connector.sockets()]:
+                for socket in [self.control.socket, *self.kv_transfer.sockets()]:
                     if socket not in registered:
                         poller.register(socket, zmq.POLLIN)
                         registered.add(socket)
                 poller.poll(0 if self.engine.has_runnable_work() else IDLE_WAIT_MS)
                 self._guarded(self._drain_control)
-                self._guarded(self.connector.receive)
+                self._guarded(self.kv_transfer.receive)
                 if self.engine.has_work():
                     self.publish(self.engine.step())
                 if self.heartbeat is not None and self.heartbeat.wants_stats():
@@ -99,7 +99,7 @@ class EngineServer:
     def close(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
-        self.connector.close()
+        self.kv_transfer.close()
         self.control.close()
 
     # ---- control plane ----
@@ -139,7 +139,7 @@ class EngineServer:
     def stats(self) -> EngineStats:
         """The engine's figures and its KV connector's, as they are (their fields are EngineStats')."""
         return EngineStats(engine_id=self.engine_id, role=self.role, **dataclasses.asdict(self.engine.stats()),
-                           **dataclasses.asdict(self.connector.stats))
+                           **dataclasses.asdict(self.kv_transfer.stats))
 
     # ---- registration with a router ----
 

@@ -51,7 +51,7 @@ class PrefillServer(EngineServer):
 
     @property
     def kv_address(self) -> str:
-        return self.connector.server.address
+        return self.kv_transfer.server.address
 
 
 def build_prefill_server(model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,

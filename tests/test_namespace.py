@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -27,9 +28,11 @@ def _clean_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    out, source = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("source") / "pdserve"
+    # built from a copy: setuptools leaves a build/ folder beside the pyproject it builds
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "tests", "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(out), str(REPO)], check=True, timeout=300, capture_output=True)
+                    "--wheel-dir", str(out), str(source)], check=True, timeout=300, capture_output=True)
     (built,) = out.glob("pdserve-*.whl")
     return built
 
