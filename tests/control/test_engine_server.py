@@ -18,7 +18,7 @@ WAIT_S = 5.0
 
 @pytest.fixture
 def server():
-    server = EngineServer(engine=None, connector=None, control_address="tcp://127.0.0.1:0", engine_id="e0")
+    server = EngineServer(engine=None, kv_transfer=None, control_address="tcp://127.0.0.1:0", engine_id="e0")
     yield server
     server.control.close()
 
