@@ -20,11 +20,15 @@ from pdserve.control.errors import InvalidRequestError, ProtocolError
 from pdserve.control.heartbeat import Heartbeat, advertised_address
 from pdserve.control.keys import ClusterCurve
 from pdserve.control.messages import Abort, DescribeRequest, EngineStats, Error, Register, StatsRequest, TokenDelta
-from pdserve.control.sockets import ServerSocket
+from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, ServerSocket
 
 log = logging.getLogger("pdserve.engine_server")
 
 IDLE_WAIT_MS = 20  # longest wait for input while nothing can run (bounds timeout checks, too)
+CONTROL_MESSAGES_PER_ITERATION = 256  # a flood of control messages cannot keep the loop from stepping
+# Replies queued per control peer before more are dropped: far above what a reading router lets pile up,
+# and a bound on what a peer that never reads can cost.
+CONTROL_REPLY_HWM = 100_000
 
 
 def _invalid_request(exc: Exception, request_id: str | None) -> TokenDelta | Error:
@@ -52,7 +56,8 @@ class EngineServer:
         self.kv_transfer = kv_transfer  # the KV connector's transfer side (engine.kv_connector.KVTransferSide)
         self.engine_id = engine_id
         self.curve = curve  # CURVE keys of the cluster: every link encrypted and authenticated
-        self.control = ServerSocket(control_address, curve=curve.server if curve else None)
+        self.control = ServerSocket(control_address, curve=curve.server if curve else None, hwm=CONTROL_REPLY_HWM,
+                                    max_message_bytes=CONTROL_MESSAGE_BYTES)
         self.owners: dict[str, bytes] = {}  # request id -> control peer that sent it
         self._stop = threading.Event()
         self.heartbeat: Heartbeat | None = None
@@ -105,7 +110,7 @@ class EngineServer:
     # ---- control plane ----
 
     def _drain_control(self) -> None:
-        for routed in self.control.drain(_refusal):
+        for routed in self.control.drain(_refusal, limit=CONTROL_MESSAGES_PER_ITERATION):
             try:
                 self.handle(routed.peer_id, routed.msg)
             except ValueError as exc:  # InvalidRequestError and friends: the client's fault, named
@@ -134,7 +139,9 @@ class EngineServer:
         return True
 
     def reply(self, peer_id: bytes | None, msg: Any) -> None:
-        self.control.answer(peer_id, msg, timeout=1.0)
+        """Never waits: a reply a peer's full queue cannot take is dropped (and logged), so a peer that
+        does not read cannot stall the engine loop."""
+        self.control.answer(peer_id, msg, timeout=0)
 
     def stats(self) -> EngineStats:
         """The engine's figures and its KV connector's, as they are (their fields are EngineStats')."""

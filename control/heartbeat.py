@@ -13,7 +13,7 @@ from typing import Any
 from pdserve.control.errors import WireError
 from pdserve.control.keys import CurveClientConfig
 from pdserve.control.messages import Deregister, EngineStats, Register
-from pdserve.control.sockets import ClientSocket
+from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, ClientSocket
 
 log = logging.getLogger("pdserve.heartbeat")
 
@@ -43,7 +43,8 @@ class Heartbeat(threading.Thread):
         self._stats: EngineStats | None = None
         self._stats_time = 0.0
         self._done = threading.Event()
-        self._client = ClientSocket(router_address, curve=curve)  # used by this thread only once started
+        # used by this thread only once started; the router never answers on it
+        self._client = ClientSocket(router_address, curve=curve, max_message_bytes=CONTROL_MESSAGE_BYTES)
 
     def wants_stats(self) -> bool:
         return time.monotonic() - self._stats_time >= self.interval_s / 2

@@ -6,6 +6,7 @@ Why these socket types and bounds: docs/wire-protocol.md."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -18,13 +19,15 @@ from pdserve.control.errors import PeerUnreachableError, ProtocolError, Transpor
 from pdserve.control.keys import CurveClientConfig, CurveServerConfig, require_curve
 from pdserve.control.messages import Error
 from pdserve.control.protocol import decode, encode
-from pdserve.control.schema import MAX_FRAME_BYTES, Message
+from pdserve.control.schema import MAX_FRAME_BYTES, MAX_HEADER_BYTES, Message
 
 log = logging.getLogger("pdserve.sockets")
 
 DEFAULT_HWM = 1000  # messages queued per peer before send waits
 DEFAULT_LINGER_S = 1.0  # how long close() may keep flushing queued messages
 DEFAULT_SEND_TIMEOUT_S = 10.0
+# Largest frame a socket that carries no KV payload accepts: one message header and a little more.
+CONTROL_MESSAGE_BYTES = MAX_HEADER_BYTES + 4096
 MAX_IPC_PATH_BYTES = 107  # sun_path on Linux, minus the terminating NUL
 
 
@@ -81,11 +84,12 @@ class OpenSocket:
 
 def open_socket(kind: int, address: str, *, bind: bool, curve: CurveServerConfig | CurveClientConfig | None = None,
                 context: zmq.Context | None = None, hwm: int = DEFAULT_HWM,
-                linger_s: float = DEFAULT_LINGER_S) -> OpenSocket:
+                linger_s: float = DEFAULT_LINGER_S, max_message_bytes: int = MAX_FRAME_BYTES) -> OpenSocket:
     """A ROUTER (bind=True) or DEALER (bind=False) with pdserve's options, CURVE and bind/connect done.
 
-    Every socket: bounded linger and queues, ZMQ_MAXMSGSIZE (a peer's oversized frame is dropped
-    before it is buffered). ROUTER: ROUTER_MANDATORY (a send to a gone peer raises). DEALER: IMMEDIATE
+    Every socket: bounded linger and queues, ZMQ_MAXMSGSIZE = max_message_bytes (a peer that sends a
+    larger frame is disconnected before it is buffered; sockets without KV payloads pass
+    CONTROL_MESSAGE_BYTES). ROUTER: ROUTER_MANDATORY (a send to a gone peer raises). DEALER: IMMEDIATE
     (nothing queues before a connection, CURVE handshake included, succeeds). A server whose CURVE
     config lists allowed client keys gets a context of its own with a ZAP handler (one per context)."""
     endpoint = validate_address(address, bind=bind)
@@ -100,7 +104,7 @@ def open_socket(kind: int, address: str, *, bind: bool, curve: CurveServerConfig
     socket = context.socket(kind)
     opened = OpenSocket(socket, address, own_context, authenticator)
     try:
-        _set_options(socket, kind, hwm, linger_s)
+        _set_options(socket, kind, hwm, linger_s, max_message_bytes)
         _set_curve(socket, curve)
         if bind:
             socket.bind(endpoint)
@@ -114,11 +118,11 @@ def open_socket(kind: int, address: str, *, bind: bool, curve: CurveServerConfig
     return opened
 
 
-def _set_options(socket: zmq.Socket, kind: int, hwm: int, linger_s: float) -> None:
+def _set_options(socket: zmq.Socket, kind: int, hwm: int, linger_s: float, max_message_bytes: int) -> None:
     socket.setsockopt(zmq.LINGER, _timeout_ms(linger_s))
     socket.setsockopt(zmq.SNDHWM, hwm)
     socket.setsockopt(zmq.RCVHWM, hwm)
-    socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     if kind == zmq.ROUTER:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     elif kind == zmq.DEALER:
@@ -162,8 +166,9 @@ class _SyncSocket:
     Payload buffers are sent without copying: keep them unchanged until the peer has them."""
 
     def __init__(self, kind: int, address: str, *, bind: bool, curve: Any, context: zmq.Context | None,
-                 hwm: int, linger: float, send_timeout: float) -> None:
-        self._opened = open_socket(kind, address, bind=bind, curve=curve, context=context, hwm=hwm, linger_s=linger)
+                 hwm: int, linger: float, send_timeout: float, max_message_bytes: int) -> None:
+        self._opened = open_socket(kind, address, bind=bind, curve=curve, context=context, hwm=hwm, linger_s=linger,
+                                   max_message_bytes=max_message_bytes)
         self._socket = self._opened.socket
         self.address = self._opened.address
         self._send_timeout = send_timeout
@@ -223,9 +228,9 @@ class ServerSocket(_SyncSocket):
 
     def __init__(self, address: str, *, curve: CurveServerConfig | None = None, hwm: int = DEFAULT_HWM,
                  linger: float = DEFAULT_LINGER_S, send_timeout: float = DEFAULT_SEND_TIMEOUT_S,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, max_message_bytes: int = MAX_FRAME_BYTES):
         super().__init__(zmq.ROUTER, address, bind=True, curve=curve, context=context, hwm=hwm, linger=linger,
-                         send_timeout=send_timeout)
+                         send_timeout=send_timeout, max_message_bytes=max_message_bytes)
 
     def send(self, peer_id: bytes, msg: Message, *buffers: Any, timeout: float | None = None) -> None:
         """Send msg (+ payload buffers, not copied) to one connected peer."""
@@ -245,11 +250,13 @@ class ServerSocket(_SyncSocket):
             raise
         return Routed(peer_id, msg, frames)
 
-    def drain(self, refusal: Callable[[ProtocolError], Message] = Error.from_exception) -> Iterator[Routed]:
-        """Every message waiting now. A malformed one is logged, answered with `refusal(exc)` (an Error
-        unless the caller says otherwise, so the peer learns what was wrong) and skipped: bad input
-        never stops the caller's loop."""
-        while True:
+    def drain(self, refusal: Callable[[ProtocolError], Message] = Error.from_exception,
+              limit: int | None = None) -> Iterator[Routed]:
+        """The messages waiting now, at most `limit` of them (a flooding peer cannot keep the caller's
+        loop reading). A malformed one is logged, answered with `refusal(exc)` (an Error unless the
+        caller says otherwise, so the peer learns what was wrong) and skipped: bad input never stops the
+        caller's loop."""
+        for _ in itertools.count() if limit is None else range(limit):
             try:
                 routed = self.recv(timeout=0)
             except ProtocolError as exc:
@@ -275,9 +282,9 @@ class ClientSocket(_SyncSocket):
 
     def __init__(self, address: str, *, curve: CurveClientConfig | None = None, hwm: int = DEFAULT_HWM,
                  linger: float = DEFAULT_LINGER_S, send_timeout: float = DEFAULT_SEND_TIMEOUT_S,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, max_message_bytes: int = MAX_FRAME_BYTES):
         super().__init__(zmq.DEALER, address, bind=False, curve=curve, context=context, hwm=hwm, linger=linger,
-                         send_timeout=send_timeout)
+                         send_timeout=send_timeout, max_message_bytes=max_message_bytes)
 
     def send(self, msg: Message, *buffers: Any, timeout: float | None = None) -> None:
         """Send msg (+ payload buffers, not copied) to the server."""

@@ -79,7 +79,9 @@ class DecodeTransferSide(KVTransferSide):
     def _link(self, address: str) -> _PrefillLink:
         link = self._links.get(address)
         if link is None:
-            client = ClientSocket(address, curve=self.curve, send_timeout=SEND_TIMEOUT_S)
+            # no KVLayer frame can be larger than our whole cache: a bigger one drops the link
+            client = ClientSocket(address, curve=self.curve, send_timeout=SEND_TIMEOUT_S,
+                                  max_message_bytes=self.writer.kv_cache.nbytes)
             link = _PrefillLink(address, client)
             self._links[address] = link
             client.send(Hello(fingerprint=self.fingerprint.to_dict(), role="decode", engine_id=self.engine_id))
@@ -98,7 +100,7 @@ class DecodeTransferSide(KVTransferSide):
                 except ProtocolError as exc:
                     log.warning("bad message from %s: %s", link.address, exc)
                     if exc.request_id:
-                        self._fail_id(exc.request_id, f"bad KV message: {exc}", ack_to=link)
+                        self._fail_id(exc.request_id, f"bad KV message: {exc}", link, ack=True)
                     continue
                 if received is None:
                     break
@@ -114,9 +116,9 @@ class DecodeTransferSide(KVTransferSide):
         elif isinstance(msg, KVDone):
             self._on_done(link, msg)
         elif isinstance(msg, Error) and msg.request_id:
-            self._fail_id(msg.request_id, f"prefill engine error: {msg.message}")
+            self._fail_id(msg.request_id, f"prefill engine error: {msg.message}", link)
         elif isinstance(msg, Abort):
-            self._fail_id(msg.request_id, f"prefill engine aborted: {msg.reason}")
+            self._fail_id(msg.request_id, f"prefill engine aborted: {msg.reason}", link)
         else:
             log.warning("unexpected %s from %s ignored", msg.type_name, link.address)
 
@@ -128,12 +130,16 @@ class DecodeTransferSide(KVTransferSide):
                 self._fail(incoming, f"prefill engine refused the KV link: {reason}")
                 self._send_quietly(link, Abort(request_id=incoming.request_id, reason="KV link refused"))
 
-    def _receiving(self, request_id: str) -> IncomingTransfer | None:
+    def _receiving(self, request_id: str, link: _PrefillLink) -> IncomingTransfer | None:
+        """The transfer still receiving for request_id, if it was asked for on this link (KV or news
+        about a request from any other prefill engine is not taken)."""
         incoming = self.transfers.get(request_id)
-        return incoming if incoming is not None and incoming.state is IncomingState.RECEIVING else None
+        if incoming is None or incoming.state is not IncomingState.RECEIVING or incoming.address != link.address:
+            return None
+        return incoming
 
     def _on_layer(self, link: _PrefillLink, msg: KVLayer, frame) -> None:
-        incoming = self._receiving(msg.request_id)
+        incoming = self._receiving(msg.request_id, link)
         if incoming is None:
             log.warning("KV for unknown request %s from %s dropped", msg.request_id, link.address)
             return
@@ -147,7 +153,7 @@ class DecodeTransferSide(KVTransferSide):
         self.stats.kv_bytes_received += msg.nbytes
 
     def _on_done(self, link: _PrefillLink, msg: KVDone) -> None:
-        incoming = self._receiving(msg.request_id)
+        incoming = self._receiving(msg.request_id, link)
         if incoming is None:
             log.warning("KVDone for unknown request %s from %s dropped", msg.request_id, link.address)
             return
@@ -166,10 +172,10 @@ class DecodeTransferSide(KVTransferSide):
 
     # ---- failures ----
 
-    def _fail_id(self, request_id: str, reason: str, ack_to: _PrefillLink | None = None) -> None:
-        incoming = self._receiving(request_id)
+    def _fail_id(self, request_id: str, reason: str, link: _PrefillLink, ack: bool = False) -> None:
+        incoming = self._receiving(request_id, link)
         if incoming is not None:
-            self._fail(incoming, reason, ack_to)
+            self._fail(incoming, reason, ack_to=link if ack else None)
 
     def _fail(self, incoming: IncomingTransfer, reason: str, ack_to: _PrefillLink | None = None) -> None:
         log.warning("remote prefill of %s failed: %s", incoming.request_id, reason)
@@ -186,7 +192,9 @@ class DecodeTransferSide(KVTransferSide):
                 self._fail(incoming, f"no complete KV from {incoming.address} within {self.timeout_s:g}s")
 
     def _send_quietly(self, link: _PrefillLink, msg) -> None:
+        """Never waits: a message for a prefill engine that is gone or not reading is dropped, so aborting
+        many requests on a dead link cannot stall decoding."""
         try:
-            link.client.send(msg, timeout=0.1)
+            link.client.send(msg, timeout=0)
         except WireError as exc:  # the peer is gone; our side is already cleaned up
             log.info("could not send %s to %s: %s", msg.type_name, link.address, exc)

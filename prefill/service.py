@@ -11,7 +11,7 @@ from typing import Any
 from pdserve.control.engine_server import EngineServer
 from pdserve.control.keys import load_cluster_keys
 from pdserve.control.messages import PrefillRequest, TokenDelta
-from pdserve.control.sockets import ServerSocket
+from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, ServerSocket
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine_core import EngineCore
 from pdserve.kvtransfer.fingerprint import engine_fingerprint
@@ -57,7 +57,9 @@ class PrefillServer(EngineServer):
 def build_prefill_server(model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                          options: PrefillOptions) -> PrefillServer:
     curve = load_cluster_keys(options.curve_dir) if options.curve_dir else None
-    kv_server = ServerSocket(options.kv_address, curve=curve.server if curve else None)
+    # decode engines send it only small messages (Hello, KVWant, KVAck, Abort)
+    kv_server = ServerSocket(options.kv_address, curve=curve.server if curve else None,
+                             max_message_bytes=CONTROL_MESSAGE_BYTES)
     transfer = PrefillTransferSide(kv_server, engine_fingerprint(model_config, cache_config.block_size),
                                    want_timeout_s=options.want_timeout_s, lease_s=options.lease_s,
                                    stream_layers=options.stream_layers)

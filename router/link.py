@@ -21,7 +21,7 @@ from pdserve.control.keys import CurveClientConfig
 from pdserve.control.messages import EngineStats, Error, Register, StatsRequest, TokenDelta
 from pdserve.control.protocol import decode, encode
 from pdserve.control.schema import Message
-from pdserve.control.sockets import open_socket
+from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, open_socket
 
 log = logging.getLogger("pdserve.router.link")
 
@@ -56,7 +56,7 @@ class EngineLink:
         self.streams: dict[str, asyncio.Queue] = {}
         self._stats_waiters: list[asyncio.Future] = []
         self._opened = open_socket(zmq.DEALER, control_address, bind=False, curve=curve, context=context,
-                                   hwm=LINK_HWM, linger_s=0)
+                                   hwm=LINK_HWM, linger_s=0, max_message_bytes=CONTROL_MESSAGE_BYTES)
         self.socket: zmq.asyncio.Socket = self._opened.socket
         self._reader = asyncio.create_task(self._read_loop(), name=f"link {control_address}")
 

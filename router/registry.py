@@ -26,7 +26,7 @@ from pdserve.control.errors import ProtocolError, TransportError
 from pdserve.control.keys import load_cluster_keys
 from pdserve.control.messages import Deregister, DescribeRequest, EngineStats, Register
 from pdserve.control.protocol import decode
-from pdserve.control.sockets import OpenSocket, open_socket, validate_address
+from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, OpenSocket, open_socket, validate_address
 from pdserve.router.config import RouterConfig
 from pdserve.router.link import EngineLink
 
@@ -63,7 +63,8 @@ class EngineRegistry:
         # engines must hold the cluster's keys to register: the server config admits only its client key
         try:
             self._registration = open_socket(zmq.ROUTER, address, bind=True, context=self.context,
-                                             curve=self.curve.server if self.curve else None, linger_s=0)
+                                             curve=self.curve.server if self.curve else None, linger_s=0,
+                                             max_message_bytes=CONTROL_MESSAGE_BYTES)
         except TransportError as exc:
             raise ValueError(f"cannot bind the registration address {address}: {exc}") from exc
         self.registration_address = self._registration.address

@@ -78,3 +78,59 @@ def test_kv_that_never_completes_fails_after_the_timeout_and_aborts_the_prefill(
     assert isinstance(abort, Abort) and abort.request_id == "r"
     events = scheduler_side.poll()
     assert "within 0.1s" in events.failed["r"] and side.stats.num_kv_transfers_failed == 1 and not side.transfers
+
+
+def _receive_for(side, seconds: float, until) -> None:
+    """Handle what arrives for `seconds`, or until `until()` says something changed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not until():
+        side.receive()
+        time.sleep(0.005)
+
+
+def _open_second_link(scheduler_side, request_id: str) -> tuple[ServerSocket, bytes]:
+    """Another stand-in prefill engine, which D links to for a request of its own."""
+    other = ServerSocket("tcp://127.0.0.1:0")
+    request = Request(request_id, list(range(PROMPT_LEN)), SamplingParams(max_tokens=2), max_tokens=2)
+    request.prefill_kv_address = other.address
+    scheduler_side.on_blocks_allocated(request, [0, 2], PROMPT_LEN)
+    hello = other.recv(timeout=5)
+    other.send(hello.peer_id, HelloAck(ok=True))
+    assert isinstance(other.recv(timeout=5).msg, KVWant)
+    return other, hello.peer_id
+
+
+def test_kv_only_counts_on_the_link_it_was_asked_on(pair):
+    scheduler_side, side, prefill, peer_id = pair
+    other, other_peer = _open_second_link(scheduler_side, "r2")
+    try:
+        forged = torch.full((NUM_LAYERS, 2, PROMPT_LEN, KV_HEADS, HEAD_DIM), 666.0)
+        msg, payload = KVLayer.from_tensor(forged, request_id="r", layer_start=0, token_start=0)
+        other.send(other_peer, msg, payload)  # a linked peer, but "r" was asked of the first one
+        other.send(other_peer, KVDone(request_id="r", first_token=5, num_tokens=PROMPT_LEN,
+                                      checksum=combine_checksums([msg.checksum])))
+        other.send(other_peer, Abort(request_id="r", reason="not yours to end"))
+        _receive_for(side, 0.5, until=lambda: side.stats.kv_bytes_received or side.transfers["r"].state
+                     is not IncomingState.RECEIVING)  # long enough for all three to arrive and be handled
+        assert side.transfers["r"].state is IncomingState.RECEIVING, "nothing from the other link counts"
+        assert not side.writer.kv_cache.eq(666.0).any(), "forged KV never reaches the cache"
+        kv = torch.randn(NUM_LAYERS, 2, PROMPT_LEN, KV_HEADS, HEAD_DIM)
+        msg, payload = KVLayer.from_tensor(kv, request_id="r", layer_start=0, token_start=0)
+        prefill.send(peer_id, msg, payload)
+        prefill.send(peer_id, KVDone(request_id="r", first_token=5, num_tokens=PROMPT_LEN,
+                                     checksum=combine_checksums([msg.checksum])))
+        _receive_until(side, lambda: side.transfers["r"].state is IncomingState.RECEIVED)
+        torch.testing.assert_close(side.writer.kv_cache[:, :, [3, 1]].flatten(2, 3), kv, rtol=0, atol=0)
+    finally:
+        other.close()
+
+
+def test_aborting_on_a_dead_link_never_waits(pair):
+    scheduler_side, side, prefill, _ = pair
+    prefill.close()  # the prefill engine is gone: nothing takes messages for it any more
+    time.sleep(0.2)
+    incoming = side.transfers["r"]
+    started = time.monotonic()
+    for _ in range(50):  # as if 50 requests in flight on that link were aborted one after another
+        side.abort(incoming, "aborted on decode")
+    assert time.monotonic() - started < 0.5, "each Abort to a dead peer must be dropped at once, not waited on"
