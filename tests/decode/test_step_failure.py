@@ -1,0 +1,30 @@
+"""A step that raises inside a real engine process (tests/decode/faulty_sampler.py): the requests of
+that step end with a clear error, the engine logs the traceback, frees their blocks and keeps serving."""
+
+from __future__ import annotations
+
+from pdserve.local_cluster import Driver, EngineProcess
+from tests.decode.faulty_sampler import FAULT_SEED
+from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+
+
+def test_a_failing_step_fails_its_request_and_the_engine_keeps_serving(model_factory, tmp_path):
+    model_dir = model_factory("llama")
+    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, log_dir=tmp_path, module="tests.decode.faulty_sampler")
+    driver = Driver(decode)
+    try:
+        bad, = driver.generate([PROMPTS[1]], remote=False, prefix="bad", temperature=1.0, seed=FAULT_SEED,
+                               max_tokens=8)
+        assert bad.finish_reason == "error" and bad.token_ids == []
+        assert "engine failed while running this request" in bad.error and "injected sampler fault" in bad.error
+        log = decode.log()
+        assert "Traceback" in log and "injected sampler fault" in log, "the engine logs what went wrong"
+        assert decode.process.poll() is None, "the engine process is still running"
+        assert_no_leaks(driver)
+        results = driver.generate(PROMPTS[:3], remote=False, prefix="good", **GREEDY)
+        assert [r.token_ids for r in results] == colocated_tokens(model_dir, PROMPTS[:3], **GREEDY)
+        assert all(r.finish_reason == "length" for r in results)
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+        decode.stop()
