@@ -28,3 +28,26 @@ def test_a_failing_step_fails_its_request_and_the_engine_keeps_serving(model_fac
     finally:
         driver.close()
         decode.stop()
+
+
+def test_a_prefill_step_that_fails_mid_stream_frees_both_engines(model_factory, tmp_path):
+    """The prefill engine streams a prompt's KV layer by layer, then its sampler raises: the request
+    fails (the router would abort it on decode, as here), and both engines go on without leaks."""
+    model_dir = model_factory("llama")
+    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", log_dir=tmp_path,
+                            module="tests.decode.faulty_sampler")
+    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-timeout", "4", log_dir=tmp_path)
+    driver = Driver(decode, prefill)
+    try:
+        bad, = driver.generate([PROMPTS[4]], prefix="bad", temperature=1.0, seed=FAULT_SEED, max_tokens=8)
+        assert bad.finish_reason == "error" and "injected sampler fault" in bad.error
+        driver.abort("bad0")
+        assert driver.collect(["bad0"])["bad0"].finish_reason == "abort", "the decode engine ends it too"
+        results = driver.generate(PROMPTS[:3], prefix="good", **GREEDY)
+        assert [r.token_ids for r in results] == colocated_tokens(model_dir, PROMPTS[:3], **GREEDY)
+        assert prefill.process.poll() is None and decode.process.poll() is None
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+        prefill.stop()
+        decode.stop()
