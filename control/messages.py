@@ -67,8 +67,9 @@ class TokenDelta(Message, type_name="token_delta"):
     stop_reason: WireInt | None = None
     error: str | None = None
     # with finish_reason "error": whose fault. invalid_request = the request itself (the router answers
-    # 400); kv_transfer_failed / internal_error = the serving side (502)
-    error_code: Literal["invalid_request", "kv_transfer_failed", "internal_error"] | None = None
+    # 400); kv_transfer_failed / internal_error = the serving side (502); engine_step_failed = the engine
+    # raised while running the request's step (502, never retried: the request may fail any engine)
+    error_code: Literal["invalid_request", "kv_transfer_failed", "internal_error", "engine_step_failed"] | None = None
     num_prompt_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
     num_cached_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
 

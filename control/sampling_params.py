@@ -15,6 +15,10 @@ from pdserve.control.schema import MAX_TOKEN_ID, MAX_TOKENS, WireInt, WireModel,
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOP_LOGPROBS = 20
+# Bounds that keep the sampler's float32 arithmetic finite (docs/sampling.md): a temperature or penalty
+# beyond them rounds to 0 or inf in float32, or divides logits past float32's range.
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 def _one_or_many(value: Any) -> Any:
@@ -79,11 +83,15 @@ class SamplingParams(WireModel):
         checks = [
             (self.n == 1, f"n={self.n}: only n=1 is supported; send several requests instead"),
             (self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 is greedy)"),
+            (self.temperature <= MAX_TEMPERATURE,
+             f"temperature={self.temperature} must be at most {MAX_TEMPERATURE:g}: lower it (1 is neutral)"),
             (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]"),
             (-1 <= self.top_k <= MAX_TOKEN_ID,
              f"top_k={self.top_k} must be -1 or 0 (disabled) or a positive count up to {MAX_TOKEN_ID}"),
             (0 <= self.min_p <= 1, f"min_p={self.min_p} must be in [0, 1]"),
-            (self.repetition_penalty > 0, f"repetition_penalty={self.repetition_penalty} must be > 0"),
+            (MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             (f"repetition_penalty={self.repetition_penalty} must be in [{MIN_REPETITION_PENALTY:g}, "
+              f"{MAX_REPETITION_PENALTY:g}] (1 disables it)")),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty={self.presence_penalty} must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]"),
             (max_tokens is None or 0 < max_tokens <= MAX_TOKENS,

@@ -141,6 +141,11 @@ class BlockPool:
             del self._cached[block.block_hash]
         block.block_hash = None
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Take blocks out of the prefix cache (their content is not what their hash says)."""
+        for block in blocks:
+            self._evict(block)
+
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         if not self.enable_caching:
             return None

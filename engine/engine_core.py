@@ -3,6 +3,8 @@ KV connector's scheduler side goes to the scheduler, its transfer side only lend
 
 from __future__ import annotations
 
+import logging
+
 from pdserve.control.messages import TokenDelta
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -11,6 +13,8 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from pdserve.engine.scheduler import KVFailurePolicy, Scheduler
 from pdserve.engine.stats import SchedulerStats
+
+log = logging.getLogger("pdserve.engine")
 
 
 class EngineCore:
@@ -79,11 +83,17 @@ class EngineCore:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def step(self) -> list[TokenDelta]:
-        """Schedule, run the model once, and report every request's new tokens and endings."""
+        """Schedule, run the model once, and report every request's new tokens and endings. A model
+        or sampler error fails the step's requests only (traceback logged); the engine goes on."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return self.scheduler.take_pending()
-        sampled = self.runner.execute(plan, self.kv_transfer.layer_hook(plan))
+        try:
+            sampled = self.runner.execute(plan, self.kv_transfer.layer_hook(plan))
+        except Exception as exc:  # noqa: BLE001 - one bad step must not end the engine, see docstring
+            request_ids = [item.request.request_id for item in plan.scheduled]
+            log.exception("a step failed; failing its requests %s", request_ids)
+            return self.scheduler.fail_step(plan, _step_error(exc))
         return self.scheduler.update_from_output(plan, sampled)
 
     def stats(self) -> SchedulerStats:
@@ -102,3 +112,10 @@ class EngineCore:
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
         self.scheduler.finish_externally(request_id, status)
+
+
+def _step_error(exc: Exception) -> str:
+    """What a request's client is told when the step it was in raised `exc`."""
+    return (f"the engine failed while running this request ({type(exc).__name__}: {str(exc)[:300]}); it was "
+            "not retried elsewhere since it may fail there too: change its sampling parameters or prompt, "
+            "or report the error to the operator if it recurs")

@@ -188,6 +188,15 @@ class KVCacheManager:
         self.pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full_blocks)
         self.num_cached_blocks[request.request_id] = num_full_blocks
 
+    def uncache_uncomputed(self, request: Request) -> None:
+        """Unpublish the request's blocks past its computed tokens: allocate_slots published them for
+        a step that failed, so their KV may be half-written."""
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed_blocks = request.num_computed_tokens // self.block_size
+        self.pool.uncache(req_blocks[num_computed_blocks:])
+        if self.num_cached_blocks.get(request.request_id, 0) > num_computed_blocks:
+            self.num_cached_blocks[request.request_id] = num_computed_blocks
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so its tail is evicted first; unknown: no-op."""
         req_blocks = self.req_to_blocks.pop(request.request_id, None)

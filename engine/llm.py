@@ -144,6 +144,8 @@ class LLM:
     def _run(self, trackers: dict[str, _Tracker]) -> None:
         while self.engine.has_work():
             for delta in self.engine.step():
+                if delta.finish_reason == "error":  # offline, the caller hears of it as an exception
+                    raise RuntimeError(f"prompt {list(trackers).index(delta.request_id)} failed: {delta.error}")
                 tracker = trackers[delta.request_id]
                 tracker.token_ids.extend(delta.token_ids)
                 tracker.logprobs.extend(delta.logprobs)

@@ -219,6 +219,18 @@ class Scheduler:
             deltas.append(self._append_token(request, token_id, logprobs))
         return deltas
 
+    def fail_step(self, output: SchedulerOutput, error: str) -> list[TokenDelta]:
+        """The model step of `output` raised: end each of its requests with `error` (error_code
+        "engine_step_failed", which the router does not retry) and free its blocks, whose KV for this
+        step never becomes a prefix hit. Returns the deltas to send, pending ones included."""
+        for item in output.scheduled:
+            request = item.request
+            self.running.remove(request)
+            self.connector.on_request_aborted(request)  # a prefill stream of this step stops here
+            self.kv.uncache_uncomputed(request)
+            self._finish(request, RequestStatus.FINISHED_ERROR, error=error, error_code="engine_step_failed")
+        return self.take_pending()
+
     def take_pending(self) -> list[TokenDelta]:
         """Deltas produced without a model step (aborts, remote-KV failures) since the last call."""
         deltas, self._pending = self._pending, []

@@ -8,6 +8,8 @@ Failures, in order of preference:
     token reached the client: submit again elsewhere (a new engine request id, at most max_retries);
     a failed prefill engine makes the retry prefill on the decode engine;
   * the decode engine rejects the request before any token: the client's fault, a 400 with its words;
+  * an engine's step raised while running the request (error_code "engine_step_failed"): EngineFailed,
+    never retried, since the request could take the next engine's step down the same way;
   * anything after tokens were streamed: EngineFailed. A non-streaming request has streamed nothing,
     so it may restart from scratch: `restartable` runners yield Restarted(index), and the caller
     drops what it gathered for that choice.
@@ -190,6 +192,8 @@ class ChoiceRunner:
     def _failed(self, source: str, delta: TokenDelta) -> None:
         """An engine ended the request with an error or abort: retry, or raise what the client sees."""
         message = delta.error or f"the {source} engine ended the request ({delta.finish_reason})"
+        if delta.error_code == "engine_step_failed":  # final: another engine would fail the same way
+            raise EngineFailed(f"the {source} engine failed while running the request: {message}")
         if source == "prefill":
             raise _Retry(f"prefill failed: {message}", force_local=True)
         if not self.token_ids and delta.error_code == "invalid_request":

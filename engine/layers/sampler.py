@@ -16,6 +16,8 @@ from pdserve.engine.request import Request, SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
 MIN_TEMPERATURE = 1e-5
+# Largest float32: +inf logits are clamped to it, so a row's arithmetic stays finite.
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 # Tokens per block of the two-level inverse CDF used to draw tokens.
 _CDF_BLOCK = 1024
 _UINT64 = (1 << 64) - 1
@@ -95,10 +97,12 @@ def _is_plain_greedy(request: Request) -> bool:
 
 
 def _processed_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Float32 logits after penalties and min_tokens; copied only when something changes them."""
-    if not any(_has_penalties(r.sampling_params) or _min_tokens_ban(r) for r in requests):
-        return logits.float()
-    return apply_logits_processors(logits.to(torch.float32, copy=True), requests)
+    """A float32 copy of logits after penalties and min_tokens, +inf clamped to the largest float32
+    so that later steps stay finite. NaN stays NaN: a sampled row holding one is an error."""
+    processed = logits.to(torch.float32, copy=True)
+    if any(_has_penalties(r.sampling_params) or _min_tokens_ban(r) for r in requests):
+        apply_logits_processors(processed, requests)
+    return processed.clamp_(max=_FLOAT32_MAX)
 
 
 def apply_logits_processors(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -212,7 +216,8 @@ def _sample_rows(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Ten
     params = [r.sampling_params for r in requests]
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    scaled = logits / temperature[:, None]  # [R, V]
+    # Shifted by the row's max before dividing: the result is <= 0, so no temperature overflows it.
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature[:, None]  # [R, V]
     cutoff = min_p_top_k_cutoff(scaled, [p.min_p for p in params], [p.top_k for p in params])
     if cutoff is not None:
         scaled.masked_fill_(scaled < cutoff, -math.inf)
@@ -277,7 +282,8 @@ def draw_tokens(weights: torch.Tensor, top_p: list[float], rng: RowRandom) -> to
     while True:
         chosen = weights.gather(1, candidate[:, None])  # [A, 1]
         mass_above = torch.where(weights > chosen, weights, 0.0).sum(dim=-1)  # [A]
-        rejected = (mass_above >= nucleus_mass).nonzero().squeeze(1)
+        # The most probable tokens are always in the nucleus, even when top_p rounds to 0 in float32.
+        rejected = ((mass_above >= nucleus_mass) & (mass_above > 0)).nonzero().squeeze(1)
         token_ids[row_index] = candidate
         if rejected.numel() == 0:
             return token_ids
@@ -366,18 +372,25 @@ def compute_logprobs(
         return [None] * len(requests)
     row_index = torch.tensor(rows, device=logits.device)
     picked = logits if len(rows) == len(requests) else logits[row_index]  # [R, V]
-    logprobs = torch.log_softmax(picked.float(), dim=-1)  # [R, V]
+    logprobs = _finite_logprobs(picked)  # [R, V]
     chosen = token_ids[row_index][:, None]  # [R, 1]
-    num_top = max(requests[i].sampling_params.logprobs for i in rows)
+    num_top = min(max(requests[i].sampling_params.logprobs for i in rows), logprobs.shape[1])
     top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [R, N], descending
     # One float64 table, one transfer: [chosen id, its logprob, top ids..., top logprobs...].
     columns = [chosen, logprobs.gather(1, chosen), top_ids, top_values]
     table = torch.cat([column.to(torch.float64) for column in columns], dim=-1)  # [R, 2 + 2N]
     result: list[dict[int, float] | None] = [None] * len(requests)
     for row, values in zip(rows, table.tolist()):
-        num_wanted = requests[row].sampling_params.logprobs
+        num_wanted = min(requests[row].sampling_params.logprobs, num_top)
         entry = {int(values[0]): values[1]}
         for j in range(num_wanted):
             entry[int(values[2 + j])] = values[2 + num_top + j]
         result[row] = entry
     return result
+
+
+def _finite_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-probs [R, V] of raw logits [R, V]; impossible tokens (and NaN logits) get the lowest
+    float32 instead of -inf, so every reported value is finite."""
+    logits = torch.nan_to_num(logits.float(), nan=-math.inf, posinf=_FLOAT32_MAX)
+    return torch.log_softmax(logits, dim=-1).nan_to_num_(nan=-_FLOAT32_MAX, neginf=-_FLOAT32_MAX)

@@ -71,3 +71,21 @@ def test_min_tokens_and_max_tokens(llm):
                                        SamplingParams(temperature=0, max_tokens=1)])
     assert len(outputs[0].outputs[0].token_ids) == 5
     assert len(outputs[1].outputs[0].token_ids) == 1
+
+
+def test_a_failing_step_raises_and_the_llm_keeps_working(llm, monkeypatch):
+    """EngineCore fails only the step's requests (traceback logged); offline, generate raises their error,
+    frees every block, and the next call works."""
+    expected = token_lists(llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+
+    def broken_sampler(logits, requests):
+        raise RuntimeError("sampler broke")
+
+    monkeypatch.setattr(llm.engine.runner, "sampler", broken_sampler)
+    with pytest.raises(RuntimeError, match="prompt 0 failed: the engine failed while running.*sampler broke"):
+        llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert llm.kv_cache_manager.num_used_blocks == 0
+    monkeypatch.undo()
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert token_lists(llm.generate("Hello there", greedy)) == expected
+    assert llm.kv_cache_manager.num_used_blocks == 0

@@ -272,3 +272,24 @@ def test_prefix_cache_lookups_are_counted():
     # the two full blocks come from the cache; the partial block is never cached
     assert (scheduler.prefix_cache_stats.queries, scheduler.prefix_cache_stats.hits) == (20, 8)
     assert_scheduler_empty(scheduler)
+
+
+
+def test_a_failed_step_ends_its_requests_and_unpublishes_only_the_blocks_it_was_to_compute():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 9))  # two full blocks and one partial
+    step(scheduler)  # a's prompt is computed: its two full blocks are in the prefix cache
+    scheduler.add_request(make_request("b", 9))  # another prompt: publishes two blocks for the next step
+    plan = scheduler.schedule()
+    assert [s.request.request_id for s in plan.scheduled] == ["a", "b"]
+    deltas = scheduler.fail_step(plan, "the step raised")
+    assert {d.request_id: (d.finish_reason, d.error_code, d.error) for d in deltas} == {
+        rid: ("error", "engine_step_failed", "the step raised") for rid in ("a", "b")}
+    assert_scheduler_empty(scheduler)
+    for rid, num_hit in [("a", 8), ("b", 0)]:  # a's KV came from a step that worked; b's never came
+        hits_before = scheduler.prefix_cache_stats.hits
+        scheduler.add_request(make_request(rid, 9))
+        scheduler.schedule()
+        assert scheduler.prefix_cache_stats.hits - hits_before == num_hit, rid
+    run_to_end(scheduler)
+    assert_scheduler_empty(scheduler)

@@ -50,6 +50,7 @@ class FakeEngine:
     token_delay_s: float = 0.01
     max_model_len: int = 512
     fail_prefill: bool = False  # answer every PrefillRequest with an error
+    prefill_error_code: str | None = None  # its TokenDelta.error_code
     reject_with: str | None = None  # answer every GenerateRequest with this error, before any token
     reject_code: str = "invalid_request"  # its TokenDelta.error_code
     script: list[int] | None = None  # emit these tokens (then "stop") instead of counting up
@@ -124,7 +125,7 @@ class FakeEngine:
             self.received.append(msg)
             if self.fail_prefill:
                 self._reply(peer_id, TokenDelta(request_id=msg.request_id, finish_reason="error",
-                                                error="fake prefill failure"))
+                                                error="fake prefill failure", error_code=self.prefill_error_code))
         elif isinstance(msg, GenerateRequest):
             self.received.append(msg)
             if self.reject_with is not None:

@@ -215,6 +215,54 @@ def test_engine_failure_before_any_token_is_502_not_400(tiny_model, tokenization
     run(scenario())
 
 
+def test_a_request_that_failed_an_engine_step_is_502_and_not_retried(tiny_model, tokenization):
+    """error_code engine_step_failed: the request made an engine's step raise, so it goes to no other
+    engine (it could fail that one too); the client gets 502 with the engine's words."""
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            engines = await _engines(gateway, *({"engine_id": f"d{i}", "reject_with": "the engine failed: boom",
+                                                 "reject_code": "engine_step_failed"} for i in range(2)))
+            try:
+                response = await client.post("/v1/completions", json=completion())
+                error = assert_openai_error(response, 502)
+                assert error["code"] == "engine_failed" and "the engine failed: boom" in error["message"]
+                assert sum(len(engine.generate_requests()) for engine in engines) == 1, "no retry"
+            finally:
+                _close(engines)
+    run(scenario())
+
+
+def test_a_prefill_step_failure_is_not_retried_on_the_decode_engine(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            prefill, decode = await _engines(gateway, {"role": "prefill", "engine_id": "p0", "fail_prefill": True,
+                                                       "prefill_error_code": "engine_step_failed"},
+                                             {"engine_id": "d0", "token_delay_s": 0.5})
+            try:
+                response = await client.post("/v1/completions", json=completion())
+                assert "fake prefill failure" in assert_openai_error(response, 502)["message"]
+                first, = decode.generate_requests()
+                await wait_until(lambda: first.request_id in decode.aborted, what="the request aborted on decode")
+            finally:
+                _close([prefill, decode])
+    run(scenario())
+
+
+def test_sampling_values_float32_cannot_carry_are_400_at_the_edge(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            engine, = await _engines(gateway, {"engine_id": "d0"})
+            try:
+                for field, value in [("temperature", 1e39), ("repetition_penalty", 1e-300),
+                                     ("repetition_penalty", 1e39)]:
+                    response = await client.post("/v1/completions", json=completion(**{field: value}))
+                    assert f"{field}={value}" in assert_openai_error(response, 400)["message"]
+                assert engine.generate_requests() == [], "refused before any engine saw it"
+            finally:
+                _close([engine])
+    run(scenario())
+
+
 def test_api_key_is_enforced_on_v1_only(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization, api_key="sesame") as (gateway, client):
