@@ -160,6 +160,9 @@ def test_a_killed_decode_engine_is_restarted_and_the_service_returns(cluster, cl
     assert f"decode-0 (pid {pid}) was killed by SIGKILL" in wait_for_line(cluster, f"(pid {pid})", 5)
     wait_for_line(cluster, "decode-0 ready", 5, also="; restart 1)")
     assert latest_pid(cluster, "decode-0") != pid
+    router_log = (cluster.log_dir / "router.log").read_text()
+    assert "the link to engine decode-0" in router_log and "broke: it leaves routing" in router_log, \
+        "the router noticed the dropped connection, not missed heartbeats"
     assert_routes_to_all_and_no_kv_used(cluster.url)
 
 
