@@ -177,8 +177,8 @@ class EngineLink:
                                         error_code=code))
 
     async def close(self) -> None:
-        """Stop the link's tasks and close its sockets, also when the caller is cancelled meanwhile
-        (a cancellation of the caller is not swallowed: gather re-raises it after the finally)."""
+        """Stop the link's tasks and close its sockets. The sockets close even when the caller is
+        cancelled meanwhile, and that cancellation goes on up (the registry's close waits for it)."""
         self.up = False
         self._reader.cancel()
         self._watcher.cancel()
