@@ -3,15 +3,18 @@
 One thread: wait on the control socket and the KV connector's sockets (not at all while the engine
 has runnable work), handle what arrived, step the engine once, publish what the step produced.
 The prefill and decode services subclass it with their request types; registration with a router
-runs beside it (control.heartbeat).
+runs beside it (control.heartbeat). Each round of the loop is its progress: it may touch a progress
+file a supervisor watches (`pdserve up`), and it feeds the heartbeat, which goes quiet when it stalls.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -29,6 +32,7 @@ CONTROL_MESSAGES_PER_ITERATION = 256  # a flood of control messages cannot keep 
 # Replies queued per control peer before more are dropped: far above what a reading router lets pile up,
 # and a bound on what a peer that never reads can cost.
 CONTROL_REPLY_HWM = 100_000
+PROGRESS_MARK_S = 0.5  # the loop touches its progress file at most this often
 
 
 def _invalid_request(exc: Exception, request_id: str | None) -> TokenDelta | Error:
@@ -62,6 +66,8 @@ class EngineServer:
         self._stop = threading.Event()
         self.heartbeat: Heartbeat | None = None
         self.advertise_host: str | None = None
+        self.progress_file: str | None = None
+        self._progress_marked = 0.0
 
     @property
     def control_address(self) -> str:
@@ -90,8 +96,27 @@ class EngineServer:
                     self.publish(self.engine.step())
                 if self.heartbeat is not None and self.heartbeat.wants_stats():
                     self.heartbeat.set_stats(self.stats())
+                self._mark_progress()
         finally:
             self.close()
+
+    def enable_progress_file(self, path: str) -> None:
+        """Touch `path` as the loop goes round (at most every PROGRESS_MARK_S): its mtime is the loop's
+        last progress, read by a supervisor; a loop stuck in a step leaves it old."""
+        with open(path, "a"):
+            pass
+        self.progress_file = path
+
+    def _mark_progress(self) -> None:
+        now = time.monotonic()
+        if self.progress_file is None or now - self._progress_marked < PROGRESS_MARK_S:
+            return
+        self._progress_marked = now
+        try:
+            os.utime(self.progress_file)
+        except OSError as exc:  # the supervisor's business; serving goes on
+            log.warning("cannot touch the progress file %s: %s", self.progress_file, exc)
+            self.progress_file = None
 
     @staticmethod
     def _guarded(handler) -> None:
@@ -151,13 +176,16 @@ class EngineServer:
     # ---- registration with a router ----
 
     def enable_registration(self, router_address: str, interval_s: float = 1.0,
-                            advertise_host: str | None = None) -> None:
-        """Register with the router at `router_address` and heartbeat every interval_s seconds.
+                            advertise_host: str | None = None, stall_s: float | None = None) -> None:
+        """Register with the router at `router_address` and heartbeat every interval_s seconds, until
+        the loop makes no progress for stall_s seconds (None: heartbeat while the process lives).
         advertise_host replaces a wildcard bind host (0.0.0.0) in the addresses the router is told."""
         if not interval_s > 0:
             raise ValueError(f"heartbeat interval {interval_s} must be > 0 seconds")
+        if stall_s is not None and not stall_s > 0:
+            raise ValueError(f"stall timeout {stall_s} must be > 0 seconds (or none)")
         self.advertise_host = advertise_host
-        self.heartbeat = Heartbeat(router_address, interval_s, self.curve.client if self.curve else None)
+        self.heartbeat = Heartbeat(router_address, interval_s, self.curve.client if self.curve else None, stall_s)
         self.heartbeat.register = self.registration()
         self.heartbeat.set_stats(self.stats())
         self.heartbeat.start()

@@ -1,6 +1,8 @@
 """Registration with a router: a Heartbeat thread sends Register + the latest EngineStats every
 interval on its own DEALER (a thread, so a long engine step never looks like a dead engine), and
-Deregister when the engine stops; advertised_address() is the address peers can reach."""
+Deregister when the engine stops; advertised_address() is the address peers can reach. The engine
+loop hands it fresh stats as it goes round: stats older than the stall bound mean a stuck loop, and
+the thread stops beating so the router takes the engine out of routing."""
 
 from __future__ import annotations
 
@@ -35,10 +37,13 @@ class Heartbeat(threading.Thread):
     thread and DEALER socket; messages the router cannot take right now are dropped (the next beat
     repeats them), so a router that starts later or restarts learns the engine within one interval."""
 
-    def __init__(self, router_address: str, interval_s: float, curve: CurveClientConfig | None = None) -> None:
+    def __init__(self, router_address: str, interval_s: float, curve: CurveClientConfig | None = None,
+                 stall_s: float | None = None) -> None:
         super().__init__(name="pdserve-heartbeat", daemon=True)
         self.router_address = router_address
         self.interval_s = interval_s
+        self.stall_s = stall_s  # no fresh stats from the loop this long: stop beating (None: never)
+        self._stalled = False
         self.register: Register | None = None  # set before start()
         self._stats: EngineStats | None = None
         self._stats_time = 0.0
@@ -54,12 +59,25 @@ class Heartbeat(threading.Thread):
 
     def run(self) -> None:
         while True:
-            self._send(self.register)
-            self._send(self._stats)
+            if not self._loop_stalled():
+                self._send(self.register)
+                self._send(self._stats)
             if self._done.wait(self.interval_s):
                 break
         self._send(Deregister(engine_id=self.register.engine_id, control_address=self.register.control_address))
         self._client.close()
+
+    def _loop_stalled(self) -> bool:
+        """True while the engine loop has not handed over stats for stall_s seconds (logged once per stall)."""
+        idle = time.monotonic() - self._stats_time
+        stalled = self.stall_s is not None and idle > self.stall_s
+        if stalled != self._stalled:
+            if stalled:
+                log.error("the engine loop made no progress for %.1fs: heartbeats stop until it does", idle)
+            else:
+                log.warning("the engine loop makes progress again: heartbeats resume")
+            self._stalled = stalled
+        return stalled
 
     def _send(self, msg: Any) -> None:
         try:  # bounded: a router that is down costs at most half an interval per message

@@ -19,6 +19,11 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
                         help="register with the router at this address (its --registration-address, e.g. "
                              "tcp://router:7000) and heartbeat load figures to it")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
+    parser.add_argument("--stall-timeout", type=float, default=120.0,
+                        help="stop heartbeating when the engine loop made no progress for this many seconds, so "
+                             "the router stops routing to a stuck engine (0 = never)")
+    parser.add_argument("--progress-file", default=None,
+                        help="touch this file as the engine loop goes round (for a supervisor such as `pdserve up`)")
     parser.add_argument("--curve-dir", default=None,
                         help="CURVE keys from `pdserve keygen DIR`: encrypt and authenticate every link")
     parser.add_argument("--advertise-host", default=None,
@@ -80,8 +85,11 @@ def run_engine(args: argparse.Namespace, role: str) -> int:
             args.control_address, args.engine_id, args.kv_timeout, args.kv_failure, args.device, args.curve_dir))
         extra = ""
     server.install_signal_handlers()
+    if args.progress_file:
+        server.enable_progress_file(args.progress_file)
     if args.router_address:
-        server.enable_registration(args.router_address, args.heartbeat_interval, args.advertise_host)
+        server.enable_registration(args.router_address, args.heartbeat_interval, args.advertise_host,
+                                   args.stall_timeout or None)
     print(f"PDSERVE_READY role={role} engine_id={args.engine_id} control={server.control_address}{extra}", flush=True)
     server.run()
     return 0

@@ -3,32 +3,26 @@
 Start order: the router (its PDSERVE_READY line names the registration address), then every engine
 at once (`python -m pdserve prefill|decode --router-address ...`, each waited for by its own
 PDSERVE_READY line), then until the router routes to all of them. One progress line per component.
-Ctrl-C / SIGTERM stops engines then the router, each within a bound. A component that dies makes
-`up` stop the rest and exit non-zero with that component's last log lines.
+A component that dies at start makes `up` stop the rest and exit non-zero with its last log lines;
+once serving, pdserve.supervisor restarts what exits or stops making progress (docs/supervision.md).
+Ctrl-C / SIGTERM stops engines then the router, each within a bound.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.router_cli import resolve_model
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-POLL_S = 0.1
-STOP_TIMEOUT_S = 15.0
-LOG_TAIL_LINES = 30
+from pdserve.supervisor import Component, ComponentFailed, RestartPolicy, Supervisor, log_tail
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
@@ -45,22 +39,16 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds every component together may take to become ready")
+    parser.add_argument("--max-restarts", type=int, default=5, metavar="N",
+                        help="restarts per component within --restart-window (0 = never restart)")
+    parser.add_argument("--restart-window", type=float, default=600.0, metavar="S",
+                        help="seconds over which --max-restarts is counted")
+    parser.add_argument("--stall-timeout", type=float, default=120.0, metavar="S",
+                        help="an engine whose loop makes no progress this long is killed and restarted "
+                             "(0 = never); longer than the slowest step (a long prefill on CPU)")
 
 
 # ---- the plan: which processes, with which arguments ----
-
-@dataclass
-class Component:
-    name: str
-    command: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    cpus: list[int] | None = None  # CPU affinity, when pinned
-    where: str = ""  # for the progress line
-    process: subprocess.Popen | None = None
-    log_path: Path | None = None
-    ready: dict[str, str] | None = None
-    started_at: float = 0.0
-
 
 def _devices(spec: str | None, count: int, first: int) -> list[str]:
     if spec is None:
@@ -140,117 +128,14 @@ def engine_components(args: argparse.Namespace, model: str, registration: str) -
 
 # ---- running them ----
 
-def _child_setup(cpus: list[int] | None):
-    """Runs in each child before exec: its CPU cores, and SIGTERM when `up` itself dies (even by SIGKILL)."""
-    def setup() -> None:
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except (OSError, AttributeError):  # not Linux: children outlive a killed `up`
-            pass
-    return setup
-
-
-class ComponentFailed(Exception):
-    def __init__(self, component: Component, why: str) -> None:
-        super().__init__(f"{component.name} {why}")
-        self.component = component
-
-
-class Supervisor:
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.components: list[Component] = []
-        self.stopping = False
-
-    def start(self, component: Component) -> None:
-        component.log_path = self.log_dir / f"{component.name}.log"
-        log_file = open(component.log_path, "w")
-        component.process = subprocess.Popen(
-            component.command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **component.env}, start_new_session=True,  # Ctrl-C reaches `up` only
-            preexec_fn=_child_setup(component.cpus))
-        log_file.close()
-        component.started_at = time.monotonic()
-        self.components.append(component)
-
-    def check_alive(self) -> None:
-        for component in self.components:
-            code = component.process.poll()
-            if code is not None:
-                raise ComponentFailed(component, f"exited with code {code}")
-
-    def poll_ready(self, component: Component) -> bool:
-        if component.ready is None:
-            for line in component.log_path.read_text(errors="replace").splitlines():
-                if line.startswith("PDSERVE_READY "):
-                    component.ready = dict(item.split("=", 1) for item in line.split()[1:] if "=" in item)
-                    break
-        return component.ready is not None
-
-    def wait_ready(self, components: list[Component], deadline: float) -> None:
-        waiting = list(components)
-        while waiting:
-            self._tick(deadline, "did not become ready", waiting[0])
-            for component in list(waiting):
-                if self.poll_ready(component):
-                    waiting.remove(component)
-                    took = time.monotonic() - component.started_at
-                    where = component.ready.get("url", component.where)
-                    print(f"[pdserve up] {component.name} ready ({where}, pid {component.process.pid}, {took:.1f}s)",
-                          flush=True)
-
-    def _tick(self, deadline: float, why: str, component: Component) -> None:
-        if self.stopping:
-            raise KeyboardInterrupt
-        self.check_alive()
-        if time.monotonic() > deadline:
-            raise ComponentFailed(component, f"{why} within --startup-timeout")
-        time.sleep(POLL_S)
-
-    def wait_routed(self, url: str, num_prefill: int, num_decode: int, deadline: float, router: Component) -> None:
-        """Until the router routes to every engine (its /health counts them)."""
-        while True:
-            engines = _health_engines(url)
-            if engines == {"prefill": num_prefill, "decode": num_decode}:
-                return
-            self._tick(deadline, f"does not route to all engines (it sees {engines})", router)
-
-    def watch(self) -> None:
-        """Serve until a signal. A dead engine is reported and left out (the router routes around it);
-        a dead router ends `up`."""
-        reported: set[str] = set()
-        while not self.stopping:
-            for component in self.components:
-                code = component.process.poll()
-                if code is None or component.name in reported:
-                    continue
-                if component.name == "router":
-                    raise ComponentFailed(component, f"exited with code {code}")
-                reported.add(component.name)
-                print(f"[pdserve up] warning: {component.name} exited with code {code}; the router routes "
-                      f"around it. Its last log lines ({component.log_path}):\n{log_tail(component.log_path, 10)}",
-                      file=sys.stderr, flush=True)
-            time.sleep(POLL_S * 5)
-
-    def stop_all(self) -> None:
-        """Engines first (they deregister), then the router; SIGKILL what outlives the bound."""
-        engines = [c for c in self.components if c.name != "router"]
-        routers = [c for c in self.components if c.name == "router"]
-        for group in (engines, routers):
-            for component in group:
-                if component.process.poll() is None:
-                    component.process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + STOP_TIMEOUT_S
-            for component in group:
-                try:
-                    component.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    print(f"[pdserve up] {component.name} did not stop within {STOP_TIMEOUT_S:.0f}s: killing it",
-                          flush=True)
-                    component.process.kill()
-                    component.process.wait()
+def wait_routed(supervisor: Supervisor, url: str, num_prefill: int, num_decode: int, deadline: float,
+                router: Component) -> None:
+    """Until the router routes to every engine (its /health counts them)."""
+    while True:
+        engines = _health_engines(url)
+        if engines == {"prefill": num_prefill, "decode": num_decode}:
+            return
+        supervisor.tick(deadline, f"does not route to all engines (it sees {engines})", router)
 
 
 def _health_engines(url: str) -> dict | None:
@@ -266,13 +151,6 @@ def _health_engines(url: str) -> dict | None:
         return None
 
 
-def log_tail(path: Path, num_lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
-    except OSError:
-        return "(no log)"
-
-
 def _check_counts(args: argparse.Namespace) -> None:
     if args.prefill < 0:
         raise ValueError(f"--prefill {args.prefill}: give 0 or more prefill engines")
@@ -280,32 +158,61 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise ValueError(f"--decode {args.decode}: at least one decode engine is needed")
 
 
+def restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    if args.max_restarts < 0 or args.restart_window <= 0 or args.stall_timeout < 0:
+        raise ValueError(f"--max-restarts {args.max_restarts}, --restart-window {args.restart_window:g}, "
+                         f"--stall-timeout {args.stall_timeout:g}: give counts and seconds >= 0 (a window > 0)")
+    return RestartPolicy(args.max_restarts, args.restart_window, args.stall_timeout, args.startup_timeout)
+
+
+def pin_router_addresses(router: Component) -> None:
+    """A restarted router must come back where engines and clients know it: the port and registration
+    address the first one got (port 0 = whatever it was given)."""
+    for flag, value in (("--port", router.ready["url"].rsplit(":", 1)[1]),
+                        ("--registration-address", router.ready["registration"])):
+        router.command[router.command.index(flag) + 1] = value
+
+
+def watch_progress(engine: Component, log_dir: Path, stall_s: float) -> None:
+    """The engine's loop touches a file the supervisor reads; its heartbeat stops when the loop stalls."""
+    engine.progress_path = log_dir / f"{engine.name}.progress"
+    engine.command += ["--progress-file", str(engine.progress_path), "--stall-timeout", f"{stall_s:g}"]
+
+
+def _start_all(args: argparse.Namespace, supervisor: Supervisor, model: str, name: str, deadline: float) -> str:
+    """Router, then engines, until the router routes to all of them; returns the router's URL."""
+    router = router_component(args, model, name)
+    supervisor.start(router)
+    supervisor.wait_ready([router], deadline)
+    pin_router_addresses(router)
+    url = router.ready["url"]
+    engines = engine_components(args, model, router.ready["registration"])
+    for engine in engines:
+        watch_progress(engine, supervisor.log_dir, args.stall_timeout)
+        supervisor.start(engine)
+    supervisor.wait_ready(engines, deadline)
+    wait_routed(supervisor, url, args.prefill, args.decode, deadline, router)
+    return url
+
+
 def run_up(args: argparse.Namespace) -> int:
     _check_counts(args)
+    policy = restart_policy(args)
     model, default_name = resolve_model(args.model)
     name = args.served_model_name or default_name
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"[pdserve up] serving {name} with {args.prefill} prefill + {args.decode} decode engine(s); "
           f"logs in {log_dir}", flush=True)
-    supervisor = Supervisor(log_dir)
+    supervisor = Supervisor(log_dir, policy)
 
     def on_signal(*_: object) -> None:
         supervisor.stopping = True
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    deadline = time.monotonic() + args.startup_timeout
     try:
-        router = router_component(args, model, name)
-        supervisor.start(router)
-        supervisor.wait_ready([router], deadline)
-        url = router.ready["url"]
-        engines = engine_components(args, model, router.ready["registration"])
-        for engine in engines:
-            supervisor.start(engine)
-        supervisor.wait_ready(engines, deadline)
-        supervisor.wait_routed(url, args.prefill, args.decode, deadline, router)
+        url = _start_all(args, supervisor, model, name, time.monotonic() + args.startup_timeout)
         print(f"PDSERVE_READY role=up url={url} prefill={args.prefill} decode={args.decode}", flush=True)
         print(f"[pdserve up] ready: OpenAI API at {url}/v1 (model {name!r}); Ctrl-C stops", flush=True)
         supervisor.watch()

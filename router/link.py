@@ -3,7 +3,8 @@
 One reader task per link decodes what the engine sends and routes each TokenDelta by request id to
 the asyncio.Queue of the request waiting for it. Sends never wait: a message the engine cannot take
 right now (not connected, or its queue is full) raises EngineUnreachable at once, so a request can
-go elsewhere instead of hanging on a dead peer.
+go elsewhere instead of hanging on a dead peer. A socket monitor marks the link broken the moment its
+connection drops (the engine process died), so the registry need not wait for missed heartbeats.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.control.errors import ProtocolError, WireError
 from pdserve.control.keys import CurveClientConfig
@@ -58,7 +60,10 @@ class EngineLink:
         self._opened = open_socket(zmq.DEALER, control_address, bind=False, curve=curve, context=context,
                                    hwm=LINK_HWM, linger_s=0, max_message_bytes=CONTROL_MESSAGE_BYTES)
         self.socket: zmq.asyncio.Socket = self._opened.socket
+        self.broken: str | None = None  # why the connection dropped, until the registry acts on it
+        self._monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._reader = asyncio.create_task(self._read_loop(), name=f"link {control_address}")
+        self._watcher = asyncio.create_task(self._watch_connection(), name=f"link monitor {control_address}")
 
     @property
     def engine_id(self) -> str:
@@ -145,6 +150,12 @@ class EngineLink:
             self.num_received += 1
             self._dispatch(msg)
 
+    async def _watch_connection(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.broken = f"the link to engine {self.engine_id} at {self.control_address} broke"
+
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, TokenDelta):
             queue = self.streams.get(msg.request_id)
@@ -166,10 +177,14 @@ class EngineLink:
                                         error_code=code))
 
     async def close(self) -> None:
+        """Stop the link's tasks and close its sockets. The sockets close even when the caller is
+        cancelled meanwhile, and that cancellation goes on up (the registry's close waits for it)."""
         self.up = False
         self._reader.cancel()
+        self._watcher.cancel()
         try:
-            await self._reader
-        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing; the reader's end is moot
-            pass
-        self._opened.close(linger_s=0)
+            await asyncio.gather(self._reader, self._watcher, return_exceptions=True)
+        finally:
+            self.socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._opened.close(linger_s=0)

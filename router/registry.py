@@ -7,8 +7,9 @@ Engines come from two places:
     themselves (DescribeRequest -> Register: role, KV address, limits) and polls their stats.
 
 Either way the router talks to an engine over its own EngineLink to the engine's control socket. An
-engine becomes routable once that link has answered, and leaves routing when nothing was heard
-from it for heartbeat_timeout_s: its open requests get EngineGone (the generation code retries
+engine becomes routable once that link has answered, and leaves routing at once when the link's
+connection drops (the process died), or when nothing was heard from it for heartbeat_timeout_s (a
+stuck or unreachable engine): its open requests get EngineGone (the generation code retries
 them elsewhere when no token was streamed yet). A registered engine that leaves is forgotten (it
 registers again if it comes back); a static one is kept and polled until it answers again.
 """
@@ -151,6 +152,11 @@ class EngineRegistry:
         return max(self.config.heartbeat_timeout_s, 3 * interval)
 
     async def _check(self, link: EngineLink, now: float, poll: bool) -> None:
+        if link.broken is not None:
+            reason, link.broken = link.broken, None
+            if link.up:
+                await self._leave(link, reason)
+                return
         fresh = now - link.last_seen <= self._timeout(link)
         if not fresh and (link.up or not link.static):
             await self._leave(link, f"engine {link.engine_id} missed heartbeats for {now - link.last_seen:.1f}s")
@@ -198,6 +204,7 @@ class EngineRegistry:
             link.num_received = 0
             return
         self.links.pop(link.control_address, None)
+        self._peers = {peer: address for peer, address in self._peers.items() if address != link.control_address}
         await link.close()
 
     def _notify(self, link: EngineLink) -> None:

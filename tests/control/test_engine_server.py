@@ -1,7 +1,10 @@
-"""The engine loop's control plane without a model: what a peer hears back for a request it got wrong."""
+"""The engine loop's control plane without a model: what a peer hears back for a request it got wrong,
+and the progress file the loop touches as it goes round."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import msgpack
@@ -54,3 +57,41 @@ def test_a_malformed_sampling_field_is_a_protocol_error(server):
     assert isinstance(answer, Error)
     assert (answer.code, answer.request_id) == ("protocol_error", "req-1")
     assert "generate.sampling_params.top_k: expected int" in answer.message
+
+
+class IdleEngine:
+    """An engine double with nothing to do, and a KV transfer side with no sockets."""
+
+    def has_runnable_work(self) -> bool:
+        return False
+
+    def has_work(self) -> bool:
+        return False
+
+    def sockets(self) -> list:
+        return []
+
+    def receive(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_loop_touches_its_progress_file_as_it_goes_round(tmp_path):
+    idle = IdleEngine()
+    server = EngineServer(engine=idle, kv_transfer=idle, control_address="tcp://127.0.0.1:0", engine_id="e0")
+    progress = tmp_path / "e0.progress"
+    server.enable_progress_file(str(progress))
+    os.utime(progress, (0, 0))  # as old as can be
+    loop = threading.Thread(target=server.run)
+    loop.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while progress.stat().st_mtime < time.time() - 60:
+            assert time.monotonic() < deadline, "the loop never marked its progress"
+            time.sleep(0.05)
+    finally:
+        server.stop()
+        loop.join(timeout=WAIT_S)
+    assert not loop.is_alive()

@@ -65,3 +65,28 @@ def test_heartbeat_registers_reports_and_says_goodbye():
     finally:
         heartbeat.stop()
         router.close()
+
+
+def test_heartbeat_goes_quiet_while_the_engine_loop_stalls_and_resumes_after():
+    router = ServerSocket("tcp://127.0.0.1:0")
+    heartbeat = Heartbeat(router.address, interval_s=0.05, stall_s=0.3)
+    heartbeat.register = REGISTER
+    heartbeat.set_stats(STATS)  # the loop's last progress; it hands over nothing more for now
+    heartbeat.start()
+    try:
+        def beats_within(seconds: float) -> list:
+            received, deadline = [], time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                routed = router.recv(timeout=0.05)
+                if routed is not None:
+                    received.append(routed.msg)
+            return received
+
+        assert REGISTER in beats_within(0.2), "beats while the loop is fresh"
+        beats_within(0.3)  # the stall bound passes
+        assert beats_within(0.5) == [], "a stuck loop is not kept alive in the router's eyes"
+        heartbeat.set_stats(STATS)  # the loop goes round again
+        assert REGISTER in beats_within(0.3)
+    finally:
+        heartbeat.stop()
+        router.close()

@@ -32,7 +32,9 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    up = UpProcess(tiny_model, tmp_path_factory.mktemp("up-1p1d"), "--prefill", "1", "--decode", "1")
+    # --max-restarts 0: the last test checks that a killed engine is routed around (test_supervision: restarts)
+    up = UpProcess(tiny_model, tmp_path_factory.mktemp("up-1p1d"), "--prefill", "1", "--decode", "1",
+                   "--max-restarts", "0")
     yield up
     assert up.stop() == 0, up.logs()
 
