@@ -89,7 +89,8 @@ def wait_routable(url: str) -> None:
 
 def start_router(model: str, decode_address: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
     process, ready = start([sys.executable, "-m", "pdserve", "router", "--model", model, "--port", "0",
-                            "--registration-address", "none", "--decode", decode_address, "--log-level", "warning"],
+                            "--registration-address", "none", "--decode", decode_address, "--log-level", "warning",
+                            "--insecure"],  # loopback only; the direct calls measured against it are plaintext too
                            log_dir / "router.log")
     wait_routable(ready["url"])
     return process, ready["url"]
@@ -144,7 +145,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def measure_latency(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, dict[str, float]]:
     engine, ready = start([sys.executable, "-m", "pdserve", "decode", "--model", model, "--dtype", "float32",
-                           "--log-level", "WARNING"], log_dir / "decode.log")
+                           "--log-level", "WARNING", "--insecure"], log_dir / "decode.log")
     router, url = start_router(model, ready["control"], log_dir)
     prompt = [(7 * i) % 900 + 10 for i in range(args.prompt_len)]
     samples = {name: [] for name in ("direct_e2e", "router_e2e", "direct_ttft", "router_ttft")}

@@ -87,6 +87,10 @@ def write_cluster_keys(directory: str | Path) -> Path:
     return directory
 
 
+def has_cluster_keys(directory: str | Path) -> bool:
+    return all((Path(directory) / name).is_file() for name in _FILES.values())
+
+
 def _read_pair(path: Path) -> CurveKeyPair:
     try:
         data = json.loads(path.read_text())

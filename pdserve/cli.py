@@ -30,6 +30,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     keygen = commands.add_parser("keygen", help="write CURVE keys for encrypted, authenticated links (--curve-dir)")
     keygen.add_argument("dir", help="output directory (keep it private: it holds secret keys)")
+    keygen.add_argument("--if-missing", action="store_true",
+                        help="keep the keys already in DIR (a one-shot compose service runs it on every start)")
 
     demo = commands.add_parser("demo-model", help="write a random-weight Hugging Face model directory")
     demo.add_argument("dir", help="output directory")
@@ -75,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.arch}-{args.size} demo model to {path}")
             return 0
         if args.command == "keygen":
-            from pdserve.control.keys import write_cluster_keys
+            from pdserve.control.keys import has_cluster_keys, write_cluster_keys
 
+            if args.if_missing and has_cluster_keys(args.dir):
+                print(f"CURVE keys already in {args.dir}: kept")
+                return 0
             print(f"wrote CURVE keys to {write_cluster_keys(args.dir)}; pass --curve-dir {args.dir} to every process")
             return 0
         if args.command == "generate":

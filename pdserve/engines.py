@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from pdserve.trust import add_trust_args, curve_dir_for
+
 
 def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--control-address", default="tcp://127.0.0.1:0",
@@ -24,8 +26,7 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
                              "the router stops routing to a stuck engine (0 = never)")
     parser.add_argument("--progress-file", default=None,
                         help="touch this file as the engine loop goes round (for a supervisor such as `pdserve up`)")
-    parser.add_argument("--curve-dir", default=None,
-                        help="CURVE keys from `pdserve keygen DIR`: encrypt and authenticate every link")
+    add_trust_args(parser)
     parser.add_argument("--advertise-host", default=None,
                         help="host the router and peers should use when this engine binds a wildcard host "
                              "(0.0.0.0); default: this machine's address")
@@ -70,19 +71,20 @@ def streams_layers(choice: str, device: str) -> bool:
 
 def run_engine(args: argparse.Namespace, role: str) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s")
+    curve_dir = curve_dir_for(args, [args.control_address, getattr(args, "kv_address", None), args.router_address])
     configs = _configs(args)
     if role == "prefill":
         from pdserve.prefill.service import PrefillOptions, build_prefill_server
 
         server = build_prefill_server(*configs, PrefillOptions(
             args.control_address, args.kv_address, args.engine_id, args.kv_want_timeout, args.kv_lease, args.device,
-            streams_layers(args.kv_streaming, args.device), args.curve_dir))
+            streams_layers(args.kv_streaming, args.device), curve_dir))
         extra = f" kv={server.kv_address}"
     else:
         from pdserve.decode.service import DecodeOptions, build_decode_server
 
         server = build_decode_server(*configs, DecodeOptions(
-            args.control_address, args.engine_id, args.kv_timeout, args.kv_failure, args.device, args.curve_dir))
+            args.control_address, args.engine_id, args.kv_timeout, args.kv_failure, args.device, curve_dir))
         extra = ""
     server.install_signal_handlers()
     if args.progress_file:

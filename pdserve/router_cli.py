@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from pdserve.trust import add_trust_args, curve_dir_for
+
 DEMO_MODEL_NAME = "pdserve-demo"
 
 
@@ -27,8 +29,7 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
     parser.add_argument("--max-concurrent-requests", type=int, default=1024,
                         help="requests in flight beyond which the router answers 429")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
-    parser.add_argument("--curve-dir", default=None,
-                        help="CURVE keys from `pdserve keygen DIR`: encrypt and authenticate every engine link")
+    add_trust_args(parser, up=not standalone)
     if standalone:
         parser.add_argument("--log-level", default="info")
         parser.add_argument("--registration-address", default="tcp://127.0.0.1:7000",
@@ -58,6 +59,7 @@ def router_config(args: argparse.Namespace):
 
     model, name = resolve_model(args.model)
     registration = None if str(args.registration_address).lower() == "none" else args.registration_address
+    curve_dir = curve_dir_for(args, [registration, *args.prefill, *args.decode])
     return RouterConfig(
         model=model, served_model_name=args.served_model_name or name, host=args.host, port=args.port,
         api_key=args.api_key or None, registration_address=registration,
@@ -66,7 +68,7 @@ def router_config(args: argparse.Namespace):
         local_prefill_threshold=args.local_prefill_threshold, heartbeat_timeout_s=args.heartbeat_timeout,
         stats_interval_s=args.stats_interval, max_concurrent_requests=args.max_concurrent_requests,
         max_retries=args.max_retries, request_timeout_s=args.request_timeout, log_level=args.log_level,
-        curve_dir=args.curve_dir)
+        curve_dir=curve_dir)
 
 
 def run_router(args: argparse.Namespace) -> int:

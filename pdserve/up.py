@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pdserve.router_cli import resolve_model
 from pdserve.supervisor import Component, ComponentFailed, RestartPolicy, Supervisor, log_tail
+from pdserve.trust import default_cluster_keys
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
@@ -80,9 +81,21 @@ def _engine_model_args(args: argparse.Namespace, model: str) -> list[str]:
         command.append("--no-prefix-caching")
     if getattr(args, "enforce_eager", False):
         command.append("--enforce-eager")
-    if args.curve_dir:
-        command += ["--curve-dir", args.curve_dir]
-    return command
+    return command + trust_flags(args)
+
+
+def trust_flags(args: argparse.Namespace) -> list[str]:
+    """What every component is told: the cluster keys (run_up resolved them), or --insecure."""
+    return ["--curve-dir", str(args.curve_dir)] if args.curve_dir else ["--insecure"]
+
+
+def resolve_keys(args: argparse.Namespace) -> None:
+    """CURVE on every plane unless --insecure: --curve-dir, or keys made on first start (every address
+    `up` gives its components is loopback, so --insecure is allowed here)."""
+    if args.curve_dir and args.insecure:
+        raise ValueError("--curve-dir and --insecure contradict each other: pass one of them")
+    if not args.insecure and not args.curve_dir:
+        args.curve_dir = str(default_cluster_keys())
 
 
 def router_component(args: argparse.Namespace, model: str, name: str) -> Component:
@@ -92,9 +105,7 @@ def router_component(args: argparse.Namespace, model: str, name: str) -> Compone
                "--local-prefill-threshold", str(args.local_prefill_threshold),
                "--heartbeat-timeout", str(args.heartbeat_timeout),
                "--max-concurrent-requests", str(args.max_concurrent_requests),
-               "--request-timeout", str(args.request_timeout), "--log-level", args.log_level]
-    if args.curve_dir:
-        command += ["--curve-dir", args.curve_dir]
+               "--request-timeout", str(args.request_timeout), "--log-level", args.log_level, *trust_flags(args)]
     env = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}  # not on the command line, where ps shows it
     return Component("router", command, env)
 
@@ -197,6 +208,7 @@ def _start_all(args: argparse.Namespace, supervisor: Supervisor, model: str, nam
 
 def run_up(args: argparse.Namespace) -> int:
     _check_counts(args)
+    resolve_keys(args)
     policy = restart_policy(args)
     model, default_name = resolve_model(args.model)
     name = args.served_model_name or default_name
@@ -204,6 +216,8 @@ def run_up(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"[pdserve up] serving {name} with {args.prefill} prefill + {args.decode} decode engine(s); "
           f"logs in {log_dir}", flush=True)
+    print(f"[pdserve up] {'CURVE keys in ' + args.curve_dir if args.curve_dir else 'warning: --insecure: no CURVE'}"
+          f" on every plane", flush=True)
     supervisor = Supervisor(log_dir, policy)
 
     def on_signal(*_: object) -> None:

@@ -1,7 +1,7 @@
 """Health probe for containers and scripts; exit status 0 = healthy.
 
     python -m pdserve.router.probe http://127.0.0.1:8000/health   # the router answers 200 (a decode engine is routable)
-    python -m pdserve.router.probe tcp://127.0.0.1:5600           # an engine answers StatsRequest on its control socket
+    python -m pdserve.router.probe tcp://127.0.0.1:5600 --curve-dir /keys   # an engine answers StatsRequest
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 
 from pdserve.control.errors import WireError
+from pdserve.control.keys import load_cluster_keys
 from pdserve.control.messages import EngineStats, StatsRequest
 from pdserve.control.sockets import ClientSocket
 
@@ -27,9 +28,10 @@ def probe_http(url: str, timeout: float) -> str | None:
         return f"cannot reach {url}: {exc}"
 
 
-def probe_engine(address: str, timeout: float) -> str | None:
+def probe_engine(address: str, timeout: float, curve_dir: str | None = None) -> str | None:
+    curve = load_cluster_keys(curve_dir).client if curve_dir else None
     try:
-        with ClientSocket(address, linger=0) as client:
+        with ClientSocket(address, linger=0, curve=curve) as client:
             client.send(StatsRequest(), timeout=timeout)
             received = client.recv(timeout=timeout)
     except WireError as exc:
@@ -44,11 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("target",
                         help="http(s)://.../health of a router, or tcp://host:port of an engine's control socket")
     parser.add_argument("--timeout", type=float, default=3.0)
+    parser.add_argument("--curve-dir", default=None, help="the cluster's CURVE keys, when the engine runs with them")
     args = parser.parse_args(argv)
     if args.target.startswith(("http://", "https://")):
         problem = probe_http(args.target, args.timeout)
     else:
-        problem = probe_engine(args.target, args.timeout)
+        problem = probe_engine(args.target, args.timeout, args.curve_dir)
     if problem:
         print(f"unhealthy: {problem}", file=sys.stderr)
         return 1

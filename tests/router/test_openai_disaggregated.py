@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.trust import default_cluster_keys
 from tests.router.conftest import (
     REPO,
     UpProcess,
@@ -191,7 +192,8 @@ def _read_then_leave(url: str, body: dict) -> None:
 def test_a_router_given_static_addresses_reaches_the_same_engines(cluster, client, offline, tiny_model):
     prefill, decode = cluster.ready_line("prefill-0"), cluster.ready_line("decode-0")
     command = [sys.executable, "-m", "pdserve", "router", "--model", tiny_model, "--port", "0",
-               "--registration-address", "none", "--prefill", prefill["control"], "--decode", decode["control"]]
+               "--registration-address", "none", "--prefill", prefill["control"], "--decode", decode["control"],
+               "--curve-dir", str(default_cluster_keys())]  # the keys `pdserve up` made for the cluster
     router = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
     try:

@@ -1,0 +1,95 @@
+"""Planes are authenticated by default: `pdserve up` runs on cluster keys it makes once, an engine without
+them cannot join, and plaintext takes an explicit --insecure that loopback alone allows."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from pdserve.local_cluster import EngineProcess
+from pdserve.trust import curve_dir_for, default_cluster_keys, is_loopback
+from tests.router.conftest import ENGINE_ARGS, REPO, UpProcess
+from tests.router.test_launcher_and_compose import up_args
+
+
+@pytest.mark.parametrize("address,loopback", [
+    ("tcp://127.0.0.1:5600", True), ("tcp://127.9.9.9:1", True), ("tcp://[::1]:5600", True),
+    ("tcp://localhost:7000", True), ("ipc:///tmp/pdserve.sock", True), ("tcp://0.0.0.0:5600", False),
+    ("tcp://*:5600", False), ("tcp://10.0.0.3:5600", False), ("tcp://router:7000", False),
+])
+def test_loopback_addresses(address, loopback):
+    assert is_loopback(address) is loopback
+
+
+def _trust(curve_dir=None, insecure=False) -> argparse.Namespace:
+    return argparse.Namespace(curve_dir=curve_dir, insecure=insecure)
+
+
+def test_plaintext_takes_insecure_and_loopback():
+    with pytest.raises(ValueError, match=r"pass --curve-dir DIR .*pdserve keygen DIR.* or --insecure"):
+        curve_dir_for(_trust(), ["tcp://127.0.0.1:5600"])
+    with pytest.raises(ValueError, match="--insecure would speak plaintext on tcp://0.0.0.0:5600"):
+        curve_dir_for(_trust(insecure=True), ["tcp://0.0.0.0:5600", None])
+    with pytest.raises(ValueError, match="contradict"):
+        curve_dir_for(_trust("/keys", insecure=True), [])
+    assert curve_dir_for(_trust(insecure=True), ["tcp://127.0.0.1:0", "ipc:///tmp/x"]) is None
+    assert curve_dir_for(_trust("/keys"), ["tcp://0.0.0.0:5600"]) == "/keys"
+
+
+def test_an_engine_refuses_to_start_in_plaintext_beyond_loopback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "pdserve", "decode", "--model", str(tmp_path),
+                             "--control-address", "tcp://0.0.0.0:0", "--insecure"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "pdserve decode: error: --insecure would speak plaintext on tcp://0.0.0.0:0" in result.stderr
+
+
+def test_up_gives_every_component_the_cluster_keys_unless_insecure():
+    from pdserve.up import engine_components, resolve_keys, router_component
+
+    args = up_args()
+    resolve_keys(args)
+    assert args.curve_dir == str(default_cluster_keys())
+    commands = [router_component(args, "m", "m").command,
+                *(engine.command for engine in engine_components(args, "m", "tcp://127.0.0.1:7000"))]
+    assert all(command[command.index("--curve-dir") + 1] == args.curve_dir for command in commands)
+    args = up_args("--insecure")
+    resolve_keys(args)
+    assert all("--insecure" in engine.command for engine in engine_components(args, "m", "tcp://127.0.0.1:7000"))
+
+
+def _decode_engines(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return json.loads(response.read())["engines"]["decode"]
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())["engines"]["decode"]
+
+
+def test_an_engine_without_the_cluster_keys_cannot_join(tiny_model, tmp_path):
+    up = UpProcess(tiny_model, tmp_path / "up", "--prefill", "0", "--decode", "1")
+    try:
+        assert any("CURVE keys in" in line for line in up.lines), "up runs on keys by default"
+        registration = up.ready_line("router")["registration"]
+        rogue = EngineProcess("decode", tiny_model, *ENGINE_ARGS, "--router-address", registration,
+                              "--engine-id", "rogue", log_dir=tmp_path)  # plaintext: --insecure
+        member = EngineProcess("decode", tiny_model, *ENGINE_ARGS, "--router-address", registration,
+                               "--engine-id", "member", "--curve-dir", str(default_cluster_keys()), log_dir=tmp_path)
+        try:
+            deadline = time.monotonic() + 20
+            while _decode_engines(up.url) < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(3.0)  # three heartbeats more for the rogue to get in, if it could
+            assert _decode_engines(up.url) == 2, "up's own decode engine and the member: never the rogue"
+        finally:
+            rogue.stop()
+            member.stop()
+    finally:
+        up.stop()
