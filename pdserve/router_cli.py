@@ -29,6 +29,12 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
     parser.add_argument("--max-concurrent-requests", type=int, default=1024,
                         help="requests in flight beyond which the router answers 429")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    parser.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                        help="largest HTTP request body in bytes; larger ones get 413 (default 4 MiB)")
+    parser.add_argument("--preprocess-timeout", type=float, default=5.0,
+                        help="seconds the chat template and tokenizer may take for one request (then 400)")
+    parser.add_argument("--allow-request-chat-template", action="store_true",
+                        help="accept a `chat_template` in the request body (a template is code run on the router)")
     add_trust_args(parser, up=not standalone)
     if standalone:
         parser.add_argument("--log-level", default="info")
@@ -68,7 +74,8 @@ def router_config(args: argparse.Namespace):
         local_prefill_threshold=args.local_prefill_threshold, heartbeat_timeout_s=args.heartbeat_timeout,
         stats_interval_s=args.stats_interval, max_concurrent_requests=args.max_concurrent_requests,
         max_retries=args.max_retries, request_timeout_s=args.request_timeout, log_level=args.log_level,
-        curve_dir=curve_dir)
+        max_request_bytes=args.max_request_bytes, preprocess_timeout_s=args.preprocess_timeout,
+        allow_request_chat_template=args.allow_request_chat_template, curve_dir=curve_dir)
 
 
 def run_router(args: argparse.Namespace) -> int:

@@ -105,7 +105,11 @@ def router_component(args: argparse.Namespace, model: str, name: str) -> Compone
                "--local-prefill-threshold", str(args.local_prefill_threshold),
                "--heartbeat-timeout", str(args.heartbeat_timeout),
                "--max-concurrent-requests", str(args.max_concurrent_requests),
-               "--request-timeout", str(args.request_timeout), "--log-level", args.log_level, *trust_flags(args)]
+               "--request-timeout", str(args.request_timeout), "--log-level", args.log_level,
+               "--max-request-bytes", str(args.max_request_bytes), "--preprocess-timeout", str(args.preprocess_timeout),
+               *trust_flags(args)]
+    if args.allow_request_chat_template:
+        command.append("--allow-request-chat-template")
     env = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}  # not on the command line, where ps shows it
     return Component("router", command, env)
 

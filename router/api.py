@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI-compatible routes, /health, /metrics, and errors in OpenAI's shape.
-Serving one request (whole or streamed) is streaming.py's."""
+Serving one request (whole or streamed) is streaming.py's. With an API key, everything but /health
+needs it; templates and tokenization run on the preprocessor's threads, never on the event loop."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.router.body_limit import BodyLimit
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import APIError, InvalidRequest, ModelNotFound, Unauthorized
+from pdserve.router.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, Unauthorized
 from pdserve.router.gateway import Gateway
 from pdserve.router.responses import ChatFormatter, CompletionFormatter, Prompt
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
@@ -38,7 +40,8 @@ def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started:
         finally:
             await gateway.close()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.state.gateway = gateway
     _install_error_handlers(app, gateway)
     _install_routes(app, gateway)
@@ -49,7 +52,7 @@ def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started:
 
 def _error_response(gateway: Gateway, request: Request, error: APIError) -> JSONResponse:
     gateway.metrics.requests.labels(endpoint_label(request), str(error.status_code)).inc()
-    return JSONResponse(error.body(), status_code=error.status_code)
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -73,6 +76,8 @@ def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == RequestTooLarge.status_code:
+            return _error_response(gateway, request, RequestTooLarge(str(exc.detail)))
         error = APIError(str(exc.detail))
         error.status_code, error.error_type = exc.status_code, "invalid_request_error"
         return _error_response(gateway, request, error)
@@ -110,10 +115,14 @@ def _install_routes(app: FastAPI, gateway: Gateway) -> None:
         return JSONResponse({"status": "ok" if ready else "no decode engine available", "engines": engines},
                             status_code=200 if ready else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(check_api_key)])
     async def metrics() -> Response:
         await gateway.registry.refresh_stats()
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/openapi.json", dependencies=[Depends(check_api_key)], include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
 
     @app.get("/v1/models", dependencies=[Depends(check_api_key)])
     async def models() -> dict[str, Any]:
@@ -125,7 +134,8 @@ def _install_routes(app: FastAPI, gateway: Gateway) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         max_model_len, vocab_size = gateway.context_limits()
-        prompts = [Prompt(text, ids) for text, ids in gateway.tokenization.completion_prompts(body)]
+        tokenized = await gateway.preprocessor.run(gateway.tokenization.completion_prompts, body)
+        prompts = [Prompt(text, ids) for text, ids in tokenized]
         specs = completion_specs(body, [p.token_ids for p in prompts], max_model_len, vocab_size, config.max_n)
         formatter = CompletionFormatter(
             config.served_model_name, gateway.tokenization, prompts, body.n, num_logprobs=body.logprobs,
@@ -136,7 +146,8 @@ def _install_routes(app: FastAPI, gateway: Gateway) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         max_model_len, _ = gateway.context_limits()
-        text, token_ids = gateway.tokenization.chat_prompt(body)
+        text, token_ids = await gateway.preprocessor.run(gateway.tokenization.chat_prompt, body,
+                                                         config.allow_request_chat_template)
         specs = chat_specs(body, token_ids, max_model_len, config.max_n)
         formatter = ChatFormatter(
             config.served_model_name, gateway.tokenization, [Prompt(text, token_ids)], body.n,

@@ -26,6 +26,10 @@ class RouterConfig:
     max_concurrent_requests: int = 1024  # more in flight: 429
     max_retries: int = 2  # re-submissions of a request whose engine died before it streamed a token
     request_timeout_s: float = 600.0
+    max_request_bytes: int = 4 << 20  # larger HTTP bodies: 413, refused before they are read whole
+    preprocess_timeout_s: float = 5.0  # chat template + tokenization of one request, off the event loop
+    num_preprocess_threads: int = 4  # tokenizer threads; twice as many jobs in flight, then 503
+    allow_request_chat_template: bool = False  # a `chat_template` in the request body replaces the model's
     max_n: int = 16  # choices (n x prompts) one HTTP request may ask for
     log_level: str = "info"
     curve_dir: str | None = None  # `pdserve keygen` directory: CURVE on the engine links and registration
@@ -42,6 +46,11 @@ class RouterConfig:
             (self.stats_interval_s > 0, f"stats interval {self.stats_interval_s} must be > 0 seconds"),
             (self.max_concurrent_requests > 0,
              f"max concurrent requests {self.max_concurrent_requests} must be a positive count"),
+            (self.max_request_bytes > 0, f"max request bytes {self.max_request_bytes} must be a positive size"),
+            (self.preprocess_timeout_s > 0,
+             f"preprocess timeout {self.preprocess_timeout_s} must be > 0 seconds"),
+            (self.num_preprocess_threads > 0,
+             f"preprocess threads {self.num_preprocess_threads} must be a positive count"),
             (self.max_retries >= 0, f"max retries {self.max_retries} must be >= 0"),
             (self.request_timeout_s > 0, f"request timeout {self.request_timeout_s} must be > 0 seconds"),
             (0 <= self.port < 65536, f"port {self.port} must be in 0..65535 (0 picks a free port)"),

@@ -12,6 +12,7 @@ class APIError(Exception):
     status_code = 500
     error_type = "server_error"
     code: str | None = None
+    retry_after_s: int | None = None  # sent as Retry-After: when to try again
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -19,6 +20,10 @@ class APIError(Exception):
         self.param = param
         if code is not None:
             self.code = code
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
@@ -42,8 +47,20 @@ class ModelNotFound(ClientError):
     status_code, code = 404, "model_not_found"
 
 
+class RequestTooLarge(ClientError):
+    status_code, code = 413, "request_too_large"
+
+
 class Overloaded(APIError):
     status_code, error_type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+    retry_after_s = 1
+
+
+class PreprocessingBusy(APIError):
+    """Every tokenizer thread is taken (runaway renders included): come back shortly."""
+
+    status_code, code = 503, "server_busy"
+    retry_after_s = 1
 
 
 class NoEngineAvailable(APIError):  # server_error, as every 5xx here

@@ -1,5 +1,5 @@
-"""Gateway: the long-lived state of one router process (tokenizer, engines, policy, metrics,
-admission) that the API handlers and the generation code share."""
+"""Gateway: the long-lived state of one router process (tokenizer and its threads, engines, policy,
+metrics, admission) that the API handlers and the generation code share."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.errors import NoEngineAvailable, Overloaded
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import Route, RoutingPolicy
+from pdserve.router.preprocess import Preprocessor
 from pdserve.router.registry import EngineRegistry
 from pdserve.router.tokenization import Tokenization
 
@@ -15,6 +16,7 @@ class Gateway:
     def __init__(self, config: RouterConfig, tokenization: Tokenization | None = None) -> None:
         self.config = config
         self.tokenization = tokenization or Tokenization(config.model)
+        self.preprocessor = Preprocessor(config.num_preprocess_threads, config.preprocess_timeout_s)
         self.registry = EngineRegistry(config)
         self.policy = RoutingPolicy(config)
         self.metrics = RouterMetrics(self.registry.links)
@@ -25,6 +27,7 @@ class Gateway:
         await self.registry.start()
 
     async def close(self) -> None:
+        self.preprocessor.close()
         await self.registry.close()
 
     # ---- admission ----

@@ -12,6 +12,11 @@ connection drops (the process died), or when nothing was heard from it for heart
 stuck or unreachable engine): its open requests get EngineGone (the generation code retries
 them elsewhere when no token was streamed yet). A registered engine that leaves is forgotten (it
 registers again if it comes back); a static one is kept and polled until it answers again.
+
+The registration socket takes any number of peers: it tracks at most MAX_REGISTRATION_PEERS of them
+(the least recently heard are forgotten) and holds at most MAX_PENDING_ENGINES links to engines that
+registered but have not answered yet (more are refused until some answer or time out). A message
+that cannot be handled is logged and skipped; if the loop itself fails, it is logged and restarted.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 
 import zmq
 import zmq.asyncio
@@ -34,6 +40,9 @@ from pdserve.router.link import EngineLink
 log = logging.getLogger("pdserve.router.registry")
 
 ROLES = ("prefill", "decode")
+MAX_REGISTRATION_PEERS = 4096
+MAX_PENDING_ENGINES = 64
+RESTART_DELAY_S = 1.0
 
 
 class EngineRegistry:
@@ -45,14 +54,14 @@ class EngineRegistry:
         self.expected_roles: dict[str, str] = {}  # static control address -> the role it was given as
         self.registration_address: str | None = None
         self.on_change: list = []  # callbacks(link) when an engine joins or leaves routing
-        self._peers: dict[bytes, str] = {}  # registration peer id -> control address
+        self._peers: OrderedDict[bytes, str] = OrderedDict()  # registration peer id -> control address, LRU
         self._tasks: list[asyncio.Task] = []
         self._registration: OpenSocket | None = None
 
     async def start(self) -> None:
         if self.config.registration_address:
             self._bind_registration(self.config.registration_address)
-            self._tasks.append(asyncio.create_task(self._registration_loop(), name="registration"))
+            self._tasks.append(asyncio.create_task(self._serve_registration(), name="registration"))
         for role, addresses in (("prefill", self.config.prefill_addresses), ("decode", self.config.decode_addresses)):
             for address in addresses:
                 validate_address(address, bind=False)
@@ -95,34 +104,67 @@ class EngineRegistry:
 
     # ---- registration ----
 
+    async def _serve_registration(self) -> None:
+        while True:
+            try:
+                await self._registration_loop()
+            except Exception:  # noqa: BLE001 - the socket failed: engines must still be able to register
+                log.exception("the registration loop failed: restarting it in %.0fs", RESTART_DELAY_S)
+                await asyncio.sleep(RESTART_DELAY_S)
+
     async def _registration_loop(self) -> None:
         while True:
             parts = await self._registration.socket.recv_multipart(copy=False)
-            peer_id = parts[0].bytes
             try:
-                msg, _ = decode(parts[1:])
-            except ProtocolError as exc:
-                log.warning("bad message on the registration socket: %s", exc)
-                continue
-            if isinstance(msg, Register):
-                self._on_register(peer_id, msg)
-            elif isinstance(msg, EngineStats):
-                link = self.links.get(self._peers.get(peer_id, ""))
-                if link is not None:
-                    link.set_stats(msg)
-            elif isinstance(msg, Deregister):
-                link = self.links.get(msg.control_address)
-                if link is not None:
-                    await self._leave(link, f"engine {link.engine_id} stopped")
+                await self._on_registration_message(parts[0].bytes, parts[1:])
+            except Exception:  # noqa: BLE001 - one peer's message must not stop registration for all
+                log.exception("a message on the registration socket could not be handled: skipped")
+
+    async def _on_registration_message(self, peer_id: bytes, frames: list) -> None:
+        try:
+            msg, _ = decode(frames)
+        except ProtocolError as exc:
+            log.warning("bad message on the registration socket: %s", exc)
+            return
+        if isinstance(msg, Register):
+            self._on_register(peer_id, msg)
+        elif isinstance(msg, EngineStats):
+            link = self.links.get(self._peer_address(peer_id) or "")
+            if link is not None:
+                link.set_stats(msg)
+        elif isinstance(msg, Deregister):
+            link = self.links.get(msg.control_address)
+            if link is not None:
+                await self._leave(link, f"engine {link.engine_id} stopped")
+
+    def _peer_address(self, peer_id: bytes) -> str | None:
+        address = self._peers.get(peer_id)
+        if address is not None:
+            self._peers.move_to_end(peer_id)
+        return address
+
+    def _remember_peer(self, peer_id: bytes, address: str) -> None:
+        self._peers[peer_id] = address
+        self._peers.move_to_end(peer_id)
+        while len(self._peers) > MAX_REGISTRATION_PEERS:
+            self._peers.popitem(last=False)
+
+    def _can_add_engine(self) -> bool:
+        pending = sum(1 for link in self.links.values() if not link.up and not link.static)
+        return pending < MAX_PENDING_ENGINES
 
     def _on_register(self, peer_id: bytes, msg: Register) -> None:
-        self._peers[peer_id] = msg.control_address
         link = self.links.get(msg.control_address)
         if link is None:
+            if not self._can_add_engine():
+                log.warning("engine %s at %s not admitted: %d registered engines have not answered yet",
+                            msg.engine_id, msg.control_address, MAX_PENDING_ENGINES)
+                return
+            link = EngineLink(msg.control_address, self.context, curve=self._client_keys())
+            self.links[msg.control_address] = link
             log.info("engine %s (%s) registered from %s", msg.engine_id, msg.role, msg.control_address)
-            link = self.links[msg.control_address] = EngineLink(msg.control_address, self.context,
-                                                                curve=self._client_keys())
             link.try_send_stats_request()  # the first answer proves the link works
+        self._remember_peer(peer_id, msg.control_address)
         link.info = msg
         link.last_seen = time.monotonic()
         self._assign_label(link)

@@ -9,11 +9,42 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.control.sampling_params import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 
 INT64 = 1 << 63
+
+
+_CONTAINERS = frozenset((str, dict, list))
+
+
+def unencodable_path(value: Any, path: str = "body") -> str | None:
+    """Where a JSON value holds text UTF-8 cannot encode (a lone UTF-16 surrogate such as \\ud800)."""
+    if isinstance(value, str):
+        return None if value.isascii() or _encodable(value) else path
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list) and not _CONTAINERS.isdisjoint(map(type, value)):  # not token ids only
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and not _encodable(key):
+            return path
+        if isinstance(item, (str, dict, list)):
+            found = unencodable_path(item, f"{path}.{key}")
+            if found:
+                return found
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class StreamOptions(BaseModel):
@@ -38,6 +69,7 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # refused when set (specs.py): not supported
     # vLLM's extensions
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -47,6 +79,16 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     return_token_ids: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _well_formed_text(cls, data: Any) -> Any:
+        path = unencodable_path(data)
+        if path is not None:
+            raise ValueError(f"{path.removeprefix('body.')} holds text that is not valid Unicode (a lone UTF-16 "
+                             "surrogate such as \\ud800): send well-formed text, with characters outside the BMP "
+                             "as surrogate pairs")
+        return data
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -93,6 +135,7 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # refused unless the operator allows it (tokenization.py)
     chat_template_kwargs: dict[str, Any] | None = None
 
     def max_new_tokens(self) -> int | None:

@@ -59,6 +59,12 @@ def _check_n(request: SamplingRequest, num_prompts: int, max_n: int) -> None:
                              param="n")
 
 
+def _check_supported(request: SamplingRequest) -> None:
+    if request.logit_bias:
+        raise InvalidRequest("logit_bias is not supported by this server: send the request without it",
+                             param="logit_bias")
+
+
 def _specs(request: SamplingRequest, prompts: list[list[int]], params_of: list[SamplingParams]) -> list[ChoiceSpec]:
     specs = []
     for prompt_index, (token_ids, params) in enumerate(zip(prompts, params_of)):
@@ -79,6 +85,7 @@ def completion_specs(request: CompletionRequest, prompts: list[list[int]], max_m
     if request.echo and request.logprobs is not None:
         raise InvalidRequest("echo with logprobs needs prompt logprobs, which this server does not compute: "
                              "drop one of them", param="echo")
+    _check_supported(request)
     _check_n(request, len(prompts), max_n)
     params_of = []
     for token_ids in prompts:
@@ -92,6 +99,7 @@ def chat_specs(request: ChatCompletionRequest, token_ids: list[int], max_model_l
                max_n: int) -> list[ChoiceSpec]:
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+    _check_supported(request)
     _check_n(request, 1, max_n)
     check_token_ids(token_ids, None, "messages")
     max_tokens = resolve_max_tokens(len(token_ids), request.max_new_tokens(), max_model_len, "messages")

@@ -106,6 +106,7 @@ async def respond(gateway: Gateway, request: Request, specs: list, formatter: Fo
         outcome = _StreamOutcome(gateway, endpoint_label(request), events, formatter, timing)
         return _EventStream(_stream(first, events, formatter, timing, outcome), outcome)
     except ClientGone:
+        gateway.metrics.requests.labels(endpoint_label(request), str(CLIENT_CLOSED_REQUEST)).inc()
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
         if not handed_over:

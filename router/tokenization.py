@@ -1,7 +1,9 @@
-"""The model's tokenizer and chat template (transformers), and prompts -> token ids."""
+"""The model's tokenizer and chat template (transformers), and prompts -> token ids. These calls are
+slow for large inputs: the API runs them on preprocess.py's threads, never on the event loop."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -13,6 +15,9 @@ from pdserve.router.schemas import ChatCompletionRequest, ChatMessage, Completio
 class Tokenization:
     def __init__(self, model: str) -> None:
         self.tokenizer = load_tokenizer(model)
+        # apply_chat_template's own parameters (tokenize, return_tensors, ...): not template variables
+        signature = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+        self.renderer_params = {p.name for p in signature if p.kind is not p.VAR_KEYWORD} - {"conversation"}
 
     # ---- prompts ----
 
@@ -31,7 +36,7 @@ class Tokenization:
     def _text_prompt(self, text: str) -> tuple[str, list[int]]:
         return text, self.tokenizer.encode(text)
 
-    def chat_prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+    def chat_prompt(self, request: ChatCompletionRequest, allow_template: bool = False) -> tuple[str, list[int]]:
         """The chat template applied to the messages, then tokenized (the template adds the special tokens)."""
         if request.tools and request.tool_choice != "none":
             raise InvalidRequest("tool calling is not supported by this server: send the request without `tools` "
@@ -43,18 +48,32 @@ class Tokenization:
             raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true: "
                                  "set add_generation_prompt=false to continue the last message",
                                  param="continue_final_message")
-        text = self._render_chat(request)
+        text = self._render_chat(request, self.template_kwargs(request, allow_template))
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _render_chat(self, request: ChatCompletionRequest) -> str:
-        if self.tokenizer.chat_template is None:
+    def template_kwargs(self, request: ChatCompletionRequest, allow_template: bool) -> dict[str, Any]:
+        """chat_template_kwargs as template variables (data only), plus a request-supplied template
+        when the operator allows them: a template is code, and one can hold the CPU for minutes."""
+        kwargs = dict(request.chat_template_kwargs or {})
+        template = kwargs.pop("chat_template", None) or request.chat_template
+        reserved = sorted(set(kwargs) & self.renderer_params)
+        if reserved:
+            raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}: they are parameters of "
+                                 "the renderer, not template variables; drop them", param="chat_template_kwargs")
+        if template is not None and not allow_template:
+            raise InvalidRequest("a chat_template in the request is not allowed on this server: drop it to use the "
+                                 "model's template (operators: --allow-request-chat-template)", param="chat_template")
+        return kwargs if template is None else {**kwargs, "chat_template": template}
+
+    def _render_chat(self, request: ChatCompletionRequest, kwargs: dict[str, Any]) -> str:
+        if self.tokenizer.chat_template is None and "chat_template" not in kwargs:
             raise InvalidRequest("this model has no chat template: use /v1/completions with a plain prompt",
                                  param="messages")
         messages = [_message_dict(m, index) for index, m in enumerate(request.messages)]
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message, **(request.chat_template_kwargs or {}))
+                continue_final_message=request.continue_final_message, **kwargs)
         except Exception as exc:  # noqa: BLE001 - jinja and transformers raise many kinds for a bad conversation
             raise InvalidRequest(f"the chat template cannot render these messages: {exc}", param="messages") from exc
 

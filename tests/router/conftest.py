@@ -38,8 +38,8 @@ def tokenization(tiny_model):
 # ---- the router in this process ----
 
 @contextlib.asynccontextmanager
-async def router_app(model_dir: str, tokenization, **overrides):
-    """(gateway, httpx client) for a router app served in this event loop; engines register at
+async def started_router(model_dir: str, tokenization, **overrides):
+    """(gateway, app) of a started router in this event loop; engines register at
     gateway.registry.registration_address."""
     from pdserve.router.api import create_app
     from pdserve.router.config import RouterConfig
@@ -51,12 +51,39 @@ async def router_app(model_dir: str, tokenization, **overrides):
     gateway = Gateway(config, tokenization)
     app = create_app(config, gateway)
     await gateway.start()
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router", timeout=30)
     try:
-        yield gateway, client
+        yield gateway, app
     finally:
-        await client.aclose()
         await gateway.close()
+
+
+@contextlib.asynccontextmanager
+async def router_app(model_dir: str, tokenization, **overrides):
+    """(gateway, httpx client) for a router app served in this event loop."""
+    async with started_router(model_dir, tokenization, **overrides) as (gateway, app), \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router", timeout=30) as client:
+        yield gateway, client
+
+
+@contextlib.asynccontextmanager
+async def router_server(model_dir: str, tokenization, **overrides):
+    """(gateway, base url) for a router app behind a real uvicorn server in this event loop, for
+    what needs real sockets (a client that hangs up)."""
+    import uvicorn
+
+    from pdserve.router.server import bind_http
+
+    async with started_router(model_dir, tokenization, **overrides) as (gateway, app):
+        sock = bind_http("127.0.0.1", 0)
+        server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=1))
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        await wait_until(lambda: server.started, what="uvicorn started")
+        try:
+            yield gateway, f"http://127.0.0.1:{sock.getsockname()[1]}"
+        finally:
+            server.should_exit = True
+            await serving
+            sock.close()
 
 
 async def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
@@ -133,7 +160,8 @@ class UpProcess:
 
 def scrape(url: str, api_key: str | None = None) -> dict[str, dict[tuple, float]]:
     """/metrics as {metric name: {label values: value}} (counters under their sample name)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
     metrics: dict[str, dict[tuple, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -141,15 +169,15 @@ def scrape(url: str, api_key: str | None = None) -> dict[str, dict[tuple, float]
     return metrics
 
 
-def kv_blocks_used(url: str) -> dict[tuple, float]:
-    return scrape(url).get("pdserve_kv_blocks_used", {})
+def kv_blocks_used(url: str, api_key: str | None = None) -> dict[tuple, float]:
+    return scrape(url, api_key).get("pdserve_kv_blocks_used", {})
 
 
-def wait_no_kv_used(url: str, timeout: float = 20.0) -> dict[tuple, float]:
+def wait_no_kv_used(url: str, timeout: float = 20.0, api_key: str | None = None) -> dict[tuple, float]:
     """Poll /metrics until no engine holds a KV block; returns the last reading."""
     deadline = time.monotonic() + timeout
     while True:
-        used = kv_blocks_used(url)
+        used = kv_blocks_used(url, api_key)
         if used and all(value == 0 for value in used.values()):
             return used
         if time.monotonic() > deadline:

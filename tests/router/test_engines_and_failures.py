@@ -263,7 +263,7 @@ def test_sampling_values_float32_cannot_carry_are_400_at_the_edge(tiny_model, to
     run(scenario())
 
 
-def test_api_key_is_enforced_on_v1_only(tiny_model, tokenization):
+def test_api_key_is_enforced_on_all_but_health(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization, api_key="sesame") as (gateway, client):
             engine, = await _engines(gateway, {"engine_id": "d0"})
@@ -276,7 +276,7 @@ def test_api_key_is_enforced_on_v1_only(tiny_model, tokenization):
                                           headers={"Authorization": "Bearer sesame"})
                 assert right.status_code == 200
                 assert (await client.get("/health")).status_code == 200
-                assert (await client.get("/metrics")).status_code == 200
+                assert_openai_error(await client.get("/metrics"), 401)
             finally:
                 _close([engine])
     run(scenario())

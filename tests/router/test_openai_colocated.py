@@ -98,9 +98,9 @@ def test_disconnect_frees_the_colocated_engine(cluster):
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", json=body, headers=headers, timeout=60) as stream:
         assert sum(1 for _, line in zip(range(6), stream.iter_lines()) if line.startswith("data: ")) >= 3
-    used = wait_no_kv_used(cluster.url)
+    used = wait_no_kv_used(cluster.url, api_key=API_KEY)
     assert used == {(("engine", "decode-0"), ("role", "decode")): 0.0}
-    metrics = scrape(cluster.url)
+    metrics = scrape(cluster.url, API_KEY)
     assert metrics["pdserve_requests_in_flight"][()] == 0
     assert metrics["pdserve_time_to_first_token_seconds_count"][()] >= 1
 

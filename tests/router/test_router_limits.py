@@ -1,0 +1,306 @@
+"""The router cannot be blocked: body size limit, tokenization and templates off the event loop with a
+time limit and a bounded pool, request-supplied templates refused, malformed text, auth on /metrics
+and /openapi.json, Retry-After, 499 for every disconnect, logit_bias, and a flood of registrations.
+The router app runs in this process over real ZeroMQ, against scripted engines (fake_engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import httpx
+import zmq
+
+from pdserve.control.messages import Register
+from pdserve.control.protocol import encode
+from tests.router.conftest import assert_openai_error, router_app, router_server, wait_until
+from tests.router.fake_engine import FakeEngine, fake_tokens
+
+PROMPT_IDS = [5, 6, 7, 8, 9]
+# ~50M template loop iterations: a few seconds of CPU, from a request of about a hundred bytes
+TEMPLATE_BOMB = ("{% for a in range(50000) %}{% for b in range(1000) %}{% if a == b %}.{% endif %}{% endfor %}"
+                 "{% endfor %}")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def completion(max_tokens: int = 6, **extra) -> dict:
+    return {"prompt": PROMPT_IDS, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+def chat(**extra) -> dict:
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+
+
+async def _engine(gateway, **spec) -> FakeEngine:
+    engine = FakeEngine(router_address=gateway.registry.registration_address, **spec)
+    await wait_until(lambda: any(link.up and link.control_address == engine.control_address
+                                 for link in gateway.registry.links.values()), what="engine in routing")
+    return engine
+
+
+async def _health_latencies(client: httpx.AsyncClient, busy: asyncio.Task) -> list[float]:
+    """/health latencies measured from a concurrent client while `busy` runs."""
+    latencies = []
+    while not busy.done():
+        start = time.monotonic()
+        assert (await client.get("/health")).status_code == 200
+        latencies.append(time.monotonic() - start)
+        await asyncio.sleep(0.05)
+    return latencies
+
+
+# ---- request bodies ----
+
+def test_body_over_the_limit_is_413_before_it_is_read(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization, max_request_bytes=1000) as (_, client):
+            sent = []
+
+            async def body():
+                for _ in range(4):
+                    sent.append(1)
+                    yield b"x" * 500
+
+            declared = await client.post("/v1/completions", content=body(), headers={"Content-Length": "2000"})
+            error = assert_openai_error(declared, 413, type_="invalid_request_error")
+            assert "1000 bytes" in error["message"] and "--max-request-bytes" in error["message"]
+            assert sent == [], "the body was read although its Content-Length is over the limit"
+            chunked = await client.post("/v1/completions", content=body())  # no Content-Length
+            assert assert_openai_error(chunked, 413)["code"] == "request_too_large"
+            assert len(sent) < 8
+    run(scenario())
+
+
+def test_large_prompt_does_not_block_health(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization, preprocess_timeout_s=60) as (gateway, client):
+            engine = await _engine(gateway, engine_id="d0")
+            try:
+                prompt = "hello world, this is text. " * 110_000  # 3 MB: seconds of tokenizing
+                busy = asyncio.create_task(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}))
+                latencies = await _health_latencies(client, busy)
+                assert "context length" in assert_openai_error(await busy, 400)["message"]
+                assert len(latencies) > 3 and max(latencies) < 1.0, latencies
+            finally:
+                engine.close()
+    run(scenario())
+
+
+def test_template_bomb_times_out_without_blocking_health(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization, allow_request_chat_template=True,
+                              preprocess_timeout_s=0.5) as (gateway, client):
+            engine = await _engine(gateway, engine_id="d0")
+            try:
+                started = time.monotonic()
+                busy = asyncio.create_task(client.post("/v1/chat/completions", json=chat(chat_template=TEMPLATE_BOMB)))
+                latencies = await _health_latencies(client, busy)
+                error = assert_openai_error(await busy, 400)
+                assert error["code"] == "preprocessing_timeout" and "0.5s" in error["message"]
+                assert time.monotonic() - started < 2.0
+                assert max(latencies) < 1.0, latencies
+            finally:
+                engine.close()
+    run(scenario())
+
+
+def test_saturated_preprocessing_is_503_with_retry_after(tiny_model, tokenization):
+    """One tokenizer thread holds two jobs: a runaway render and one queued behind it; a third is refused."""
+    async def scenario():
+        async with router_app(tiny_model, tokenization, allow_request_chat_template=True, num_preprocess_threads=1,
+                              preprocess_timeout_s=1.0) as (gateway, client):
+            engine = await _engine(gateway, engine_id="d0")
+            try:
+                runaway = asyncio.create_task(client.post("/v1/chat/completions",
+                                                          json=chat(chat_template=TEMPLATE_BOMB)))
+                await asyncio.sleep(0.2)
+                queued = asyncio.create_task(client.post("/v1/chat/completions", json=chat()))
+                await asyncio.sleep(0.2)
+                refused = await client.post("/v1/chat/completions", json=chat())
+                assert assert_openai_error(refused, 503)["code"] == "server_busy"
+                assert refused.headers["Retry-After"] == "1"
+                assert_openai_error(await runaway, 400)
+                assert_openai_error(await queued, 400)
+            finally:
+                engine.close()
+    run(scenario())
+
+
+# ---- what a request may say ----
+
+def test_request_chat_template_is_refused_unless_allowed(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            engine = await _engine(gateway, engine_id="d0")
+            try:
+                for body in (chat(chat_template="{{ 1 }}"), chat(chat_template_kwargs={"chat_template": "{{ 1 }}"})):
+                    error = assert_openai_error(await client.post("/v1/chat/completions", json=body), 400)
+                    assert "--allow-request-chat-template" in error["message"]
+                renderer = chat(chat_template_kwargs={"tokenize": True})
+                error = assert_openai_error(await client.post("/v1/chat/completions", json=renderer), 400)
+                assert "tokenize" in error["message"] and error["param"] == "chat_template_kwargs"
+                variables = chat(chat_template_kwargs={"enable_thinking": False})
+                assert (await client.post("/v1/chat/completions", json=variables)).status_code == 200
+            finally:
+                engine.close()
+        async with router_app(tiny_model, tokenization, allow_request_chat_template=True) as (gateway, client):
+            engine = await _engine(gateway, engine_id="d0")
+            try:
+                body = chat(chat_template="{{ messages[0]['content'] }} there", return_token_ids=True)
+                answer = (await client.post("/v1/chat/completions", json=body)).json()
+                assert answer["prompt_token_ids"] == tokenization.tokenizer.encode("hi there", add_special_tokens=False)
+            finally:
+                engine.close()
+    run(scenario())
+
+
+def test_lone_surrogates_are_400_naming_the_field(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            engine = await _engine(gateway, engine_id="d0")
+            try:
+                headers = {"Content-Type": "application/json"}
+                text = await client.post("/v1/completions", headers=headers,
+                                         content=b'{"prompt": "abc\\ud800", "max_tokens": 2}')
+                error = assert_openai_error(text, 400)
+                assert "prompt" in error["message"] and "surrogate" in error["message"]
+                message = await client.post("/v1/chat/completions", headers=headers,
+                                            content=b'{"messages": [{"role": "user", "content": "\\udc00"}]}')
+                assert "messages.0.content" in assert_openai_error(message, 400)["message"]
+                pair = await client.post("/v1/completions", headers=headers,
+                                         content=b'{"prompt": "a\\ud83d\\ude00", "max_tokens": 2}')
+                assert pair.status_code == 200, pair.text
+            finally:
+                engine.close()
+    run(scenario())
+
+
+def test_logit_bias_is_refused(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            engine = await _engine(gateway, engine_id="d0")
+            try:
+                for path, body in (("/v1/completions", completion(logit_bias={"7": 5})),
+                                   ("/v1/chat/completions", chat(logit_bias={"7": -100}))):
+                    error = assert_openai_error(await client.post(path, json=body), 400)
+                    assert error["param"] == "logit_bias" and "not supported" in error["message"]
+            finally:
+                engine.close()
+    run(scenario())
+
+
+# ---- the server's own pages, and answers ----
+
+def test_metrics_and_openapi_need_the_api_key(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization, api_key="sesame") as (_, client):
+            auth = {"Authorization": "Bearer sesame"}
+            for path in ("/metrics", "/openapi.json"):
+                assert_openai_error(await client.get(path), 401)
+                assert (await client.get(path, headers=auth)).status_code == 200
+            assert "/v1/completions" in (await client.get("/openapi.json", headers=auth)).json()["paths"]
+            for path in ("/docs", "/redoc"):
+                assert (await client.get(path)).status_code == 404
+            assert (await client.get("/health")).status_code == 503  # open, and says no engine yet
+    run(scenario())
+
+
+def test_429_says_when_to_retry(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization, max_concurrent_requests=1) as (gateway, client):
+            engine = await _engine(gateway, engine_id="d0", token_delay_s=0.05)
+            try:
+                first = asyncio.create_task(client.post("/v1/completions", json=completion(max_tokens=10)))
+                await wait_until(lambda: engine.generate_requests(), what="first request admitted")
+                second = await client.post("/v1/completions", json=completion())
+                assert_openai_error(second, 429)
+                assert second.headers["Retry-After"] == "1"
+                assert (await first).status_code == 200
+            finally:
+                engine.close()
+    run(scenario())
+
+
+def _requests_counted(gateway, endpoint: str, status: str) -> float:
+    return gateway.metrics.registry.get_sample_value("pdserve_requests_total",
+                                                     {"endpoint": endpoint, "status": status}) or 0.0
+
+
+def test_every_client_disconnect_is_counted_as_499(tiny_model, tokenization):
+    async def scenario():
+        async with router_server(tiny_model, tokenization) as (gateway, url):
+            engine = await _engine(gateway, engine_id="d0", token_delay_s=0.2)
+            try:
+                async with httpx.AsyncClient(base_url=url, timeout=0.1) as client:  # gone before any token
+                    for stream in (False, True):
+                        with contextlib.suppress(httpx.ReadTimeout):
+                            await client.post("/v1/completions", json=completion(max_tokens=50, stream=stream))
+                body = completion(max_tokens=50, stream=True)
+                async with httpx.AsyncClient(base_url=url, timeout=5) as client, \
+                        client.stream("POST", "/v1/completions", json=body) as response:  # gone mid-stream
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            break
+                await wait_until(lambda: _requests_counted(gateway, "/v1/completions", "499") == 3,
+                                 what="three disconnects counted as 499")
+            finally:
+                engine.close()
+    run(scenario())
+
+
+# ---- registration ----
+
+def test_a_bad_registration_does_not_stop_registration(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            context = zmq.Context()
+            dealer = context.socket(zmq.DEALER)
+            dealer.connect(gateway.registry.registration_address)
+            bogus = Register(engine_id="bogus", role="decode", control_address="not an address", block_size=4,
+                             max_model_len=512, vocab_size=1024)
+            dealer.send_multipart(encode(bogus))
+            await asyncio.sleep(0.3)
+            engine = await _engine(gateway, engine_id="d0")
+            try:
+                assert (await client.post("/v1/completions", json=completion())).status_code == 200
+            finally:
+                engine.close()
+                dealer.close(linger=0)
+                context.term()
+    run(scenario())
+
+
+def test_a_flood_of_registrations_leaves_routing_intact(tiny_model, tokenization):
+    """1000 distinct peers register engines that never answer: the real engine keeps serving, and the
+    router holds a bounded number of links."""
+    async def scenario():
+        async with router_app(tiny_model, tokenization, heartbeat_timeout_s=2.0) as (gateway, client):
+            engine = await _engine(gateway, engine_id="real")
+            context = zmq.Context()
+            dealers = []
+            try:
+                for i in range(1000):
+                    dealer = context.socket(zmq.DEALER)
+                    dealer.connect(gateway.registry.registration_address)
+                    dealer.send_multipart(encode(Register(
+                        engine_id=f"flood-{i}", role="decode", control_address=f"tcp://127.0.0.1:{20000 + i}",
+                        block_size=4, max_model_len=512, vocab_size=1024)))
+                    dealers.append(dealer)
+                await asyncio.sleep(1.0)
+                for _ in range(3):
+                    response = await client.post("/v1/completions", json=completion(return_token_ids=True))
+                    assert response.json()["choices"][0]["token_ids"] == fake_tokens(PROMPT_IDS, 6)
+                health = (await client.get("/health")).json()
+                assert health == {"status": "ok", "engines": {"prefill": 0, "decode": 1}}
+                metrics = (await client.get("/metrics")).text
+                assert metrics.count("pdserve_engine_up{") <= 65
+            finally:
+                engine.close()
+                for dealer in dealers:
+                    dealer.close(linger=0)
+                context.term()
+    run(scenario())
