@@ -246,7 +246,8 @@ class EngineRegistry:
             link.num_received = 0
             return
         self.links.pop(link.control_address, None)
-        self._peers = {peer: address for peer, address in self._peers.items() if address != link.control_address}
+        self._peers = OrderedDict((peer, address) for peer, address in self._peers.items()
+                                  if address != link.control_address)
         await link.close()
 
     def _notify(self, link: EngineLink) -> None:

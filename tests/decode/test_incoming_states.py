@@ -44,6 +44,15 @@ def pair():
     prefill.close()
 
 
+def _send_kv(prefill: ServerSocket, peer_id: bytes, kv: torch.Tensor) -> KVLayer:
+    """All of request r's KV in one KVLayer, then its KVDone (first token 5)."""
+    msg, payload = KVLayer.from_tensor(kv, request_id="r", layer_start=0, token_start=0)
+    prefill.send(peer_id, msg, payload)
+    prefill.send(peer_id, KVDone(request_id="r", first_token=5, num_tokens=PROMPT_LEN,
+                                 checksum=combine_checksums([msg.checksum])))
+    return msg
+
+
 def _receive_until(side, condition, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -55,10 +64,7 @@ def _receive_until(side, condition, timeout_s: float = 5.0) -> None:
 def test_verified_kv_is_received_once_and_acked(pair):
     scheduler_side, side, prefill, peer_id = pair
     kv = torch.randn(NUM_LAYERS, 2, PROMPT_LEN, KV_HEADS, HEAD_DIM)
-    msg, payload = KVLayer.from_tensor(kv, request_id="r", layer_start=0, token_start=0)
-    prefill.send(peer_id, msg, payload)
-    prefill.send(peer_id, KVDone(request_id="r", first_token=5, num_tokens=PROMPT_LEN,
-                                       checksum=combine_checksums([msg.checksum])))
+    msg = _send_kv(prefill, peer_id, kv)
     _receive_until(side, lambda: side.transfers["r"].state is IncomingState.RECEIVED)
     ack = prefill.recv(timeout=5).msg
     assert isinstance(ack, KVAck) and ack.ok
@@ -105,20 +111,14 @@ def test_kv_only_counts_on_the_link_it_was_asked_on(pair):
     other, other_peer = _open_second_link(scheduler_side, "r2")
     try:
         forged = torch.full((NUM_LAYERS, 2, PROMPT_LEN, KV_HEADS, HEAD_DIM), 666.0)
-        msg, payload = KVLayer.from_tensor(forged, request_id="r", layer_start=0, token_start=0)
-        other.send(other_peer, msg, payload)  # a linked peer, but "r" was asked of the first one
-        other.send(other_peer, KVDone(request_id="r", first_token=5, num_tokens=PROMPT_LEN,
-                                      checksum=combine_checksums([msg.checksum])))
+        _send_kv(other, other_peer, forged)  # a linked peer, but "r" was asked of the first one
         other.send(other_peer, Abort(request_id="r", reason="not yours to end"))
         _receive_for(side, 0.5, until=lambda: side.stats.kv_bytes_received or side.transfers["r"].state
                      is not IncomingState.RECEIVING)  # long enough for all three to arrive and be handled
         assert side.transfers["r"].state is IncomingState.RECEIVING, "nothing from the other link counts"
         assert not side.writer.kv_cache.eq(666.0).any(), "forged KV never reaches the cache"
         kv = torch.randn(NUM_LAYERS, 2, PROMPT_LEN, KV_HEADS, HEAD_DIM)
-        msg, payload = KVLayer.from_tensor(kv, request_id="r", layer_start=0, token_start=0)
-        prefill.send(peer_id, msg, payload)
-        prefill.send(peer_id, KVDone(request_id="r", first_token=5, num_tokens=PROMPT_LEN,
-                                     checksum=combine_checksums([msg.checksum])))
+        _send_kv(prefill, peer_id, kv)
         _receive_until(side, lambda: side.transfers["r"].state is IncomingState.RECEIVED)
         torch.testing.assert_close(side.writer.kv_cache[:, :, [3, 1]].flatten(2, 3), kv, rtol=0, atol=0)
     finally:

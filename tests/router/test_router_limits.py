@@ -42,6 +42,16 @@ async def _engine(gateway, **spec) -> FakeEngine:
     return engine
 
 
+@contextlib.asynccontextmanager
+async def serving(gateway, **spec):
+    """A fake engine in routing for the block, closed after it."""
+    engine = await _engine(gateway, **spec)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
 async def _health_latencies(client: httpx.AsyncClient, busy: asyncio.Task) -> list[float]:
     """/health latencies measured from a concurrent client while `busy` runs."""
     latencies = []
@@ -78,15 +88,12 @@ def test_body_over_the_limit_is_413_before_it_is_read(tiny_model, tokenization):
 def test_large_prompt_does_not_block_health(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization, preprocess_timeout_s=60) as (gateway, client):
-            engine = await _engine(gateway, engine_id="d0")
-            try:
+            async with serving(gateway, engine_id="d0"):
                 prompt = "hello world, this is text. " * 110_000  # 3 MB: seconds of tokenizing
                 busy = asyncio.create_task(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}))
                 latencies = await _health_latencies(client, busy)
                 assert "context length" in assert_openai_error(await busy, 400)["message"]
                 assert len(latencies) > 3 and max(latencies) < 1.0, latencies
-            finally:
-                engine.close()
     run(scenario())
 
 
@@ -94,8 +101,7 @@ def test_template_bomb_times_out_without_blocking_health(tiny_model, tokenizatio
     async def scenario():
         async with router_app(tiny_model, tokenization, allow_request_chat_template=True,
                               preprocess_timeout_s=0.5) as (gateway, client):
-            engine = await _engine(gateway, engine_id="d0")
-            try:
+            async with serving(gateway, engine_id="d0"):
                 started = time.monotonic()
                 busy = asyncio.create_task(client.post("/v1/chat/completions", json=chat(chat_template=TEMPLATE_BOMB)))
                 latencies = await _health_latencies(client, busy)
@@ -103,8 +109,6 @@ def test_template_bomb_times_out_without_blocking_health(tiny_model, tokenizatio
                 assert error["code"] == "preprocessing_timeout" and "0.5s" in error["message"]
                 assert time.monotonic() - started < 2.0
                 assert max(latencies) < 1.0, latencies
-            finally:
-                engine.close()
     run(scenario())
 
 
@@ -113,8 +117,7 @@ def test_saturated_preprocessing_is_503_with_retry_after(tiny_model, tokenizatio
     async def scenario():
         async with router_app(tiny_model, tokenization, allow_request_chat_template=True, num_preprocess_threads=1,
                               preprocess_timeout_s=1.0) as (gateway, client):
-            engine = await _engine(gateway, engine_id="d0")
-            try:
+            async with serving(gateway, engine_id="d0"):
                 runaway = asyncio.create_task(client.post("/v1/chat/completions",
                                                           json=chat(chat_template=TEMPLATE_BOMB)))
                 await asyncio.sleep(0.2)
@@ -125,8 +128,6 @@ def test_saturated_preprocessing_is_503_with_retry_after(tiny_model, tokenizatio
                 assert refused.headers["Retry-After"] == "1"
                 assert_openai_error(await runaway, 400)
                 assert_openai_error(await queued, 400)
-            finally:
-                engine.close()
     run(scenario())
 
 
@@ -135,8 +136,7 @@ def test_saturated_preprocessing_is_503_with_retry_after(tiny_model, tokenizatio
 def test_request_chat_template_is_refused_unless_allowed(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engine = await _engine(gateway, engine_id="d0")
-            try:
+            async with serving(gateway, engine_id="d0"):
                 for body in (chat(chat_template="{{ 1 }}"), chat(chat_template_kwargs={"chat_template": "{{ 1 }}"})):
                     error = assert_openai_error(await client.post("/v1/chat/completions", json=body), 400)
                     assert "--allow-request-chat-template" in error["message"]
@@ -145,24 +145,18 @@ def test_request_chat_template_is_refused_unless_allowed(tiny_model, tokenizatio
                 assert "tokenize" in error["message"] and error["param"] == "chat_template_kwargs"
                 variables = chat(chat_template_kwargs={"enable_thinking": False})
                 assert (await client.post("/v1/chat/completions", json=variables)).status_code == 200
-            finally:
-                engine.close()
         async with router_app(tiny_model, tokenization, allow_request_chat_template=True) as (gateway, client):
-            engine = await _engine(gateway, engine_id="d0")
-            try:
+            async with serving(gateway, engine_id="d0"):
                 body = chat(chat_template="{{ messages[0]['content'] }} there", return_token_ids=True)
                 answer = (await client.post("/v1/chat/completions", json=body)).json()
                 assert answer["prompt_token_ids"] == tokenization.tokenizer.encode("hi there", add_special_tokens=False)
-            finally:
-                engine.close()
     run(scenario())
 
 
 def test_lone_surrogates_are_400_naming_the_field(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engine = await _engine(gateway, engine_id="d0")
-            try:
+            async with serving(gateway, engine_id="d0"):
                 headers = {"Content-Type": "application/json"}
                 text = await client.post("/v1/completions", headers=headers,
                                          content=b'{"prompt": "abc\\ud800", "max_tokens": 2}')
@@ -174,22 +168,17 @@ def test_lone_surrogates_are_400_naming_the_field(tiny_model, tokenization):
                 pair = await client.post("/v1/completions", headers=headers,
                                          content=b'{"prompt": "a\\ud83d\\ude00", "max_tokens": 2}')
                 assert pair.status_code == 200, pair.text
-            finally:
-                engine.close()
     run(scenario())
 
 
 def test_logit_bias_is_refused(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engine = await _engine(gateway, engine_id="d0")
-            try:
+            async with serving(gateway, engine_id="d0"):
                 for path, body in (("/v1/completions", completion(logit_bias={"7": 5})),
                                    ("/v1/chat/completions", chat(logit_bias={"7": -100}))):
                     error = assert_openai_error(await client.post(path, json=body), 400)
                     assert error["param"] == "logit_bias" and "not supported" in error["message"]
-            finally:
-                engine.close()
     run(scenario())
 
 
@@ -212,16 +201,13 @@ def test_metrics_and_openapi_need_the_api_key(tiny_model, tokenization):
 def test_429_says_when_to_retry(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization, max_concurrent_requests=1) as (gateway, client):
-            engine = await _engine(gateway, engine_id="d0", token_delay_s=0.05)
-            try:
+            async with serving(gateway, engine_id="d0", token_delay_s=0.05) as engine:
                 first = asyncio.create_task(client.post("/v1/completions", json=completion(max_tokens=10)))
                 await wait_until(lambda: engine.generate_requests(), what="first request admitted")
                 second = await client.post("/v1/completions", json=completion())
                 assert_openai_error(second, 429)
                 assert second.headers["Retry-After"] == "1"
                 assert (await first).status_code == 200
-            finally:
-                engine.close()
     run(scenario())
 
 
@@ -233,8 +219,7 @@ def _requests_counted(gateway, endpoint: str, status: str) -> float:
 def test_every_client_disconnect_is_counted_as_499(tiny_model, tokenization):
     async def scenario():
         async with router_server(tiny_model, tokenization) as (gateway, url):
-            engine = await _engine(gateway, engine_id="d0", token_delay_s=0.2)
-            try:
+            async with serving(gateway, engine_id="d0", token_delay_s=0.2):
                 async with httpx.AsyncClient(base_url=url, timeout=0.1) as client:  # gone before any token
                     for stream in (False, True):
                         with contextlib.suppress(httpx.ReadTimeout):
@@ -247,8 +232,6 @@ def test_every_client_disconnect_is_counted_as_499(tiny_model, tokenization):
                             break
                 await wait_until(lambda: _requests_counted(gateway, "/v1/completions", "499") == 3,
                                  what="three disconnects counted as 499")
-            finally:
-                engine.close()
     run(scenario())
 
 
@@ -264,11 +247,8 @@ def test_a_bad_registration_does_not_stop_registration(tiny_model, tokenization)
                              max_model_len=512, vocab_size=1024)
             dealer.send_multipart(encode(bogus))
             await asyncio.sleep(0.3)
-            engine = await _engine(gateway, engine_id="d0")
-            try:
+            async with serving(gateway, engine_id="d0"):
                 assert (await client.post("/v1/completions", json=completion())).status_code == 200
-            finally:
-                engine.close()
                 dealer.close(linger=0)
                 context.term()
     run(scenario())
