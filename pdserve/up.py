@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pdserve.router_cli import resolve_model
 from pdserve.supervisor import Component, ComponentFailed, RestartPolicy, Supervisor, log_tail
-from pdserve.trust import default_cluster_keys
+from pdserve.trust import curve_dir_for, default_cluster_keys
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
@@ -92,10 +92,9 @@ def trust_flags(args: argparse.Namespace) -> list[str]:
 def resolve_keys(args: argparse.Namespace) -> None:
     """CURVE on every plane unless --insecure: --curve-dir, or keys made on first start (every address
     `up` gives its components is loopback, so --insecure is allowed here)."""
-    if args.curve_dir and args.insecure:
-        raise ValueError("--curve-dir and --insecure contradict each other: pass one of them")
     if not args.insecure and not args.curve_dir:
         args.curve_dir = str(default_cluster_keys())
+    args.curve_dir = curve_dir_for(args, [])  # refuses both flags at once; warns under --insecure
 
 
 def router_component(args: argparse.Namespace, model: str, name: str) -> Component:

@@ -28,16 +28,12 @@ class Preprocessor:
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="pdserve-preprocess")
 
-    def can_submit(self) -> bool:
-        with self._lock:
-            return self.num_jobs < self.max_jobs
-
     async def run(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on a pool thread; its exceptions (400s) propagate; over the time limit: 400."""
-        if not self.can_submit():
-            raise PreprocessingBusy(f"all {self.max_jobs} tokenizer slots are taken by requests still being "
-                                    "rendered or tokenized: retry later")
         with self._lock:
+            if self.num_jobs >= self.max_jobs:
+                raise PreprocessingBusy(f"all {self.max_jobs} tokenizer slots are taken by requests still being "
+                                        "rendered or tokenized: retry later")
             self.num_jobs += 1
         future = self._executor.submit(fn, *args)
         future.add_done_callback(self._finished)
