@@ -12,6 +12,8 @@ pdserve.control.protocol; Abort and Error serve the KV link too.
                                                  engine tells the router its KV address and limits)
     either -> router          Register          (on the router's registration socket, with EngineStats
                                                  every heartbeat; Deregister when it stops)
+    router -> decode engine   KVPeers           (answer on the registration socket: the KV addresses of
+                                                 the registered prefill engines, the only ones it pulls from)
 
 Requests carry their SamplingParams (control.sampling_params) whole, as vLLM's EngineCoreRequest does,
 but stop strings and detokenization are the router's: engines see token ids only. The engine's
@@ -123,6 +125,17 @@ class Deregister(Message, type_name="deregister"):
 
     engine_id: str = Field(max_length=MAX_ID_LEN)
     control_address: str = Field(max_length=1024)
+
+
+MAX_KV_PEERS = 1024
+
+
+class KVPeers(Message, type_name="kv_peers"):
+    """Router -> decode engine, on the registration link the decode engine opened: the KV addresses of
+    every prefill engine registered now. A decode engine pulls KV only from these (and from its
+    --kv-peer addresses), never from an address that a control message alone names."""
+
+    kv_addresses: Annotated[tuple[Annotated[str, Field(max_length=1024)], ...], max_items(MAX_KV_PEERS)]
 
 
 class Abort(Message, type_name="abort"):

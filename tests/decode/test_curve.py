@@ -26,7 +26,7 @@ def test_encrypted_cluster_serves_key_holders_only(model_factory, tmp_path):
     keys = write_cluster_keys(tmp_path / "keys")
     curve = ("--curve-dir", str(keys))
     prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, *curve, log_dir=tmp_path)
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *curve, log_dir=tmp_path)
+    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *curve, *prefill.kv_peer_args(), log_dir=tmp_path)
     driver = Driver(decode, prefill, curve=load_cluster_keys(keys).client)
     try:
         results = driver.generate(PROMPTS[:3], **GREEDY)

@@ -32,7 +32,7 @@ def run_pair(model_factory, tmp_path, fault=None, decode_args=KV_TIMEOUT, prefil
     fault_args = ("--fault", fault) if fault else ()
     prefill = EngineProcess("prefill", prefill_model or model_dir, *ENGINE_ARGS, "--kv-streaming", "on",
                             *prefill_args, *fault_args, log_dir=tmp_path, **launch)
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *decode_args, log_dir=tmp_path)
+    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *prefill.kv_peer_args(), *decode_args, log_dir=tmp_path)
     return prefill, decode, Driver(decode, prefill)
 
 
@@ -135,7 +135,8 @@ def test_prefill_frees_its_blocks_when_decode_dies_or_hangs(model_factory, tmp_p
         assert time.monotonic() - started < 10, "P must free within its lease / KVWant bounds"
         assert stats.num_running == stats.num_waiting == 0
         decode.kill()
-        replacement = EngineProcess("decode", model_factory("llama"), *ENGINE_ARGS, *KV_TIMEOUT, log_dir=tmp_path)
+        replacement = EngineProcess("decode", model_factory("llama"), *ENGINE_ARGS, *KV_TIMEOUT,
+                                    *prefill.kv_peer_args(), log_dir=tmp_path)
         driver.close()
         driver = Driver(replacement, prefill)
         results = driver.generate(PROMPTS[:3], prefix="after", **GREEDY)

@@ -44,8 +44,10 @@ def test_api_key_is_required(cluster, client):
     assert httpx.get(f"{cluster.url}/health").json() == {"status": "ok", "engines": {"prefill": 0, "decode": 1}}
 
 
-def test_every_sampling_parameter_reaches_the_engine(client, offline):
-    """Seeded sampling with every knob set: the same tokens as the offline engine with the same knobs."""
+def test_seeded_sampling_with_every_knob_equals_the_offline_engine(client, offline):
+    """Seeded sampling with every knob set: the same tokens as the offline engine with the same knobs.
+    That each knob arrives at all is checked where the engine's input is visible:
+    test_engines_and_failures.py::test_every_sampling_parameter_reaches_the_engine_as_sent."""
     knobs = {"temperature": 0.8, "top_p": 0.9, "seed": 3, "presence_penalty": 0.2, "frequency_penalty": 0.1}
     extra = {"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 4, "ignore_eos": True,
              "return_token_ids": True}
