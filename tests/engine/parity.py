@@ -27,7 +27,8 @@ LOGPROB_TOLERANCE = 1e-4
 def assert_greedy_match(ours: list[int], theirs: list[int], logits: list[torch.Tensor], label: str,
                         our_logprobs: list[dict[int, float]] | None = None) -> None:
     """Equal token for token; at the first difference, transformers' top-2 logits must be a near tie
-    (then the continuations legitimately diverge and comparison stops). With our_logprobs, each
+    and pdserve's token transformers' second choice (then the continuations legitimately diverge and
+    comparison stops). With our_logprobs, each
     chosen token's logprob must also equal transformers' log_softmax (catches small numeric bugs that
     do not flip an argmax)."""
     for step, (a, b) in enumerate(zip(ours, theirs)):
@@ -39,8 +40,12 @@ def assert_greedy_match(ours: list[int], theirs: list[int], logits: list[torch.T
                     f"{label}: step {step} logprob of token {a} is {got:.6f}, transformers {expected:.6f}"
                 )
             continue
-        top2 = torch.topk(logits[step].float(), 2).values
-        gap = float(top2[0] - top2[1])
+        top2 = torch.topk(logits[step].float(), 2)
+        gap = float(top2.values[0] - top2.values[1])
         assert gap < TIE_GAP, f"{label}: step {step} pdserve chose {a}, transformers {b} (top-2 gap {gap:.2e})"
+        assert a == int(top2.indices[1]), (
+            f"{label}: step {step} pdserve chose {a}, which is not transformers' second choice "
+            f"{int(top2.indices[1])} of the near tie"
+        )
         return
     assert len(ours) == len(theirs), f"{label}: {len(ours)} tokens vs transformers' {len(theirs)}"
