@@ -115,7 +115,8 @@ async def warm_up_and_measure(session, target: LoadTarget, samples: list[SampleR
     measured = samples[args.warmup:]
     offsets = arrival_offsets(len(measured), args.request_rate, args.burstiness, args.seed)
     with tqdm(total=len(measured), desc="pdserve bench", unit="req", file=sys.stderr,
-              disable=args.disable_progress, dynamic_ncols=True) as progress:
+              disable=True if args.disable_progress else None,  # None: off when stderr is no terminal
+              dynamic_ncols=True) as progress:
         return await run_load(session, target, measured, offsets, args.max_concurrency,
                               on_done=lambda result: progress.update(1))
 
