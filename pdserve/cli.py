@@ -64,6 +64,11 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_model_args(up)
     add_router_args(up, standalone=False)
     add_up_args(up)
+    from pdserve.bench.serve import add_bench_args
+
+    bench = commands.add_parser("bench", help="send an online load to an OpenAI-compatible server and measure "
+                                               "TTFT, TPOT, ITL, E2EL, throughput and goodput")
+    add_bench_args(bench)
     return parser
 
 
@@ -100,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.up import run_up
 
             return run_up(args)
+        if args.command == "bench":
+            from pdserve.bench.serve import run_bench
+
+            return run_bench(args)
     except (ValueError, MemoryError, FileNotFoundError) as exc:
         # Our errors name the problem and the fix; a traceback would only bury that.
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
