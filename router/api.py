@@ -58,6 +58,10 @@ def _error_response(gateway: Gateway, request: Request, error: APIError) -> JSON
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     problems, param = [], None
     for error in exc.errors():
+        if error.get("type") == "json_invalid":  # loc is ("body", character offset), not a field
+            detail = error.get("ctx", {}).get("error", "")
+            return (f"the request body is not valid JSON ({detail} at character {error['loc'][-1]}): "
+                    "send one JSON object"), None
         location = [str(part) for part in error.get("loc", ()) if part != "body"]
         param = param or (location[0] if location else None)
         problems.append(f"{'.'.join(location) or 'body'}: {error.get('msg', 'invalid')}")

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from pdserve.local_cluster import Driver, EngineProcess
-from tests.router.conftest import REPO
+from tests.router.conftest import REPO, assert_openai_error
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.checks import not_a_server_error  # noqa: E402
@@ -125,3 +125,28 @@ def test_fuzzed_requests_get_no_5xx_and_leave_the_cluster_whole(cluster):
         driver.close()
     assert decode_stats.kv_blocks_used == 0 and prefill_stats.kv_blocks_used == 0, (decode_stats, prefill_stats)
     assert decode_stats.num_running == decode_stats.num_waiting == 0
+
+
+# ---- what fuzzing the API turned up ----
+
+def post_raw(url: str, body: bytes) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", content=body, timeout=30,
+                      headers={**AUTH, "Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_named_as_not_finite(cluster, literal):
+    """Python's JSON parser takes these literals; they were refused as out of range ("must be >= 0" for NaN)."""
+    router = cluster[0]
+    response = post_raw(router.url, f'{{"prompt": "hi", "max_tokens": 1, "temperature": {literal}}}'.encode())
+    error = assert_openai_error(response, 400, type_="invalid_request_error")
+    assert "temperature" in error["message"] and "finite number" in error["message"], error
+    assert error["param"] == "temperature"
+
+
+def test_a_body_that_is_not_json_is_named_so(cluster):
+    """It was "invalid request: 17: JSON decode error", with param "17" (a character offset, not a field)."""
+    router = cluster[0]
+    error = assert_openai_error(post_raw(router.url, b'{"prompt": "hi",,}'), 400, type_="invalid_request_error")
+    assert error["message"].startswith("the request body is not valid JSON (") and "at character 16" in error["message"]
+    assert error["param"] is None
