@@ -2,9 +2,10 @@
 `pdserve router` process with one prefill and one decode engine process on a tiny model.
 
 Every operation gets valid bodies (they run on the engines) and invalid ones (they must be refused
-with a 4xx). Asserted: no 5xx answer (nor a server error inside a streamed 200), the engine processes are still the same live ones, the
-router's /health is green, and every KV block is free on both engines afterwards. Bounded for CI
-(a few dozen examples per operation, derandomized so that a failure reproduces); `pytest -m fuzz`."""
+with a 4xx). Asserted: no 5xx answer (nor a server error inside a streamed 200), the engine processes
+are still the same live ones, the router's /health is green, and every KV block is free on both
+engines afterwards. Bounded for CI (a few dozen examples per operation, derandomized so that a
+failure reproduces); `pytest -m fuzz`."""
 
 from __future__ import annotations
 
@@ -17,14 +18,13 @@ import time
 
 import httpx
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.generation import GenerationMode
 
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.router.conftest import REPO, assert_openai_error
-
-schemathesis = pytest.importorskip("schemathesis")
-from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.generation import GenerationMode  # noqa: E402
 
 pytestmark = pytest.mark.fuzz
 
@@ -43,9 +43,9 @@ class RouterProcess:
                    "--registration-address", "none", "--prefill", prefill.addresses["control"],
                    "--decode", decode.addresses["control"], "--insecure", "--api-key", API_KEY,
                    "--stats-interval", "0.2", "--log-level", "warning"]
-        self.log_path = log_path
-        self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=open(log_path, "w"),
-                                        text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        self.log_path, self.log = log_path, open(log_path, "w")  # noqa: SIM115 (the process writes it until stop)
+        self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                        env={**os.environ, "PYTHONPATH": str(REPO)})
         line = self.process.stdout.readline()
         if not line.startswith("PDSERVE_READY role=router"):
             self.stop()
@@ -61,6 +61,7 @@ class RouterProcess:
                 self.process.kill()
                 self.process.wait()
         self.process.stdout.close()
+        self.log.close()
 
 
 def health(url: str) -> httpx.Response:
