@@ -160,3 +160,13 @@ def test_a_body_that_is_not_json_is_named_so(cluster):
     error = assert_openai_error(post_raw(router.url, b'{"prompt": "hi",,}'), 400, type_="invalid_request_error")
     assert error["message"].startswith("the request body is not valid JSON (") and "at character 16" in error["message"]
     assert error["param"] is None
+
+
+@pytest.mark.parametrize("body, cause", [(b'{"prompt": "\xff"}', "UnicodeDecodeError"),
+                                         (b'{"prompt": "hi", "n": ' + b"9" * 5000 + b"}", "ValueError"),
+                                         (b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", "RecursionError")],
+                         ids=["not UTF-8", "an integer of 5000 digits", "nested 5000 deep"])
+def test_a_body_that_cannot_be_parsed_says_why(cluster, body, cause):
+    """It was "There was an error parsing the body", whatever the reason."""
+    error = assert_openai_error(post_raw(cluster[0].url, body), 400, type_="invalid_request_error")
+    assert error["message"].startswith(f"the request body could not be read as JSON ({cause}: "), error
