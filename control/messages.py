@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import FailFast, Field
 
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.schema import (
@@ -42,7 +42,9 @@ from pdserve.control.schema import (
 )
 
 Count = Annotated[int, Field(ge=0, le=UINT64_MAX)]
-TokenIds = Annotated[tuple[TokenId, ...], max_items(MAX_TOKENS)]  # a list is stored as a tuple
+# A list is stored as a tuple. FailFast: the first bad item is the error; a million bad ids in a header
+# at the size cap would otherwise make a million errors (seconds of an engine's loop).
+TokenIds = Annotated[tuple[TokenId, ...], FailFast(), max_items(MAX_TOKENS)]
 TokenLogprobs = Annotated[dict[WireInt, float], max_items(MAX_DICT_ITEMS)]  # {token_id: logprob} of one token
 
 
@@ -64,7 +66,7 @@ class TokenDelta(Message, type_name="token_delta"):
 
     request_id: str = Field(max_length=MAX_ID_LEN)
     token_ids: TokenIds = ()
-    logprobs: Annotated[tuple[TokenLogprobs, ...], max_items(MAX_TOKENS)] = ()
+    logprobs: Annotated[tuple[TokenLogprobs, ...], FailFast(), max_items(MAX_TOKENS)] = ()
     finish_reason: Literal["stop", "length", "abort", "error"] | None = None
     stop_reason: WireInt | None = None
     error: str | None = None
