@@ -2,14 +2,18 @@
 straight into the blocks the scheduler allocated, verifies them and acks.
 
 One DEALER link per prefill engine (opened on first use, Hello + fingerprint first). Everything runs on
-the engine loop's thread: `receive()` drains the links between steps and ends transfers that timed out.
+the engine loop's thread and nothing on it waits for a peer: what a link cannot take yet (it is still
+connecting) waits in the link's outbox, `receive()` retries it between steps, and a link that takes
+nothing for CONNECT_TIMEOUT_S fails the transfers waiting on it (they are recomputed or fail) and is
+dropped. `receive()` also drains the links and ends transfers that timed out.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +31,14 @@ from pdserve.control.sockets import ClientSocket
 
 log = logging.getLogger("pdserve.decode.transfer_side")
 
-SEND_TIMEOUT_S = 2.0
+CONNECT_TIMEOUT_S = 2.0  # a message a link has not taken by then fails its transfer
+
+
+@dataclass
+class _Outgoing:
+    msg: Hello | KVWant
+    incoming: IncomingTransfer | None  # the transfer a KVWant asks for
+    queued: float  # time.monotonic()
 
 
 @dataclass
@@ -35,6 +46,7 @@ class _PrefillLink:
     address: str
     client: ClientSocket
     refused: str | None = None  # why the prefill engine refused the link (layout mismatch ...)
+    outbox: deque[_Outgoing] = field(default_factory=deque)  # not taken yet, in order
 
 
 class DecodeTransferSide(KVTransferSide):
@@ -62,38 +74,70 @@ class DecodeTransferSide(KVTransferSide):
     # ---- asked by the scheduler side ----
 
     def ask(self, incoming: IncomingTransfer) -> None:
-        """Send the KVWant (opening the link first if this is its first request)."""
+        """Send the KVWant (opening the link first if this is its first request), without waiting."""
         try:
             link = self._link(incoming.address)
-            link.client.send(KVWant(request_id=incoming.request_id, skip_tokens=incoming.skip_tokens,
-                                    num_tokens=incoming.num_tokens), timeout=SEND_TIMEOUT_S)
         except WireError as exc:
             self._fail(incoming, f"cannot reach prefill engine {incoming.address}: {exc}")
+            return
+        want = KVWant(request_id=incoming.request_id, skip_tokens=incoming.skip_tokens, num_tokens=incoming.num_tokens)
+        link.outbox.append(_Outgoing(want, incoming, time.monotonic()))
+        self._flush(link)
 
     def abort(self, incoming: IncomingTransfer, reason: str) -> None:
-        """Tell the prefill engine to stop and free its side."""
+        """Tell the prefill engine to stop and free its side (a KVWant it never took is withdrawn)."""
         link = self._links.get(incoming.address)
         if link is not None:
+            link.outbox = deque(item for item in link.outbox if item.incoming is not incoming)
             self._send_quietly(link, Abort(request_id=incoming.request_id, reason=reason))
 
     def _link(self, address: str) -> _PrefillLink:
         link = self._links.get(address)
         if link is None:
             # no KVLayer frame can be larger than our whole cache: a bigger one drops the link
-            client = ClientSocket(address, curve=self.curve, send_timeout=SEND_TIMEOUT_S,
-                                  max_message_bytes=self.writer.kv_cache.nbytes)
+            client = ClientSocket(address, curve=self.curve, max_message_bytes=self.writer.kv_cache.nbytes)
             link = _PrefillLink(address, client)
             self._links[address] = link
-            client.send(Hello(fingerprint=self.fingerprint.to_dict(), role="decode", engine_id=self.engine_id))
+            hello = Hello(fingerprint=self.fingerprint.to_dict(), role="decode", engine_id=self.engine_id)
+            link.outbox.append(_Outgoing(hello, None, time.monotonic()))
         if link.refused:
             raise KVTransferError(f"the link was refused: {link.refused}")
         return link
 
+    def _flush(self, link: _PrefillLink) -> None:
+        """Hand the link's outbox to its socket in order, as far as it takes it now; a message it has not
+        taken for CONNECT_TIMEOUT_S drops the link and fails every transfer waiting on it."""
+        while link.outbox:
+            head = link.outbox[0]
+            try:
+                link.client.send(head.msg, timeout=0)
+            except WireError as exc:
+                if time.monotonic() - head.queued > CONNECT_TIMEOUT_S:
+                    self._drop_link(link, f"cannot reach prefill engine {link.address} within "
+                                          f"{CONNECT_TIMEOUT_S:g}s: {exc}")
+                return
+            link.outbox.popleft()
+
+    def _drop_link(self, link: _PrefillLink, reason: str) -> None:
+        for item in link.outbox:
+            if item.incoming is not None and item.incoming.state is IncomingState.RECEIVING:
+                self._fail(item.incoming, reason)
+        link.outbox.clear()
+        for incoming in list(self.transfers.values()):  # asked on this link, no KV yet: it will not come
+            if incoming.address == link.address and incoming.state is IncomingState.RECEIVING:
+                self._fail(incoming, reason)
+        link.client.close()
+        del self._links[link.address]
+
     # ---- incoming ----
 
     def receive(self) -> None:
-        """Handle every message waiting on any link, then end the transfers that timed out."""
+        """Send what links can take now, handle every message waiting on any link, then end the transfers
+        that timed out."""
         for link in list(self._links.values()):
+            self._flush(link)
+            if link.address not in self._links:
+                continue
             while True:
                 try:
                     received = link.client.recv(timeout=0)

@@ -24,7 +24,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="never capture CUDA graphs: run every decode step eagerly (graphs exist only on CUDA)")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -73,7 +73,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "demo-model":
             from pdserve.demo_model import make_demo_model

@@ -6,11 +6,11 @@ import pytest
 
 from pdserve.bench.serve import base_url_of, check_args, parse_goodput
 from pdserve.bench.serve_results import METRIC_KEYS, parse_metadata
-from pdserve.cli import _build_parser
+from pdserve.cli import build_parser
 
 
 def bench_args(*argv: str):
-    return _build_parser().parse_args(["bench", *argv])
+    return build_parser().parse_args(["bench", *argv])
 
 
 def test_goodput_slos_are_parsed_in_milliseconds():

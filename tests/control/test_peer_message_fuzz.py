@@ -41,10 +41,15 @@ SHORT_TIMEOUTS = {"prefill": ("--kv-want-timeout", "1", "--kv-lease", "1"), "dec
 def engines(tiny_model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("peer-fuzz")
     prefill = EngineProcess("prefill", tiny_model_dir, *ENGINE_ARGS, *SHORT_TIMEOUTS["prefill"], log_dir=log_dir)
-    decode = EngineProcess("decode", tiny_model_dir, *ENGINE_ARGS, *SHORT_TIMEOUTS["decode"], log_dir=log_dir)
+    trusted = [arg for address in DEAD_KV_ADDRESSES for arg in ("--kv-peer", address)]  # listed, but down
+    decode = EngineProcess("decode", tiny_model_dir, *ENGINE_ARGS, *SHORT_TIMEOUTS["decode"], *prefill.kv_peer_args(),
+                           *trusted, log_dir=log_dir)
     yield prefill, decode
     decode.stop()
     prefill.stop()
+
+
+DEAD_KV_ADDRESSES = [f"tcp://127.0.0.1:{port}" for port in (1, 2, 3)]
 
 
 @pytest.fixture(scope="module")
@@ -131,26 +136,30 @@ def test_any_sequence_of_messages_leaves_the_engines_serving_and_leak_free(engin
     assert decode_stats.num_running == decode_stats.num_waiting == decode_stats.num_waiting_for_remote_kv == 0
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="decode/transfer_side.py sends the KVWant to a prefill engine it cannot reach "
-                                       "on the engine loop, which waits out the 2 s send timeout (issue #12, item 2: "
-                                       "pull KV only from known prefill engines; or send without waiting)")
 def test_a_request_naming_an_unreachable_prefill_engine_does_not_stall_decoding(engines):
-    """Found by the fuzzing above: three GenerateRequests naming dead KV addresses held every other request for 6 s."""
+    """Found by the fuzzing above: three GenerateRequests naming dead KV addresses held every other request for 6 s.
+    The addresses are trusted (--kv-peer) here, so the decode engine does try them: without waiting."""
     _, decode = engines
     driver = Driver(decode)
     try:
         driver.generate(PROMPTS[:1], remote=False, prefix="warm", **GREEDY)
-        for port in (1, 2, 3):
-            driver.decode.send(GenerateRequest(request_id=f"dead-{port}", prompt_token_ids=PROMPTS[0],
-                                               sampling_params=SamplingParams(**GREEDY),
-                                               prefill_kv_address=f"tcp://127.0.0.1:{port}"))
+        for i, address in enumerate(DEAD_KV_ADDRESSES):
+            driver.decode.send(GenerateRequest(request_id=f"dead-{i}", prompt_token_ids=PROMPTS[0],
+                                               sampling_params=SamplingParams(**GREEDY), prefill_kv_address=address))
         started = time.monotonic()
         driver.submit("local", PROMPTS[1], remote=False, **GREEDY)
         while (received := driver.decode.recv(timeout=0.05)) is None or getattr(received.msg, "request_id", None) != "local" \
                 or received.msg.finish_reason is None:
             assert time.monotonic() - started < 30
         elapsed = time.monotonic() - started
-        driver.wait_idle(timeout_s=10)
+        failed_before = driver.decode_stats().num_kv_transfers_failed
+        stats, _ = driver.wait_idle(timeout_s=10)
+        deadline = time.monotonic() + 10
+        while stats.num_kv_transfers_failed < failed_before + 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            stats = driver.decode_stats()
     finally:
         driver.close()
     assert elapsed < 1.0, f"a local request took {elapsed:.1f}s behind three requests naming dead prefill engines"
+    assert stats.num_kv_transfers_failed >= 3, "the three were tried on their (dead) links and failed, then recomputed"
+    assert stats.kv_blocks_used == 0 and stats.num_waiting_for_remote_kv == 0

@@ -23,6 +23,18 @@ NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 2, 4, 4, 2, 8
 PROMPT_LEN = 8  # two blocks
 
 
+def recv_flushing(server: ServerSocket, side: DecodeTransferSide, timeout_s: float = 5.0):
+    """The next message D sends to `server`: D's loop (side.receive) hands its links' outboxes to the
+    sockets once they connect, so it goes round meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        side.receive()
+        received = server.recv(timeout=0.02)
+        if received is not None:
+            return received
+    raise TimeoutError(f"the decode side sent nothing to {server.address} within {timeout_s}s")
+
+
 @pytest.fixture
 def pair():
     """(decode scheduler side, decode transfer side, stand-in prefill server, D's peer id there)."""
@@ -35,10 +47,10 @@ def pair():
     request = Request("r", list(range(PROMPT_LEN)), SamplingParams(max_tokens=2), max_tokens=2)
     request.prefill_kv_address = prefill.address
     scheduler_side.on_blocks_allocated(request, [3, 1], PROMPT_LEN)
-    hello = prefill.recv(timeout=5)
+    hello = recv_flushing(prefill, side)
     assert isinstance(hello.msg, Hello)
     prefill.send(hello.peer_id, HelloAck(ok=True))
-    assert isinstance(prefill.recv(timeout=5).msg, KVWant)
+    assert isinstance(recv_flushing(prefill, side).msg, KVWant)
     yield scheduler_side, side, prefill, hello.peer_id
     side.close()
     prefill.close()
@@ -100,9 +112,9 @@ def _open_second_link(scheduler_side, request_id: str) -> tuple[ServerSocket, by
     request = Request(request_id, list(range(PROMPT_LEN)), SamplingParams(max_tokens=2), max_tokens=2)
     request.prefill_kv_address = other.address
     scheduler_side.on_blocks_allocated(request, [0, 2], PROMPT_LEN)
-    hello = other.recv(timeout=5)
+    hello = recv_flushing(other, scheduler_side.transfer_side)
     other.send(hello.peer_id, HelloAck(ok=True))
-    assert isinstance(other.recv(timeout=5).msg, KVWant)
+    assert isinstance(recv_flushing(other, scheduler_side.transfer_side).msg, KVWant)
     return other, hello.peer_id
 
 

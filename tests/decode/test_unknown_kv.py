@@ -13,6 +13,7 @@ from pdserve.engine.request import Request, SamplingParams
 from pdserve.kvtransfer.fingerprint import LayoutFingerprint
 from pdserve.kvtransfer.messages import Hello, HelloAck, KVDone, KVLayer, KVWant
 from pdserve.control.sockets import ServerSocket
+from tests.decode.test_incoming_states import recv_flushing
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 2, 4, 4, 2, 8
 
@@ -29,10 +30,10 @@ def test_kv_for_a_request_nobody_asked_for_is_dropped(caplog):
     asked.prefill_kv_address = prefill.address
     try:
         scheduler_side.on_blocks_allocated(asked, [0], 4)  # D opens the link with Hello, then asks
-        hello = prefill.recv(timeout=5)
+        hello = recv_flushing(prefill, side)
         assert isinstance(hello.msg, Hello)
         prefill.send(hello.peer_id, HelloAck(ok=True))
-        assert isinstance(prefill.recv(timeout=5).msg, KVWant)
+        assert isinstance(recv_flushing(prefill, side).msg, KVWant)
         msg, payload = KVLayer.from_tensor(torch.randn(NUM_LAYERS, 2, 4, KV_HEADS, HEAD_DIM), request_id="nobody",
                                            layer_start=0, token_start=0)
         prefill.send(hello.peer_id, msg, payload)

@@ -12,7 +12,7 @@ import pytest
 import tomllib
 import yaml
 
-from pdserve.cli import _build_parser
+from pdserve.cli import build_parser
 from pdserve.up import engine_components, split_cpus
 from tests.router.conftest import REPO
 
@@ -29,7 +29,7 @@ def load_compose(name: str) -> dict:
 
 
 def parse_command(command: list[str]) -> Namespace:
-    return _build_parser().parse_args([interpolate(part) for part in command])
+    return build_parser().parse_args([interpolate(part) for part in command])
 
 
 def option(command: list[str], flag: str) -> str:
@@ -103,11 +103,11 @@ def test_dockerfile_installs_every_package_and_runs_pdserve():
     for folder in package_dirs.values():
         assert f"COPY {folder} ./{folder}" in dockerfile, f"the image lacks the {folder} folder"
     cmd = re.search(r"^CMD (\[.*\])$", dockerfile, re.M).group(1)
-    assert _build_parser().parse_args(yaml.safe_load(cmd)).command == "up"
+    assert build_parser().parse_args(yaml.safe_load(cmd)).command == "up"
 
 
 def up_args(*argv: str) -> Namespace:
-    return _build_parser().parse_args(["up", *argv])
+    return build_parser().parse_args(["up", *argv])
 
 
 def test_up_plans_pinned_cpu_engines_on_disjoint_cores(monkeypatch):
@@ -117,7 +117,7 @@ def test_up_plans_pinned_cpu_engines_on_disjoint_cores(monkeypatch):
     components = engine_components(up_args("--prefill", "1", "--decode", "2", "--pin-cpus"), "/m", "tcp://r:1")
     assert [c.cpus for c in components] == [[0, 1], [2, 3], [4, 5]]
     for component in components:
-        parsed = _build_parser().parse_args(component.command[3:])  # after `python -m pdserve`
+        parsed = build_parser().parse_args(component.command[3:])  # after `python -m pdserve`
         assert parsed.router_address == "tcp://r:1" and parsed.model == "/m"
         assert component.env["OMP_NUM_THREADS"] == str(len(component.cpus))
     assert [c.name for c in components] == ["prefill-0", "decode-0", "decode-1"]
@@ -129,7 +129,7 @@ def test_up_plans_one_gpu_per_engine():
     pinned = engine_components(up_args("--device", "cuda", "--prefill-devices", "3", "--decode-devices", "5,6"),
                                "/m", "tcp://r:1")
     assert [c.env["CUDA_VISIBLE_DEVICES"] for c in pinned] == ["3", "5"]
-    assert all(_build_parser().parse_args(c.command[3:]).device == "cuda" for c in pinned)
+    assert all(build_parser().parse_args(c.command[3:]).device == "cuda" for c in pinned)
 
 
 def test_up_exits_nonzero_with_the_log_of_a_component_that_dies_at_start(tmp_path):
