@@ -64,6 +64,10 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_model_args(up)
     add_router_args(up, standalone=False)
     add_up_args(up)
+    from pdserve.bench.sweep_args import add_sweep_args
+
+    sweep = commands.add_parser("sweep", help="benchmark xPyD layouts of `pdserve up` across loads; CSV and plots")
+    add_sweep_args(sweep)
     return parser
 
 
@@ -100,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.up import run_up
 
             return run_up(args)
+        if args.command == "sweep":
+            from pdserve.bench.sweep import run_sweep
+
+            return run_sweep(args)
     except (ValueError, MemoryError, FileNotFoundError) as exc:
         # Our errors name the problem and the fix; a traceback would only bury that.
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
