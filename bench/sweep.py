@@ -27,7 +27,7 @@ from pdserve.bench.sweep_results import (
     summary_row,
     write_csv,
 )
-from pdserve.bench.sweep_runs import BenchOptions, run_bench
+from pdserve.bench.sweep_runs import BenchOptions, run_bench, warm_up
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,8 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
     """Every check before any process starts: a mistake costs nothing yet."""
     layouts = parse_layouts(args.configs)
     externals = [parse_external(text) for text in args.base_url]
+    if not layouts and not externals:
+        raise ValueError("nothing to benchmark: list --configs (e.g. 1P1D 0P2D) or --base-url NAME=URL")
     slos = parse_slos(args.goodput)
     _check_loads(args, slos)
     if not args.no_plots:
@@ -59,7 +61,7 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
                           shlex.split(args.up_args), args.api_key, args.startup_timeout)
     dataset_args = [item for flag in DATASET_FLAGS if getattr(args, _dest(flag)) is not None
                     for item in (flag, str(getattr(args, _dest(flag))))]
-    bench = BenchOptions(model, args.num_prompts, dataset_args, list(args.goodput or []), args.ignore_eos,
+    bench = BenchOptions(model, args.num_prompts, args.seed, dataset_args, list(args.goodput or []), args.ignore_eos,
                          args.api_key, shlex.split(args.bench_args), args.metrics_interval, args.run_timeout)
     loads = []  # none: --find-goodput alone
     if args.request_rates or args.max_concurrencies:
@@ -115,28 +117,28 @@ class Sweep:
             self.write_tables()
 
     def run_server(self, url: str, base: RunInfo) -> None:
+        warm_up(self.plan.bench, url, self.args.warmup)
         for index, (rate, concurrency) in enumerate(self.plan.loads):
-            info = replace(base, request_rate=rate, max_concurrency=concurrency)
-            self.run_one(url, info, warmup=self.args.warmup if index == 0 else 0)
+            self.run_one(url, replace(base, request_rate=rate, max_concurrency=concurrency), index)
         if self.args.find_goodput:
             self.search_goodput(url, base)
         elif self.plan.slos:
             self.goodput_from_loads(base)
 
-    def run_one(self, url: str, info: RunInfo, warmup: int = 0) -> dict:
-        row, _ = run_bench(self.plan.bench, url, info, self.runs_dir, self.plan.slos, warmup)
+    def run_one(self, url: str, info: RunInfo, run_index: int) -> dict:
+        row, _ = run_bench(self.plan.bench, url, info, self.runs_dir, self.plan.slos, run_index)
         self.rows.append(row)
         return row
 
     def search_goodput(self, url: str, base: RunInfo) -> None:
+        """Probes at rates of its choosing (no concurrency cap), seeded from this server's listed rates."""
         known = {row["request_rate"]: row["slo_attainment"] for row in self.rows
                  if row["config"] == base.config and row.get("max_concurrency") is None
                  and row.get("slo_attainment") is not None and math.isfinite(row["request_rate"])}
-        warmup = [self.args.warmup if not known else 0]
+        probe_indexes = itertools.count(len(self.plan.loads))
 
         def attainment_at(rate: float) -> float:
-            info = replace(base, phase="search", request_rate=rate)
-            row = self.run_one(url, info, warmup.pop() if warmup else 0)
+            row = self.run_one(url, replace(base, phase="search", request_rate=rate), next(probe_indexes))
             return row["slo_attainment"] or 0.0  # a failed run meets no SLO
 
         search = find_goodput(attainment_at, self.args.goodput_start_rate, known, self.args.goodput_steps)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 
 # flags passed through to `pdserve bench` as they are, when given
-DATASET_FLAGS = ("--dataset", "--dataset-path", "--input-len", "--output-len", "--range-ratio", "--seed",
-                 "--endpoint", "--burstiness")
+DATASET_FLAGS = ("--dataset", "--dataset-path", "--input-len", "--output-len", "--range-ratio", "--endpoint",
+                 "--burstiness")
 
 
 def add_sweep_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--configs", nargs="+", default=["1P1D", "0P2D"], metavar="xPyD",
-                        help="layouts of `pdserve up`: x prefill and y decode engines (0P = colocated)")
+    parser.add_argument("--configs", nargs="*", default=["1P1D", "0P2D"], metavar="xPyD",
+                        help="layouts of `pdserve up`: x prefill and y decode engines (0P = colocated); "
+                             "none with --base-url: only the external servers")
     parser.add_argument("--base-url", action="append", default=[], metavar="NAME=URL",
                         help="an OpenAI-compatible server already running, benchmarked as one more row (repeatable)")
     parser.add_argument("--request-rates", nargs="+", type=float, default=None, metavar="R",
@@ -26,7 +27,9 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=None)
     parser.add_argument("--range-ratio", type=float, default=None)
     parser.add_argument("--burstiness", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the n-th load of every server gets seed + n: the same prompts across servers, "
+                             "new prompts (no prefix-cache hits from earlier runs) across loads")
     parser.add_argument("--endpoint", default=None, help="/v1/completions or /v1/chat/completions")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="exact output lengths (on by default)")
@@ -48,7 +51,7 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--up-args", default="", metavar="'ARGS'",
                         help="more `pdserve up` flags, one string (e.g. '--dtype float32 --insecure')")
     parser.add_argument("--api-key", default=None, help="the API key of the servers (pdserve up gets it too)")
-    parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests before each server's first run")
+    parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests (at once) before each server's first run")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a layout may take to start")
     parser.add_argument("--run-timeout", type=float, default=None, help="seconds one bench run may take")
     parser.add_argument("--metrics-interval", type=float, default=1.0, help="seconds between /metrics samples")

@@ -65,8 +65,8 @@ def counter_deltas(before: dict, after: dict) -> dict[tuple[str, str, str], floa
 def summarize_counters(deltas: dict[tuple[str, str, str], float]) -> dict[str, float | None]:
     summary: dict[str, float | None] = {}
     for sample_name, (field_name, role) in COUNTERS.items():
-        summary[field_name] = sum(v for (name, _, r), v in deltas.items()
-                                  if name == sample_name and (role is None or r == role))
+        summary[field_name] = sum((v for (name, _, r), v in deltas.items()
+                                   if name == sample_name and (role is None or r == role)), 0.0)
     queries = summary["prefix_cache_queries"]
     summary["prefix_cache_hit_rate"] = summary["prefix_cache_hits"] / queries if queries else None
     for role, field_name in (("decode", "mean_kv_transfer_ms"), ("prefill", "mean_exposed_kv_transfer_ms")):

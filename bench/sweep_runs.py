@@ -9,6 +9,8 @@ import math
 import subprocess
 import sys
 import threading
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +26,7 @@ class BenchOptions:
     """What every run of a sweep passes to `pdserve bench`, whatever the server and load."""
     model: str
     num_prompts: int
+    seed: int = 0  # a run's prompts come from seed + its index among the server's runs
     dataset_args: list[str] = field(default_factory=list)  # --dataset ..., --input-len ..., --seed ..., as given
     goodput: list[str] = field(default_factory=list)  # ["ttft:500", "tpot:50"]
     ignore_eos: bool = True
@@ -45,18 +48,16 @@ def run_name(info: RunInfo) -> str:
     return f"{info.config}_{load}{suffix}"
 
 
-def bench_command(options: BenchOptions, url: str, info: RunInfo, result_path: Path, warmup: int = 0) -> list[str]:
+def bench_command(options: BenchOptions, url: str, info: RunInfo, result_path: Path, run_index: int = 0) -> list[str]:
     command = [*BENCH_COMMAND, "--base-url", url, "--model", options.model,
                "--num-prompts", str(options.num_prompts), "--request-rate", format_rate(info.request_rate),
-               *options.dataset_args, "--save-result", str(result_path)]
+               "--seed", str(options.seed + run_index), *options.dataset_args, "--save-result", str(result_path)]
     if info.max_concurrency is not None:
         command += ["--max-concurrency", str(info.max_concurrency)]
     if options.ignore_eos:
         command.append("--ignore-eos")
     if options.goodput:
         command += ["--goodput", *options.goodput]
-    if warmup:
-        command += ["--warmup", str(warmup)]
     if options.api_key:
         command += ["--api-key", options.api_key]
     metadata = [f"config={info.config}", f"rate={format_rate(info.request_rate)}", f"phase={info.phase}"]
@@ -64,11 +65,11 @@ def bench_command(options: BenchOptions, url: str, info: RunInfo, result_path: P
 
 
 def run_bench(options: BenchOptions, url: str, info: RunInfo, runs_dir: Path, slos: dict[str, float],
-              warmup: int = 0) -> tuple[dict, dict | None]:
+              run_index: int = 0) -> tuple[dict, dict | None]:
     """(summary row, bench's JSON or None when it failed); a failed run is a row with its error, not a crash."""
     result_path = runs_dir / f"{run_name(info)}.json"
     result_path.unlink(missing_ok=True)
-    command = bench_command(options, url, info, result_path, warmup)
+    command = bench_command(options, url, info, result_path, run_index)
     print(f"[pdserve sweep] {info.config}: bench at rate {format_rate(info.request_rate)}"
           + (f", concurrency {info.max_concurrency}" if info.max_concurrency is not None else ""), flush=True)
     with RunMetrics(url, options.api_key, options.metrics_interval_s) as metrics:
@@ -90,6 +91,29 @@ def run_bench(options: BenchOptions, url: str, info: RunInfo, runs_dir: Path, sl
         print(f"[pdserve sweep] {info.config}: run failed: {error}", file=sys.stderr, flush=True)
     row = summary_row(info, result, figures, slos, str(result_path) if result is not None else "", error)
     return row, result
+
+
+def warm_up(options: BenchOptions, url: str, count: int, max_tokens: int = 8) -> int:
+    """`count` short completions at once, before a server's first run and outside its /metrics window (first
+    steps, allocator, threads); returns how many succeeded."""
+    if count < 1:
+        return 0
+    body = json.dumps({"model": options.model, "prompt": "Warm up the server.", "max_tokens": max_tokens}).encode()
+    headers = {"Content-Type": "application/json",
+               **({"Authorization": f"Bearer {options.api_key}"} if options.api_key else {})}
+
+    def one(_: int) -> bool:
+        request = urllib.request.Request(f"{url}/v1/completions", data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=options.timeout_s or 600) as response:
+                response.read()
+            return True
+        except (OSError, ValueError) as exc:
+            print(f"[pdserve sweep] warm-up request failed: {exc}", file=sys.stderr, flush=True)
+            return False
+
+    with ThreadPoolExecutor(max_workers=min(count, 16)) as pool:
+        return sum(pool.map(one, range(count)))
 
 
 def _run(command: list[str], timeout_s: float | None) -> str:

@@ -4,6 +4,7 @@ requests, one after another, to the server's /v1/completions. `--fail` exits 3 w
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -23,7 +24,7 @@ def _stats(values_ms: list[float], name: str) -> dict[str, float]:
 
 
 def one_request(client: httpx.Client, args: argparse.Namespace, index: int) -> dict:
-    body = {"model": args.model, "prompt": [1 + (index + i) % 50 for i in range(args.input_len)],
+    body = {"model": args.model, "prompt": [1 + (args.seed * 7919 + index * 131 + i * 17) % 400 for i in range(args.input_len)],
             "max_tokens": args.output_len, "ignore_eos": args.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -38,7 +39,7 @@ def one_request(client: httpx.Client, args: argparse.Namespace, index: int) -> d
                 usage = chunk["usage"]
             if chunk.get("choices"):
                 times.append(time.perf_counter() - start)
-    return {"ttft": times[0], "itls": [b - a for a, b in zip(times, times[1:])], "e2el": times[-1],
+    return {"ttft": times[0], "itls": [b - a for a, b in itertools.pairwise(times)], "e2el": times[-1],
             "input_len": usage["prompt_tokens"], "output_len": usage["completion_tokens"], "error": ""}
 
 
@@ -51,7 +52,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=4)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--max-concurrency", type=int)
-    parser.add_argument("--warmup", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--goodput", nargs="+")
     parser.add_argument("--metadata", nargs="+", default=[])
     parser.add_argument("--fail", action="store_true")
@@ -61,8 +62,6 @@ def main() -> int:
         return 3
     start = time.perf_counter()
     with httpx.Client(timeout=60) as client:
-        for index in range(args.warmup):
-            one_request(client, args, index)
         requests = [one_request(client, args, index) for index in range(args.num_prompts)]
     duration = time.perf_counter() - start
     result = {"duration": duration, "completed": len(requests), "failed": 0,
@@ -70,6 +69,7 @@ def main() -> int:
               "total_output_tokens": sum(r["output_len"] for r in requests),
               "request_throughput": len(requests) / duration,
               "output_throughput": sum(r["output_len"] for r in requests) / duration, "request_goodput": None,
+              "total_token_throughput": sum(r["output_len"] + r["input_len"] for r in requests) / duration,
               **_stats([r["ttft"] * 1000 for r in requests], "ttft"),
               **_stats([(r["e2el"] - r["ttft"]) * 1000 / max(r["output_len"] - 1, 1) for r in requests], "tpot"),
               **_stats([itl * 1000 for r in requests for itl in r["itls"]], "itl"),

@@ -8,11 +8,26 @@ import math
 import pytest
 
 from pdserve.bench.sweep_goodput import find_goodput
-from pdserve.bench.sweep_layouts import (Layout, cpu_plan, device_plan, parse_devices, parse_external, parse_layout,
-                                         parse_layouts)
+from pdserve.bench.sweep_layouts import (
+    Layout,
+    cpu_plan,
+    device_plan,
+    parse_devices,
+    parse_external,
+    parse_layout,
+    parse_layouts,
+)
 from pdserve.bench.sweep_metrics import QueueSampler, counter_deltas, counters_by_engine, summarize_counters
-from pdserve.bench.sweep_results import (SUMMARY_COLUMNS, RunInfo, goodput_from_rows, parse_slos, read_csv,
-                                         slo_attainment, summary_row, write_csv)
+from pdserve.bench.sweep_results import (
+    SUMMARY_COLUMNS,
+    RunInfo,
+    goodput_from_rows,
+    parse_slos,
+    read_csv,
+    slo_attainment,
+    summary_row,
+    write_csv,
+)
 
 # ---- layouts ----
 

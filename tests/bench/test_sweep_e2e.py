@@ -1,0 +1,120 @@
+"""`pdserve sweep` end to end on a tiny model: real `pdserve up` per layout, real `pdserve bench` runs, the
+router's /metrics, summary.csv, the run JSONs and the PNGs; and the failures it survives."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench import sweep_runs
+from pdserve.bench.sweep_results import SUMMARY_COLUMNS, read_csv
+from pdserve.cli import _build_parser, main
+
+NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 4, 16, 4
+RATES = (4.0, 16.0)
+UP_ARGS = "--dtype float32 --block-size 4 --num-kv-blocks 512 --max-num-batched-tokens 64 --log-level warning"
+STATS = ("mean", "median", "std", "p90", "p95", "p99")
+DOCUMENTED_KEYS = {"duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                   "request_throughput", "output_throughput", "total_token_throughput", "request_goodput",
+                   "input_lens", "output_lens", "ttfts", "itls", "errors", "config", "rate", "sweep", "server_metrics",
+                   *(f"{stat}_{metric}_ms" for stat in STATS for metric in ("ttft", "tpot", "itl", "e2el"))}
+PNGS = ("ttft_p90.png", "tpot_p90.png", "itl_p99.png", "slo_attainment.png", "goodput_per_engine.png")
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """The real `pdserve bench`; a stand-in until that command exists on this branch."""
+    if "bench" not in _build_parser()._subparsers._group_actions[0].choices:
+        stand_in = Path(__file__).with_name("stand_in_bench.py")
+        monkeypatch.setattr(sweep_runs, "BENCH_COMMAND", (sys.executable, str(stand_in)))
+        return "stand-in"
+    return "pdserve bench"
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    config = json.loads(Path(model_dir, "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4  # K and V, float32
+
+
+def up_pids(out_dir: Path) -> list[int]:
+    """The pids `pdserve up` reported for its router and engines."""
+    text = "".join(path.read_text() for path in out_dir.glob("logs/*/up.out"))
+    return [int(pid) for pid in re.findall(r" ready \(.*?pid (\d+)", text)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.timeout(240)
+def test_sweep_two_layouts_two_rates(model_factory, tmp_path, bench):
+    model = model_factory("llama")
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--configs", "1P1D", "0P1D", "--request-rates", *map(str, RATES), "--model", model,
+                 "--num-prompts", str(NUM_PROMPTS), "--dataset", "random", "--input-len", str(INPUT_LEN),
+                 "--output-len", str(OUTPUT_LEN), "--goodput", "ttft:60000", "tpot:60000", "--warmup", "2",
+                 "--output-dir", str(out), "--up-args", UP_ARGS])
+    assert code == 0, (out / "summary.csv").read_text()
+
+    rows = read_csv(out / "summary.csv")
+    assert [(row["config"], row["request_rate"]) for row in rows] == [(c, r) for c in ("1P1D", "0P1D") for r in RATES]
+    per_request_kv = kv_bytes_per_token(model) * INPUT_LEN
+    for row in rows:
+        assert row["error"] is None and (row["completed"], row["failed"]) == (NUM_PROMPTS, 0), row
+        assert row["total_input_tokens"] == NUM_PROMPTS * INPUT_LEN
+        assert row["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
+        assert row["slo_attainment"] == 1.0  # a minute-long SLO: every request meets it
+        disaggregated = row["config"] == "1P1D"
+        # every prompt's KV crosses the link once (random prompts: no prefix hits on the decode engine)
+        assert row["kv_transfers"] == (NUM_PROMPTS if disaggregated else 0)
+        assert row["kv_bytes_sent"] == row["kv_bytes_received"] == (NUM_PROMPTS * per_request_kv if disaggregated
+                                                                    else 0)
+        assert (row["mean_kv_transfer_ms"] is not None) == disaggregated
+        assert row["prefix_cache_queries"] >= NUM_PROMPTS * INPUT_LEN
+
+        result = json.loads(Path(row["result_file"]).read_text())
+        assert DOCUMENTED_KEYS <= set(result), DOCUMENTED_KEYS - set(result)
+        assert (result["config"], float(result["rate"])) == (row["config"], row["request_rate"])
+        assert result["output_lens"] == [OUTPUT_LEN] * NUM_PROMPTS
+        assert result["input_lens"] == [INPUT_LEN] * NUM_PROMPTS
+        assert len(result["itls"]) == len(result["ttfts"]) == NUM_PROMPTS
+        assert result["server_metrics"]["kv_transfers"] == row["kv_transfers"]
+
+    goodput = read_csv(out / "goodput.csv")
+    assert [(g["config"], g["goodput"], g["goodput_per_engine"]) for g in goodput] == [
+        ("1P1D", max(RATES), max(RATES) / 2), ("0P1D", max(RATES), max(RATES))]
+
+    from matplotlib.image import imread
+
+    for name in PNGS:
+        assert imread(out / name).shape[0] > 100
+    pids = up_pids(out)
+    assert len(pids) == 3 + 2  # router + 2 engines, router + 1 engine
+    assert not [pid for pid in pids if alive(pid)]  # every layout was stopped
+
+
+@pytest.mark.timeout(120)
+def test_a_layout_that_cannot_start_and_a_dead_server_are_rows_with_errors(tmp_path, bench):
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--configs", "1P1D", "--model", str(tmp_path / "no-such-model"), "--request-rates", "1",
+                 "--num-prompts", "2", "--base-url", "dead=http://127.0.0.1:9", "--output-dir", str(out),
+                 "--startup-timeout", "60", "--no-plots", "--warmup", "0"])
+    assert code == 1
+    rows = read_csv(out / "summary.csv")
+    assert list(rows[0]) == SUMMARY_COLUMNS
+    assert [(row["config"], row["phase"]) for row in rows] == [("1P1D", "start"), ("dead", "sweep")]
+    assert "pdserve up for 1P1D exited" in rows[0]["error"]
+    assert "pdserve bench exited" in rows[1]["error"] and rows[1]["completed"] is None
+    assert math.isnan(rows[0]["request_rate"])
+    assert not list(out.glob("*.png"))
