@@ -18,7 +18,6 @@ from pdserve.bench.sweep_cluster import Cluster, ClusterError, ClusterSpec
 from pdserve.bench.sweep_goodput import find_goodput
 from pdserve.bench.sweep_layouts import ExternalServer, Layout, parse_devices, parse_external, parse_layouts
 from pdserve.bench.sweep_results import (
-    ATTAINMENT_TARGET,
     GOODPUT_COLUMNS,
     SUMMARY_COLUMNS,
     RunInfo,
@@ -39,6 +38,11 @@ class SweepPlan:
     cluster: ClusterSpec
     bench: BenchOptions
     output_dir: Path
+    warmup: int = 4
+    find_goodput: bool = False
+    goodput_start_rate: float = 1.0
+    goodput_steps: int = 4
+    plots: bool = True
 
 
 def build_plan(args: argparse.Namespace) -> SweepPlan:
@@ -67,7 +71,8 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
     if args.request_rates or args.max_concurrencies:
         loads = list(itertools.product(args.request_rates or [math.inf], args.max_concurrencies or [None]))
     output_dir = Path(args.output_dir or f"sweep-results/{time.strftime('%Y%m%d-%H%M%S')}")
-    return SweepPlan(layouts, externals, loads, slos, cluster, bench, output_dir)
+    return SweepPlan(layouts, externals, loads, slos, cluster, bench, output_dir, args.warmup, args.find_goodput,
+                     args.goodput_start_rate, args.goodput_steps, not args.no_plots)
 
 
 def _dest(flag: str) -> str:
@@ -81,6 +86,9 @@ def _check_loads(args: argparse.Namespace, slos: dict[str, float]) -> None:
         raise ValueError(f"--request-rates {args.request_rates}: every rate must be > 0 (inf = all at once)")
     if any(c < 1 for c in args.max_concurrencies or []):
         raise ValueError(f"--max-concurrencies {args.max_concurrencies}: every cap must be >= 1")
+    if args.warmup < 0 or args.goodput_steps < 0 or not args.goodput_start_rate > 0:
+        raise ValueError(f"--warmup {args.warmup}, --goodput-steps {args.goodput_steps}, --goodput-start-rate "
+                         f"{args.goodput_start_rate:g}: give counts >= 0 and a start rate > 0")
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts {args.num_prompts}: give 1 or more")
     if args.find_goodput and not slos:
@@ -92,9 +100,8 @@ def _check_loads(args: argparse.Namespace, slos: dict[str, float]) -> None:
 class Sweep:
     """Runs a plan server by server, writing summary.csv and goodput.csv after each."""
 
-    def __init__(self, plan: SweepPlan, args: argparse.Namespace) -> None:
+    def __init__(self, plan: SweepPlan) -> None:
         self.plan = plan
-        self.args = args
         self.rows: list[dict] = []
         self.goodputs: list[dict] = []
         self.runs_dir = plan.output_dir / "runs"
@@ -117,10 +124,10 @@ class Sweep:
             self.write_tables()
 
     def run_server(self, url: str, base: RunInfo) -> None:
-        warm_up(self.plan.bench, url, self.args.warmup)
+        warm_up(self.plan.bench, url, self.plan.warmup)
         for index, (rate, concurrency) in enumerate(self.plan.loads):
             self.run_one(url, replace(base, request_rate=rate, max_concurrency=concurrency), index)
-        if self.args.find_goodput:
+        if self.plan.find_goodput:
             self.search_goodput(url, base)
         elif self.plan.slos:
             self.goodput_from_loads(base)
@@ -141,16 +148,13 @@ class Sweep:
             row = self.run_one(url, replace(base, phase="search", request_rate=rate), next(probe_indexes))
             return row["slo_attainment"] or 0.0  # a failed run meets no SLO
 
-        search = find_goodput(attainment_at, self.args.goodput_start_rate, known, self.args.goodput_steps)
+        search = find_goodput(attainment_at, self.plan.goodput_start_rate, known, self.plan.goodput_steps)
         self._add_goodput(base, search.rate, "search", search.upper_bound)
 
     def goodput_from_loads(self, base: RunInfo) -> None:
-        rate = goodput_from_rows(self.rows, base.config)
-        if rate is not None:
-            failing = [row["request_rate"] for row in self.rows if row["config"] == base.config
-                       and row.get("slo_attainment") is not None and row["slo_attainment"] < ATTAINMENT_TARGET
-                       and math.isfinite(row["request_rate"]) and row["request_rate"] > rate]
-            self._add_goodput(base, rate, "listed rates", min(failing, default=None))
+        found = goodput_from_rows(self.rows, base.config)
+        if found is not None:
+            self._add_goodput(base, found[0], "listed rates", found[1])
 
     def _add_goodput(self, base: RunInfo, rate: float, source: str, upper_bound: float | None) -> None:
         per_engine = rate / base.num_engines
@@ -171,7 +175,7 @@ class Sweep:
 
 def run_sweep(args: argparse.Namespace) -> int:
     plan = build_plan(args)
-    sweep = Sweep(plan, args)
+    sweep = Sweep(plan)
     interrupted = False
     try:
         sweep.run()
@@ -180,7 +184,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         print("[pdserve sweep] interrupted: writing what was measured", file=sys.stderr, flush=True)
     finally:
         sweep.write_tables()
-    if not args.no_plots and sweep.rows:
+    if plan.plots and sweep.rows:
         from pdserve.bench.sweep_plots import write_plots
 
         for path in write_plots(sweep.rows, sweep.goodputs, plan.output_dir):

@@ -113,12 +113,14 @@ def _number(text: str) -> float | str | None:
         return text
 
 
-def goodput_from_rows(rows: list[dict], config: str) -> float | None:
-    """The highest finite rate of a config's listed loads whose attainment is >= 90% (0 when none is)."""
+def goodput_from_rows(rows: list[dict], config: str) -> tuple[float, float | None] | None:
+    """(the highest finite rate of a config's runs whose attainment is >= 90% (0 when none is), the lowest
+    rate above it that missed (None: none did)); None without a measured attainment."""
     measured = [(row["request_rate"], row["slo_attainment"]) for row in rows
                 if row["config"] == config and row["slo_attainment"] is not None
                 and row["request_rate"] is not None and math.isfinite(row["request_rate"])]
     if not measured:
         return None
-    passing = [rate for rate, attainment in measured if attainment >= ATTAINMENT_TARGET]
-    return max(passing, default=0.0)
+    goodput = max((rate for rate, attainment in measured if attainment >= ATTAINMENT_TARGET), default=0.0)
+    missed = [rate for rate, attainment in measured if attainment < ATTAINMENT_TARGET and rate > goodput]
+    return goodput, min(missed, default=None)

@@ -244,7 +244,7 @@ def test_summary_csv_round_trips_and_goodput_from_listed_rates(tmp_path):
     assert back[0]["max_concurrency"] is None and back[0]["error"] is None
     # TTFT = 50 ms x slope x rate against a 250 ms SLO: 1P1D meets it up to 4, 0P2D up to 2
     assert [row["slo_attainment"] for row in back if row["config"] == "0P2D"] == [1.0, 1.0, 0.0]
-    assert goodput_from_rows(back, "1P1D") == 4.0 and goodput_from_rows(back, "0P2D") == 2.0
+    assert goodput_from_rows(back, "1P1D") == (4.0, None) and goodput_from_rows(back, "0P2D") == (2.0, 4.0)
     assert goodput_from_rows(back, "2P1D") is None
 
 
@@ -275,3 +275,51 @@ def test_concurrency_sweeps_plot_against_concurrency():
             for c in (1, 4)]
     assert load_axis(rows)[0] == "max_concurrency"
     assert series(rows, "max_concurrency", "p90_ttft_ms") == {"1P1D": ([1, 4], [10.0, 40.0])}
+
+
+# ---- the plan and the bench command ----
+
+
+def sweep_args(*argv: str):
+    from pdserve.cli import _build_parser
+
+    return _build_parser().parse_args(["sweep", "--model", "/models/m", "--no-plots", *argv])
+
+
+@pytest.mark.parametrize("argv, says", [
+    ((), "no load given"),
+    (("--configs", "--request-rates", "1"), "nothing to benchmark"),
+    (("--request-rates", "0"), "every rate must be > 0"),
+    (("--max-concurrencies", "0"), "every cap must be >= 1"),
+    (("--request-rates", "1", "--num-prompts", "0"), "--num-prompts 0"),
+    (("--find-goodput",), "needs SLOs"),
+    (("--request-rates", "1", "--devices", "0,1"), "add --device cuda"),
+    (("--request-rates", "1", "--device", "cuda", "--configs", "2P2D", "--devices", "0,1"), None),
+    (("--request-rates", "1", "--warmup", "-1"), "--warmup -1"),
+])
+def test_the_plan_is_checked_before_anything_starts(argv, says):
+    from pdserve.bench.sweep import build_plan
+
+    if says is None:  # GPU counts are checked when the layout starts: the plan itself is fine
+        assert build_plan(sweep_args(*argv)).cluster.devices == ["0", "1"]
+        return
+    with pytest.raises(ValueError, match=says):
+        build_plan(sweep_args(*argv))
+
+
+def test_loads_and_bench_command(tmp_path):
+    from pdserve.bench.sweep import build_plan
+    from pdserve.bench.sweep_runs import bench_command, run_name
+
+    plan = build_plan(sweep_args("--request-rates", "1", "inf", "--max-concurrencies", "4", "--dataset", "random",
+                                 "--input-len", "16", "--seed", "7", "--goodput", "ttft:500", "tpot:50",
+                                 "--bench-args", "--endpoint /v1/chat/completions"))
+    assert plan.loads == [(1.0, 4), (math.inf, 4)]
+    info = RunInfo("1P1D", 2, "sweep", math.inf, 4, 1, 1)
+    command = bench_command(plan.bench, "http://h:1", info, tmp_path / "r.json", run_index=1)
+    text = " ".join(command)
+    assert "--base-url http://h:1 --model /models/m --num-prompts 50 --request-rate inf --seed 8" in text
+    assert "--dataset random --input-len 16" in text and "--max-concurrency 4 --ignore-eos" in text
+    assert "--goodput ttft:500 tpot:50" in text and "--endpoint /v1/chat/completions" in text
+    assert command[-4:] == ["--metadata", "config=1P1D", "rate=inf", "phase=sweep"]
+    assert run_name(info) == "1P1D_rateinf_conc4"
