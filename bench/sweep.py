@@ -104,6 +104,7 @@ class Sweep:
         self.plan = plan
         self.rows: list[dict] = []
         self.goodputs: list[dict] = []
+        self.client_cores: list[int] | None = None  # the running layout's spare cores, for bench
         self.runs_dir = plan.output_dir / "runs"
 
     def run(self) -> None:
@@ -113,7 +114,7 @@ class Sweep:
                            layout.num_decode)
             try:
                 with Cluster(self.plan.cluster, layout, self.plan.output_dir / "logs" / layout.name) as cluster:
-                    self.run_server(cluster.url, info)
+                    self.run_server(cluster.url, info, cluster.client_cores)
             except ClusterError as exc:
                 print(f"[pdserve sweep] error: {exc}", file=sys.stderr, flush=True)
                 self.rows.append(summary_row(replace(info, phase="start"), None, {}, self.plan.slos, "",
@@ -123,7 +124,8 @@ class Sweep:
             self.run_server(external.url, RunInfo(external.name, external.num_engines, "sweep", math.nan, None))
             self.write_tables()
 
-    def run_server(self, url: str, base: RunInfo) -> None:
+    def run_server(self, url: str, base: RunInfo, client_cores: list[int] | None = None) -> None:
+        self.client_cores = client_cores
         warm_up(self.plan.bench, url, self.plan.warmup)
         for index, (rate, concurrency) in enumerate(self.plan.loads):
             self.run_one(url, replace(base, request_rate=rate, max_concurrency=concurrency), index)
@@ -133,7 +135,7 @@ class Sweep:
             self.goodput_from_loads(base)
 
     def run_one(self, url: str, info: RunInfo, run_index: int) -> dict:
-        row, _ = run_bench(self.plan.bench, url, info, self.runs_dir, self.plan.slos, run_index)
+        row, _ = run_bench(self.plan.bench, url, info, self.runs_dir, self.plan.slos, run_index, self.client_cores)
         self.rows.append(row)
         return row
 

@@ -63,6 +63,7 @@ class Cluster:
         self.output_path = log_dir / "up.out"
         self.process: subprocess.Popen | None = None
         self.url = ""
+        self.client_cores: list[int] | None = None  # cores left over for the benchmark client, if any
 
     def __enter__(self) -> Cluster:
         try:
@@ -80,7 +81,9 @@ class Cluster:
         command = up_command(self.spec, self.layout, self.log_dir)
         cores = None
         if not self.spec.device.startswith("cuda") and self.spec.pin_cpus:
-            cores = cpu_plan(self.layout, sorted(os.sched_getaffinity(0)), self.spec.cores_per_engine)
+            available = sorted(os.sched_getaffinity(0))
+            cores = cpu_plan(self.layout, available, self.spec.cores_per_engine)
+            self.client_cores = [core for core in available if core not in cores] or None
         env = {**os.environ, **({"PDSERVE_API_KEY": self.spec.api_key} if self.spec.api_key else {})}
         with open(self.output_path, "w") as output:
             # its own session: a Ctrl-C at the terminal reaches the sweep, which then stops `up` in order

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ from pdserve.bench.sweep_results import RunInfo, summary_row
 
 OUTPUT_TAIL_CHARS = 2000
 BENCH_COMMAND = (sys.executable, "-m", "pdserve", "bench")
+WARMUP_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -65,15 +68,16 @@ def bench_command(options: BenchOptions, url: str, info: RunInfo, result_path: P
 
 
 def run_bench(options: BenchOptions, url: str, info: RunInfo, runs_dir: Path, slos: dict[str, float],
-              run_index: int = 0) -> tuple[dict, dict | None]:
-    """(summary row, bench's JSON or None when it failed); a failed run is a row with its error, not a crash."""
+              run_index: int = 0, client_cores: list[int] | None = None) -> tuple[dict, dict | None]:
+    """(summary row, bench's JSON or None when it failed); a failed run is a row with its error, not a crash.
+    `client_cores`: where bench runs (cores the engines do not have), when there are any."""
     result_path = runs_dir / f"{run_name(info)}.json"
     result_path.unlink(missing_ok=True)
     command = bench_command(options, url, info, result_path, run_index)
     print(f"[pdserve sweep] {info.config}: bench at rate {format_rate(info.request_rate)}"
           + (f", concurrency {info.max_concurrency}" if info.max_concurrency is not None else ""), flush=True)
     with RunMetrics(url, options.api_key, options.metrics_interval_s) as metrics:
-        error = _run(command, options.timeout_s)
+        error = _run(command, options.timeout_s, client_cores)
     result = None
     if not error:
         try:
@@ -105,7 +109,7 @@ def warm_up(options: BenchOptions, url: str, count: int, max_tokens: int = 8) ->
     def one(_: int) -> bool:
         request = urllib.request.Request(f"{url}/v1/completions", data=body, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=options.timeout_s or 600) as response:
+            with urllib.request.urlopen(request, timeout=WARMUP_TIMEOUT_S) as response:
                 response.read()
             return True
         except (OSError, ValueError) as exc:
@@ -116,10 +120,13 @@ def warm_up(options: BenchOptions, url: str, count: int, max_tokens: int = 8) ->
         return sum(pool.map(one, range(count)))
 
 
-def _run(command: list[str], timeout_s: float | None) -> str:
+def _run(command: list[str], timeout_s: float | None, cores: list[int] | None) -> str:
     """'' when bench exited 0, else why not. Its output shows as it goes (progress bar, table); the end of
     its stderr is kept for the error."""
     process = subprocess.Popen(command, stderr=subprocess.PIPE)
+    if cores:  # at once, before its imports start threads (they inherit it)
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(process.pid, cores)
     tail = bytearray()
     reader = threading.Thread(target=_echo, args=(process.stderr, tail), daemon=True)
     reader.start()
