@@ -62,7 +62,10 @@ def main() -> int:
         return 3
     start = time.perf_counter()
     with httpx.Client(timeout=60) as client:
-        requests = [one_request(client, args, index) for index in range(args.num_prompts)]
+        requests = []
+        for index in range(args.num_prompts):  # one after another, spaced by 1 / rate
+            requests.append(one_request(client, args, index))
+            time.sleep(0 if args.request_rate == "inf" else 1 / float(args.request_rate))
     duration = time.perf_counter() - start
     result = {"duration": duration, "completed": len(requests), "failed": 0,
               "total_input_tokens": sum(r["input_len"] for r in requests),

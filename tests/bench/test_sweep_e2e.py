@@ -7,7 +7,10 @@ import json
 import math
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,3 +121,36 @@ def test_a_layout_that_cannot_start_and_a_dead_server_are_rows_with_errors(tmp_p
     assert "pdserve bench exited" in rows[1]["error"] and rows[1]["completed"] is None
     assert math.isnan(rows[0]["request_rate"])
     assert not list(out.glob("*.png"))
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_the_layout_and_keeps_what_was_measured(model_factory, tmp_path, bench):
+    """SIGINT to the sweep's process group, as a terminal's Ctrl-C sends it, in the middle of a run."""
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--configs", "0P1D", "--request-rates", "0.5", "--num-prompts", "40", "--input-len", "16",
+            "--output-len", "4", "--model", model_factory("llama"), "--output-dir", str(out), "--warmup", "0",
+            "--no-plots", "--up-args", UP_ARGS]
+    # the same bench command this test module uses, in a fresh interpreter
+    code = (f"import sys; from pdserve.bench import sweep_runs; sweep_runs.BENCH_COMMAND = {sweep_runs.BENCH_COMMAND!r}; "
+            f"from pdserve.cli import main; sys.exit(main({argv!r}))")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if "bench at rate" in line:
+                break
+        time.sleep(3)  # into the run
+        os.killpg(process.pid, signal.SIGINT)
+        rest, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    output = "".join(lines) + rest
+    assert process.returncode == 130, output
+    assert "interrupted: writing what was measured" in output
+    assert (out / "summary.csv").exists()
+    pids = up_pids(out)
+    assert len(pids) == 2 and not [pid for pid in pids if alive(pid)], output
+    assert "[pdserve up] stopped" in (out / "logs" / "0P1D" / "up.out").read_text()
