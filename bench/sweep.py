@@ -16,7 +16,14 @@ from pathlib import Path
 from pdserve.bench.sweep_args import DATASET_FLAGS
 from pdserve.bench.sweep_cluster import Cluster, ClusterError, ClusterSpec
 from pdserve.bench.sweep_goodput import find_goodput
-from pdserve.bench.sweep_layouts import ExternalServer, Layout, parse_devices, parse_external, parse_layouts
+from pdserve.bench.sweep_layouts import (
+    ExternalServer,
+    Layout,
+    device_plan,
+    parse_devices,
+    parse_external,
+    parse_layouts,
+)
 from pdserve.bench.sweep_results import (
     GOODPUT_COLUMNS,
     SUMMARY_COLUMNS,
@@ -61,6 +68,9 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
 
     model, _ = resolve_model(args.model)
     devices = parse_devices(args.devices)
+    if args.device.startswith("cuda"):
+        for layout in layouts:
+            device_plan(layout, devices)  # enough GPUs for every layout, or say so now
     cluster = ClusterSpec(model, args.device, args.pin_cpus, args.cores_per_engine, devices,
                           shlex.split(args.up_args), args.api_key, args.startup_timeout)
     dataset_args = [item for flag in DATASET_FLAGS if getattr(args, _dest(flag)) is not None

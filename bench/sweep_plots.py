@@ -49,7 +49,7 @@ def series(rows: list[dict], x_field: str, y_field: str) -> dict[str, tuple[list
         if len(others) > 1:
             label += f" ({'conc' if other == 'max_concurrency' else 'rate'} {_short(row.get(other))})"
         lines.setdefault(label, []).append((x, y))
-    return {label: tuple(map(list, zip(*sorted(points)))) for label, points in sorted(lines.items())}
+    return {label: tuple(map(list, zip(*sorted(points)))) for label, points in lines.items()}  # in the sweep's order
 
 
 def write_plots(rows: list[dict], goodputs: list[dict], out_dir: Path) -> list[Path]:

@@ -294,13 +294,14 @@ def sweep_args(*argv: str):
     (("--request-rates", "1", "--num-prompts", "0"), "--num-prompts 0"),
     (("--find-goodput",), "needs SLOs"),
     (("--request-rates", "1", "--devices", "0,1"), "add --device cuda"),
-    (("--request-rates", "1", "--device", "cuda", "--configs", "2P2D", "--devices", "0,1"), None),
+    (("--request-rates", "1", "--device", "cuda", "--configs", "1P1D", "2P2D", "--devices", "0,1"), "needs 4 GPUs"),
+    (("--request-rates", "1", "--device", "cuda", "--configs", "1P1D", "0P2D", "--devices", "0,1"), None),
     (("--request-rates", "1", "--warmup", "-1"), "--warmup -1"),
 ])
 def test_the_plan_is_checked_before_anything_starts(argv, says):
     from pdserve.bench.sweep import build_plan
 
-    if says is None:  # GPU counts are checked when the layout starts: the plan itself is fine
+    if says is None:
         assert build_plan(sweep_args(*argv)).cluster.devices == ["0", "1"]
         return
     with pytest.raises(ValueError, match=says):
