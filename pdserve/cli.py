@@ -64,6 +64,11 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_model_args(up)
     add_router_args(up, standalone=False)
     add_up_args(up)
+    from pdserve.bench.serve import add_bench_args
+
+    bench = commands.add_parser("bench", help="send an online load to an OpenAI-compatible server and measure "
+                                               "TTFT, TPOT, ITL, E2EL, throughput and goodput")
+    add_bench_args(bench)
     from pdserve.bench.sweep_args import add_sweep_args
 
     sweep = commands.add_parser("sweep", help="benchmark xPyD layouts of `pdserve up` across loads; CSV and plots")
@@ -104,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.up import run_up
 
             return run_up(args)
+        if args.command == "bench":
+            from pdserve.bench.serve import run_bench
+
+            return run_bench(args)
         if args.command == "sweep":
             from pdserve.bench.sweep import run_sweep
 

@@ -1,0 +1,115 @@
+"""`pdserve bench`: an online load against any OpenAI-compatible server, with vLLM bench serve's metrics
+(docs/benchmarking.md).
+
+Order of a run: check the server (before any load), load the tokenizer and the prompts, find which
+request fields the server takes, warm up, send the measured load, print the table, save the JSON.
+Heavy imports (aiohttp, numpy, transformers) happen in run_bench, so `pdserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+DATASETS = ("random", "sharegpt", "prefix", "jsonl")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+DEFAULT_OUTPUT_LEN = 128
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    server = parser.add_argument_group("server")
+    server.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL (without /v1)")
+    server.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
+    server.add_argument("--model", default=None, help="model name sent in requests (default: the server's first)")
+    server.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory or hub id (default: --model, or the model's path the server reports)")
+    server.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                        help="bearer token (default: $PDSERVE_API_KEY, then $OPENAI_API_KEY)")
+    server.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                        help="a request that receives no data for S seconds fails as stalled")
+    data = parser.add_argument_group("dataset")
+    data.add_argument("--dataset", default="random", choices=DATASETS)
+    data.add_argument("--dataset-path", default=None, help="the file of --dataset sharegpt or jsonl")
+    data.add_argument("--num-prompts", type=int, default=1000, help="measured requests")
+    data.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random, prefix)")
+    data.add_argument("--output-len", type=int, default=None,
+                      help=f"max_tokens per request (random, prefix: default {DEFAULT_OUTPUT_LEN}; sharegpt: "
+                           "overrides the reply's length)")
+    data.add_argument("--range-ratio", type=float, default=0.0,
+                      help="lengths drawn uniformly from [len * (1 - r), len * (1 + r)] (random, prefix)")
+    data.add_argument("--prefix-len", type=int, default=None,
+                      help="tokens each prefix group shares, within --input-len (default: half of it)")
+    data.add_argument("--num-prefix-groups", type=int, default=4, help="groups of prompts sharing a prefix")
+    load = parser.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=math.inf,
+                      help="requests per second, Poisson arrivals (default inf: all at once)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the gaps between arrivals: 1 = Poisson, < 1 burstier, > 1 steadier")
+    load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--warmup", type=int, default=0, metavar="N", help="requests sent first and not measured")
+    load.add_argument("--ignore-eos", action="store_true",
+                      help="exact output lengths: send ignore_eos (and min_tokens) where the server takes them")
+    out = parser.add_argument_group("results")
+    out.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                     help="SLOs for request_goodput, e.g. ttft:2000 tpot:100 e2el:10000")
+    out.add_argument("--save-result", default=None, metavar="PATH", help="write the results as JSON")
+    out.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE", help="added to the JSON")
+    out.add_argument("--disable-progress", action="store_true", help="no progress bar")
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    from pdserve.bench.serve_metrics import SLO_NAMES
+
+    slos = {}
+    for item in items or []:
+        name, _, value = item.partition(":")
+        try:
+            limit = float(value)
+        except ValueError:
+            limit = math.nan
+        if name not in SLO_NAMES or not limit > 0 or math.isinf(limit):
+            raise ValueError(f"--goodput {item!r}: write NAME:MS with NAME one of {', '.join(SLO_NAMES)} and MS a "
+                             "positive number of milliseconds, e.g. --goodput ttft:2000 tpot:100")
+        slos[name] = limit
+    return slos
+
+
+def check_args(args: argparse.Namespace) -> None:
+    from pdserve.bench.serve_arrivals import check_arrival_args
+
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts {args.num_prompts} must be at least 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup {args.warmup} must be 0 or more")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency {args.max_concurrency} must be at least 1 (or left out: no cap)")
+    if not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout {args.request_timeout} must be a positive number of seconds")
+    if args.output_len is not None and args.output_len < 1:
+        raise ValueError(f"--output-len {args.output_len} must be at least 1")
+    if args.dataset in ("sharegpt", "jsonl") and not args.dataset_path:
+        raise ValueError(f"--dataset {args.dataset} reads a file: pass --dataset-path FILE")
+    if not args.base_url.startswith(("http://", "https://")):
+        raise ValueError(f"--base-url {args.base_url!r} is not an http(s) URL: write e.g. http://127.0.0.1:8000")
+    check_arrival_args(args.request_rate, args.burstiness)
+
+
+def base_url_of(url: str) -> str:
+    """The server's root: without a trailing slash or /v1 (both are often pasted from client configs)."""
+    url = url.rstrip("/")
+    return url.removesuffix("/v1")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """0 when at least one measured request completed, 1 when none did (the JSON is written either way);
+    bad arguments, files or an unusable server raise ValueError before any load."""
+    import asyncio
+
+    from pdserve.bench.serve_run import bench_main
+
+    check_args(args)
+    slos = parse_goodput(args.goodput)
+    return asyncio.run(bench_main(args, base_url_of(args.base_url), slos))
+

@@ -1,0 +1,146 @@
+"""One `pdserve bench` run, in order: the server checked before any load, the tokenizer and the prompts,
+the request shape the server takes, the warmup, the measured load, then the table and the JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tqdm import tqdm
+
+from pdserve.bench.serve import DEFAULT_OUTPUT_LEN, base_url_of
+from pdserve.bench.serve_arrivals import arrival_offsets
+from pdserve.bench.serve_client import COMPLETIONS_ENDPOINT, RequestShape
+from pdserve.bench.serve_datasets import (
+    SampleRequest,
+    jsonl_dataset,
+    prefix_dataset,
+    random_dataset,
+    repeat_to,
+    sharegpt_dataset,
+)
+from pdserve.bench.serve_load import LoadTarget, open_session, run_load
+from pdserve.bench.serve_metrics import compute_metrics
+from pdserve.bench.serve_preflight import ServedModel, ServerCheckError, served_models, supported_shape
+from pdserve.bench.serve_results import (
+    METRIC_KEYS,
+    PER_REQUEST_KEYS,
+    build_result,
+    format_table,
+    parse_metadata,
+    save_result,
+)
+from pdserve.engine.tokenizer import TokenizerLoadError, load_tokenizer
+
+NEEDS_TOKENIZER = ("random", "prefix", "sharegpt")
+
+
+def note(message: str) -> None:
+    print(f"pdserve bench: {message}", file=sys.stderr, flush=True)
+
+
+def settings_of(args: argparse.Namespace, model: str, tokenizer_id: str | None, shape: RequestShape, slos: dict,
+                notes: list[str]) -> dict:
+    """The run's settings, as they go into the JSON (vLLM's names where it has them)."""
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "backend": "openai" if args.endpoint == COMPLETIONS_ENDPOINT else "openai-chat",
+        "base_url": base_url_of(args.base_url), "endpoint": args.endpoint,
+        "model_id": model, "tokenizer_id": tokenizer_id,
+        "dataset": args.dataset, "dataset_path": args.dataset_path, "num_prompts": args.num_prompts,
+        "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
+        "prefix_len": args.prefix_len, "num_prefix_groups": args.num_prefix_groups,
+        "request_rate": args.request_rate, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+        "seed": args.seed, "warmup": args.warmup, "request_timeout": args.request_timeout,
+        "ignore_eos": args.ignore_eos, "ignore_eos_sent": shape.ignore_eos, "min_tokens_sent": shape.min_tokens,
+        "token_id_prompts": shape.token_id_prompts, "include_usage": shape.include_usage,
+        "goodput": slos or None, "notes": notes,
+    }
+
+
+@dataclass(frozen=True)
+class BenchTokenizer:
+    tokenizer: object | None
+    name: str | None
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def load_bench_tokenizer(args: argparse.Namespace, model: str, served: list[ServedModel]) -> BenchTokenizer:
+    """--tokenizer, else the first local directory among --model and the paths the server reports, else
+    (for the datasets that need one) the model name as a hub id. JSONL runs without one."""
+    local = next((c for c in (model, *(card.root for card in served if card.root)) if Path(c).is_dir()), None)
+    name = args.tokenizer or local or (model if args.dataset in NEEDS_TOKENIZER else None)
+    if name is None:
+        note(f"no tokenizer (pass --tokenizer; {model} is no local directory): token counts are the server's usage")
+        return BenchTokenizer(None, None)
+    try:
+        return BenchTokenizer(load_tokenizer(name), name)
+    except TokenizerLoadError as exc:
+        if args.tokenizer or args.dataset in NEEDS_TOKENIZER:
+            raise ValueError(f"{exc}; pass --tokenizer DIR (the served model's tokenizer)") from exc
+        note(f"no tokenizer ({exc}): token counts are the server's usage")
+        return BenchTokenizer(None, None)
+
+
+def make_samples(args: argparse.Namespace, tokenizer, count: int) -> list[SampleRequest]:
+    output_len = args.output_len or DEFAULT_OUTPUT_LEN
+    if args.dataset == "random":
+        return random_dataset(tokenizer, count, args.input_len, output_len, args.range_ratio, args.seed)
+    if args.dataset == "prefix":
+        prefix_len = args.prefix_len if args.prefix_len is not None else args.input_len // 2
+        return prefix_dataset(tokenizer, count, args.input_len, output_len, args.range_ratio, prefix_len,
+                              args.num_prefix_groups, args.seed)
+    if args.dataset == "sharegpt":
+        samples = sharegpt_dataset(args.dataset_path, tokenizer, count, args.output_len, args.seed)
+    else:
+        samples = jsonl_dataset(args.dataset_path, tokenizer, count)
+    if len(samples) < count:
+        note(f"{args.dataset_path} has {len(samples)} usable requests for {count} (warmup included): sending them "
+             "again from the start")
+    return repeat_to(samples, count)
+
+
+def _reserved_keys(args: argparse.Namespace) -> set[str]:
+    return {*METRIC_KEYS, *PER_REQUEST_KEYS, *settings_of(args, "", None, RequestShape(args.endpoint, ""), {}, [])}
+
+
+async def bench_main(args: argparse.Namespace, base_url: str, slos: dict[str, float]) -> int:
+    metadata = parse_metadata(args.metadata, _reserved_keys(args))
+    # Its own session: loading the prompts blocks this loop, and a pooled connection the server closed
+    # meanwhile would not be noticed before it is reused.
+    async with open_session(args.api_key, args.request_timeout, 1) as session:
+        served = await served_models(session, base_url)
+    model = args.model or (served[0].id if served else None)
+    if not model:
+        raise ServerCheckError(f"{base_url}/v1/models lists no model: pass --model")
+    tokenizer = load_bench_tokenizer(args, model, served)
+    samples = make_samples(args, tokenizer.tokenizer, args.warmup + args.num_prompts)
+    async with open_session(args.api_key, args.request_timeout, args.max_concurrency) as session:
+        asked = RequestShape(args.endpoint, model, ignore_eos=args.ignore_eos, min_tokens=args.ignore_eos,
+                             token_id_prompts=args.endpoint == COMPLETIONS_ENDPOINT
+                             and samples[0].prompt_token_ids is not None)
+        url = base_url + args.endpoint
+        shape, notes = await supported_shape(session, url, asked, samples[0], args.request_timeout)
+        for line in notes:
+            note(line)
+        target = LoadTarget(url, shape, args.request_timeout, tokenizer.count if tokenizer.tokenizer else None)
+        if args.warmup:
+            warm, _ = await run_load(session, target, samples[:args.warmup], [0.0] * args.warmup, args.max_concurrency)
+            note(f"warmup: {len(warm)} requests sent, {sum(not r.success for r in warm)} failed")
+        measured = samples[args.warmup:]
+        offsets = arrival_offsets(len(measured), args.request_rate, args.burstiness, args.seed)
+        with tqdm(total=len(measured), desc="pdserve bench", unit="req", file=sys.stderr,
+                  disable=args.disable_progress, dynamic_ncols=True) as progress:
+            results, duration = await run_load(session, target, measured, offsets, args.max_concurrency,
+                                               on_done=lambda result: progress.update(1))
+    metrics = compute_metrics(results, duration, slos)
+    settings = settings_of(args, model, tokenizer.name, shape, slos, notes)
+    print(format_table(metrics, settings, results), flush=True)
+    if args.save_result:
+        note(f"results written to {save_result(args.save_result, build_result(metrics, results, settings, metadata))}")
+    return 0 if metrics["completed"] else 1

@@ -1,0 +1,91 @@
+"""One `pdserve bench` request against a scripted SSE server on a real socket: where TTFT and ITLs are
+taken (text chunks only, not the role chunk or the usage chunk), token counts from usage or the
+tokenizer, and how each request body is written."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+from aiohttp import web
+
+from pdserve.bench.serve_client import RequestShape, build_payload, send_request
+from pdserve.bench.serve_datasets import SampleRequest
+from pdserve.bench.serve_load import open_session
+
+GAP_S = 0.15
+
+
+def event(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def chat_chunk(content: str | None, finish: str | None = None) -> bytes:
+    delta = {} if content is None else {"content": content}
+    return event({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+
+async def scripted_chat(request: web.Request) -> web.StreamResponse:
+    """A role chunk at once, text after GAP_S and again after GAP_S, an empty finishing chunk, usage."""
+    body = await request.json()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))
+    for text in ("Hello", " world"):
+        await asyncio.sleep(GAP_S)
+        await response.write(chat_chunk(text))
+    await response.write(chat_chunk(None, finish="length"))
+    if body.get("stream_options"):
+        await response.write(event({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 3}}))
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+async def request_scripted(include_usage: bool):
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", scripted_chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = socket.create_server(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    port = sock.getsockname()[1]
+    shape = RequestShape("/v1/chat/completions", "m", include_usage=include_usage)
+    payload = build_payload(SampleRequest("hi", 2, 3), shape)
+    try:
+        async with open_session(None, stall_timeout_s=10, max_concurrency=1) as session:
+            return await send_request(session, f"http://127.0.0.1:{port}/v1/chat/completions", payload,
+                                      input_len=2, stall_timeout_s=10, count_tokens=lambda text: len(text.split()))
+    finally:
+        await runner.cleanup()
+
+
+def test_ttft_and_itls_are_taken_at_chunks_that_carry_text():
+    result = asyncio.run(request_scripted(include_usage=True))
+    assert result.success and result.error == ""
+    assert result.ttft >= GAP_S  # not at the empty role chunk
+    assert len(result.itls) == 1 and result.itls[0] >= GAP_S  # not at the finishing or usage chunk
+    assert result.latency >= result.ttft + result.itls[0]
+    assert (result.input_len, result.output_len) == (11, 3)  # the server's usage
+
+
+def test_without_usage_the_tokenizer_counts_the_output():
+    result = asyncio.run(request_scripted(include_usage=False))
+    assert result.success
+    assert (result.input_len, result.output_len) == (2, 2)  # the dataset's count; "Hello world" in 2 "tokens"
+
+
+@pytest.mark.parametrize(("shape", "expected"), [
+    (RequestShape("/v1/completions", "m", token_id_prompts=True, ignore_eos=True, min_tokens=True),
+     {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "min_tokens": 4,
+      "stream_options": {"include_usage": True}}),
+    (RequestShape("/v1/completions", "m", ignore_eos=True, include_usage=False),
+     {"prompt": "a b c", "max_tokens": 4, "ignore_eos": True}),
+    (RequestShape("/v1/chat/completions", "m", token_id_prompts=True),
+     {"messages": [{"role": "user", "content": "a b c"}], "max_completion_tokens": 4,
+      "stream_options": {"include_usage": True}}),
+])
+def test_request_bodies_carry_what_the_server_takes(shape, expected):
+    payload = build_payload(SampleRequest("a b c", 3, 4, (5, 6, 7)), shape)
+    assert payload == {"model": "m", "stream": True, "temperature": 0.0, **expected}
