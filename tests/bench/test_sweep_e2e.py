@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench import sweep_runs
+from pdserve.bench.serve_preflight import PROBE_TOKENS
 from pdserve.bench.sweep_results import SUMMARY_COLUMNS, read_csv
-from pdserve.cli import _build_parser, main
+from pdserve.cli import main
 
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 4, 16, 4
 RATES = (4.0, 16.0)
@@ -28,16 +28,6 @@ DOCUMENTED_KEYS = {"duration", "completed", "failed", "total_input_tokens", "tot
                    "input_lens", "output_lens", "ttfts", "itls", "errors", "config", "rate", "sweep", "server_metrics",
                    *(f"{stat}_{metric}_ms" for stat in STATS for metric in ("ttft", "tpot", "itl", "e2el"))}
 PNGS = ("ttft_p90.png", "tpot_p90.png", "itl_p99.png", "slo_attainment.png", "goodput_per_engine.png")
-
-
-@pytest.fixture
-def bench(monkeypatch):
-    """The real `pdserve bench`; a stand-in until that command exists on this branch."""
-    if "bench" not in _build_parser()._subparsers._group_actions[0].choices:
-        stand_in = Path(__file__).with_name("stand_in_bench.py")
-        monkeypatch.setattr(sweep_runs, "BENCH_COMMAND", (sys.executable, str(stand_in)))
-        return "stand-in"
-    return "pdserve bench"
 
 
 def kv_bytes_per_token(model_dir: str) -> int:
@@ -61,7 +51,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(240)
-def test_sweep_two_layouts_two_rates(model_factory, tmp_path, bench):
+def test_sweep_two_layouts_two_rates(model_factory, tmp_path):
     model = model_factory("llama")
     out = tmp_path / "sweep"
     code = main(["sweep", "--configs", "1P1D", "0P1D", "--request-rates", *map(str, RATES), "--model", model,
@@ -72,17 +62,22 @@ def test_sweep_two_layouts_two_rates(model_factory, tmp_path, bench):
 
     rows = read_csv(out / "summary.csv")
     assert [(row["config"], row["request_rate"]) for row in rows] == [(c, r) for c in ("1P1D", "0P1D") for r in RATES]
-    per_request_kv = kv_bytes_per_token(model) * INPUT_LEN
+    per_token = kv_bytes_per_token(model)
     for row in rows:
         assert row["error"] is None and (row["completed"], row["failed"]) == (NUM_PROMPTS, 0), row
         assert row["total_input_tokens"] == NUM_PROMPTS * INPUT_LEN
         assert row["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
         assert row["slo_attainment"] == 1.0  # a minute-long SLO: every request meets it
         disaggregated = row["config"] == "1P1D"
-        # every prompt's KV crosses the link once (random prompts: no prefix hits on the decode engine)
-        assert row["kv_transfers"] == (NUM_PROMPTS if disaggregated else 0)
-        assert row["kv_bytes_sent"] == row["kv_bytes_received"] == (NUM_PROMPTS * per_request_kv if disaggregated
-                                                                    else 0)
+        # every prompt's KV crosses the link once, and so does that of bench's one preflight request (a 1-token
+        # answer to the first prompt's first PROBE_TOKENS ids, which pdserve takes at the first try)
+        assert row["kv_transfers"] == (NUM_PROMPTS + 1 if disaggregated else 0)
+        assert row["kv_bytes_sent"] == row["kv_bytes_received"]
+        if disaggregated:  # the probe's tokens travel, or come back as the first prompt's prefix hit on decode
+            assert row["kv_bytes_sent"] % per_token == 0
+            assert abs(row["kv_bytes_sent"] / per_token - NUM_PROMPTS * INPUT_LEN) <= PROBE_TOKENS
+        else:
+            assert row["kv_bytes_sent"] == 0
         assert (row["mean_kv_transfer_ms"] is not None) == disaggregated
         assert row["prefix_cache_queries"] >= NUM_PROMPTS * INPUT_LEN
 
@@ -108,7 +103,7 @@ def test_sweep_two_layouts_two_rates(model_factory, tmp_path, bench):
 
 
 @pytest.mark.timeout(120)
-def test_a_layout_that_cannot_start_and_a_dead_server_are_rows_with_errors(tmp_path, bench):
+def test_a_layout_that_cannot_start_and_a_dead_server_are_rows_with_errors(tmp_path):
     out = tmp_path / "sweep"
     code = main(["sweep", "--configs", "1P1D", "--model", str(tmp_path / "no-such-model"), "--request-rates", "1",
                  "--num-prompts", "2", "--base-url", "dead=http://127.0.0.1:9", "--output-dir", str(out),
@@ -124,17 +119,14 @@ def test_a_layout_that_cannot_start_and_a_dead_server_are_rows_with_errors(tmp_p
 
 
 @pytest.mark.timeout(180)
-def test_ctrl_c_stops_the_layout_and_keeps_what_was_measured(model_factory, tmp_path, bench):
+def test_ctrl_c_stops_the_layout_and_keeps_what_was_measured(model_factory, tmp_path):
     """SIGINT to the sweep's process group, as a terminal's Ctrl-C sends it, in the middle of a run."""
     out = tmp_path / "sweep"
     argv = ["sweep", "--configs", "0P1D", "--request-rates", "0.5", "--num-prompts", "40", "--input-len", "16",
             "--output-len", "4", "--model", model_factory("llama"), "--output-dir", str(out), "--warmup", "0",
             "--no-plots", "--up-args", UP_ARGS]
-    # the same bench command this test module uses, in a fresh interpreter
-    code = (f"import sys; from pdserve.bench import sweep_runs; sweep_runs.BENCH_COMMAND = {sweep_runs.BENCH_COMMAND!r}; "
-            f"from pdserve.cli import main; sys.exit(main({argv!r}))")
-    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen([sys.executable, "-m", "pdserve", *argv], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     try:
         for line in process.stdout:
