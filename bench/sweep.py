@@ -36,6 +36,10 @@ from pdserve.bench.sweep_results import (
 from pdserve.bench.sweep_runs import BenchOptions, run_bench, warm_up
 
 
+class SearchStopped(Exception):
+    """A goodput probe whose bench run failed (not a run that missed the SLOs)."""
+
+
 @dataclass(frozen=True)
 class SweepPlan:
     layouts: list[Layout]
@@ -158,9 +162,16 @@ class Sweep:
 
         def attainment_at(rate: float) -> float:
             row = self.run_one(url, replace(base, phase="search", request_rate=rate), next(probe_indexes))
-            return row["slo_attainment"] or 0.0  # a failed run meets no SLO
+            if row["slo_attainment"] is None:  # bench itself failed: no rate will do better
+                raise SearchStopped(row["error"])
+            return row["slo_attainment"]
 
-        search = find_goodput(attainment_at, self.plan.goodput_start_rate, known, self.plan.goodput_steps)
+        try:
+            search = find_goodput(attainment_at, self.plan.goodput_start_rate, known, self.plan.goodput_steps)
+        except SearchStopped as exc:
+            print(f"[pdserve sweep] {base.config}: goodput search stopped: a run failed ({exc})", file=sys.stderr,
+                  flush=True)
+            return
         self._add_goodput(base, search.rate, "search", search.upper_bound)
 
     def goodput_from_loads(self, base: RunInfo) -> None:

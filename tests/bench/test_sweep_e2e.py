@@ -107,11 +107,14 @@ def test_a_layout_that_cannot_start_and_a_dead_server_are_rows_with_errors(tmp_p
     out = tmp_path / "sweep"
     code = main(["sweep", "--configs", "1P1D", "--model", str(tmp_path / "no-such-model"), "--request-rates", "1",
                  "--num-prompts", "2", "--base-url", "dead=http://127.0.0.1:9", "--output-dir", str(out),
-                 "--startup-timeout", "60", "--no-plots", "--warmup", "0"])
+                 "--startup-timeout", "60", "--no-plots", "--warmup", "0", "--goodput", "ttft:1000", "--find-goodput"])
     assert code == 1
     rows = read_csv(out / "summary.csv")
     assert list(rows[0]) == SUMMARY_COLUMNS
-    assert [(row["config"], row["phase"]) for row in rows] == [("1P1D", "start"), ("dead", "sweep")]
+    # the goodput search stops at its first failed run instead of halving the rate
+    assert [(row["config"], row["phase"]) for row in rows] == [("1P1D", "start"), ("dead", "sweep"),
+                                                               ("dead", "search")]
+    assert not (out / "goodput.csv").exists()
     assert "pdserve up for 1P1D exited" in rows[0]["error"]
     assert "pdserve bench exited" in rows[1]["error"] and rows[1]["completed"] is None
     assert math.isnan(rows[0]["request_rate"])
