@@ -35,6 +35,12 @@ from pdserve.bench.sweep_results import (
 )
 from pdserve.bench.sweep_runs import BenchOptions, run_bench, warm_up
 
+# flags the sweep gives `pdserve up` and `pdserve bench` for each layout and run
+SET_FOR_UP = ("--model", "--prefill", "--decode", "--port", "--log-dir", "--device", "--pin-cpus",
+              "--prefill-devices", "--decode-devices", "--api-key")
+SET_FOR_BENCH = ("--base-url", "--model", "--num-prompts", "--request-rate", "--max-concurrency", "--seed",
+                 "--save-result", "--metadata", "--goodput", "--api-key", *DATASET_FLAGS)
+
 
 class SearchStopped(Exception):
     """A goodput probe whose bench run failed (not a run that missed the SLOs)."""
@@ -75,18 +81,33 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
     if args.device.startswith("cuda"):
         for layout in layouts:
             device_plan(layout, devices)  # enough GPUs for every layout, or say so now
-    cluster = ClusterSpec(model, args.device, args.pin_cpus, args.cores_per_engine, devices,
-                          shlex.split(args.up_args), args.api_key, args.startup_timeout)
+    up_args = _passed_through(args.up_args, "--up-args", SET_FOR_UP)
+    bench_args = _passed_through(args.bench_args, "--bench-args", SET_FOR_BENCH)
+    cluster = ClusterSpec(model, args.device, args.pin_cpus, args.cores_per_engine, devices, up_args, args.api_key,
+                          args.startup_timeout)
     dataset_args = [item for flag in DATASET_FLAGS if getattr(args, _dest(flag)) is not None
                     for item in (flag, str(getattr(args, _dest(flag))))]
     bench = BenchOptions(model, args.num_prompts, args.seed, dataset_args, list(args.goodput or []), args.ignore_eos,
-                         args.api_key, shlex.split(args.bench_args), args.metrics_interval, args.run_timeout)
+                         args.api_key, bench_args, args.metrics_interval, args.run_timeout)
     loads = []  # none: --find-goodput alone
     if args.request_rates or args.max_concurrencies:
         loads = list(itertools.product(args.request_rates or [math.inf], args.max_concurrencies or [None]))
     output_dir = Path(args.output_dir or f"sweep-results/{time.strftime('%Y%m%d-%H%M%S')}")
     return SweepPlan(layouts, externals, loads, slos, cluster, bench, output_dir, args.warmup, args.find_goodput,
                      args.goodput_start_rate, args.goodput_steps, not args.no_plots)
+
+
+def _passed_through(text: str, option: str, reserved: tuple[str, ...]) -> list[str]:
+    """--up-args / --bench-args split like a shell would, refusing the flags the sweep sets itself."""
+    try:
+        items = shlex.split(text)
+    except ValueError as exc:
+        raise ValueError(f"{option} {text!r}: {exc}; quote it as one shell string") from exc
+    taken = sorted({item.split("=", 1)[0] for item in items if item.split("=", 1)[0] in reserved})
+    if taken:
+        raise ValueError(f"{option} sets {', '.join(taken)}, which the sweep sets for each run: use the sweep's own "
+                         f"options (`pdserve sweep --help`)")
+    return items
 
 
 def _dest(flag: str) -> str:

@@ -297,6 +297,9 @@ def sweep_args(*argv: str):
     (("--request-rates", "1", "--device", "cuda", "--configs", "1P1D", "2P2D", "--devices", "0,1"), "needs 4 GPUs"),
     (("--request-rates", "1", "--device", "cuda", "--configs", "1P1D", "0P2D", "--devices", "0,1"), None),
     (("--request-rates", "1", "--warmup", "-1"), "--warmup -1"),
+    (("--request-rates", "1", "--up-args", "--dtype float32 --port=9000"), "--up-args sets --port"),
+    (("--request-rates", "1", "--bench-args", "--seed 3 --request-rate 2"), "sets --request-rate, --seed"),
+    (("--request-rates", "1", "--bench-args", "--tokenizer 'unclosed"), "quote it"),
 ])
 def test_the_plan_is_checked_before_anything_starts(argv, says):
     from pdserve.bench.sweep import build_plan
@@ -314,13 +317,13 @@ def test_loads_and_bench_command(tmp_path):
 
     plan = build_plan(sweep_args("--request-rates", "1", "inf", "--max-concurrencies", "4", "--dataset", "random",
                                  "--input-len", "16", "--seed", "7", "--goodput", "ttft:500", "tpot:50",
-                                 "--bench-args", "--endpoint /v1/chat/completions"))
+                                 "--bench-args", "--request-timeout 30"))
     assert plan.loads == [(1.0, 4), (math.inf, 4)]
     info = RunInfo("1P1D", 2, "sweep", math.inf, 4, 1, 1)
     command = bench_command(plan.bench, "http://h:1", info, tmp_path / "r.json", run_index=1)
     text = " ".join(command)
     assert "--base-url http://h:1 --model /models/m --num-prompts 50 --request-rate inf --seed 8" in text
     assert "--dataset random --input-len 16" in text and "--max-concurrency 4 --ignore-eos" in text
-    assert "--goodput ttft:500 tpot:50" in text and "--endpoint /v1/chat/completions" in text
+    assert "--goodput ttft:500 tpot:50" in text and "--request-timeout 30" in text
     assert command[-4:] == ["--metadata", "config=1P1D", "rate=inf", "phase=sweep"]
     assert run_name(info) == "1P1D_rateinf_conc4"
