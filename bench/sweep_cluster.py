@@ -1,17 +1,14 @@
 """One `pdserve up` for one xPyD layout of a sweep: start it (pinned to its CPU cores or given its GPUs),
-wait for its PDSERVE_READY line and until the router routes to every engine and has their load figures,
+wait for its PDSERVE_READY line (the router routes to every engine by then) and for every engine's load figures,
 then stop it cleanly (SIGINT, a bounded wait, then SIGKILL of its whole process group)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,10 +102,10 @@ class Cluster:
             time.sleep(POLL_S)
 
     def _wait_engines(self, deadline: float) -> None:
-        """Until /health counts every engine and /metrics has each one's load figures."""
-        wanted = {"prefill": self.layout.num_prefill, "decode": self.layout.num_decode}
+        """Until /metrics has every engine's load figures (`up` is ready once the router routes to all of
+        them; their first stats report may come a heartbeat later)."""
         while True:
-            if health_engines(self.url) == wanted and self._engines_reporting() == self.layout.num_engines:
+            if self._engines_reporting() == self.layout.num_engines:
                 return
             self._check_alive(deadline, f"does not route to all of {self.layout.name}'s engines")
             time.sleep(POLL_S)
@@ -158,17 +155,3 @@ def _pin(cores: list[int] | None):
     def pin() -> None:  # before exec: `up` and what it starts see only these cores
         os.sched_setaffinity(0, cores)
     return pin
-
-
-def health_engines(url: str) -> dict | None:
-    """The router's /health engine counts (its 503 body has them too), or None while it does not answer."""
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return json.loads(response.read()).get("engines")
-    except urllib.error.HTTPError as exc:
-        try:
-            return json.loads(exc.read()).get("engines")
-        except ValueError:
-            return None
-    except (OSError, ValueError):
-        return None
