@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 
 DATASETS = ("random", "sharegpt", "prefix", "jsonl")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
@@ -111,5 +112,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
     check_args(args)
     slos = parse_goodput(args.goodput)
-    return asyncio.run(bench_main(args, base_url_of(args.base_url), slos))
+    try:
+        return asyncio.run(bench_main(args, base_url_of(args.base_url), slos))
+    except KeyboardInterrupt:
+        print("pdserve bench: interrupted; no results", file=sys.stderr)
+        return 130
 

@@ -116,17 +116,21 @@ class _Stream:
 
 
 async def _read_stream(response: aiohttp.ClientResponse, stream: _Stream) -> bool:
-    """Feed the SSE events to `stream`; whether [DONE] came."""
-    async for raw in response.content:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue  # blank separators, comments, event names
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return True
-        stream.add(json.loads(data), time.perf_counter())
-        if stream.error:
-            return False
+    """Feed the SSE events to `stream`; whether [DONE] came. Reads whatever bytes have arrived and splits
+    them into lines itself (one await per read, not per line); events that arrived together share a time."""
+    pending = b""
+    async for piece in response.content.iter_any():
+        now = time.perf_counter()
+        *lines, pending = (pending + piece).split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, event names
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return True
+            stream.add(json.loads(data), now)
+            if stream.error:
+                return False
     return False
 
 

@@ -27,6 +27,13 @@ class LoadTarget:
     count_tokens: Callable[[str], int] | None = None
 
 
+@dataclass(frozen=True)
+class LoadOutcome:
+    results: list[RequestResult]
+    duration_s: float  # from the first send to the last end
+    client_cpu_s: float  # CPU this process spent meanwhile: near duration_s, the client may be the bottleneck
+
+
 def open_session(api_key: str | None, stall_timeout_s: float, max_concurrency: int | None) -> aiohttp.ClientSession:
     """One pooled HTTP session for the run: as many connections as requests in flight, a read timeout
     (no byte for stall_timeout_s) and no total timeout."""
@@ -38,8 +45,8 @@ def open_session(api_key: str | None, stall_timeout_s: float, max_concurrency: i
 
 async def run_load(session: aiohttp.ClientSession, target: LoadTarget, samples: Sequence[SampleRequest],
                    offsets: Sequence[float], max_concurrency: int | None,
-                   on_done: Callable[[RequestResult], None] = lambda result: None) -> tuple[list[RequestResult], float]:
-    """(results in sample order, seconds from the first send to the last end)."""
+                   on_done: Callable[[RequestResult], None] = lambda result: None) -> LoadOutcome:
+    """Every request's result, in sample order, and the time the load took."""
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def one(sample: SampleRequest) -> RequestResult:
@@ -50,7 +57,7 @@ async def run_load(session: aiohttp.ClientSession, target: LoadTarget, samples: 
         on_done(result)
         return result
 
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     tasks = []
     for sample, offset in zip(samples, offsets):
         delay = start + offset - time.perf_counter()
@@ -58,4 +65,4 @@ async def run_load(session: aiohttp.ClientSession, target: LoadTarget, samples: 
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(sample)))
     results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+    return LoadOutcome(list(results), time.perf_counter() - start, time.process_time() - start_cpu)

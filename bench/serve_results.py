@@ -12,7 +12,7 @@ from pdserve.bench.serve_metrics import LATENCY_METRICS, STATISTICS, RequestResu
 
 # Per-request arrays, in the order the requests were sent; times in seconds, as vLLM writes them.
 PER_REQUEST_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "e2els", "errors")
-METRIC_KEYS = tuple(compute_metrics([], 1.0))
+METRIC_KEYS = (*compute_metrics([], 1.0), "client_cpu_s")
 LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
 
 
@@ -74,6 +74,7 @@ def format_table(metrics: dict, settings: dict, results: list[RequestResult]) ->
         ("Request throughput (req/s)", f"{metrics['request_throughput']:.2f}"),
         ("Output token throughput (tok/s)", f"{metrics['output_throughput']:.2f}"),
         ("Total token throughput (tok/s)", f"{metrics['total_token_throughput']:.2f}"),
+        ("Client CPU busy", f"{100 * metrics['client_cpu_s'] / metrics['duration']:.0f}%"),
     ]
     if metrics["request_goodput"] is not None:
         slos = ", ".join(f"{name} <= {limit:g} ms" for name, limit in settings["goodput"].items())

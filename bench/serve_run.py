@@ -22,7 +22,7 @@ from pdserve.bench.serve_datasets import (
     repeat_to,
     sharegpt_dataset,
 )
-from pdserve.bench.serve_load import LoadTarget, open_session, run_load
+from pdserve.bench.serve_load import LoadOutcome, LoadTarget, open_session, run_load
 from pdserve.bench.serve_metrics import compute_metrics
 from pdserve.bench.serve_preflight import ServedModel, ServerCheckError, served_models, supported_shape
 from pdserve.bench.serve_results import (
@@ -36,6 +36,8 @@ from pdserve.bench.serve_results import (
 from pdserve.engine.tokenizer import TokenizerLoadError, load_tokenizer
 
 NEEDS_TOKENIZER = ("random", "prefix", "sharegpt")
+CLIENT_BUSY_SHARE = 0.9
+MIN_BUSY_CHECK_S = 1.0  # shorter runs are mostly start-up: their CPU share says nothing
 
 
 def note(message: str) -> None:
@@ -105,6 +107,21 @@ def make_samples(args: argparse.Namespace, tokenizer, count: int) -> list[Sample
     return repeat_to(samples, count)
 
 
+async def warm_up_and_measure(session, target: LoadTarget, samples: list[SampleRequest],
+                              args: argparse.Namespace) -> LoadOutcome:
+    """The first --warmup samples sent at once (not measured), then the rest on their arrival times."""
+    if args.warmup:
+        warm = await run_load(session, target, samples[:args.warmup], [0.0] * args.warmup, args.max_concurrency)
+        note(f"warmup: {args.warmup} requests sent, {sum(not r.success for r in warm.results)} failed")
+    measured = samples[args.warmup:]
+    offsets = arrival_offsets(len(measured), args.request_rate, args.burstiness, args.seed)
+    with tqdm(total=len(measured), desc="pdserve bench", unit="req", file=sys.stderr,
+              disable=True if args.disable_progress else None,  # None: off when stderr is no terminal
+              dynamic_ncols=True) as progress:
+        return await run_load(session, target, measured, offsets, args.max_concurrency,
+                              on_done=lambda result: progress.update(1))
+
+
 def _reserved_keys(args: argparse.Namespace) -> set[str]:
     return {*METRIC_KEYS, *PER_REQUEST_KEYS, *settings_of(args, "", None, RequestShape(args.endpoint, ""), {}, [])}
 
@@ -129,16 +146,13 @@ async def bench_main(args: argparse.Namespace, base_url: str, slos: dict[str, fl
         for line in notes:
             note(line)
         target = LoadTarget(url, shape, args.request_timeout, tokenizer.count if tokenizer.tokenizer else None)
-        if args.warmup:
-            warm, _ = await run_load(session, target, samples[:args.warmup], [0.0] * args.warmup, args.max_concurrency)
-            note(f"warmup: {len(warm)} requests sent, {sum(not r.success for r in warm)} failed")
-        measured = samples[args.warmup:]
-        offsets = arrival_offsets(len(measured), args.request_rate, args.burstiness, args.seed)
-        with tqdm(total=len(measured), desc="pdserve bench", unit="req", file=sys.stderr,
-                  disable=args.disable_progress, dynamic_ncols=True) as progress:
-            results, duration = await run_load(session, target, measured, offsets, args.max_concurrency,
-                                               on_done=lambda result: progress.update(1))
-    metrics = compute_metrics(results, duration, slos)
+        load = await warm_up_and_measure(session, target, samples, args)
+    results = load.results
+    metrics = {**compute_metrics(results, load.duration_s, slos), "client_cpu_s": load.client_cpu_s}
+    if load.duration_s >= MIN_BUSY_CHECK_S and load.client_cpu_s > CLIENT_BUSY_SHARE * load.duration_s:
+        notes.append(f"the client was busy {100 * load.client_cpu_s / load.duration_s:.0f}% of the run on its core: "
+                     "it may have been the bottleneck (docs/BENCHMARKS.md has its ceiling)")
+        note(notes[-1])
     settings = settings_of(args, model, tokenizer.name, shape, slos, notes)
     print(format_table(metrics, settings, results), flush=True)
     if args.save_result:
