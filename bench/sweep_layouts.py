@@ -57,7 +57,8 @@ def parse_external(text: str) -> ExternalServer:
         raise ValueError(f"--base-url {text!r}: give NAME=URL, e.g. hf=http://127.0.0.1:8000")
     if LAYOUT_PATTERN.fullmatch(name.strip()):
         raise ValueError(f"--base-url {text!r}: the name {name!r} looks like a layout; choose another name")
-    return ExternalServer(name.strip(), url.strip().rstrip("/"))
+    url = url.strip().rstrip("/")
+    return ExternalServer(name.strip(), url.removesuffix("/v1"))  # its root, as bench takes it
 
 
 def cpu_plan(layout: Layout, available: list[int], cores_per_engine: int = 1) -> list[int]:

@@ -57,6 +57,7 @@ def test_a_layout_listed_twice_is_refused():
 def test_external_servers():
     server = parse_external("hf=http://127.0.0.1:8000/")
     assert (server.name, server.url, server.num_engines) == ("hf", "http://127.0.0.1:8000", 1)
+    assert parse_external("vllm = http://gpu-box:8000/v1/").url == "http://gpu-box:8000"
     for bad in ("http://127.0.0.1:8000", "hf=127.0.0.1:8000", "=http://x", "1P1D=http://x"):
         with pytest.raises(ValueError, match="--base-url"):
             parse_external(bad)
