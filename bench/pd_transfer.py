@@ -85,7 +85,8 @@ def main() -> None:
     streamed = EngineProcess("prefill", model, *engine_args, "--kv-streaming", "on", log_dir=logs)
     after = EngineProcess("prefill", model, *engine_args, "--kv-streaming", "off", "--engine-id", "prefill-1",
                           log_dir=logs)
-    decode = EngineProcess("decode", model, *engine_args, "--kv-timeout", "300", log_dir=logs)
+    decode = EngineProcess("decode", model, *engine_args, "--kv-timeout", "300", *streamed.kv_peer_args(),
+                           *after.kv_peer_args(), log_dir=logs)
     drivers = {"streamed": Driver(decode, streamed), "sent-after": Driver(decode, after)}
     local = drivers["streamed"]
     rng = random.Random(0)

@@ -187,8 +187,13 @@ class EngineServer:
         self.advertise_host = advertise_host
         self.heartbeat = Heartbeat(router_address, interval_s, self.curve.client if self.curve else None, stall_s)
         self.heartbeat.register = self.registration()
+        self.heartbeat.on_message = self.on_router_message
         self.heartbeat.set_stats(self.stats())
         self.heartbeat.start()
+
+    def on_router_message(self, msg: Any) -> None:
+        """What the router sends on the registration link (on the heartbeat's thread): nothing, by default."""
+        log.debug("ignored %s from the router's registration link", msg.type_name)
 
     def registration(self) -> Register:
         kv_address = getattr(self, "kv_address", None)

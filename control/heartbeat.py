@@ -1,6 +1,7 @@
 """Registration with a router: a Heartbeat thread sends Register + the latest EngineStats every
 interval on its own DEALER (a thread, so a long engine step never looks like a dead engine), and
-Deregister when the engine stops; advertised_address() is the address peers can reach. The engine
+Deregister when the engine stops. Between beats it listens on that link: what the router sends there
+(KVPeers, to decode engines) goes to the `on_message` callback, on this thread; advertised_address() is the address peers can reach. The engine
 loop hands it fresh stats as it goes round: stats older than the stall bound mean a stuck loop, and
 the thread stops beating so the router takes the engine out of routing."""
 
@@ -10,6 +11,7 @@ import logging
 import socket as socketlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.control.errors import WireError
@@ -20,6 +22,7 @@ from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, ClientSocket
 log = logging.getLogger("pdserve.heartbeat")
 
 WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+LISTEN_SLICE_S = 0.1  # how often the thread between beats checks whether it was stopped
 
 
 def advertised_address(address: str, advertise_host: str | None = None) -> str:
@@ -45,6 +48,7 @@ class Heartbeat(threading.Thread):
         self.stall_s = stall_s  # no fresh stats from the loop this long: stop beating (None: never)
         self._stalled = False
         self.register: Register | None = None  # set before start()
+        self.on_message: Callable[[Any], None] | None = None  # set before start(): what the router sends
         self._stats: EngineStats | None = None
         self._stats_time = 0.0
         self._done = threading.Event()
@@ -62,10 +66,26 @@ class Heartbeat(threading.Thread):
             if not self._loop_stalled():
                 self._send(self.register)
                 self._send(self._stats)
-            if self._done.wait(self.interval_s):
+            if self._listen(self.interval_s):
                 break
         self._send(Deregister(engine_id=self.register.engine_id, control_address=self.register.control_address))
         self._client.close()
+
+    def _listen(self, seconds: float) -> bool:
+        """Hand what the router sends to on_message for `seconds`; True once stop() was called."""
+        deadline = time.monotonic() + seconds
+        while not self._done.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                received = self._client.recv(timeout=min(remaining, LISTEN_SLICE_S))
+            except WireError as exc:
+                log.warning("the router %s sent a message that was dropped: %s", self.router_address, exc)
+                continue
+            if received is not None and self.on_message is not None:
+                self.on_message(received.msg)
+        return True
 
     def _loop_stalled(self) -> bool:
         """True while the engine loop has not handed over stats for stall_s seconds (logged once per stall)."""

@@ -12,6 +12,8 @@ pdserve.control.protocol; Abort and Error serve the KV link too.
                                                  engine tells the router its KV address and limits)
     either -> router          Register          (on the router's registration socket, with EngineStats
                                                  every heartbeat; Deregister when it stops)
+    router -> decode engine   KVPeers           (answer on the registration socket: the KV addresses of
+                                                 the registered prefill engines, the only ones it pulls from)
 
 Requests carry their SamplingParams (control.sampling_params) whole, as vLLM's EngineCoreRequest does,
 but stop strings and detokenization are the router's: engines see token ids only. The engine's
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import FailFast, Field
 
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.schema import (
@@ -40,7 +42,9 @@ from pdserve.control.schema import (
 )
 
 Count = Annotated[int, Field(ge=0, le=UINT64_MAX)]
-TokenIds = Annotated[tuple[TokenId, ...], max_items(MAX_TOKENS)]  # a list is stored as a tuple
+# A list is stored as a tuple. FailFast: the first bad item is the error; a million bad ids in a header
+# at the size cap would otherwise make a million errors (seconds of an engine's loop).
+TokenIds = Annotated[tuple[TokenId, ...], FailFast(), max_items(MAX_TOKENS)]
 TokenLogprobs = Annotated[dict[WireInt, float], max_items(MAX_DICT_ITEMS)]  # {token_id: logprob} of one token
 
 
@@ -62,7 +66,7 @@ class TokenDelta(Message, type_name="token_delta"):
 
     request_id: str = Field(max_length=MAX_ID_LEN)
     token_ids: TokenIds = ()
-    logprobs: Annotated[tuple[TokenLogprobs, ...], max_items(MAX_TOKENS)] = ()
+    logprobs: Annotated[tuple[TokenLogprobs, ...], FailFast(), max_items(MAX_TOKENS)] = ()
     finish_reason: Literal["stop", "length", "abort", "error"] | None = None
     stop_reason: WireInt | None = None
     error: str | None = None
@@ -123,6 +127,17 @@ class Deregister(Message, type_name="deregister"):
 
     engine_id: str = Field(max_length=MAX_ID_LEN)
     control_address: str = Field(max_length=1024)
+
+
+MAX_KV_PEERS = 1024
+
+
+class KVPeers(Message, type_name="kv_peers"):
+    """Router -> decode engine, on the registration link the decode engine opened: the KV addresses of
+    every prefill engine registered now. A decode engine pulls KV only from these (and from its
+    --kv-peer addresses), never from an address that a control message alone names."""
+
+    kv_addresses: Annotated[tuple[Annotated[str, Field(max_length=1024)], ...], max_items(MAX_KV_PEERS)]
 
 
 class Abort(Message, type_name="abort"):

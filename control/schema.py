@@ -19,6 +19,7 @@ MAX_HEADER_BYTES = 1 << 20  # control messages with long prompts will share this
 MAX_ID_LEN = 256  # request and engine ids
 MAX_STR_LEN = 4096  # reasons, messages and any other string
 MAX_DICT_ITEMS = 64
+MAX_UNKNOWN_KEYS = 8  # of a peer's map, the ones an error names (the others are not even validated)
 MAX_SHAPE_DIMS = 8
 MAX_LAYERS = 1024
 MAX_TOKENS = 1 << 24
@@ -174,6 +175,20 @@ class WireModel(BaseModel):
     __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
 
+def _few_unknown(cls: type[WireModel], fields: dict) -> dict:
+    """`fields` with only the first MAX_UNKNOWN_KEYS of its unknown keys, which still refuse it: pydantic would
+    make an error per unknown key, and a header at the size cap holds 150,000 of them (a second's work)."""
+    known = cls.model_fields
+    if len(fields) <= len(known) + MAX_UNKNOWN_KEYS:
+        return fields
+    kept, num_unknown = {}, 0
+    for key, value in fields.items():
+        if key in known or num_unknown < MAX_UNKNOWN_KEYS:
+            kept[key] = value
+            num_unknown += key not in known
+    return kept
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {}
 
 
@@ -222,6 +237,10 @@ class Message(WireModel):
         fields = dict(header)
         fields.pop("type", None)
         fields.pop("version", None)
+        fields = _few_unknown(cls, fields)
+        for name in cls.nested_fields:
+            if isinstance(fields.get(name), dict):
+                fields[name] = _few_unknown(_nested_model(cls.model_fields[name].annotation), fields[name])
         try:
             return cls(**fields)  # faster than model_validate, which calls a custom __init__ anyway
         except TypeError:

@@ -1,6 +1,6 @@
 """`pdserve decode`: an engine in the consumer role. Takes GenerateRequest on its control socket,
-pulls prompt KV from the named prefill engine (or prefills locally), decodes in its continuous batch
-and streams TokenDelta back to whoever sent the request."""
+pulls prompt KV from the named prefill engine when it trusts it (decode.kv_peers; else it prefills
+locally), decodes in its continuous batch and streams TokenDelta back to whoever sent the request."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 
 from pdserve.control.engine_server import EngineServer
 from pdserve.control.keys import load_cluster_keys
-from pdserve.control.messages import GenerateRequest
+from pdserve.control.messages import GenerateRequest, KVPeers
+from pdserve.decode.kv_peers import KVPeerTrust
 from pdserve.decode.scheduler_side import DecodeSchedulerSide
 from pdserve.decode.transfer_side import DecodeTransferSide
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -28,18 +29,29 @@ class DecodeOptions:
     kv_failure: str = "recompute"
     device: str = "cpu"
     curve_dir: str | None = None  # `pdserve keygen` directory: CURVE on every socket
+    kv_peers: tuple[str, ...] = ()  # prefill KV addresses trusted without the router's word (--kv-peer)
 
 
 class DecodeServer(EngineServer):
     role = "decode"
 
+    def __init__(self, *args: Any, kv_peers: KVPeerTrust | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kv_peers = kv_peers if kv_peers is not None else KVPeerTrust()
+
     def handle(self, peer_id: bytes, msg: Any) -> None:
         if not isinstance(msg, GenerateRequest):
             return super().handle(peer_id, msg)
         request = self.engine.make_request(msg.request_id, list(msg.prompt_token_ids), msg.sampling_params)
-        request.prefill_kv_address = msg.prefill_kv_address
+        request.prefill_kv_address = self.kv_peers.checked(msg.prefill_kv_address)
         self.engine.add_request(request)
         self.owners[msg.request_id] = peer_id
+
+    def on_router_message(self, msg: Any) -> None:
+        if isinstance(msg, KVPeers):
+            self.kv_peers.update_from_router(msg.kv_addresses)
+        else:
+            super().on_router_message(msg)
 
 
 def build_decode_server(model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
@@ -51,4 +63,5 @@ def build_decode_server(model_config: ModelConfig, cache_config: CacheConfig, sc
                         connector=DecodeSchedulerSide(transfer), kv_failure_policy=options.kv_failure,
                         kv_transfer=transfer)
     transfer.bind_kv_cache(engine.runner.kv_cache)
-    return DecodeServer(engine, transfer, options.control_address, options.engine_id, curve)
+    return DecodeServer(engine, transfer, options.control_address, options.engine_id, curve,
+                        kv_peers=KVPeerTrust(options.kv_peers))

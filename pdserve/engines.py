@@ -45,6 +45,10 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
                             help="seconds to wait for a prompt's KV from a prefill engine")
         parser.add_argument("--kv-failure", choices=["recompute", "fail"], default="recompute",
                             help="when remote KV does not arrive: prefill locally, or end the request with an error")
+        parser.add_argument("--kv-peer", action="append", default=[], metavar="ADDRESS",
+                            help="a prefill engine's KV address to pull from (repeatable). The prefill engines "
+                                 "registered with --router-address's router are trusted without it; a request "
+                                 "naming any other address is prefilled locally")
 
 
 def _configs(args: argparse.Namespace) -> tuple:
@@ -84,7 +88,12 @@ def run_engine(args: argparse.Namespace, role: str) -> int:
         from pdserve.decode.service import DecodeOptions, build_decode_server
 
         server = build_decode_server(*configs, DecodeOptions(
-            args.control_address, args.engine_id, args.kv_timeout, args.kv_failure, args.device, curve_dir))
+            args.control_address, args.engine_id, args.kv_timeout, args.kv_failure, args.device, curve_dir,
+            tuple(args.kv_peer)))
+        if not args.router_address and not args.kv_peer:
+            logging.getLogger("pdserve.decode").warning(
+                "no --router-address and no --kv-peer: this engine trusts no prefill engine and prefills every "
+                "prompt itself; give --router-address or the prefill engines' KV addresses with --kv-peer")
         extra = ""
     server.install_signal_handlers()
     if args.progress_file:

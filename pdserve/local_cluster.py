@@ -50,6 +50,11 @@ class EngineProcess:
         self.stop()
         raise RuntimeError(f"{self.role} engine did not start:\n{self.log_path.read_text()[-3000:]}")
 
+    def kv_peer_args(self) -> tuple[str, ...]:
+        """A prefill engine's KV address as a decode engine's `--kv-peer` arguments: a decode engine
+        without a router pulls KV only from prefill engines it was given."""
+        return ("--kv-peer", self.addresses["kv"])
+
     def kill(self) -> None:
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(timeout=30)

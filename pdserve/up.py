@@ -44,6 +44,15 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                         help="restarts per component within --restart-window (0 = never restart)")
     parser.add_argument("--restart-window", type=float, default=600.0, metavar="S",
                         help="seconds over which --max-restarts is counted")
+    parser.add_argument("--registration-address", default="tcp://127.0.0.1:0", metavar="ADDRESS",
+                        help="where the router takes engine registrations (port 0 = any free port)")
+    parser.add_argument("--engine-host", default="127.0.0.1",
+                        help="host the engines bind their control and KV sockets on (0.0.0.0: every interface, "
+                             "CURVE only)")
+    parser.add_argument("--engine-port-base", type=int, default=None, metavar="PORT",
+                        help="pin the engines' ports for firewalls and containers: engine i (prefill engines "
+                             "first) binds control on PORT+2i and KV on PORT+2i+1; restarts keep them "
+                             "(default: any free ports)")
     parser.add_argument("--stall-timeout", type=float, default=120.0, metavar="S",
                         help="an engine whose loop makes no progress this long is killed and restarted "
                              "(0 = never); longer than the slowest step (a long prefill on CPU)")
@@ -90,16 +99,17 @@ def trust_flags(args: argparse.Namespace) -> list[str]:
 
 
 def resolve_keys(args: argparse.Namespace) -> None:
-    """CURVE on every plane unless --insecure: --curve-dir, or keys made on first start (every address
-    `up` gives its components is loopback, so --insecure is allowed here)."""
+    """CURVE on every plane unless --insecure: --curve-dir, or keys made on first start. --insecure is
+    refused when --registration-address or --engine-host reach beyond loopback."""
     if not args.insecure and not args.curve_dir:
         args.curve_dir = str(default_cluster_keys())
-    args.curve_dir = curve_dir_for(args, [])  # refuses both flags at once; warns under --insecure
+    planes = [args.registration_address, f"tcp://{args.engine_host}:0"]
+    args.curve_dir = curve_dir_for(args, planes)  # refuses both flags at once; warns under --insecure
 
 
 def router_component(args: argparse.Namespace, model: str, name: str) -> Component:
     command = [sys.executable, "-m", "pdserve", "router", "--model", model, "--served-model-name", name,
-               "--host", args.host, "--port", str(args.port), "--registration-address", "tcp://127.0.0.1:0",
+               "--host", args.host, "--port", str(args.port), "--registration-address", args.registration_address,
                "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy,
                "--local-prefill-threshold", str(args.local_prefill_threshold),
                "--heartbeat-timeout", str(args.heartbeat_timeout),
@@ -125,7 +135,7 @@ def engine_components(args: argparse.Namespace, model: str, registration: str) -
         engine_id = f"{role}-{index}"
         command = [sys.executable, "-m", "pdserve", role, *_engine_model_args(args, model), "--engine-id", engine_id,
                    "--router-address", registration, "--device", "cuda" if cuda else args.device,
-                   "--log-level", args.log_level.upper()]
+                   "--log-level", args.log_level.upper(), *engine_addresses(args, role, position)]
         component = Component(engine_id, command)
         if cuda:
             component.env["CUDA_VISIBLE_DEVICES"] = gpus[position]
@@ -138,6 +148,29 @@ def engine_components(args: argparse.Namespace, model: str, registration: str) -
             component.where = "cpu"
         components.append(component)
     return components
+
+
+def engine_addresses(args: argparse.Namespace, role: str, position: int) -> list[str]:
+    """The control (and, for prefill, KV) addresses of the engine at `position` in the plan."""
+    host = args.engine_host
+    if args.engine_port_base is None:
+        ports = (0, 0)
+    else:
+        ports = (args.engine_port_base + 2 * position, args.engine_port_base + 2 * position + 1)
+    addresses = ["--control-address", f"tcp://{host}:{ports[0]}"]
+    if role == "prefill":
+        addresses += ["--kv-address", f"tcp://{host}:{ports[1]}"]
+    return addresses
+
+
+def check_ports(args: argparse.Namespace) -> None:
+    if args.engine_port_base is None:
+        return
+    last = args.engine_port_base + 2 * (args.prefill + args.decode) - 1
+    if args.engine_port_base < 1 or last > 65535:
+        raise ValueError(f"--engine-port-base {args.engine_port_base}: the {args.prefill + args.decode} engines need "
+                         f"ports {args.engine_port_base}..{last}; give a base between 1 and "
+                         f"{65536 - 2 * (args.prefill + args.decode)}")
 
 
 # ---- running them ----
@@ -211,6 +244,7 @@ def _start_all(args: argparse.Namespace, supervisor: Supervisor, model: str, nam
 
 def run_up(args: argparse.Namespace) -> int:
     _check_counts(args)
+    check_ports(args)
     resolve_keys(args)
     policy = restart_policy(args)
     model, default_name = resolve_model(args.model)

@@ -58,6 +58,10 @@ def _error_response(gateway: Gateway, request: Request, error: APIError) -> JSON
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     problems, param = [], None
     for error in exc.errors():
+        if error.get("type") == "json_invalid":  # loc is ("body", character offset), not a field
+            detail = error.get("ctx", {}).get("error", "")
+            return (f"the request body is not valid JSON ({detail} at character {error['loc'][-1]}): "
+                    "send one JSON object"), None
         location = [str(part) for part in error.get("loc", ()) if part != "body"]
         param = param or (location[0] if location else None)
         problems.append(f"{'.'.join(location) or 'body'}: {error.get('msg', 'invalid')}")
@@ -78,6 +82,11 @@ def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == RequestTooLarge.status_code:
             return _error_response(gateway, request, RequestTooLarge(str(exc.detail)))
+        if exc.status_code == InvalidRequest.status_code and exc.__cause__ is not None:  # FastAPI's body parsing
+            cause = exc.__cause__  # not UTF-8, nested past the recursion limit, an integer of 4300+ digits
+            reason = f"{type(cause).__name__}: {str(cause).split(';')[0][:120]}"  # not the server-side hint
+            message = f"the request body could not be read as JSON ({reason}): send one UTF-8 JSON object"
+            return _error_response(gateway, request, InvalidRequest(message))
         error = APIError(str(exc.detail))
         error.status_code, error.error_type = exc.status_code, "invalid_request_error"
         return _error_response(gateway, request, error)

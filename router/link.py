@@ -54,6 +54,8 @@ class EngineLink:
         self.last_seen = time.monotonic()
         self.num_received = 0  # messages that came back over this link: > 0 means it works
         self.num_inflight = 0  # requests the router has open on this engine
+        self.owner: bytes | None = None  # the registration connection that registered it: only it may change it
+        self.owner_heard = 0.0  # when that connection last sent something
         self.pending_tokens = 0  # prompt tokens sent since the last stats (load not yet reported)
         self.streams: dict[str, asyncio.Queue] = {}
         self._stats_waiters: list[asyncio.Future] = []

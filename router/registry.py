@@ -13,6 +13,13 @@ stuck or unreachable engine): its open requests get EngineGone (the generation c
 them elsewhere when no token was streamed yet). A registered engine that leaves is forgotten (it
 registers again if it comes back); a static one is kept and polled until it answers again.
 
+Each registered entry belongs to the registration connection that registered it: Register, stats and
+Deregister for that engine are taken from that connection only (a spoofed Deregister from another
+peer is refused). The entry passes to a new connection only once its owner has been silent for the
+heartbeat timeout or the engine left routing (a restarted engine registers again from a new socket).
+Every decode engine that registers gets KVPeers back on its registration link: the KV addresses of
+the prefill engines the router knows, the only ones it will pull KV from (docs/security.md).
+
 The registration socket takes any number of peers: it tracks at most MAX_REGISTRATION_PEERS of them
 (the least recently heard are forgotten) and holds at most MAX_PENDING_ENGINES links to engines that
 registered but have not answered yet (more are refused until some answer or time out). A message
@@ -31,8 +38,9 @@ import zmq.asyncio
 
 from pdserve.control.errors import ProtocolError, TransportError
 from pdserve.control.keys import load_cluster_keys
-from pdserve.control.messages import Deregister, DescribeRequest, EngineStats, Register
-from pdserve.control.protocol import decode
+from pdserve.control.messages import MAX_KV_PEERS, Deregister, DescribeRequest, EngineStats, KVPeers, Register
+from pdserve.control.protocol import decode, encode
+from pdserve.control.schema import Message
 from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, OpenSocket, open_socket, validate_address
 from pdserve.router.config import RouterConfig
 from pdserve.router.link import EngineLink
@@ -43,6 +51,7 @@ ROLES = ("prefill", "decode")
 MAX_REGISTRATION_PEERS = 4096
 MAX_PENDING_ENGINES = 64
 RESTART_DELAY_S = 1.0
+REFUSAL_LOG_INTERVAL_S = 1.0  # refused registration messages are logged at most this often
 
 
 class EngineRegistry:
@@ -57,6 +66,8 @@ class EngineRegistry:
         self._peers: OrderedDict[bytes, str] = OrderedDict()  # registration peer id -> control address, LRU
         self._tasks: list[asyncio.Task] = []
         self._registration: OpenSocket | None = None
+        self._last_refusal_log = 0.0
+        self._kv_peers: tuple[str, ...] = ()  # what the decode engines were last told
 
     async def start(self) -> None:
         if self.config.registration_address:
@@ -129,13 +140,36 @@ class EngineRegistry:
         if isinstance(msg, Register):
             self._on_register(peer_id, msg)
         elif isinstance(msg, EngineStats):
-            link = self.links.get(self._peer_address(peer_id) or "")
+            link = self._owned_link(peer_id, self._peer_address(peer_id))
             if link is not None:
                 link.set_stats(msg)
         elif isinstance(msg, Deregister):
-            link = self.links.get(msg.control_address)
+            link = self._owned_link(peer_id, msg.control_address)
             if link is not None:
                 await self._leave(link, f"engine {link.engine_id} stopped")
+            elif msg.control_address in self.links:
+                self._refused(f"Deregister for {msg.control_address} from a connection that did not register it")
+
+    def _owned_link(self, peer_id: bytes, address: str | None) -> EngineLink | None:
+        """The link at address if peer_id is the connection that registered it (else None)."""
+        link = self.links.get(address or "")
+        if link is None or link.owner != peer_id:
+            return None
+        link.owner_heard = time.monotonic()
+        return link
+
+    def _may_take(self, link: EngineLink, peer_id: bytes) -> bool:
+        """May peer_id register (or re-register) the engine at this link? Its owner may; another
+        connection only once the owner has been silent for the heartbeat timeout."""
+        if link.owner is None or link.owner == peer_id:
+            return True
+        return time.monotonic() - link.owner_heard > self._timeout(link)
+
+    def _refused(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self._last_refusal_log >= REFUSAL_LOG_INTERVAL_S:
+            self._last_refusal_log = now
+            log.warning("%s: refused (an engine may change only its own entry)", what)
 
     def _peer_address(self, peer_id: bytes) -> str | None:
         address = self._peers.get(peer_id)
@@ -164,10 +198,44 @@ class EngineRegistry:
             self.links[msg.control_address] = link
             log.info("engine %s (%s) registered from %s", msg.engine_id, msg.role, msg.control_address)
             link.try_send_stats_request()  # the first answer proves the link works
+        elif not self._may_take(link, peer_id):
+            self._refused(f"Register for {msg.control_address} from a connection other than its owner's")
+            return
         self._remember_peer(peer_id, msg.control_address)
+        link.owner, link.owner_heard = peer_id, time.monotonic()
         link.info = msg
         link.last_seen = time.monotonic()
         self._assign_label(link)
+        self._announce_kv_peers()
+        if msg.role == "decode":
+            self._answer(peer_id, KVPeers(kv_addresses=self._kv_peers))
+
+    # ---- the KV peers decode engines may pull from ----
+
+    def _current_kv_peers(self) -> tuple[str, ...]:
+        addresses = {link.info.kv_address for link in self.links.values()
+                     if link.info is not None and link.info.role == "prefill" and link.info.kv_address}
+        return tuple(sorted(addresses))[:MAX_KV_PEERS]
+
+    def _announce_kv_peers(self) -> None:
+        """Tell every registered decode engine when the set of prefill KV addresses changed."""
+        peers = self._current_kv_peers()
+        if peers == self._kv_peers:
+            return
+        self._kv_peers = peers
+        for link in self.links.values():
+            if link.owner is not None and link.info is not None and link.info.role == "decode":
+                self._answer(link.owner, KVPeers(kv_addresses=peers))
+
+    def _answer(self, peer_id: bytes, msg: Message) -> None:
+        """Send on the registration socket without waiting; a peer that cannot take it now gets the
+        next one (decode engines hear KVPeers again with every heartbeat)."""
+        if self._registration is None:
+            return
+        try:
+            self._registration.socket.send_multipart([peer_id, *encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("registration peer did not take %s: %s", msg.type_name, exc)
 
     def _assign_label(self, link: EngineLink) -> None:
         """Engine ids name engines in metrics; scaled replicas may share one, so add the address then."""
@@ -211,6 +279,7 @@ class EngineRegistry:
         if fresh and link.num_received > 0 and self._usable(link):
             link.up = True
             self._notify(link)
+            self._announce_kv_peers()
             log.info("engine %s (%s) joined routing at %s", link.engine_id, link.role, link.control_address)
 
     def _probe(self, link: EngineLink) -> None:
@@ -241,14 +310,16 @@ class EngineRegistry:
         self._notify(link)
         if was_up:
             log.warning("%s: it leaves routing", reason)
+        link.owner = None  # a restarted engine registers again from a new connection
         if link.static:
             link.last_seen = 0.0  # stays out until it answers again
             link.num_received = 0
-            return
-        self.links.pop(link.control_address, None)
-        self._peers = OrderedDict((peer, address) for peer, address in self._peers.items()
-                                  if address != link.control_address)
-        await link.close()
+        else:
+            self.links.pop(link.control_address, None)
+            self._peers = OrderedDict((peer, address) for peer, address in self._peers.items()
+                                      if address != link.control_address)
+            await link.close()
+        self._announce_kv_peers()
 
     def _notify(self, link: EngineLink) -> None:
         for callback in self.on_change:

@@ -56,7 +56,7 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # the JSON parser takes NaN and Infinity
 
     model: str | None = None
     n: int = Field(1, ge=1)

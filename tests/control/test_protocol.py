@@ -72,6 +72,7 @@ SAMPLES = [
     control.Register(engine_id="prefill-0", role="prefill", control_address="tcp://127.0.0.1:5600",
                      kv_address="tcp://127.0.0.1:5700", block_size=16, max_model_len=4096, vocab_size=32000),
     control.Deregister(engine_id="decode-0", control_address="tcp://127.0.0.1:5600"),
+    control.KVPeers(kv_addresses=["tcp://127.0.0.1:5700", "ipc:///tmp/p1.kv"]),
 ]
 
 

@@ -44,6 +44,7 @@ def inject(faults: dict[int, str]) -> None:
             payload = bytearray(payload)
             payload[len(payload) // 2] ^= 0x40
         elif action == "delay":
+            log.error("fault injection: delaying a KV send by 2 s")
             time.sleep(2.0)
         elif action == "stall":
             log.error("fault injection: stalling forever mid-transfer")

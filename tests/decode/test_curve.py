@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from pdserve.control.errors import TransportTimeout
-from pdserve.control.keys import load_cluster_keys, write_cluster_keys
+from pdserve.control.keys import CurveClientConfig, generate_curve_keypair, load_cluster_keys, write_cluster_keys
 from pdserve.control.messages import GenerateRequest
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.sockets import ClientSocket
+from pdserve.kvtransfer.messages import Hello
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.test_disaggregated import (
     ENGINE_ARGS,
@@ -18,7 +19,8 @@ from tests.decode.test_disaggregated import (
     colocated_tokens,
 )
 
-TWO_TOKENS = SamplingParams(max_tokens=2)
+GENERATE = GenerateRequest(request_id="x", prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=2))
+HELLO = Hello(fingerprint={}, role="decode", engine_id="outsider")
 
 
 def test_encrypted_cluster_serves_key_holders_only(model_factory, tmp_path):
@@ -26,20 +28,28 @@ def test_encrypted_cluster_serves_key_holders_only(model_factory, tmp_path):
     keys = write_cluster_keys(tmp_path / "keys")
     curve = ("--curve-dir", str(keys))
     prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, *curve, log_dir=tmp_path)
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *curve, log_dir=tmp_path)
+    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *curve, *prefill.kv_peer_args(), log_dir=tmp_path)
     driver = Driver(decode, prefill, curve=load_cluster_keys(keys).client)
     try:
         results = driver.generate(PROMPTS[:3], **GREEDY)
         assert [r.token_ids for r in results] == colocated_tokens(model_dir, PROMPTS[:3], **GREEDY)
         assert driver.decode_stats().kv_bytes_received > 0, "the KV link itself ran under CURVE"
         assert_no_leaks(driver)
-        with ClientSocket(decode.addresses["control"], send_timeout=1.0) as stranger:  # no keys
-            with pytest.raises(TransportTimeout):
-                stranger.send(GenerateRequest(request_id="x", prompt_token_ids=[1, 2], sampling_params=TWO_TOKENS))
         other_keys = load_cluster_keys(write_cluster_keys(tmp_path / "other"))
-        with ClientSocket(decode.addresses["control"], curve=other_keys.client, send_timeout=1.0) as impostor:
-            with pytest.raises(TransportTimeout):
-                impostor.send(GenerateRequest(request_id="y", prompt_token_ids=[1, 2], sampling_params=TWO_TOKENS))
+        server_public = load_cluster_keys(keys).client.server_public_key  # public: assume anyone knows it
+        outsiders = {"a stranger without keys": None, "an impostor with other keys": other_keys.client,
+                     "a peer holding only the server's public key": CurveClientConfig(generate_curve_keypair(),
+                                                                                       server_public)}
+        planes = {"decode control": (decode.addresses["control"], GENERATE),
+                  "prefill control": (prefill.addresses["control"], GENERATE),
+                  "prefill KV link": (prefill.addresses["kv"], HELLO)}
+        for plane, (address, msg) in planes.items():
+            for who, curve in outsiders.items():
+                with ClientSocket(address, curve=curve, send_timeout=1.0) as outsider:
+                    with pytest.raises(TransportTimeout):  # the handshake never completes: nothing is taken
+                        outsider.send(msg)
+                        pytest.fail(f"the {plane} took a message from {who}")
+        assert driver.generate(PROMPTS[:1], prefix="after", **GREEDY)[0].finish_reason == "length"
     finally:
         driver.close()
         prefill.stop()

@@ -43,7 +43,8 @@ def start_pair(model_dir: str, tmp_path, transport: str = "tcp", prefill_env=Non
         p_args = d_args = ()
     prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, *p_args, *prefill_args, env=prefill_env,
                             log_dir=tmp_path)
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *d_args, *decode_args, log_dir=tmp_path)
+    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *d_args, *prefill.kv_peer_args(), *decode_args,
+                           log_dir=tmp_path)
     return prefill, decode
 
 
@@ -212,7 +213,7 @@ def test_prefill_prefix_hit_serves_a_decode_engine_without_it(model_factory, tmp
     model_dir = model_factory("llama")
     bytes_per_token = 2 * 2 * 2 * 16 * 4  # K and V x layers x kv_heads x head_dim x fp32 bytes
     prefill, first_decode = start_pair(model_dir, tmp_path, prefill_args=("--kv-streaming", streaming))
-    second_decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, log_dir=tmp_path)
+    second_decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *prefill.kv_peer_args(), log_dir=tmp_path)
     first_driver, second_driver = Driver(first_decode, prefill), Driver(second_decode, prefill)
     try:
         shared = list(range(200, 220))  # 5 full blocks
@@ -238,9 +239,9 @@ def test_one_decode_engine_pulls_from_two_prefill_engines(model_factory, tmp_pat
     keeps one KV link per prefill engine, all in flight at once."""
     model_dir = model_factory("llama")
     expected = colocated_tokens(model_dir, PROMPTS, **GREEDY)
-    streamed, decode = start_pair(model_dir, tmp_path)
     after = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "off", "--engine-id", "prefill-1",
                           log_dir=tmp_path)
+    streamed, decode = start_pair(model_dir, tmp_path, decode_args=after.kv_peer_args())
     drivers = [Driver(decode, streamed), Driver(decode, after)]
     try:
         for i, prompt in enumerate(PROMPTS):

@@ -32,8 +32,17 @@ def run_pair(model_factory, tmp_path, fault=None, decode_args=KV_TIMEOUT, prefil
     fault_args = ("--fault", fault) if fault else ()
     prefill = EngineProcess("prefill", prefill_model or model_dir, *ENGINE_ARGS, "--kv-streaming", "on",
                             *prefill_args, *fault_args, log_dir=tmp_path, **launch)
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *decode_args, log_dir=tmp_path)
+    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *prefill.kv_peer_args(), *decode_args, log_dir=tmp_path)
     return prefill, decode, Driver(decode, prefill)
+
+
+def wait_for_log(process: EngineProcess, text: str, timeout_s: float = 20.0) -> None:
+    """Until the engine's log holds `text` (a fault injection announces itself before it acts)."""
+    deadline = time.monotonic() + timeout_s
+    while text not in process.log():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{text!r} not in the {process.role} engine's log after {timeout_s}s")
+        time.sleep(0.02)
 
 
 def shutdown(driver, *processes):
@@ -60,12 +69,14 @@ def test_prefill_killed_mid_transfer(model_factory, tmp_path, expected):
     try:
         for i, prompt in enumerate(PROMPTS[:3]):
             driver.submit(f"r{i}", prompt, **GREEDY)
-        time.sleep(1.0)
+        wait_for_log(prefill, "stalling forever mid-transfer")
+        assert driver.decode_stats().num_waiting_for_remote_kv >= 1, "D waits for the KV P is sending"
         prefill.kill()  # kill -9 while it is stuck inside the first KV send
         started = time.monotonic()
         results = driver.collect([f"r{i}" for i in range(3)], timeout_s=30)
         assert time.monotonic() - started < 15, "requests must end within the KV timeout, not hang"
         assert [r.token_ids for r in results.values()] == expected
+        assert driver.decode_stats().num_kv_transfers_failed >= 1, "the transfer under way failed, then recomputed"
         driver.prefill = None  # it is dead; check the decode side only
         assert_no_leaks(driver)
     finally:
@@ -73,15 +84,21 @@ def test_prefill_killed_mid_transfer(model_factory, tmp_path, expected):
 
 
 def test_wrong_fingerprint_refuses_link_with_clear_error(model_factory, tmp_path):
+    """P (other weights) refuses D's link: D fails the requests at once with the reason; P, which was
+    never asked for the KV it computed, frees it when its 2 s KVWant wait runs out."""
     other_weights = model_factory("llama", seed=1)
     prefill, decode, driver = run_pair(model_factory, tmp_path, decode_args=(*KV_TIMEOUT, "--kv-failure", "fail"),
-                                       prefill_model=other_weights)
+                                       prefill_model=other_weights, prefill_args=("--kv-want-timeout", "2"))
     try:
+        started = time.monotonic()
         results = driver.generate(PROMPTS[:2], **GREEDY)
+        assert time.monotonic() - started < 4, "a refused link fails the requests before the 4 s KV timeout"
         for result in results:
             assert result.finish_reason == "error"
             assert "refused the KV link" in result.error and "weights_hash" in result.error
         assert "refused KV link" in prefill.log()
+        _, prefill_stats = driver.wait_idle(timeout_s=10)
+        assert prefill_stats.kv_blocks_used == 0 and time.monotonic() - started < 2 + 4, "freed within the KVWant wait"
         assert_no_leaks(driver)
     finally:
         shutdown(driver, prefill, decode)
@@ -91,7 +108,7 @@ def test_abort_during_transfer_frees_both_sides(model_factory, tmp_path):
     prefill, decode, driver = run_pair(model_factory, tmp_path, "delay:0")
     try:
         driver.submit("slow", PROMPTS[1], **GREEDY)
-        time.sleep(1.0)  # P is inside the delayed send; D waits for the KV
+        wait_for_log(prefill, "delaying a KV send")  # P is inside the 2 s delayed send; D waits for the KV
         assert driver.decode_stats().num_waiting_for_remote_kv == 1
         driver.abort("slow")
         results = driver.collect(["slow"], timeout_s=15)
@@ -126,7 +143,7 @@ def test_prefill_frees_its_blocks_when_decode_dies_or_hangs(model_factory, tmp_p
     try:
         for i, prompt in enumerate(PROMPTS[:3]):
             driver.submit(f"r{i}", prompt, **GREEDY)
-        time.sleep(1.0)  # D has asked for the KV; P is inside its delayed first send, holding the blocks
+        wait_for_log(prefill, "delaying a KV send")  # D asked for the KV; P holds the blocks in its delayed send
         assert driver.prefill_stats().kv_blocks_used > 0
         decode.process.send_signal(signal.SIGKILL if failure == "killed" else signal.SIGSTOP)
         started = time.monotonic()
@@ -135,7 +152,8 @@ def test_prefill_frees_its_blocks_when_decode_dies_or_hangs(model_factory, tmp_p
         assert time.monotonic() - started < 10, "P must free within its lease / KVWant bounds"
         assert stats.num_running == stats.num_waiting == 0
         decode.kill()
-        replacement = EngineProcess("decode", model_factory("llama"), *ENGINE_ARGS, *KV_TIMEOUT, log_dir=tmp_path)
+        replacement = EngineProcess("decode", model_factory("llama"), *ENGINE_ARGS, *KV_TIMEOUT,
+                                    *prefill.kv_peer_args(), log_dir=tmp_path)
         driver.close()
         driver = Driver(replacement, prefill)
         results = driver.generate(PROMPTS[:3], prefix="after", **GREEDY)

@@ -70,3 +70,16 @@ def test_triton_backend_gives_norms_and_rotary_its_fused_kernels(monkeypatch):
     for got, want in zip(rotated, torch_code["rotary"](positions, torch.float32)(query, key), strict=True):
         torch.testing.assert_close(got, want)
     assert launches == ["launch_add_rms_norm", "launch_add_rms_norm", "launch_rotary_embedding"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_engine_runs_compiled_triton_kernels(model_factory):
+    """On a GPU machine the suite's CUDA engine tests must measure compiled kernels, never the
+    interpreter that the CPU kernel tests use (tests/kernels/conftest.py keeps it out of this process)."""
+    from pdserve.kernels.triton_utils import INTERPRET
+
+    assert not INTERPRET, "TRITON_INTERPRET=1 leaked into a process with a CUDA device"
+    llm = LLM(model_factory("llama"), device="cuda", dtype="bfloat16", num_kv_blocks=64)
+    assert llm.engine.runner.attn_backend.name == "triton"
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -67,10 +67,17 @@ def test_stop_token_id_and_logprobs(llm):
 
 
 def test_min_tokens_and_max_tokens(llm):
-    outputs = llm.generate(["x"] * 2, [SamplingParams(temperature=0, max_tokens=5, min_tokens=5),
-                                       SamplingParams(temperature=0, max_tokens=1)])
-    assert len(outputs[0].outputs[0].token_ids) == 5
-    assert len(outputs[1].outputs[0].token_ids) == 1
+    """A stop token that would end the request at once is held off for min_tokens outputs (its logit
+    is masked, as vLLM and transformers do), then honoured; max_tokens caps the length."""
+    first, = token_lists(llm.generate("x", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)))
+    stop_at_once = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[first[0]])
+    held_off = stop_at_once.replace(min_tokens=4)
+    early, late = (out.outputs[0] for out in llm.generate(["x"] * 2, [stop_at_once, held_off]))
+    assert early.token_ids == [first[0]] and early.finish_reason == "stop", "without min_tokens it stops at once"
+    assert len(late.token_ids) >= 4 and first[0] not in late.token_ids[:4], "masked until the 4th output"
+    assert late.finish_reason == "stop" or len(late.token_ids) == 8
+    capped = llm.generate("x", SamplingParams(temperature=0, max_tokens=1))[0].outputs[0]
+    assert len(capped.token_ids) == 1 and capped.finish_reason == "length"
 
 
 def test_a_failing_step_raises_and_the_llm_keeps_working(llm, monkeypatch):

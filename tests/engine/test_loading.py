@@ -17,6 +17,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig, ModelConfig
 from pdserve.engine.loader import ModelLoadError, resolve_model_dir, safetensors_files
 from pdserve.engine.model_runner import kv_cache_num_blocks
+from tests.engine.parity import assert_greedy_match, hf_greedy
+from tests.engine.test_llm_parity import NEW_TOKENS, make_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -53,10 +55,21 @@ def test_missing_shard_is_named(model_factory, tmp_path):
 @pytest.mark.parametrize("dtype, expected", [("bfloat16", torch.bfloat16), ("float16", torch.float16),
                                              ("auto", torch.float32)])
 def test_dtypes(model_factory, dtype, expected):
-    llm = LLM(model_factory("llama"), dtype=dtype, num_kv_blocks=32)
+    """Weights and KV cache in the asked dtype, and greedy output equal to transformers run in that same
+    dtype (ties and logprobs within two rounding steps of the largest logit: tests/engine/parity.py)."""
+    model_dir = model_factory("llama")
+    llm = LLM(model_dir, dtype=dtype, block_size=4, num_kv_blocks=256)
     assert llm.engine.runner.kv_cache.dtype == expected
     assert next(llm.engine.runner.model.parameters()).dtype == expected
-    assert all(len(t) == 8 for t in tokens(llm))
+    prompts = make_prompts(1024)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=expected).eval()
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        theirs, logits = hf_greedy(reference, prompt, NEW_TOKENS)
+        completion = output.outputs[0]
+        assert_greedy_match(completion.token_ids, theirs, logits, f"{dtype} prompt {i}", completion.logprobs,
+                            dtype=expected)
     assert llm.kv_cache_manager.num_used_blocks == 0
 
 

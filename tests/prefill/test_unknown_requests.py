@@ -25,8 +25,8 @@ def test_a_want_for_a_prompt_that_never_comes_is_answered_unknown_request(link):
 def test_an_ack_for_an_unknown_request_changes_nothing(link):  # noqa: F811
     side, client, _ = link
     client.send(KVAck(request_id="nobody", ok=True))
-    time.sleep(0.05)
-    side.receive()
+    client.send(KVWant(request_id="marker", skip_tokens=0, num_tokens=8))  # same link, so handled after the ack
+    _wait_until(lambda: side.receive() or "marker" in side.transfers)  # the ack has been handled
     events = PrefillSchedulerSide(side).poll()
     assert not events.sent and side.stats.num_kv_transfers == 0
     assert client.recv(timeout=0.05) is None  # nothing to answer

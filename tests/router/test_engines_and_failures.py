@@ -318,3 +318,24 @@ def test_streamed_text_is_whole_characters_across_token_boundaries(tiny_model, t
             finally:
                 _close([engine])
     run(scenario())
+
+
+def test_every_sampling_parameter_reaches_the_engine_as_sent(tiny_model, tokenization):
+    """Each OpenAI knob, set away from its default, arrives in the engine's SamplingParams unchanged:
+    dropping any one of them in the router fails this test (an output comparison could not tell)."""
+    sent = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "min_p": 0.01, "seed": 3, "repetition_penalty": 1.1,
+            "presence_penalty": 0.2, "frequency_penalty": 0.1, "max_tokens": 6, "min_tokens": 4,
+            "stop_token_ids": [7], "ignore_eos": True, "logprobs": 2}
+
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            engine, = await _engines(gateway, {"engine_id": "d0"})
+            try:
+                response = await client.post("/v1/completions", json={"prompt": PROMPT_IDS, **sent})
+                assert response.status_code == 200, response.text
+                params = engine.generate_requests()[0].sampling_params
+                received = {name: getattr(params, name) for name in sent}
+                assert received == {**sent, "stop_token_ids": (7,)}
+            finally:
+                _close([engine])
+    run(scenario())

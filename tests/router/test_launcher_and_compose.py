@@ -146,3 +146,23 @@ def test_up_refuses_a_plan_without_decode_engines():
     result = subprocess.run([sys.executable, "-m", "pdserve", "up", "--decode", "0"], cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "at least one decode engine" in result.stderr
+
+
+def test_up_pins_the_engines_ports_from_a_base():
+    from pdserve.up import check_ports
+
+    args = up_args("--prefill", "2", "--decode", "1", "--engine-port-base", "7100", "--engine-host", "0.0.0.0")
+    commands = [component.command for component in engine_components(args, "/m", "tcp://r:7000")]
+    addresses = [[c[c.index(flag) + 1] for flag in ("--control-address", "--kv-address") if flag in c] for c in commands]
+    assert addresses == [["tcp://0.0.0.0:7100", "tcp://0.0.0.0:7101"], ["tcp://0.0.0.0:7102", "tcp://0.0.0.0:7103"],
+                         ["tcp://0.0.0.0:7104"]]
+    free = engine_components(up_args(), "/m", "tcp://r:7000")
+    assert [c.command[c.command.index("--control-address") + 1] for c in free] == ["tcp://127.0.0.1:0"] * 2
+    with pytest.raises(ValueError, match="need ports 65531..65536"):
+        check_ports(up_args("--engine-port-base", "65531", "--prefill", "2", "--decode", "1"))
+
+
+def test_up_refuses_insecure_planes_beyond_loopback():
+    result = subprocess.run([sys.executable, "-m", "pdserve", "up", "--insecure", "--registration-address",
+                             "tcp://0.0.0.0:7000"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--insecure would speak plaintext on tcp://0.0.0.0:7000" in result.stderr

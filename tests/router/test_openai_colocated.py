@@ -44,8 +44,10 @@ def test_api_key_is_required(cluster, client):
     assert httpx.get(f"{cluster.url}/health").json() == {"status": "ok", "engines": {"prefill": 0, "decode": 1}}
 
 
-def test_every_sampling_parameter_reaches_the_engine(client, offline):
-    """Seeded sampling with every knob set: the same tokens as the offline engine with the same knobs."""
+def test_seeded_sampling_with_every_knob_equals_the_offline_engine(client, offline):
+    """Seeded sampling with every knob set: the same tokens as the offline engine with the same knobs.
+    That each knob arrives at all is checked where the engine's input is visible:
+    test_engines_and_failures.py::test_every_sampling_parameter_reaches_the_engine_as_sent."""
     knobs = {"temperature": 0.8, "top_p": 0.9, "seed": 3, "presence_penalty": 0.2, "frequency_penalty": 0.1}
     extra = {"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 4, "ignore_eos": True,
              "return_token_ids": True}
@@ -71,10 +73,18 @@ def test_logprobs_equal_the_offline_engine(client, offline):
     assert choice.logprobs.text_offset[0] == 0 and choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
 
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=3)
-    content = chat.choices[0].logprobs.content
-    assert len(content) == chat.usage.completion_tokens == 4 or chat.choices[0].finish_reason == "stop"
-    assert all(len(entry.top_logprobs) == 3 and entry.logprob <= 0 for entry in content)
+                                          temperature=0, logprobs=True, top_logprobs=3,
+                                          extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = chat.choices[0]
+    expected = offline.generate({"prompt_token_ids": chat.model_extra["prompt_token_ids"]},
+                                SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))[0].outputs[0]
+    assert choice.model_extra["token_ids"] == expected.token_ids
+    content = choice.logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 4
+    for token_id, entry, candidates in zip(expected.token_ids, content, expected.logprobs):
+        assert entry.logprob == pytest.approx(candidates[token_id], abs=1e-4)
+        top = sorted(candidates.values(), reverse=True)[:3]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top, abs=1e-4)
 
 
 def test_token_id_prompts_echo_and_several_choices(client, offline):

@@ -93,3 +93,42 @@ def test_an_engine_without_the_cluster_keys_cannot_join(tiny_model, tmp_path):
             member.stop()
     finally:
         up.stop()
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive free loopback ports."""
+    import socket
+
+    for base in range(41000, 60000, 97):
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no run of free ports")
+
+
+def test_up_binds_the_ports_it_is_given(tiny_model, tmp_path):
+    """For firewalls and containers: the registration address and every engine's ports are pinned."""
+    base = free_port_run(5)
+    registration = f"tcp://127.0.0.1:{base + 4}"
+    up = UpProcess(tiny_model, tmp_path / "up", "--prefill", "1", "--decode", "1",
+                   "--registration-address", registration, "--engine-port-base", str(base))
+    try:
+        assert up.ready_line("router")["registration"] == registration
+        assert up.ready_line("prefill-0")["control"] == f"tcp://127.0.0.1:{base}"
+        assert up.ready_line("prefill-0")["kv"] == f"tcp://127.0.0.1:{base + 1}"
+        assert up.ready_line("decode-0")["control"] == f"tcp://127.0.0.1:{base + 2}"
+        body = json.dumps({"model": tiny_model, "prompt": "hi", "max_tokens": 2}).encode()
+        request = urllib.request.Request(f"{up.url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 2
+    finally:
+        assert up.stop() == 0, up.logs()

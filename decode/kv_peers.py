@@ -1,0 +1,43 @@
+"""KVPeerTrust: the prefill engines a decode engine pulls KV from. Two sources only: the addresses the
+operator gave (`--kv-peer`), and the registered prefill engines that the router lists in KVPeers on the
+registration link this engine opened itself. A control message naming any other address is served by
+prefilling locally: whoever can send a GenerateRequest cannot also choose where the KV comes from."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger("pdserve.decode.kv_peers")
+
+WARN_INTERVAL_S = 10.0  # an untrusted address is logged at most this often
+
+
+class KVPeerTrust:
+    def __init__(self, configured: tuple[str, ...] = ()) -> None:
+        self.configured = frozenset(configured)
+        self._from_router: frozenset[str] = frozenset()  # replaced whole (by the heartbeat thread)
+        self._last_warning = float("-inf")
+        self.num_refused = 0
+
+    def update_from_router(self, addresses: tuple[str, ...]) -> None:
+        addresses = frozenset(addresses)
+        if addresses != self._from_router:
+            log.info("prefill engines to pull KV from, as the router lists them: %s", sorted(addresses) or "none")
+        self._from_router = addresses
+
+    def trusts(self, address: str) -> bool:
+        return address in self.configured or address in self._from_router
+
+    def checked(self, address: str | None) -> str | None:
+        """address if KV may be pulled from it, else None (prefill locally)."""
+        if address is None or self.trusts(address):
+            return address
+        self.num_refused += 1
+        now = time.monotonic()
+        if now - self._last_warning >= WARN_INTERVAL_S:
+            self._last_warning = now
+            log.warning("a request names prefill engine %s, which neither registered with this engine's router nor "
+                        "was given with --kv-peer: prefilling locally instead (%d such requests so far)",
+                        address, self.num_refused)
+        return None
