@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="send an online load to an OpenAI-compatible server and measure "
                                                "TTFT, TPOT, ITL, E2EL, throughput and goodput")
     add_bench_args(bench)
+    from pdserve.bench.sweep_args import add_sweep_args
+
+    sweep = commands.add_parser("sweep", help="benchmark xPyD layouts of `pdserve up` across loads; CSV and plots")
+    add_sweep_args(sweep)
     return parser
 
 
@@ -109,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.bench.serve import run_bench
 
             return run_bench(args)
+        if args.command == "sweep":
+            from pdserve.bench.sweep import run_sweep
+
+            return run_sweep(args)
     except (ValueError, MemoryError, FileNotFoundError) as exc:
         # Our errors name the problem and the fix; a traceback would only bury that.
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)

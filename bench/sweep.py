@@ -1,0 +1,241 @@
+"""`pdserve sweep`: `pdserve bench` across xPyD layouts of `pdserve up` (and external servers) at each load,
+with the router's /metrics around every run, an optional goodput search per layout, and one output
+directory: runs/*.json, summary.csv, goodput.csv, PNGs (docs/benchmarking.md)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import shlex
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from pdserve.bench.sweep_args import DATASET_FLAGS
+from pdserve.bench.sweep_cluster import Cluster, ClusterError, ClusterSpec
+from pdserve.bench.sweep_goodput import find_goodput
+from pdserve.bench.sweep_layouts import (
+    ExternalServer,
+    Layout,
+    device_plan,
+    parse_devices,
+    parse_external,
+    parse_layouts,
+)
+from pdserve.bench.sweep_results import (
+    GOODPUT_COLUMNS,
+    SUMMARY_COLUMNS,
+    RunInfo,
+    goodput_from_rows,
+    parse_slos,
+    summary_row,
+    write_csv,
+)
+from pdserve.bench.sweep_runs import BenchOptions, run_bench, warm_up
+
+# flags the sweep gives `pdserve up` and `pdserve bench` for each layout and run
+SET_FOR_UP = ("--model", "--prefill", "--decode", "--port", "--log-dir", "--device", "--pin-cpus",
+              "--prefill-devices", "--decode-devices", "--api-key")
+SET_FOR_BENCH = ("--base-url", "--model", "--num-prompts", "--request-rate", "--max-concurrency", "--seed",
+                 "--save-result", "--metadata", "--goodput", "--api-key", *DATASET_FLAGS)
+
+
+class SearchStopped(Exception):
+    """A goodput probe whose bench run failed (not a run that missed the SLOs)."""
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    layouts: list[Layout]
+    externals: list[ExternalServer]
+    loads: list[tuple[float, int | None]]  # (request rate, max concurrency)
+    slos: dict[str, float]
+    cluster: ClusterSpec
+    bench: BenchOptions
+    output_dir: Path
+    warmup: int = 4
+    find_goodput: bool = False
+    goodput_start_rate: float = 1.0
+    goodput_steps: int = 4
+    plots: bool = True
+
+
+def build_plan(args: argparse.Namespace) -> SweepPlan:
+    """Every check before any process starts: a mistake costs nothing yet."""
+    layouts = parse_layouts(args.configs)
+    externals = [parse_external(text) for text in args.base_url]
+    if not layouts and not externals:
+        raise ValueError("nothing to benchmark: list --configs (e.g. 1P1D 0P2D) or --base-url NAME=URL")
+    slos = parse_slos(args.goodput)
+    _check_loads(args, slos)
+    if not args.no_plots:
+        from pdserve.bench.sweep_plots import pyplot
+
+        pyplot()
+    from pdserve.router_cli import resolve_model
+
+    model, _ = resolve_model(args.model)
+    devices = parse_devices(args.devices)
+    if args.device.startswith("cuda"):
+        for layout in layouts:
+            device_plan(layout, devices)  # enough GPUs for every layout, or say so now
+    up_args = _passed_through(args.up_args, "--up-args", SET_FOR_UP)
+    bench_args = _passed_through(args.bench_args, "--bench-args", SET_FOR_BENCH)
+    cluster = ClusterSpec(model, args.device, args.pin_cpus, args.cores_per_engine, devices, up_args, args.api_key,
+                          args.startup_timeout)
+    dataset_args = [item for flag in DATASET_FLAGS if getattr(args, _dest(flag)) is not None
+                    for item in (flag, str(getattr(args, _dest(flag))))]
+    bench = BenchOptions(model, args.num_prompts, args.seed, dataset_args, list(args.goodput or []), args.ignore_eos,
+                         args.api_key, bench_args, args.metrics_interval, args.run_timeout)
+    loads = []  # none: --find-goodput alone
+    if args.request_rates or args.max_concurrencies:
+        loads = list(itertools.product(args.request_rates or [math.inf], args.max_concurrencies or [None]))
+    output_dir = Path(args.output_dir or f"sweep-results/{time.strftime('%Y%m%d-%H%M%S')}")
+    return SweepPlan(layouts, externals, loads, slos, cluster, bench, output_dir, args.warmup, args.find_goodput,
+                     args.goodput_start_rate, args.goodput_steps, not args.no_plots)
+
+
+def _passed_through(text: str, option: str, reserved: tuple[str, ...]) -> list[str]:
+    """--up-args / --bench-args split like a shell would, refusing the flags the sweep sets itself."""
+    try:
+        items = shlex.split(text)
+    except ValueError as exc:
+        raise ValueError(f"{option} {text!r}: {exc}; quote it as one shell string") from exc
+    taken = sorted({item.split("=", 1)[0] for item in items if item.split("=", 1)[0] in reserved})
+    if taken:
+        raise ValueError(f"{option} sets {', '.join(taken)}, which the sweep sets for each run: use the sweep's own "
+                         f"options (`pdserve sweep --help`)")
+    return items
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _check_loads(args: argparse.Namespace, slos: dict[str, float]) -> None:
+    if not args.request_rates and not args.max_concurrencies and not args.find_goodput:
+        raise ValueError("no load given: pass --request-rates (e.g. 1 2 4), --max-concurrencies, or --find-goodput")
+    if any(not rate > 0 for rate in args.request_rates or []):
+        raise ValueError(f"--request-rates {args.request_rates}: every rate must be > 0 (inf = all at once)")
+    if any(c < 1 for c in args.max_concurrencies or []):
+        raise ValueError(f"--max-concurrencies {args.max_concurrencies}: every cap must be >= 1")
+    if args.warmup < 0 or args.goodput_steps < 0 or not args.goodput_start_rate > 0:
+        raise ValueError(f"--warmup {args.warmup}, --goodput-steps {args.goodput_steps}, --goodput-start-rate "
+                         f"{args.goodput_start_rate:g}: give counts >= 0 and a start rate > 0")
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts {args.num_prompts}: give 1 or more")
+    if args.find_goodput and not slos:
+        raise ValueError("--find-goodput needs SLOs: add --goodput ttft:MS tpot:MS")
+    if args.devices and not args.device.startswith("cuda"):
+        raise ValueError("--devices picks GPUs: add --device cuda")
+
+
+class Sweep:
+    """Runs a plan server by server, writing summary.csv and goodput.csv after each."""
+
+    def __init__(self, plan: SweepPlan) -> None:
+        self.plan = plan
+        self.rows: list[dict] = []
+        self.goodputs: list[dict] = []
+        self.client_cores: list[int] | None = None  # the running layout's spare cores, for bench
+        self.runs_dir = plan.output_dir / "runs"
+
+    def run(self) -> None:
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        for layout in self.plan.layouts:
+            info = RunInfo(layout.name, layout.num_engines, "sweep", math.nan, None, layout.num_prefill,
+                           layout.num_decode)
+            try:
+                with Cluster(self.plan.cluster, layout, self.plan.output_dir / "logs" / layout.name) as cluster:
+                    self.run_server(cluster.url, info, cluster.client_cores)
+            except ClusterError as exc:
+                print(f"[pdserve sweep] error: {exc}", file=sys.stderr, flush=True)
+                self.rows.append(summary_row(replace(info, phase="start"), None, {}, self.plan.slos, "",
+                                             str(exc).splitlines()[0]))
+            self.write_tables()
+        for external in self.plan.externals:
+            self.run_server(external.url, RunInfo(external.name, external.num_engines, "sweep", math.nan, None))
+            self.write_tables()
+
+    def run_server(self, url: str, base: RunInfo, client_cores: list[int] | None = None) -> None:
+        self.client_cores = client_cores
+        warm_up(self.plan.bench, url, self.plan.warmup)
+        for index, (rate, concurrency) in enumerate(self.plan.loads):
+            self.run_one(url, replace(base, request_rate=rate, max_concurrency=concurrency), index)
+        if self.plan.find_goodput:
+            self.search_goodput(url, base)
+        elif self.plan.slos:
+            self.goodput_from_loads(base)
+
+    def run_one(self, url: str, info: RunInfo, run_index: int) -> dict:
+        row, _ = run_bench(self.plan.bench, url, info, self.runs_dir, self.plan.slos, run_index, self.client_cores)
+        self.rows.append(row)
+        return row
+
+    def search_goodput(self, url: str, base: RunInfo) -> None:
+        """Probes at rates of its choosing (no concurrency cap), seeded from this server's listed rates."""
+        known = {row["request_rate"]: row["slo_attainment"] for row in self.rows
+                 if row["config"] == base.config and row.get("max_concurrency") is None
+                 and row.get("slo_attainment") is not None and math.isfinite(row["request_rate"])}
+        probe_indexes = itertools.count(len(self.plan.loads))
+
+        def attainment_at(rate: float) -> float:
+            row = self.run_one(url, replace(base, phase="search", request_rate=rate), next(probe_indexes))
+            if row["slo_attainment"] is None:  # bench itself failed: no rate will do better
+                raise SearchStopped(row["error"])
+            return row["slo_attainment"]
+
+        try:
+            search = find_goodput(attainment_at, self.plan.goodput_start_rate, known, self.plan.goodput_steps)
+        except SearchStopped as exc:
+            print(f"[pdserve sweep] {base.config}: goodput search stopped: a run failed ({exc})", file=sys.stderr,
+                  flush=True)
+            return
+        self._add_goodput(base, search.rate, "search", search.upper_bound)
+
+    def goodput_from_loads(self, base: RunInfo) -> None:
+        found = goodput_from_rows(self.rows, base.config)
+        if found is not None:
+            self._add_goodput(base, found[0], "listed rates", found[1])
+
+    def _add_goodput(self, base: RunInfo, rate: float, source: str, upper_bound: float | None) -> None:
+        per_engine = rate / base.num_engines
+        self.goodputs.append({"config": base.config, "num_engines": base.num_engines, "goodput": rate,
+                              "goodput_per_engine": per_engine, "source": source, "upper_bound": upper_bound})
+        bound = f" (it misses at {upper_bound:g})" if upper_bound is not None else " (the highest rate tried)"
+        print(f"[pdserve sweep] {base.config}: goodput {rate:.3g} req/s{bound}, {per_engine:.3g} per engine",
+              flush=True)
+
+    def write_tables(self) -> None:
+        write_csv(self.plan.output_dir / "summary.csv", self.rows, SUMMARY_COLUMNS)
+        if self.goodputs:
+            write_csv(self.plan.output_dir / "goodput.csv", self.goodputs, GOODPUT_COLUMNS)
+
+    def failures(self) -> list[dict]:
+        return [row for row in self.rows if row.get("error")]
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    plan = build_plan(args)
+    sweep = Sweep(plan)
+    interrupted = False
+    try:
+        sweep.run()
+    except KeyboardInterrupt:
+        interrupted = True
+        print("[pdserve sweep] interrupted: writing what was measured", file=sys.stderr, flush=True)
+    finally:
+        sweep.write_tables()
+    if plan.plots and sweep.rows:
+        from pdserve.bench.sweep_plots import write_plots
+
+        for path in write_plots(sweep.rows, sweep.goodputs, plan.output_dir):
+            print(f"[pdserve sweep] wrote {path}", flush=True)
+    failures = sweep.failures()
+    print(f"[pdserve sweep] {len(sweep.rows) - len(failures)} of {len(sweep.rows)} runs done; "
+          f"results in {plan.output_dir}/summary.csv", flush=True)
+    if interrupted:
+        return 130
+    return 1 if failures else 0

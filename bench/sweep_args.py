@@ -1,0 +1,58 @@
+"""`pdserve sweep`'s command-line flags (argparse only, so building the CLI parser stays cheap)."""
+
+from __future__ import annotations
+
+import argparse
+
+# flags passed through to `pdserve bench` as they are, when given
+DATASET_FLAGS = ("--dataset", "--dataset-path", "--input-len", "--output-len", "--range-ratio", "--endpoint",
+                 "--burstiness")
+
+
+def add_sweep_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--configs", nargs="*", default=["1P1D", "0P2D"], metavar="xPyD",
+                        help="layouts of `pdserve up`: x prefill and y decode engines (0P = colocated); "
+                             "none with --base-url: only the external servers")
+    parser.add_argument("--base-url", action="append", default=[], metavar="NAME=URL",
+                        help="an OpenAI-compatible server already running, benchmarked as one more row (repeatable)")
+    parser.add_argument("--request-rates", nargs="+", type=float, default=None, metavar="R",
+                        help="requests per second (Poisson arrivals; inf = all at once)")
+    parser.add_argument("--max-concurrencies", nargs="+", type=int, default=None, metavar="C",
+                        help="caps on requests in flight (with --request-rates: every pair is run)")
+    parser.add_argument("--model", default=None, help="model directory or hub id (default: the built-in demo model)")
+    parser.add_argument("--num-prompts", type=int, default=50, help="requests per run")
+    parser.add_argument("--dataset", default=None, help="bench's dataset: random, sharegpt, prefix or jsonl")
+    parser.add_argument("--dataset-path", default=None)
+    parser.add_argument("--input-len", type=int, default=None)
+    parser.add_argument("--output-len", type=int, default=None)
+    parser.add_argument("--range-ratio", type=float, default=None)
+    parser.add_argument("--burstiness", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the n-th load of every server gets seed + n: the same prompts across servers, "
+                             "new prompts (no prefix-cache hits from earlier runs) across loads")
+    parser.add_argument("--endpoint", default=None, help="/v1/completions or /v1/chat/completions")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="exact output lengths (on by default)")
+    parser.add_argument("--bench-args", default="", metavar="'ARGS'", help="more `pdserve bench` flags, one string")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                        help="SLOs, e.g. ttft:500 tpot:50 (also e2el): SLO attainment and goodput")
+    parser.add_argument("--find-goodput", action="store_true",
+                        help="per layout, search the highest rate at which >= 90%% of requests "
+                             "meet every SLO (needs --goodput)")
+    parser.add_argument("--goodput-start-rate", type=float, default=1.0,
+                        help="first rate the search tries when the listed rates do not bracket the goodput")
+    parser.add_argument("--goodput-steps", type=int, default=4, help="bisection runs of the search after bracketing")
+    parser.add_argument("--output-dir", default=None, help="where results go (default: sweep-results/<time>)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--devices", default=None, help="with --device cuda: GPU indices to use, one per engine")
+    parser.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
+                        help="on CPU: pin engines to their own cores (on by default)")
+    parser.add_argument("--cores-per-engine", type=int, default=1, help="on CPU with pinning: cores each engine gets")
+    parser.add_argument("--up-args", default="", metavar="'ARGS'",
+                        help="more `pdserve up` flags, one string (e.g. '--dtype float32 --insecure')")
+    parser.add_argument("--api-key", default=None, help="the API key of the servers (pdserve up gets it too)")
+    parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests (at once) before each server's first run")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a layout may take to start")
+    parser.add_argument("--run-timeout", type=float, default=None, help="seconds one bench run may take")
+    parser.add_argument("--metrics-interval", type=float, default=1.0, help="seconds between /metrics samples")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")

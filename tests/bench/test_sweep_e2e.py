@@ -1,0 +1,151 @@
+"""`pdserve sweep` end to end on a tiny model: real `pdserve up` per layout, real `pdserve bench` runs, the
+router's /metrics, summary.csv, the run JSONs and the PNGs; and the failures it survives."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench.serve_preflight import PROBE_TOKENS
+from pdserve.bench.sweep_results import SUMMARY_COLUMNS, read_csv
+from pdserve.cli import main
+
+NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 4, 16, 4
+RATES = (4.0, 16.0)
+UP_ARGS = "--dtype float32 --block-size 4 --num-kv-blocks 512 --max-num-batched-tokens 64 --log-level warning"
+STATS = ("mean", "median", "std", "p90", "p95", "p99")
+DOCUMENTED_KEYS = {"duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                   "request_throughput", "output_throughput", "total_token_throughput", "request_goodput",
+                   "input_lens", "output_lens", "ttfts", "itls", "errors", "config", "rate", "sweep", "server_metrics",
+                   *(f"{stat}_{metric}_ms" for stat in STATS for metric in ("ttft", "tpot", "itl", "e2el"))}
+PNGS = ("ttft_p90.png", "tpot_p90.png", "itl_p99.png", "slo_attainment.png", "goodput_per_engine.png")
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    config = json.loads(Path(model_dir, "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4  # K and V, float32
+
+
+def up_pids(out_dir: Path) -> list[int]:
+    """The pids `pdserve up` reported for its router and engines."""
+    text = "".join(path.read_text() for path in out_dir.glob("logs/*/up.out"))
+    return [int(pid) for pid in re.findall(r" ready \(.*?pid (\d+)", text)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.timeout(240)
+def test_sweep_two_layouts_two_rates(model_factory, tmp_path):
+    model = model_factory("llama")
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--configs", "1P1D", "0P1D", "--request-rates", *map(str, RATES), "--model", model,
+                 "--num-prompts", str(NUM_PROMPTS), "--dataset", "random", "--input-len", str(INPUT_LEN),
+                 "--output-len", str(OUTPUT_LEN), "--goodput", "ttft:60000", "tpot:60000", "--warmup", "2",
+                 "--output-dir", str(out), "--up-args", UP_ARGS])
+    assert code == 0, (out / "summary.csv").read_text()
+
+    rows = read_csv(out / "summary.csv")
+    assert [(row["config"], row["request_rate"]) for row in rows] == [(c, r) for c in ("1P1D", "0P1D") for r in RATES]
+    per_token = kv_bytes_per_token(model)
+    for row in rows:
+        assert row["error"] is None and (row["completed"], row["failed"]) == (NUM_PROMPTS, 0), row
+        assert row["total_input_tokens"] == NUM_PROMPTS * INPUT_LEN
+        assert row["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
+        assert row["slo_attainment"] == 1.0  # a minute-long SLO: every request meets it
+        disaggregated = row["config"] == "1P1D"
+        # every prompt's KV crosses the link once, and so does that of bench's one preflight request (a 1-token
+        # answer to the first prompt's first PROBE_TOKENS ids, which pdserve takes at the first try)
+        assert row["kv_transfers"] == (NUM_PROMPTS + 1 if disaggregated else 0)
+        assert row["kv_bytes_sent"] == row["kv_bytes_received"]
+        if disaggregated:  # the probe's tokens travel, or come back as the first prompt's prefix hit on decode
+            assert row["kv_bytes_sent"] % per_token == 0
+            assert abs(row["kv_bytes_sent"] / per_token - NUM_PROMPTS * INPUT_LEN) <= PROBE_TOKENS
+        else:
+            assert row["kv_bytes_sent"] == 0
+        assert (row["mean_kv_transfer_ms"] is not None) == disaggregated
+        assert row["prefix_cache_queries"] >= NUM_PROMPTS * INPUT_LEN
+
+        result = json.loads(Path(row["result_file"]).read_text())
+        assert DOCUMENTED_KEYS <= set(result), DOCUMENTED_KEYS - set(result)
+        assert (result["config"], float(result["rate"])) == (row["config"], row["request_rate"])
+        assert result["output_lens"] == [OUTPUT_LEN] * NUM_PROMPTS
+        assert result["input_lens"] == [INPUT_LEN] * NUM_PROMPTS
+        assert len(result["itls"]) == len(result["ttfts"]) == NUM_PROMPTS
+        assert result["server_metrics"]["kv_transfers"] == row["kv_transfers"]
+
+    goodput = read_csv(out / "goodput.csv")
+    assert [(g["config"], g["goodput"], g["goodput_per_engine"]) for g in goodput] == [
+        ("1P1D", max(RATES), max(RATES) / 2), ("0P1D", max(RATES), max(RATES))]
+
+    from matplotlib.image import imread
+
+    for name in PNGS:
+        assert imread(out / name).shape[0] > 100
+    pids = up_pids(out)
+    assert len(pids) == 3 + 2  # router + 2 engines, router + 1 engine
+    assert not [pid for pid in pids if alive(pid)]  # every layout was stopped
+
+
+@pytest.mark.timeout(120)
+def test_a_layout_that_cannot_start_and_a_dead_server_are_rows_with_errors(tmp_path):
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--configs", "1P1D", "--model", str(tmp_path / "no-such-model"), "--request-rates", "1",
+                 "--num-prompts", "2", "--base-url", "dead=http://127.0.0.1:9", "--output-dir", str(out),
+                 "--startup-timeout", "60", "--no-plots", "--warmup", "0", "--goodput", "ttft:1000", "--find-goodput"])
+    assert code == 1
+    rows = read_csv(out / "summary.csv")
+    assert list(rows[0]) == SUMMARY_COLUMNS
+    # the goodput search stops at its first failed run instead of halving the rate
+    assert [(row["config"], row["phase"]) for row in rows] == [("1P1D", "start"), ("dead", "sweep"),
+                                                               ("dead", "search")]
+    assert not (out / "goodput.csv").exists()
+    assert "pdserve up for 1P1D exited" in rows[0]["error"]
+    assert "pdserve bench exited" in rows[1]["error"] and rows[1]["completed"] is None
+    assert math.isnan(rows[0]["request_rate"])
+    assert not list(out.glob("*.png"))
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_the_layout_and_keeps_what_was_measured(model_factory, tmp_path):
+    """SIGINT to the sweep's process group, as a terminal's Ctrl-C sends it, in the middle of a run."""
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--configs", "0P1D", "--request-rates", "0.5", "--num-prompts", "40", "--input-len", "16",
+            "--output-len", "4", "--model", model_factory("llama"), "--output-dir", str(out), "--warmup", "0",
+            "--no-plots", "--up-args", UP_ARGS]
+    process = subprocess.Popen([sys.executable, "-m", "pdserve", *argv], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if "bench at rate" in line:
+                break
+        time.sleep(3)  # into the run
+        os.killpg(process.pid, signal.SIGINT)
+        rest, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    output = "".join(lines) + rest
+    assert process.returncode == 130, output
+    assert "interrupted: writing what was measured" in output
+    assert (out / "summary.csv").exists()
+    pids = up_pids(out)
+    assert len(pids) == 2 and not [pid for pid in pids if alive(pid)], output
+    assert "[pdserve up] stopped" in (out / "logs" / "0P1D" / "up.out").read_text()

@@ -1,0 +1,330 @@
+"""`pdserve sweep`'s parts on their own: xPyD parsing, CPU/GPU plans, the goodput search, SLO attainment,
+/metrics differences, summary.csv and the plots from synthetic results."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdserve.bench.sweep_goodput import find_goodput
+from pdserve.bench.sweep_layouts import (
+    Layout,
+    cpu_plan,
+    device_plan,
+    parse_devices,
+    parse_external,
+    parse_layout,
+    parse_layouts,
+)
+from pdserve.bench.sweep_metrics import QueueSampler, counter_deltas, counters_by_engine, summarize_counters
+from pdserve.bench.sweep_results import (
+    SUMMARY_COLUMNS,
+    RunInfo,
+    goodput_from_rows,
+    parse_slos,
+    read_csv,
+    slo_attainment,
+    summary_row,
+    write_csv,
+)
+
+# ---- layouts ----
+
+
+@pytest.mark.parametrize("text, prefill, decode", [("1P1D", 1, 1), ("0p2d", 0, 2), (" 12P3D ", 12, 3)])
+def test_xpyd_parses(text, prefill, decode):
+    layout = parse_layout(text)
+    assert (layout.num_prefill, layout.num_decode, layout.num_engines) == (prefill, decode, prefill + decode)
+    assert layout.name == f"{prefill}P{decode}D"
+
+
+@pytest.mark.parametrize("text, says", [("1P", "not xPyD"), ("P1D", "not xPyD"), ("1D1P", "not xPyD"),
+                                        ("-1P1D", "not xPyD"), ("1.5P1D", "not xPyD"), ("", "not xPyD"),
+                                        ("2P0D", "no decode engine")])
+def test_bad_xpyd_is_refused_with_the_fix(text, says):
+    with pytest.raises(ValueError, match=says) as error:
+        parse_layout(text)
+    assert "1P1D" in str(error.value)
+
+
+def test_a_layout_listed_twice_is_refused():
+    with pytest.raises(ValueError, match="1P1D given twice"):
+        parse_layouts(["1P1D", "0P2D", "1p1d"])
+    assert [layout.name for layout in parse_layouts(["2P1D", "0P2D"])] == ["2P1D", "0P2D"]
+
+
+def test_external_servers():
+    server = parse_external("hf=http://127.0.0.1:8000/")
+    assert (server.name, server.url, server.num_engines) == ("hf", "http://127.0.0.1:8000", 1)
+    assert parse_external("vllm = http://gpu-box:8000/v1/").url == "http://gpu-box:8000"
+    for bad in ("http://127.0.0.1:8000", "hf=127.0.0.1:8000", "=http://x", "1P1D=http://x"):
+        with pytest.raises(ValueError, match="--base-url"):
+            parse_external(bad)
+
+
+def test_cpu_plan_gives_one_core_per_engine_as_far_as_cores_allow():
+    assert cpu_plan(Layout(1, 1), [5, 3, 1, 7]) == [1, 3]
+    assert cpu_plan(Layout(2, 1), [0, 1, 2, 3], cores_per_engine=1) == [0, 1, 2]
+    assert cpu_plan(Layout(1, 1), list(range(8)), cores_per_engine=2) == [0, 1, 2, 3]
+    assert cpu_plan(Layout(2, 2), [0, 1]) == [0, 1]  # fewer cores than engines: they share all there are
+    with pytest.raises(ValueError, match="--cores-per-engine"):
+        cpu_plan(Layout(1, 1), [0, 1], cores_per_engine=0)
+
+
+def test_device_plan_gives_one_gpu_per_engine():
+    assert device_plan(Layout(1, 2), None) == (["0"], ["1", "2"])
+    assert device_plan(Layout(0, 2), parse_devices("4, 5,6")) == ([], ["4", "5"])
+    with pytest.raises(ValueError, match="needs 3 GPUs"):
+        device_plan(Layout(2, 1), ["0", "1"])
+    with pytest.raises(ValueError, match="empty"):
+        parse_devices(" , ")
+
+
+# ---- the goodput search ----
+
+
+def step_attainment(threshold: float, calls: list[float]):
+    """Attainment 1.0 up to `threshold` req/s, then falling (0.85 just above it)."""
+    def attainment(rate: float) -> float:
+        calls.append(rate)
+        return 1.0 if rate <= threshold else max(0.0, 0.85 - (rate - threshold))
+    return attainment
+
+
+@pytest.mark.parametrize("threshold", [0.3, 2.7, 5.0, 37.0])
+def test_goodput_search_brackets_then_bisects(threshold):
+    calls: list[float] = []
+    search = find_goodput(step_attainment(threshold, calls), start_rate=1.0, steps=6)
+    assert search.rate <= threshold < search.upper_bound
+    assert search.upper_bound - search.rate <= max(threshold, 1.0) / 2 ** 5  # six halvings of the bracket
+    assert [rate for rate, _ in search.probes] == calls  # every probe is recorded once, in order
+    assert len(set(calls)) == len(calls)
+
+
+def test_goodput_search_starts_from_rates_already_measured():
+    calls: list[float] = []
+    known = {1.0: 1.0, 2.0: 0.95, 4.0: 0.4, 8.0: 0.1}
+    search = find_goodput(step_attainment(3.0, calls), start_rate=1.0, known=known, steps=3)
+    assert calls == [3.0, 3.5, 3.25]  # bisection between 2 (met) and 4 (missed) only
+    assert (search.rate, search.upper_bound) == (3.0, 3.25)
+
+
+def test_goodput_search_when_nothing_or_everything_meets_the_slos():
+    nothing = find_goodput(lambda rate: 0.5, start_rate=1.0, steps=2, max_doublings=3)
+    assert nothing.rate == 0.0 and nothing.upper_bound == 0.125
+    everything = find_goodput(lambda rate: 1.0, start_rate=1.0, steps=2, max_doublings=3)
+    assert everything.rate == 8.0 and everything.upper_bound is None
+    with pytest.raises(ValueError, match="start rate"):
+        find_goodput(lambda rate: 1.0, start_rate=0.0)
+
+
+# ---- SLOs and summary rows ----
+
+
+def test_slos_parse_and_bad_ones_are_refused():
+    assert parse_slos(["ttft:500", "TPOT:50.5", "e2el:2000"]) == {"ttft": 500.0, "tpot": 50.5, "e2el": 2000.0}
+    assert parse_slos(None) == {}
+    for bad in ("ttft", "ttft:", "ttft:-1", "itl:5", "ttft:inf", "ttft:nan"):
+        with pytest.raises(ValueError, match="METRIC:MILLISECONDS"):
+            parse_slos([bad])
+
+
+def synthetic_result(ttfts_s, e2els_s, output_lens, errors) -> dict:
+    return {"ttfts": ttfts_s, "e2els": e2els_s, "output_lens": output_lens, "errors": errors,
+            "itls": [[(e - t) / max(n - 1, 1)] * max(n - 1, 0) for t, e, n in zip(ttfts_s, e2els_s, output_lens)]}
+
+
+def test_slo_attainment_counts_every_request_failed_ones_as_misses():
+    # TPOT = (e2el - ttft) / (n - 1): 10 ms, 10 ms, 30 ms, (failed)
+    result = synthetic_result([0.1, 0.3, 0.1, 0.0], [0.13, 0.33, 0.19, 0.0], [4, 4, 4, 0], ["", "", "", "HTTP 500"])
+    assert slo_attainment(result, {"ttft": 200}) == pytest.approx(2 / 4)
+    assert slo_attainment(result, {"tpot": 20}) == pytest.approx(2 / 4)
+    assert slo_attainment(result, {"ttft": 200, "tpot": 20}) == pytest.approx(1 / 4)
+    assert slo_attainment(result, {"e2el": 1000}) == pytest.approx(3 / 4)
+    assert slo_attainment(result, {}) is None
+    del result["e2els"]  # E2EL from TTFT + ITLs when a result has no e2els
+    assert slo_attainment(result, {"ttft": 200, "tpot": 20}) == pytest.approx(1 / 4)
+
+
+# ---- /metrics ----
+
+BEFORE = """\
+# TYPE pdserve_kv_bytes_sent counter
+pdserve_kv_bytes_sent_total{engine="prefill-0",role="prefill"} 1000.0
+# TYPE pdserve_kv_bytes_received counter
+pdserve_kv_bytes_received_total{engine="decode-0",role="decode"} 1000.0
+# TYPE pdserve_kv_transfers counter
+pdserve_kv_transfers_total{engine="prefill-0",role="prefill"} 2.0
+pdserve_kv_transfers_total{engine="decode-0",role="decode"} 2.0
+# TYPE pdserve_kv_transfer_seconds counter
+pdserve_kv_transfer_seconds_total{engine="prefill-0",role="prefill"} 0.01
+pdserve_kv_transfer_seconds_total{engine="decode-0",role="decode"} 0.2
+# TYPE pdserve_prefix_cache_queries counter
+pdserve_prefix_cache_queries_total{engine="prefill-0",role="prefill"} 100.0
+pdserve_prefix_cache_queries_total{engine="decode-0",role="decode"} 100.0
+# TYPE pdserve_prefix_cache_hits counter
+pdserve_prefix_cache_hits_total{engine="prefill-0",role="prefill"} 10.0
+pdserve_prefix_cache_hits_total{engine="decode-0",role="decode"} 50.0
+"""
+AFTER = """\
+# TYPE pdserve_kv_bytes_sent counter
+pdserve_kv_bytes_sent_total{engine="prefill-0",role="prefill"} 5000.0
+# TYPE pdserve_kv_bytes_received counter
+pdserve_kv_bytes_received_total{engine="decode-0",role="decode"} 5000.0
+# TYPE pdserve_kv_transfers counter
+pdserve_kv_transfers_total{engine="prefill-0",role="prefill"} 6.0
+pdserve_kv_transfers_total{engine="decode-0",role="decode"} 6.0
+# TYPE pdserve_kv_transfer_seconds counter
+pdserve_kv_transfer_seconds_total{engine="prefill-0",role="prefill"} 0.05
+pdserve_kv_transfer_seconds_total{engine="decode-0",role="decode"} 0.6
+# TYPE pdserve_prefix_cache_queries counter
+pdserve_prefix_cache_queries_total{engine="prefill-0",role="prefill"} 300.0
+pdserve_prefix_cache_queries_total{engine="decode-0",role="decode"} 30.0
+# TYPE pdserve_prefix_cache_hits counter
+pdserve_prefix_cache_hits_total{engine="prefill-0",role="prefill"} 60.0
+pdserve_prefix_cache_hits_total{engine="decode-0",role="decode"} 3.0
+# TYPE pdserve_num_requests_waiting gauge
+pdserve_num_requests_waiting{engine="prefill-0",role="prefill"} 3.0
+pdserve_num_requests_waiting{engine="decode-0",role="decode"} 1.0
+"""
+
+
+def samples_of(text: str):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def test_metrics_differences_per_run():
+    deltas = counter_deltas(counters_by_engine(samples_of(BEFORE)), counters_by_engine(samples_of(AFTER)))
+    summary = summarize_counters(deltas)
+    assert summary["kv_bytes_sent"] == 4000 and summary["kv_bytes_received"] == 4000
+    assert summary["kv_transfers"] == 4  # the decode side's count, not both sides'
+    assert summary["mean_kv_transfer_ms"] == pytest.approx(1000 * 0.4 / 4)
+    assert summary["mean_exposed_kv_transfer_ms"] == pytest.approx(1000 * 0.04 / 4)
+    # the decode engine restarted (its counters went down): it counts from zero
+    assert summary["prefix_cache_queries"] == 200 + 30 and summary["prefix_cache_hits"] == 50 + 3
+    assert summary["prefix_cache_hit_rate"] == pytest.approx(53 / 230)
+    assert summarize_counters({})["mean_kv_transfer_ms"] is None
+
+
+def test_queue_sampler_sums_engines_per_sample():
+    sampler = QueueSampler("http://unused")
+    sampler.add(samples_of(AFTER))
+    sampler.add(samples_of(AFTER.replace("} 3.0", "} 7.0")))
+    summary = sampler.summary()
+    assert summary["max_waiting"] == 8.0 and summary["mean_waiting"] == 6.0
+    assert summary["max_queued_prefill_tokens"] is None  # never reported
+
+
+# ---- summary.csv and plots ----
+
+
+def synthetic_rows() -> list[dict]:
+    rows = []
+    for config, engines, slope in (("1P1D", 2, 1.0), ("0P2D", 2, 2.0)):
+        for rate in (1.0, 2.0, 4.0):
+            n = 4
+            ttft = 0.05 * slope * rate
+            result = {"completed": n, "failed": 0, "duration": 4 / rate, "total_input_tokens": 64,
+                      "total_output_tokens": 16, "request_throughput": rate, "output_throughput": 4 * rate,
+                      "p90_ttft_ms": 1000 * ttft, "p90_tpot_ms": 10 * slope, "p99_itl_ms": 12 * slope * rate,
+                      **synthetic_result([ttft] * n, [ttft + 0.03 * slope] * n, [4] * n, [""] * n)}
+            info = RunInfo(config, engines, "sweep", rate, None, 1 if config == "1P1D" else 0, engines - 1)
+            rows.append(summary_row(info, result, {"kv_bytes_sent": 10.0 * rate}, {"ttft": 250}, f"{config}.json"))
+    return rows
+
+
+def test_summary_csv_round_trips_and_goodput_from_listed_rates(tmp_path):
+    rows = synthetic_rows()
+    write_csv(tmp_path / "summary.csv", rows, SUMMARY_COLUMNS)
+    back = read_csv(tmp_path / "summary.csv")
+    assert len(back) == 6 and list(back[0]) == SUMMARY_COLUMNS
+    assert back[0]["config"] == "1P1D" and back[0]["request_rate"] == 1.0 and back[0]["kv_bytes_sent"] == 10.0
+    assert back[0]["max_concurrency"] is None and back[0]["error"] is None
+    # TTFT = 50 ms x slope x rate against a 250 ms SLO: 1P1D meets it up to 4, 0P2D up to 2
+    assert [row["slo_attainment"] for row in back if row["config"] == "0P2D"] == [1.0, 1.0, 0.0]
+    assert goodput_from_rows(back, "1P1D") == (4.0, None) and goodput_from_rows(back, "0P2D") == (2.0, 4.0)
+    assert goodput_from_rows(back, "2P1D") is None
+
+
+def test_plots_are_written_and_load(tmp_path):
+    from matplotlib.image import imread
+
+    from pdserve.bench.sweep_plots import load_axis, series, write_plots
+
+    rows = synthetic_rows()
+    rows.append({**rows[0], "request_rate": math.inf})  # not plottable against rate: left out
+    goodputs = [{"config": "1P1D", "goodput_per_engine": 2.0, "upper_bound": None},
+                {"config": "0P2D", "goodput_per_engine": 1.0, "upper_bound": 4.0}]
+    written = write_plots(rows, goodputs, tmp_path)
+    names = {"ttft_p90.png", "tpot_p90.png", "itl_p99.png", "slo_attainment.png", "goodput_per_engine.png"}
+    assert {path.name for path in written} == names
+    for name in names:
+        image = imread(tmp_path / name)
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert load_axis(rows) == ("request_rate", "request rate (req/s)")
+    lines = series(rows, "request_rate", "p90_ttft_ms")
+    assert set(lines) == {"1P1D", "0P2D"} and lines["0P2D"] == ([1.0, 2.0, 4.0], [100.0, 200.0, 400.0])
+
+
+def test_concurrency_sweeps_plot_against_concurrency():
+    from pdserve.bench.sweep_plots import load_axis, series
+
+    rows = [{"config": "1P1D", "request_rate": math.inf, "max_concurrency": c, "p90_ttft_ms": 10.0 * c}
+            for c in (1, 4)]
+    assert load_axis(rows)[0] == "max_concurrency"
+    assert series(rows, "max_concurrency", "p90_ttft_ms") == {"1P1D": ([1, 4], [10.0, 40.0])}
+
+
+# ---- the plan and the bench command ----
+
+
+def sweep_args(*argv: str):
+    from pdserve.cli import _build_parser
+
+    return _build_parser().parse_args(["sweep", "--model", "/models/m", "--no-plots", *argv])
+
+
+@pytest.mark.parametrize("argv, says", [
+    ((), "no load given"),
+    (("--configs", "--request-rates", "1"), "nothing to benchmark"),
+    (("--request-rates", "0"), "every rate must be > 0"),
+    (("--max-concurrencies", "0"), "every cap must be >= 1"),
+    (("--request-rates", "1", "--num-prompts", "0"), "--num-prompts 0"),
+    (("--find-goodput",), "needs SLOs"),
+    (("--request-rates", "1", "--devices", "0,1"), "add --device cuda"),
+    (("--request-rates", "1", "--device", "cuda", "--configs", "1P1D", "2P2D", "--devices", "0,1"), "needs 4 GPUs"),
+    (("--request-rates", "1", "--device", "cuda", "--configs", "1P1D", "0P2D", "--devices", "0,1"), None),
+    (("--request-rates", "1", "--warmup", "-1"), "--warmup -1"),
+    (("--request-rates", "1", "--up-args", "--dtype float32 --port=9000"), "--up-args sets --port"),
+    (("--request-rates", "1", "--bench-args", "--seed 3 --request-rate 2"), "sets --request-rate, --seed"),
+    (("--request-rates", "1", "--bench-args", "--tokenizer 'unclosed"), "quote it"),
+])
+def test_the_plan_is_checked_before_anything_starts(argv, says):
+    from pdserve.bench.sweep import build_plan
+
+    if says is None:
+        assert build_plan(sweep_args(*argv)).cluster.devices == ["0", "1"]
+        return
+    with pytest.raises(ValueError, match=says):
+        build_plan(sweep_args(*argv))
+
+
+def test_loads_and_bench_command(tmp_path):
+    from pdserve.bench.sweep import build_plan
+    from pdserve.bench.sweep_runs import bench_command, run_name
+
+    plan = build_plan(sweep_args("--request-rates", "1", "inf", "--max-concurrencies", "4", "--dataset", "random",
+                                 "--input-len", "16", "--seed", "7", "--goodput", "ttft:500", "tpot:50",
+                                 "--bench-args", "--request-timeout 30"))
+    assert plan.loads == [(1.0, 4), (math.inf, 4)]
+    info = RunInfo("1P1D", 2, "sweep", math.inf, 4, 1, 1)
+    command = bench_command(plan.bench, "http://h:1", info, tmp_path / "r.json", run_index=1)
+    text = " ".join(command)
+    assert "--base-url http://h:1 --model /models/m --num-prompts 50 --request-rate inf --seed 8" in text
+    assert "--dataset random --input-len 16" in text and "--max-concurrency 4 --ignore-eos" in text
+    assert "--goodput ttft:500 tpot:50" in text and "--request-timeout 30" in text
+    assert command[-4:] == ["--metadata", "config=1P1D", "rate=inf", "phase=sweep"]
+    assert run_name(info) == "1P1D_rateinf_conc4"
