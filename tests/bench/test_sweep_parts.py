@@ -282,9 +282,9 @@ def test_concurrency_sweeps_plot_against_concurrency():
 
 
 def sweep_args(*argv: str):
-    from pdserve.cli import _build_parser
+    from pdserve.cli import build_parser
 
-    return _build_parser().parse_args(["sweep", "--model", "/models/m", "--no-plots", *argv])
+    return build_parser().parse_args(["sweep", "--model", "/models/m", "--no-plots", *argv])
 
 
 @pytest.mark.parametrize("argv, says", [
