@@ -241,6 +241,9 @@ def test_a_prefill_step_failure_is_not_retried_on_the_decode_engine(tiny_model, 
             try:
                 response = await client.post("/v1/completions", json=completion())
                 assert "fake prefill failure" in assert_openai_error(response, 502)["message"]
+                # the GenerateRequest went out with the PrefillRequest; the fake decode engine's thread may
+                # record it a moment after the 502 came back
+                await wait_until(lambda: decode.generate_requests(), what="the decode engine to get the request")
                 first, = decode.generate_requests()
                 await wait_until(lambda: first.request_id in decode.aborted, what="the request aborted on decode")
             finally:
