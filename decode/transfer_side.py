@@ -119,11 +119,8 @@ class DecodeTransferSide(KVTransferSide):
             link.outbox.popleft()
 
     def _drop_link(self, link: _PrefillLink, reason: str) -> None:
-        for item in link.outbox:
-            if item.incoming is not None and item.incoming.state is IncomingState.RECEIVING:
-                self._fail(item.incoming, reason)
-        link.outbox.clear()
-        for incoming in list(self.transfers.values()):  # asked on this link, no KV yet: it will not come
+        # every transfer asked on this link (its KVWant sent or still in the outbox) ends: no KV will come
+        for incoming in list(self.transfers.values()):
             if incoming.address == link.address and incoming.state is IncomingState.RECEIVING:
                 self._fail(incoming, reason)
         link.client.close()
