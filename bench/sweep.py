@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import shlex
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pdserve.bench.sweep_args import DATASET_FLAGS
@@ -30,16 +31,21 @@ from pdserve.bench.sweep_results import (
     RunInfo,
     goodput_from_rows,
     parse_slos,
+    slo_attainment,
     summary_row,
     write_csv,
 )
 from pdserve.bench.sweep_runs import BenchOptions, run_bench, warm_up
+from pdserve.bench.sweep_unloaded import UNLOADED_PHASE, goodput_flags, parse_slo_factors, slos_from_unloaded
 
 # flags the sweep gives `pdserve up` and `pdserve bench` for each layout and run
 SET_FOR_UP = ("--model", "--prefill", "--decode", "--port", "--log-dir", "--device", "--pin-cpus",
               "--prefill-devices", "--decode-devices", "--api-key")
 SET_FOR_BENCH = ("--base-url", "--model", "--num-prompts", "--request-rate", "--max-concurrency", "--seed",
                  "--save-result", "--metadata", "--goodput", "--api-key", *DATASET_FLAGS)
+
+
+UNLOADED_SEED_INDEX = 10_000  # the unloaded runs' prompts: seed + this, apart from every load's
 
 
 class SearchStopped(Exception):
@@ -60,6 +66,8 @@ class SweepPlan:
     goodput_start_rate: float = 1.0
     goodput_steps: int = 4
     plots: bool = True
+    slo_factors: dict[str, float] = field(default_factory=dict)  # with these, SLOs come from an unloaded pass
+    unloaded_prompts: int = 4
 
 
 def build_plan(args: argparse.Namespace) -> SweepPlan:
@@ -69,7 +77,12 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
     if not layouts and not externals:
         raise ValueError("nothing to benchmark: list --configs (e.g. 1P1D 0P2D) or --base-url NAME=URL")
     slos = parse_slos(args.goodput)
-    _check_loads(args, slos)
+    slo_factors = parse_slo_factors(args.slo_factors)
+    if slos and slo_factors:
+        raise ValueError("--goodput and --slo-factors both set the SLOs: give one of them")
+    if slo_factors and args.unloaded_prompts < 1:
+        raise ValueError(f"--unloaded-prompts {args.unloaded_prompts}: give 1 or more")
+    _check_loads(args, bool(slos or slo_factors))
     if not args.no_plots:
         from pdserve.bench.sweep_plots import pyplot
 
@@ -94,7 +107,8 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
         loads = list(itertools.product(args.request_rates or [math.inf], args.max_concurrencies or [None]))
     output_dir = Path(args.output_dir or f"sweep-results/{time.strftime('%Y%m%d-%H%M%S')}")
     return SweepPlan(layouts, externals, loads, slos, cluster, bench, output_dir, args.warmup, args.find_goodput,
-                     args.goodput_start_rate, args.goodput_steps, not args.no_plots)
+                     args.goodput_start_rate, args.goodput_steps, not args.no_plots, slo_factors,
+                     args.unloaded_prompts)
 
 
 def _passed_through(text: str, option: str, reserved: tuple[str, ...]) -> list[str]:
@@ -114,7 +128,7 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def _check_loads(args: argparse.Namespace, slos: dict[str, float]) -> None:
+def _check_loads(args: argparse.Namespace, has_slos: bool) -> None:
     if not args.request_rates and not args.max_concurrencies and not args.find_goodput:
         raise ValueError("no load given: pass --request-rates (e.g. 1 2 4), --max-concurrencies, or --find-goodput")
     if any(not rate > 0 for rate in args.request_rates or []):
@@ -126,8 +140,8 @@ def _check_loads(args: argparse.Namespace, slos: dict[str, float]) -> None:
                          f"{args.goodput_start_rate:g}: give counts >= 0 and a start rate > 0")
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts {args.num_prompts}: give 1 or more")
-    if args.find_goodput and not slos:
-        raise ValueError("--find-goodput needs SLOs: add --goodput ttft:MS tpot:MS")
+    if args.find_goodput and not has_slos:
+        raise ValueError("--find-goodput needs SLOs: add --goodput ttft:MS tpot:MS, or --slo-factors ttft:4 tpot:1.5")
     if args.devices and not args.device.startswith("cuda"):
         raise ValueError("--devices picks GPUs: add --device cuda")
 
@@ -144,20 +158,49 @@ class Sweep:
 
     def run(self) -> None:
         self.runs_dir.mkdir(parents=True, exist_ok=True)
+        if self.plan.slo_factors:
+            self.each_server(self.run_unloaded)
+            self.derive_slos()
+        self.each_server(self.run_server)
+
+    def each_server(self, work) -> None:
+        """work(url, RunInfo, client cores) on each layout, started for it and stopped after, then on each
+        external server."""
         for layout in self.plan.layouts:
             info = RunInfo(layout.name, layout.num_engines, "sweep", math.nan, None, layout.num_prefill,
                            layout.num_decode)
             try:
                 with Cluster(self.plan.cluster, layout, self.plan.output_dir / "logs" / layout.name) as cluster:
-                    self.run_server(cluster.url, info, cluster.client_cores)
+                    work(cluster.url, info, cluster.client_cores)
             except ClusterError as exc:
                 print(f"[pdserve sweep] error: {exc}", file=sys.stderr, flush=True)
                 self.rows.append(summary_row(replace(info, phase="start"), None, {}, self.plan.slos, "",
                                              str(exc).splitlines()[0]))
             self.write_tables()
         for external in self.plan.externals:
-            self.run_server(external.url, RunInfo(external.name, external.num_engines, "sweep", math.nan, None))
+            work(external.url, RunInfo(external.name, external.num_engines, "sweep", math.nan, None))
             self.write_tables()
+
+    def run_unloaded(self, url: str, base: RunInfo, client_cores: list[int] | None = None) -> None:
+        """A few requests one at a time (their own prompts: seeds past every load's), for the SLOs' base."""
+        warm_up(self.plan.bench, url, self.plan.warmup)
+        options = replace(self.plan.bench, num_prompts=self.plan.unloaded_prompts)
+        info = replace(base, phase=UNLOADED_PHASE, request_rate=math.inf, max_concurrency=1)
+        row, _ = run_bench(options, url, info, self.runs_dir, {}, UNLOADED_SEED_INDEX, client_cores)
+        self.rows.append(row)
+
+    def derive_slos(self) -> None:
+        """SLOs from the unloaded runs: into the plan (and bench's --goodput), slos.json, and the unloaded rows."""
+        slos, basis = slos_from_unloaded(self.rows, self.plan.slo_factors)
+        self.plan = replace(self.plan, slos=slos, bench=replace(self.plan.bench, goodput=goodput_flags(slos)))
+        (self.plan.output_dir / "slos.json").write_text(json.dumps(basis, indent=2) + "\n")
+        for metric, how in basis.items():
+            print(f"[pdserve sweep] {metric.upper()} SLO {how['slo_ms']:g} ms = {how['factor']:g} x "
+                  f"{how['unloaded_median_ms']:.1f} ms ({how['from_config']}'s unloaded median)", flush=True)
+        for row in self.rows:
+            if row.get("phase") == UNLOADED_PHASE and row.get("result_file"):
+                result = json.loads(Path(row["result_file"]).read_text())
+                row["slo_attainment"] = slo_attainment(result, slos)
 
     def run_server(self, url: str, base: RunInfo, client_cores: list[int] | None = None) -> None:
         self.client_cores = client_cores
@@ -231,7 +274,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     if plan.plots and sweep.rows:
         from pdserve.bench.sweep_plots import write_plots
 
-        for path in write_plots(sweep.rows, sweep.goodputs, plan.output_dir):
+        loaded = [row for row in sweep.rows if row.get("phase") != UNLOADED_PHASE]
+        for path in write_plots(loaded, sweep.goodputs, plan.output_dir):
             print(f"[pdserve sweep] wrote {path}", flush=True)
     failures = sweep.failures()
     print(f"[pdserve sweep] {len(sweep.rows) - len(failures)} of {len(sweep.rows)} runs done; "

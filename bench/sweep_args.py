@@ -36,9 +36,15 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bench-args", default="", metavar="'ARGS'", help="more `pdserve bench` flags, one string")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                         help="SLOs, e.g. ttft:500 tpot:50 (also e2el): SLO attainment and goodput")
+    parser.add_argument("--slo-factors", nargs="+", default=None, metavar="METRIC:FACTOR",
+                        help="SLOs from unloaded latencies measured first in this sweep, e.g. ttft:4 tpot:1.3: each "
+                             "server serves --unloaded-prompts requests one at a time, and each SLO is the factor "
+                             "times the lowest median among the servers (instead of --goodput)")
+    parser.add_argument("--unloaded-prompts", type=int, default=4,
+                        help="requests of each server's unloaded run, with --slo-factors")
     parser.add_argument("--find-goodput", action="store_true",
                         help="per layout, search the highest rate at which >= 90%% of requests "
-                             "meet every SLO (needs --goodput)")
+                             "meet every SLO (needs --goodput or --slo-factors)")
     parser.add_argument("--goodput-start-rate", type=float, default=1.0,
                         help="first rate the search tries when the listed rates do not bracket the goodput")
     parser.add_argument("--goodput-steps", type=int, default=4, help="bisection runs of the search after bracketing")

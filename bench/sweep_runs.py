@@ -47,7 +47,7 @@ def run_name(info: RunInfo) -> str:
     load = f"rate{format_rate(info.request_rate)}"
     if info.max_concurrency is not None:
         load += f"_conc{info.max_concurrency}"
-    suffix = "_search" if info.phase == "search" else ""
+    suffix = f"_{info.phase}" if info.phase != "sweep" else ""  # _search, _unloaded
     return f"{info.config}_{load}{suffix}"
 
 

@@ -102,6 +102,30 @@ def test_sweep_two_layouts_two_rates(model_factory, tmp_path):
     assert not [pid for pid in pids if alive(pid)]  # every layout was stopped
 
 
+@pytest.mark.timeout(180)
+def test_slos_come_from_the_unloaded_pass_of_the_same_sweep(model_factory, tmp_path):
+    """--slo-factors: each layout first serves a few requests one at a time; the SLOs are factors of the
+    lowest unloaded median, bench gets them as --goodput, and every row's attainment is judged by them."""
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--configs", "0P1D", "--request-rates", "8", "--model", model_factory("llama"),
+                 "--num-prompts", "3", "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
+                 "--slo-factors", "ttft:1000", "tpot:1.0", "--unloaded-prompts", "2", "--warmup", "1",
+                 "--output-dir", str(out), "--up-args", UP_ARGS, "--no-plots"])
+    assert code == 0, (out / "summary.csv").read_text()
+    unloaded, loaded = read_csv(out / "summary.csv")
+    assert (unloaded["phase"], unloaded["max_concurrency"], unloaded["completed"]) == ("unloaded", 1, 2)
+    assert (loaded["phase"], loaded["request_rate"], loaded["completed"]) == ("sweep", 8.0, 3)
+    basis = json.loads((out / "slos.json").read_text())
+    assert basis["ttft"]["slo_ms"] == math.ceil(1000 * unloaded["median_ttft_ms"])
+    assert basis["tpot"]["slo_ms"] == math.ceil(unloaded["median_tpot_ms"])
+    assert basis["tpot"]["from_config"] == "0P1D"
+    result = json.loads(Path(loaded["result_file"]).read_text())
+    assert result["goodput"] == {"ttft": basis["ttft"]["slo_ms"], "tpot": basis["tpot"]["slo_ms"]}
+    # TPOT SLO = the unloaded median (of two requests: their mean, rounded up to a whole ms): the faster
+    # request meets it, the slower one only when it is within that rounding
+    assert unloaded["slo_attainment"] in (0.5, 1.0) and loaded["slo_attainment"] is not None
+
+
 @pytest.mark.timeout(120)
 def test_a_layout_that_cannot_start_and_a_dead_server_are_rows_with_errors(tmp_path):
     out = tmp_path / "sweep"

@@ -328,3 +328,63 @@ def test_loads_and_bench_command(tmp_path):
     assert "--goodput ttft:500 tpot:50" in text and "--request-timeout 30" in text
     assert command[-4:] == ["--metadata", "config=1P1D", "rate=inf", "phase=sweep"]
     assert run_name(info) == "1P1D_rateinf_conc4"
+
+
+# ---- SLOs from an unloaded pass (--slo-factors) ----
+
+
+def test_slo_factors_parse_and_bad_ones_are_refused():
+    from pdserve.bench.sweep_unloaded import parse_slo_factors
+
+    assert parse_slo_factors(["ttft:4", "TPOT:1.3"]) == {"ttft": 4.0, "tpot": 1.3}
+    assert parse_slo_factors(None) == {}
+    for bad in ("ttft", "ttft:0.9", "itl:2", "tpot:x", "tpot:inf"):
+        with pytest.raises(ValueError, match="METRIC:FACTOR"):
+            parse_slo_factors([bad])
+
+
+def unloaded_row(config: str, ttft_ms, tpot_ms, error: str = "") -> dict:
+    return {"config": config, "phase": "unloaded", "completed": 0 if error else 4, "error": error,
+            "median_ttft_ms": ttft_ms, "median_tpot_ms": tpot_ms}
+
+
+def test_slos_are_factors_of_the_lowest_unloaded_median():
+    from pdserve.bench.sweep_unloaded import goodput_flags, slos_from_unloaded
+
+    rows = [unloaded_row("1P1D", 3275.8, 82.5), unloaded_row("0P2D", 2774.4, 72.7),
+            unloaded_row("2P2D", 10.0, 1.0, error="pdserve bench exited"),  # a failed run is no base
+            {**unloaded_row("0P2D", 1.0, 1.0), "phase": "sweep"}]  # nor is a loaded run
+    slos, basis = slos_from_unloaded(rows, {"ttft": 4.0, "tpot": 1.3})
+    assert slos == {"ttft": math.ceil(4 * 2774.4), "tpot": math.ceil(1.3 * 72.7)}  # 11098, 95
+    assert basis["tpot"] == {"factor": 1.3, "unloaded_median_ms": 72.7, "from_config": "0P2D", "slo_ms": 95.0}
+    assert goodput_flags(slos) == ["ttft:11098", "tpot:95"]
+
+
+def test_slos_without_an_unloaded_measurement_say_why():
+    from pdserve.bench.sweep_unloaded import slos_from_unloaded
+
+    with pytest.raises(ValueError, match="no server completed its unloaded run"):
+        slos_from_unloaded([unloaded_row("1P1D", None, None, error="pdserve up exited")], {"ttft": 4})
+    with pytest.raises(ValueError, match="measured no TPOT"):
+        slos_from_unloaded([unloaded_row("1P1D", 30.0, None)], {"tpot": 2})
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--request-rates", "1", "--goodput", "ttft:500", "--slo-factors", "ttft:4"), "give one of them"),
+    (("--request-rates", "1", "--slo-factors", "ttft:4", "--unloaded-prompts", "0"), "--unloaded-prompts 0"),
+    (("--request-rates", "1", "--slo-factors", "tpot:0.5"), "factor >= 1"),
+])
+def test_slo_factors_in_the_plan_are_checked(argv, says):
+    from pdserve.bench.sweep import build_plan
+
+    with pytest.raises(ValueError, match=says):
+        build_plan(sweep_args(*argv))
+
+
+def test_slo_factors_alone_are_enough_for_the_goodput_search():
+    from pdserve.bench.sweep import build_plan
+    from pdserve.bench.sweep_runs import run_name
+
+    plan = build_plan(sweep_args("--find-goodput", "--slo-factors", "ttft:4", "tpot:1.5", "--unloaded-prompts", "3"))
+    assert (plan.slos, plan.slo_factors, plan.unloaded_prompts) == ({}, {"ttft": 4.0, "tpot": 1.5}, 3)
+    assert run_name(RunInfo("0P2D", 2, "unloaded", math.inf, 1, 0, 2)) == "0P2D_rateinf_conc1_unloaded"
