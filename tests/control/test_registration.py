@@ -43,6 +43,20 @@ def test_wildcard_binds_advertise_a_reachable_host():
     assert advertised_address("ipc:///tmp/engine.sock") == "ipc:///tmp/engine.sock"
 
 
+def test_a_wildcard_bind_advertises_the_ip_on_the_route_to_the_router():
+    # the kernel's source address toward the router: loopback for a router on loopback
+    assert advertised_address("tcp://0.0.0.0:5600", toward="tcp://127.0.0.1:7000") == "tcp://127.0.0.1:5600"
+    assert advertised_address("tcp://0.0.0.0:5600", "10.1.2.3", toward="tcp://127.0.0.1:7000") == "tcp://10.1.2.3:5600"
+    assert advertised_address("tcp://127.0.0.1:5600", "fd00::5") == "tcp://[fd00::5]:5600"
+
+
+def test_a_loopback_address_is_never_advertised_to_a_router_elsewhere():
+    with pytest.raises(ValueError, match="loopback.*--advertise-address"):
+        advertised_address("tcp://127.0.0.1:5600", toward="tcp://10.9.8.7:7000")
+    with pytest.raises(ValueError, match="loopback"):
+        advertised_address("tcp://0.0.0.0:5600", "localhost", toward="tcp://router:7000")
+
+
 def test_heartbeat_registers_reports_and_says_goodbye():
     router = ServerSocket("tcp://127.0.0.1:0")
     heartbeat = Heartbeat(router.address, interval_s=0.05)
