@@ -80,8 +80,15 @@ class Cluster:
         return Driver(decode, self.prefill, curve=load_cluster_keys(self.curve_dir).client)
 
     def kv_link(self, *command: str) -> None:
-        """`tc ...` / `ip ...` on P's end of the P <-> D link (what P sends: the KV)."""
+        """`ip ...` on P's end of the P <-> D link."""
         self.hosts["p"].run(*command)
+
+    def shape_kv_link(self, rate_mbit: float, delay_ms: float = 0.0) -> float:
+        """Shape what P sends on the P <-> D link (the KV); returns the delay applied (0 without netem)."""
+        return self.hosts["p"].shape(KV_DEVICE, rate_mbit, delay_ms)
+
+    def unshape_kv_link(self) -> None:
+        self.hosts["p"].unshape(KV_DEVICE)
 
 
 def engine_on(host: Host, role: str, model_dir: str, log_dir: Path, *args: str) -> EngineProcess:

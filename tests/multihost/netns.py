@@ -1,6 +1,7 @@
 """Hosts for tests: one Linux network namespace per host, each with its own IP on one bridge, and
 optional direct links between two hosts (a dedicated KV network). Everything is made by `Network` and
-removed by `Network.close()`, also after a failure; `netns_refusal()` says why a kernel refuses."""
+removed by `Network.close()`, also after a failure; `netns_refusal()` says why a kernel refuses.
+Links are shaped with `tc` (netem: delay + rate; tbf: rate only, where the kernel has no netem)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,28 @@ class Host:
     def exec_prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self.namespace]
 
-    def run(self, *command: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*self.exec_prefix(), *command], check=True, capture_output=True, text=True, timeout=10)
+    def run(self, *command: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.exec_prefix(), *command], check=check, capture_output=True, text=True,
+                              timeout=10)
+
+    def shape(self, device: str, rate_mbit: float, delay_ms: float = 0.0) -> float:
+        """Cap what leaves `device` at rate_mbit, delayed by delay_ms with netem; a kernel without netem
+        gets the rate cap alone (tbf, a queue deep enough never to drop). Returns the delay applied."""
+        netem = ["netem", "rate", f"{rate_mbit}mbit", *(["delay", f"{delay_ms}ms"] if delay_ms else []),
+                 "limit", "100000"]
+        if self.run("tc", "qdisc", "replace", "dev", device, "root", *netem, check=False).returncode == 0:
+            return delay_ms
+        self.run("tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{rate_mbit}mbit",
+                 "burst", "16kb", "limit", "8mb")
+        return 0.0
+
+    def unshape(self, device: str) -> None:
+        self.run("tc", "qdisc", "del", "dev", device, "root", check=False)
+
+    def has_netem(self, device: str) -> bool:
+        added = self.run("tc", "qdisc", "replace", "dev", device, "root", "netem", "delay", "1ms", check=False)
+        self.unshape(device)
+        return added.returncode == 0
 
 
 @dataclass
@@ -81,7 +102,7 @@ class Network:
     def add_direct_link(self, a: Host, b: Host, device: str) -> tuple[str, str]:
         """A point-to-point veth between two hosts (device `device` on both sides); returns (a's IP, b's IP)."""
         value = int(self.tag, 16)
-        prefix = SUBNET.format(net=200 + value % 50, sub=(value + 1) % 250).replace("10.", "172.", 1)
+        prefix = f"10.{251 + value % 4}.{value % 250}"
         temporary = f"pd{self.tag}tmp"
         ip("link", "add", temporary, "netns", a.namespace, "type", "veth", "peer", "name", device, "netns", b.namespace)
         a.run("ip", "link", "set", temporary, "name", device)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.netns
 PROMPTS = ["def main():", "import os\nimport sys\n\nclass Parser:\n    def __init__(self, text):", "x"]
 MAX_TOKENS = 12
 DELAY_MS = 20
-RATES_MBIT = (2, 4, 8)
+RATES_MBIT = (1, 2, 4, 8, 16)
 SHAPED_PROMPT_TOKENS = 200
 
 
@@ -78,10 +78,9 @@ def test_greedy_across_hosts_equals_the_offline_engine_through_either_router(clu
         assert used and not any(used.values()), f"blocks still used after the requests: {used}"
 
 
-def shaped_transfer(cluster, driver, rate_mbit: int, seed: int) -> tuple[int, float]:
-    """(KV bytes, seconds from prompt computed to KVAck) of one request over the shaped link."""
-    cluster.kv_link("tc", "qdisc", "replace", "dev", KV_DEVICE, "root", "netem", "delay", f"{DELAY_MS}ms",
-                    "rate", f"{rate_mbit}mbit")
+def shaped_transfer(cluster, driver, rate_mbit: int, seed: int) -> tuple[int, float, float]:
+    """(KV bytes, seconds from prompt computed to KVAck, delay applied) of one request over the shaped link."""
+    delay_ms = cluster.shape_kv_link(rate_mbit, DELAY_MS)
     before = driver.prefill_stats()
     result, = driver.generate([random_prompt(seed)], prefix=f"shaped{seed}-", temperature=0.0, max_tokens=2,
                               ignore_eos=True)
@@ -90,7 +89,8 @@ def shaped_transfer(cluster, driver, rate_mbit: int, seed: int) -> tuple[int, fl
     while (after := driver.prefill_stats()).num_kv_transfers == before.num_kv_transfers:
         assert time.monotonic() < deadline, "the prefill engine never got the KVAck"
         time.sleep(0.05)
-    return after.kv_bytes_sent - before.kv_bytes_sent, after.kv_transfer_seconds - before.kv_transfer_seconds
+    return (after.kv_bytes_sent - before.kv_bytes_sent, after.kv_transfer_seconds - before.kv_transfer_seconds,
+            delay_ms)
 
 
 def test_a_shaped_kv_link_takes_bytes_over_bandwidth_plus_latency(cluster):
@@ -98,16 +98,17 @@ def test_a_shaped_kv_link_takes_bytes_over_bandwidth_plus_latency(cluster):
     rows = []
     try:
         for seed, rate_mbit in enumerate(RATES_MBIT):
-            num_bytes, seconds = shaped_transfer(cluster, driver, rate_mbit, seed)
-            predicted = num_bytes * 8 / (rate_mbit * 1e6) + DELAY_MS / 1000
-            rows.append((rate_mbit, num_bytes, predicted, seconds))
+            num_bytes, seconds, delay_ms = shaped_transfer(cluster, driver, rate_mbit, seed)
+            predicted = num_bytes * 8 / (rate_mbit * 1e6) + delay_ms / 1000
+            rows.append((rate_mbit, delay_ms, num_bytes, predicted, seconds))
     finally:
-        cluster.kv_link("tc", "qdisc", "del", "dev", KV_DEVICE, "root")
+        cluster.unshape_kv_link()
         driver.close()
-    print("\nrate_mbit  kv_bytes  predicted_s  measured_s  ratio")
-    for rate_mbit, num_bytes, predicted, seconds in rows:
-        print(f"{rate_mbit:9d}  {num_bytes:8d}  {predicted:11.3f}  {seconds:10.3f}  {seconds / predicted:5.2f}")
-    for rate_mbit, num_bytes, predicted, seconds in rows:
+    print("\nrate_mbit  delay_ms  kv_bytes  predicted_s  measured_s  ratio")
+    for rate_mbit, delay_ms, num_bytes, predicted, seconds in rows:
+        print(f"{rate_mbit:9d}  {delay_ms:8.0f}  {num_bytes:8d}  {predicted:11.3f}  {seconds:10.3f}  "
+              f"{seconds / predicted:5.2f}")
+    for rate_mbit, _, num_bytes, predicted, seconds in rows:
         # wire headers (TCP/IP, CURVE, msgpack) add a few percent; Python on 2 busy cores adds some tens of ms
         assert 0.9 * predicted <= seconds <= 1.3 * predicted + 0.15, (rate_mbit, num_bytes, predicted, seconds)
 
@@ -117,7 +118,7 @@ def test_cutting_the_kv_link_mid_transfer(cluster, offline, policy):
     engine = cluster.decode if policy == "recompute" else cluster.decode_fail
     driver = cluster.driver(engine)
     prompt, request_id = random_prompt(100 + len(policy)), f"cut-{policy}"
-    cluster.kv_link("tc", "qdisc", "replace", "dev", KV_DEVICE, "root", "netem", "rate", "1mbit")  # ~400 KB: ~3 s
+    cluster.shape_kv_link(1)  # ~400 KB: ~3 s
     try:
         before = driver.prefill_stats()
         failed_before = driver.decode_stats().num_kv_transfers_failed
@@ -133,7 +134,7 @@ def test_cutting_the_kv_link_mid_transfer(cluster, offline, policy):
         waited = time.monotonic() - started
     finally:
         cluster.kv_link("ip", "link", "set", KV_DEVICE, "up")
-        cluster.kv_link("tc", "qdisc", "del", "dev", KV_DEVICE, "root")
+        cluster.unshape_kv_link()
     try:
         assert waited <= KV_TIMEOUT_S + 5, f"the request waited {waited:.1f}s for KV, beyond --kv-timeout"
         if policy == "recompute":
