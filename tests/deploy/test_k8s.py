@@ -129,3 +129,23 @@ def test_gpu_engines_get_one_gpu_each_and_cpu_ones_none():
             assert resources.get("limits", {}).get("nvidia.com/gpu") == gpus
         device = rendered[("ConfigMap", "pdserve-config")]["data"]["PDSERVE_DEVICE"]
         assert device == ("cuda" if gpus else "cpu")
+
+
+def test_keygen_makes_the_secret_the_pods_mount(tmp_path, capsys):
+    import json
+
+    from pdserve.cli import main
+    from pdserve.control.keys import load_cluster_keys
+
+    assert main(["keygen", "--secret-manifest", "pdserve-cluster-keys"]) == 0
+    secret = json.loads(capsys.readouterr().out)
+    kubernetes_validate.validate(secret, kubernetes_validate.latest_version(), strict=True)
+    for workload in workloads({key(obj): obj for obj in render(K8S / "base")}):
+        volumes = {volume["name"]: volume for volume in workload["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["keys"]["secret"]["secretName"] == secret["metadata"]["name"]
+    for name, text in secret["stringData"].items():  # the files, as the pods see them under /keys
+        (tmp_path / name).write_text(text)
+    keys = load_cluster_keys(tmp_path)
+    assert keys.server.keypair.public_key != keys.client.keypair.public_key
+    assert main(["keygen"]) == 2, "neither DIR nor --secret-manifest: an error naming both"
+    assert "--secret-manifest" in capsys.readouterr().err
