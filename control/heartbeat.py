@@ -64,7 +64,7 @@ def advertised_address(address: str, advertise_host: str | None = None, toward: 
     bind host (0.0.0.0) becomes this host's IP on the route to `toward` (the router), else the bind
     address as it is. Raises ValueError when a loopback address would be advertised to a router that is
     not on loopback: it could never connect."""
-    scheme, host, port = _split(address)
+    _, host, port = _split(address)
     if not host:
         return address
     if advertise_host:

@@ -124,8 +124,8 @@ def test_gpu_engines_get_one_gpu_each_and_cpu_ones_none():
     for overlay, gpus in (("gpu", "1"), ("cpu", None)):
         rendered = {key(obj): obj for obj in render(K8S / "overlays" / overlay)}
         for role in ("prefill", "decode"):
-            resources = rendered[("Deployment", f"pdserve-{role}")]["spec"]["template"]["spec"]["containers"][0][
-                "resources"]
+            engine = rendered[("Deployment", f"pdserve-{role}")]["spec"]["template"]["spec"]
+            resources = engine["containers"][0]["resources"]
             assert resources.get("limits", {}).get("nvidia.com/gpu") == gpus
         device = rendered[("ConfigMap", "pdserve-config")]["data"]["PDSERVE_DEVICE"]
         assert device == ("cuda" if gpus else "cpu")

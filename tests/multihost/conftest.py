@@ -43,9 +43,9 @@ class RouterProcess:
         self.registration = f"tcp://{host.address}:{REGISTRATION_PORT}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and self.process.poll() is None:
-            if select.select([self.process.stdout], [], [], 1.0)[0]:
-                if self.process.stdout.readline().startswith("PDSERVE_READY"):
-                    return
+            ready = select.select([self.process.stdout], [], [], 1.0)[0]
+            if ready and self.process.stdout.readline().startswith("PDSERVE_READY"):
+                return
         self.stop()
         raise RuntimeError(f"router on {host.namespace} did not start:\n{self.log_path.read_text()[-3000:]}")
 

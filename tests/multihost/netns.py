@@ -20,7 +20,7 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def netns_refusal() -> str | None:
     """None when this process may create network namespaces, veths and bridges; else the reason."""
     if os.geteuid() != 0:
-        return "network namespaces need root (CAP_SYS_ADMIN and CAP_NET_ADMIN); this test runs as uid %d" % os.geteuid()
+        return f"network namespaces need root (CAP_SYS_ADMIN and CAP_NET_ADMIN); this test runs as uid {os.geteuid()}"
     name = f"pdprobe{secrets.token_hex(3)}"
     try:
         made = ip("netns", "add", name, check=False)
