@@ -31,6 +31,12 @@ def test_register_is_validated():
     with pytest.raises(ProtocolError, match="role"):
         Register(engine_id="x", role="router", control_address="tcp://a:1", block_size=16, max_model_len=8,
                  vocab_size=8)
+    with pytest.raises(ProtocolError, match="bind-any address.*--advertise-address"):
+        Register(engine_id="x", role="prefill", control_address="tcp://0.0.0.0:5600", block_size=16,
+                 max_model_len=8, vocab_size=8)
+    with pytest.raises(ProtocolError, match="bind-any"):
+        Register(engine_id="x", role="prefill", control_address="tcp://10.0.0.3:5600", kv_address="tcp://*:5700",
+                 block_size=16, max_model_len=8, vocab_size=8)
     with pytest.raises(ProtocolError, match="block_size"):
         Register(engine_id="x", role="decode", control_address="tcp://a:1", block_size=0, max_model_len=8,
                  vocab_size=8)
