@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from pdserve.control.errors import InvalidRequestError, ProtocolError
+from pdserve.control.errors import InvalidRequestError, PeerUnreachableError, ProtocolError, WireError
 from pdserve.control.heartbeat import Heartbeat, advertised_address
 from pdserve.control.keys import ClusterCurve
 from pdserve.control.messages import Abort, DescribeRequest, EngineStats, Error, Register, StatsRequest, TokenDelta
@@ -155,13 +155,31 @@ class EngineServer:
             self.reply(peer_id, Error(code="unexpected", message=f"{msg.type_name} is not served by a {self.role} engine"))
 
     def publish(self, deltas: list[TokenDelta]) -> None:
-        """Send each delta of a step, as the scheduler made it, to the peer that sent its request."""
+        """Send each delta of a step, as the scheduler made it, to the peer that sent its request. A
+        request whose peer is gone (a router that died: its connection closed) is aborted, so its blocks
+        go back now rather than after max_tokens nobody reads."""
         for delta in deltas:
             owner = self.owners.get(delta.request_id)
             if delta.finish_reason is not None:
                 self.owners.pop(delta.request_id, None)
-            if owner is not None and self.should_publish(delta):
-                self.reply(owner, delta)
+            if owner is not None and self.should_publish(delta) and not self._deliver(owner, delta):
+                self._abort_orphan(delta)
+
+    def _deliver(self, peer_id: bytes, msg: Any) -> bool:
+        """Send without waiting; False only when the peer is gone (a full queue drops the message, logged)."""
+        try:
+            self.control.send(peer_id, msg, timeout=0)
+        except PeerUnreachableError:
+            return False
+        except WireError as exc:
+            log.info("could not send %s to peer %s: %s", msg.type_name, peer_id.hex(), exc)
+        return True
+
+    def _abort_orphan(self, delta: TokenDelta) -> None:
+        self.owners.pop(delta.request_id, None)
+        if delta.finish_reason is None:
+            self.engine.abort(delta.request_id)
+            log.warning("request %s aborted: the router that sent it is gone", delta.request_id)
 
     def should_publish(self, delta: TokenDelta) -> bool:
         return True
