@@ -29,7 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     keygen = commands.add_parser("keygen", help="write CURVE keys for encrypted, authenticated links (--curve-dir)")
-    keygen.add_argument("dir", help="output directory (keep it private: it holds secret keys)")
+    keygen.add_argument("dir", nargs="?", help="output directory (keep it private: it holds secret keys)")
+    keygen.add_argument("--secret-manifest", metavar="NAME", default=None,
+                        help="print new keys as a Kubernetes Secret NAME instead of writing DIR: "
+                             "`pdserve keygen --secret-manifest pdserve-cluster-keys | kubectl apply -f -`")
     keygen.add_argument("--if-missing", action="store_true",
                         help="keep the keys already in DIR (a one-shot compose service runs it on every start)")
 
@@ -86,8 +89,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.arch}-{args.size} demo model to {path}")
             return 0
         if args.command == "keygen":
-            from pdserve.control.keys import has_cluster_keys, write_cluster_keys
+            from pdserve.control.keys import cluster_keys_secret, has_cluster_keys, write_cluster_keys
 
+            if args.secret_manifest:
+                print(cluster_keys_secret(args.secret_manifest))
+                return 0
+            if not args.dir:
+                raise ValueError("keygen needs an output directory DIR, or --secret-manifest NAME for Kubernetes")
             if args.if_missing and has_cluster_keys(args.dir):
                 print(f"CURVE keys already in {args.dir}: kept")
                 return 0

@@ -17,9 +17,10 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
                         help="where the router reaches this engine (tcp://host:port or ipc://path; port 0 = any)")
     parser.add_argument("--engine-id", default=f"{role}-0")
     parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--router-address", default=None,
+    parser.add_argument("--router-address", action="append", default=[], metavar="ADDRESS",
                         help="register with the router at this address (its --registration-address, e.g. "
-                             "tcp://router:7000) and heartbeat load figures to it")
+                             "tcp://router:7000) and heartbeat load figures to it; repeat it for every router "
+                             "replica serving this engine (docs/deploy.md)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
     parser.add_argument("--stall-timeout", type=float, default=120.0,
                         help="stop heartbeating when the engine loop made no progress for this many seconds, so "
@@ -27,9 +28,11 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--progress-file", default=None,
                         help="touch this file as the engine loop goes round (for a supervisor such as `pdserve up`)")
     add_trust_args(parser)
-    parser.add_argument("--advertise-host", default=None,
-                        help="host the router and peers should use when this engine binds a wildcard host "
-                             "(0.0.0.0); default: this machine's address")
+    parser.add_argument("--advertise-address", "--advertise-host", dest="advertise_host", default=None,
+                        metavar="HOST",
+                        help="host name or IP routers and peers reach this engine at (e.g. a pod IP); default: "
+                             "the bind host, or for a wildcard bind (0.0.0.0) this host's IP on the route to "
+                             "the router. A loopback address is refused when a router is elsewhere")
     if role == "prefill":
         parser.add_argument("--kv-address", default="tcp://127.0.0.1:0", help="where decode engines pull KV from")
         parser.add_argument("--kv-want-timeout", type=float, default=30.0,
@@ -75,7 +78,7 @@ def streams_layers(choice: str, device: str) -> bool:
 
 def run_engine(args: argparse.Namespace, role: str) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s")
-    curve_dir = curve_dir_for(args, [args.control_address, getattr(args, "kv_address", None), args.router_address])
+    curve_dir = curve_dir_for(args, [args.control_address, getattr(args, "kv_address", None), *args.router_address])
     configs = _configs(args)
     if role == "prefill":
         from pdserve.prefill.service import PrefillOptions, build_prefill_server

@@ -51,7 +51,7 @@ def test_compose_services_use_real_cli_flags_and_find_each_other(name):
     for role in ("prefill", "decode"):
         engine = parsed[role]
         # engines find the router by service name, so `--scale` replicas register themselves
-        assert engine.router_address == f"tcp://router:{registration_port}"
+        assert engine.router_address == [f"tcp://router:{registration_port}"]
         assert engine.control_address.startswith("tcp://0.0.0.0:"), "bind every interface of the container"
         assert engine.model == parsed["router"].model, "router tokenizer and engine weights come from one model"
     assert parsed["prefill"].kv_address.startswith("tcp://0.0.0.0:")
@@ -118,7 +118,7 @@ def test_up_plans_pinned_cpu_engines_on_disjoint_cores(monkeypatch):
     assert [c.cpus for c in components] == [[0, 1], [2, 3], [4, 5]]
     for component in components:
         parsed = build_parser().parse_args(component.command[3:])  # after `python -m pdserve`
-        assert parsed.router_address == "tcp://r:1" and parsed.model == "/m"
+        assert parsed.router_address == ["tcp://r:1"] and parsed.model == "/m"
         assert component.env["OMP_NUM_THREADS"] == str(len(component.cpus))
     assert [c.name for c in components] == ["prefill-0", "decode-0", "decode-1"]
 
