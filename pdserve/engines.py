@@ -53,9 +53,10 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
 
 def _configs(args: argparse.Namespace) -> tuple:
     """(ModelConfig, CacheConfig, SchedulerConfig); torch is imported here, not at parse time."""
-    from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+    from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, check_device
     from pdserve.engine.loader import resolve_model_dir
 
+    check_device(args.device)  # before building or fetching a model it could not run
     if args.model is None:
         from pdserve.demo_model import default_demo_model
 

@@ -83,8 +83,30 @@ def test_missing_config(tmp_path):
 
 
 def test_not_a_model_or_hub_id(tmp_path):
-    with pytest.raises(ModelLoadError, match="neither a model directory nor"):
+    with pytest.raises(ModelLoadError, match="does not exist and is not a Hugging Face hub id"):
         resolve_model_dir(str(tmp_path / "missing" / "deeper"))
+    with pytest.raises(ModelLoadError, match="pass a model directory"):
+        LLM("path/to/hf-model-dir")  # a placeholder copied from an example: one line, no hub lookup
+
+
+def test_unreachable_hub_id_is_described_as_a_hub_model(monkeypatch, tmp_path):
+    from pdserve.engine.tokenizer import TokenizerLoadError, load_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as with no network: nothing cached, nothing reachable
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(ModelLoadError, match="cannot reach the Hugging Face hub to fetch the model of 'no-org/no"):
+        resolve_model_dir("no-org/no-model")
+    with pytest.raises(TokenizerLoadError, match="cannot reach the Hugging Face hub") as caught:
+        load_tokenizer("no-org/no-model")
+    assert "directory" not in str(caught.value).split(":")[0], "a hub id is not called a directory"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable CUDA device")
+def test_cuda_device_without_cuda_names_the_fix(model_factory):
+    with pytest.raises(ConfigError, match="use --device cpu"):
+        LLM(model_factory("llama"), device="cuda")
+    with pytest.raises(ConfigError, match="is not a device"):
+        ModelConfig.from_hf(model_factory("llama"), device="gpu0")
 
 
 def test_missing_safetensors(model_factory, tmp_path):
