@@ -20,8 +20,9 @@ def load_tokenizer(model_dir: str | Path):
         if is_hub_id(model_dir):
             raise TokenizerLoadError(hub_failure(str(model_dir), "the tokenizer", exc)) from exc
         if not Path(model_dir).expanduser().is_dir():
-            raise TokenizerLoadError(f"model {str(model_dir)!r} is not a directory and not a Hugging Face hub id "
-                                     f"(org/name): pass a model directory or a hub id") from exc
+            raise TokenizerLoadError(f"cannot load the tokenizer of {str(model_dir)!r}: no such directory, and "
+                                     f"not a Hugging Face hub id (org/name): pass a model directory or a hub id"
+                                     ) from exc
         raise TokenizerLoadError(
             f"cannot load the tokenizer of {model_dir} ({type(exc).__name__}: {exc}): the directory needs "
             "tokenizer.json (or the files of a slow tokenizer) and tokenizer_config.json"

@@ -114,7 +114,7 @@ def test_up_plans_pinned_cpu_engines_on_disjoint_cores(monkeypatch):
     assert split_cpus([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3]]
     assert split_cpus([0, 1], 3) == [[0], [1], [0]], "more engines than cores: shared, with a warning"
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
-    components = engine_components(up_args("--prefill", "1", "--decode", "2", "--pin-cpus"), "/m", "tcp://r:1")
+    components = engine_components(up_args("--num-prefill", "1", "--num-decode", "2", "--pin-cpus"), "/m", "tcp://r:1")
     assert [c.cpus for c in components] == [[0, 1], [2, 3], [4, 5]]
     for component in components:
         parsed = build_parser().parse_args(component.command[3:])  # after `python -m pdserve`
@@ -124,7 +124,8 @@ def test_up_plans_pinned_cpu_engines_on_disjoint_cores(monkeypatch):
 
 
 def test_up_plans_one_gpu_per_engine():
-    components = engine_components(up_args("--device", "cuda", "--prefill", "1", "--decode", "2"), "/m", "tcp://r:1")
+    components = engine_components(up_args("--device", "cuda", "--num-prefill", "1", "--num-decode", "2"), "/m",
+                                   "tcp://r:1")
     assert [c.env["CUDA_VISIBLE_DEVICES"] for c in components] == ["0", "1", "2"]
     pinned = engine_components(up_args("--device", "cuda", "--prefill-devices", "3", "--decode-devices", "5,6"),
                                "/m", "tcp://r:1")
@@ -143,7 +144,7 @@ def test_up_exits_nonzero_with_the_log_of_a_component_that_dies_at_start(tmp_pat
 
 
 def test_up_refuses_a_plan_without_decode_engines():
-    result = subprocess.run([sys.executable, "-m", "pdserve", "up", "--decode", "0"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "pdserve", "up", "--num-decode", "0"], cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "at least one decode engine" in result.stderr
 
@@ -151,7 +152,7 @@ def test_up_refuses_a_plan_without_decode_engines():
 def test_up_pins_the_engines_ports_from_a_base():
     from pdserve.up import check_ports
 
-    args = up_args("--prefill", "2", "--decode", "1", "--engine-port-base", "7100", "--engine-host", "0.0.0.0")
+    args = up_args("--num-prefill", "2", "--num-decode", "1", "--engine-port-base", "7100", "--engine-host", "0.0.0.0")
     commands = [component.command for component in engine_components(args, "/m", "tcp://r:7000")]
     addresses = [[c[c.index(flag) + 1] for flag in ("--control-address", "--kv-address") if flag in c] for c in commands]
     assert addresses == [["tcp://0.0.0.0:7100", "tcp://0.0.0.0:7101"], ["tcp://0.0.0.0:7102", "tcp://0.0.0.0:7103"],
@@ -159,7 +160,7 @@ def test_up_pins_the_engines_ports_from_a_base():
     free = engine_components(up_args(), "/m", "tcp://r:7000")
     assert [c.command[c.command.index("--control-address") + 1] for c in free] == ["tcp://127.0.0.1:0"] * 2
     with pytest.raises(ValueError, match="need ports 65531..65536"):
-        check_ports(up_args("--engine-port-base", "65531", "--prefill", "2", "--decode", "1"))
+        check_ports(up_args("--engine-port-base", "65531", "--num-prefill", "2", "--num-decode", "1"))
 
 
 def test_up_refuses_insecure_planes_beyond_loopback():
