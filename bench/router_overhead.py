@@ -32,7 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+try:
+    import httpx
+except ImportError as exc:  # not a dependency of a plain install
+    raise ImportError('the router overhead benchmark needs httpx: pip install "pdserve[bench]"') from exc
 
 from pdserve.control.messages import (
     Abort,

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -221,9 +222,8 @@ def new_log_dir(keep: int = KEPT_LOG_DIRS) -> Path:
     root = cache_dir() / "logs"
     root.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    log_dir = root / f"up-{stamp}-{os.getpid()}"
-    log_dir.mkdir()
-    for old in sorted(root.glob("up-*"), key=lambda p: p.stat().st_mtime)[:-keep]:
+    log_dir = Path(tempfile.mkdtemp(dir=root, prefix=f"up-{stamp}-"))
+    for old in sorted(root.glob("up-*"), key=lambda p: (p.stat().st_mtime_ns, p.name))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return log_dir
 

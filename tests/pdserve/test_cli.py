@@ -108,3 +108,13 @@ def test_placeholder_model_path_is_one_line_naming_the_fix():
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "'path/to/hf-model-dir' does not exist and is not a Hugging Face hub id" in result.stderr
+
+
+def test_up_logs_go_to_a_fresh_folder_under_the_cache_and_old_ones_are_pruned(tmp_path, monkeypatch):
+    from pdserve.up import new_log_dir
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    made = [new_log_dir(keep=3) for _ in range(5)]
+    assert all(path.parent == tmp_path / "logs" and path.name.startswith("up-") for path in made)
+    assert len(set(made)) == 5, "each run its own folder"
+    assert sorted((tmp_path / "logs").iterdir()) == sorted(made[-3:]), "only the newest are kept"
