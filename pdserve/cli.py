@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tiny: a few MB, for tests; small: SmolLM-135M-shaped (about 500 MB)")
     demo.add_argument("--seed", type=int, default=0, help="random seed of the weights (same seed, same bytes)")
     demo.add_argument("--force", action="store_true", help="write into DIR even when it already holds files")
+    demo.add_argument("--if-missing", action="store_true",
+                      help="keep the model already in DIR, else build it (a one-shot compose service runs it on "
+                           "every start)")
+    demo.add_argument("--for-model", default=None, metavar="MODEL",
+                      help="build only when MODEL, the model the other services are given, is DIR (compose: "
+                           "skipped when PDSERVE_MODEL names another model)")
 
     generate = commands.add_parser("generate", help="offline generation demo: prints text and tokens/s")
     _add_model_args(generate)
@@ -103,10 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "demo-model":
-            from pdserve.demo_model import write_demo_model
+            from pdserve.demo_model import run_demo_model_command
 
-            path = write_demo_model(args.dir, arch=args.arch, size=args.size, seed=args.seed, force=args.force)
-            print(f"wrote {args.arch}-{args.size} demo model to {path}")
+            print(run_demo_model_command(args))
             return 0
         if args.command == "keygen":
             from pdserve.control.keys import has_cluster_keys, write_cluster_keys

@@ -408,6 +408,45 @@ def write_demo_model(out_dir: str | os.PathLike, arch: str, size: str, seed: int
     return make_demo_model(out_path, arch=arch, size=size, seed=seed, progress=True)
 
 
+def run_demo_model_command(args) -> str:
+    """`pdserve demo-model`'s work; returns the line to print."""
+    target = Path(args.dir).expanduser()
+    if args.for_model is not None and Path(args.for_model).expanduser() != target:
+        return f"not building the demo model: the services use {args.for_model}"
+    if args.if_missing:
+        if not build_once(target, args.arch, args.size, args.seed):
+            return f"demo model already in {target}: kept"
+    else:
+        write_demo_model(target, args.arch, args.size, args.seed, force=args.force)
+    return f"wrote {args.arch}-{args.size} demo model to {target}"
+
+
+def is_model_dir(path: Path) -> bool:
+    """A finished model directory: what the loader and tokenizer need is all there."""
+    return all((path / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def build_once(out_dir: str | os.PathLike, arch: str, size: str, seed: int) -> bool:
+    """`pdserve demo-model DIR --if-missing`: build into a temp sibling and rename it into place, so DIR
+    is either absent or complete; False when a finished model is already there (kept as it is)."""
+    target = Path(out_dir).expanduser()
+    if is_model_dir(target):
+        return False
+    if target.is_dir() and any(target.iterdir()):
+        raise FileExistsError(f"{target} holds files but no finished model: empty it, or pass --force instead "
+                              "of --if-missing")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    try:
+        make_demo_model(tmp, arch=arch, size=size, seed=seed, progress=True)
+        if target.is_dir():
+            target.rmdir()  # empty (a mount point is never the target: it is DIR's parent)
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return True
+
+
 def default_demo_model(arch: str = "llama", size: str = "small") -> Path:
     """The seed-0 demo model for (arch, size), built once under $PDSERVE_CACHE/demo-models.
 

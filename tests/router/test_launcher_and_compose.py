@@ -16,6 +16,7 @@ from pdserve.cli import build_parser
 from pdserve.up import engine_components, split_cpus
 from tests.router.conftest import REPO
 
+HF_HOME = "/home/pdserve/.cache/huggingface"
 VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 
@@ -58,7 +59,7 @@ def test_compose_services_use_real_cli_flags_and_find_each_other(name):
     published = [interpolate(p) for p in services["router"]["ports"]]
     assert published == [f"8000:{parsed['router'].port}"]
     for spec in services.values():
-        assert "hf-cache:/root/.cache/huggingface" in spec["volumes"]
+        assert f"hf-cache:{HF_HOME}" in spec["volumes"]
 
 
 @pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml"])
@@ -97,8 +98,9 @@ def test_cpu_compose_has_no_gpu_and_builds_its_own_demo_model():
 
 def test_dockerfile_installs_every_package_and_runs_pdserve():
     dockerfile = (REPO / "Dockerfile").read_text()
-    assert 'ENTRYPOINT ["pdserve"]' in dockerfile
-    assert "HF_HOME=/root/.cache/huggingface" in dockerfile, "the compose hf-cache volume is HF_HOME"
+    assert 'ENTRYPOINT ["pdserve-entrypoint"]' in dockerfile
+    assert "COPY docker/entrypoint.sh /usr/local/bin/pdserve-entrypoint" in dockerfile
+    assert f"HF_HOME={HF_HOME}" in dockerfile, "the compose hf-cache volume is HF_HOME"
     package_dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     for folder in package_dirs.values():
         assert f"COPY {folder} ./{folder}" in dockerfile, f"the image lacks the {folder} folder"
