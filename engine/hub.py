@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -25,6 +26,9 @@ def hub_failure(model: str, what: str, exc: BaseException) -> str:
                 f"pass a local model directory")
     offline = any(isinstance(cause, (LocalEntryNotFoundError, ConnectionError)) for cause in causes) or any(
         "connect" in str(cause).lower() for cause in causes)
+    if offline and os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return (f"HF_HUB_OFFLINE is set and {what} of {model!r} is not in the local HF cache: unset HF_HUB_OFFLINE "
+                f"to download it, or pass a local model directory")
     if offline:
         return (f"cannot reach the Hugging Face hub to fetch {what} of {model!r}, and it is not in the local HF "
                 f"cache: connect this machine to the network, or pass a local model directory (a model fetched "

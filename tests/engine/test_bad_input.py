@@ -89,16 +89,18 @@ def test_not_a_model_or_hub_id(tmp_path):
         LLM("path/to/hf-model-dir")  # a placeholder copied from an example: one line, no hub lookup
 
 
-def test_unreachable_hub_id_is_described_as_a_hub_model(monkeypatch, tmp_path):
-    from pdserve.engine.tokenizer import TokenizerLoadError, load_tokenizer
+def test_unreachable_hub_id_is_described_as_a_hub_model():
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as with no network: nothing cached, nothing reachable
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    with pytest.raises(ModelLoadError, match="cannot reach the Hugging Face hub to fetch the model of 'no-org/no"):
-        resolve_model_dir("no-org/no-model")
-    with pytest.raises(TokenizerLoadError, match="cannot reach the Hugging Face hub") as caught:
-        load_tokenizer("no-org/no-model")
-    assert "directory" not in str(caught.value).split(":")[0], "a hub id is not called a directory"
+    from pdserve.engine.hub import hub_failure
+
+    offline = LocalEntryNotFoundError("Cannot find the requested files in the disk cache")
+    assert hub_failure("org/name", "the model", offline).startswith(
+        "cannot reach the Hugging Face hub to fetch the model of 'org/name'")
+    missing = RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # its constructor wants an HTTP response
+    assert "has no model 'org/name'" in hub_failure("org/name", "the model", missing)
+    wrapped = OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+    assert "cannot reach the Hugging Face hub" in hub_failure("org/name", "the tokenizer", wrapped)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable CUDA device")
