@@ -9,7 +9,7 @@ histogram.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -96,11 +96,16 @@ class RouterMetrics:
                               buckets=TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds",
+                             "time between a request's successive token deliveries, after the first",
+                             buckets=TPOT_BUCKETS, registry=self.registry)
         self.registry.register(EngineCollector(links))
 
     def observe_request(self, *, ttft: float | None, e2e: float, num_prompt_tokens: int,
-                        num_generated_tokens: int) -> None:
+                        num_generated_tokens: int, inter_token_s: Iterable[float] = ()) -> None:
         self.e2e.observe(e2e)
+        for gap in inter_token_s:
+            self.itl.observe(gap)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generated_tokens)
         if ttft is not None:

@@ -46,17 +46,25 @@ class _Timing:
     def __init__(self) -> None:
         self.start = time.monotonic()
         self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.inter_token_s: list[float] = []  # gaps between token deliveries after the first (ITL)
 
     def saw(self, delta: ChoiceDelta) -> None:
-        if self.first_token is None and delta.token_ids:
-            self.first_token = time.monotonic()
+        if not delta.token_ids:
+            return
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+        else:
+            self.inter_token_s.append(now - self.last_token)
+        self.last_token = now
 
     def record(self, gateway: Gateway, formatter: Formatter) -> None:
         usage = formatter.usage()
         gateway.metrics.observe_request(
             ttft=None if self.first_token is None else self.first_token - self.start,
             e2e=time.monotonic() - self.start, num_prompt_tokens=usage["prompt_tokens"],
-            num_generated_tokens=usage["completion_tokens"])
+            num_generated_tokens=usage["completion_tokens"], inter_token_s=self.inter_token_s)
         for total in formatter.totals:
             if total.finish_reason is not None:
                 gateway.metrics.finished.labels(total.finish_reason).inc()

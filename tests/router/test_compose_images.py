@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from pdserve.cli import build_parser, main
-from tests.router.test_launcher_and_compose import interpolate, load_compose
+from tests.router.test_launcher_and_compose import interpolate, load_compose, pdserve_services
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILES = ["compose.yaml", "compose.cpu.yaml"]
@@ -79,7 +79,7 @@ def test_dockerfile_runs_as_an_unprivileged_user_with_writable_volume_mounts():
     for mount in ("/keys", "/demo", "${HF_HOME}", "${PDSERVE_CACHE}"):
         assert mount in dockerfile.split("USER")[0].split("useradd")[1], f"{mount} is made and chowned for the user"
     for name in COMPOSE_FILES:
-        for spec in load_compose(name)["services"].values():
+        for spec in pdserve_services(name).values():
             assert not any(v.split(":")[1].startswith("/root") for v in spec["volumes"]), "no volume under /root"
             assert "OMP_NUM_THREADS" not in spec.get("environment", {}) or \
                 interpolate(spec["environment"]["OMP_NUM_THREADS"]) == "", "threads derived unless set"

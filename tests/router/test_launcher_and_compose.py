@@ -29,6 +29,12 @@ def load_compose(name: str) -> dict:
     return yaml.safe_load((REPO / name).read_text())
 
 
+def pdserve_services(name: str) -> dict:
+    """The services that run the pdserve image (not the monitoring profile's Prometheus and Grafana)."""
+    return {service: spec for service, spec in load_compose(name)["services"].items()
+            if str(spec.get("image", "")).startswith("pdserve:")}
+
+
 def parse_command(command: list[str]) -> Namespace:
     return build_parser().parse_args([interpolate(part) for part in command])
 
@@ -43,7 +49,7 @@ def port_of(address: str) -> str:
 
 @pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml"])
 def test_compose_services_use_real_cli_flags_and_find_each_other(name):
-    services = load_compose(name)["services"]
+    services = pdserve_services(name)
     assert {"router", "prefill", "decode"} <= set(services)
     parsed = {service: parse_command(spec["command"]) for service, spec in services.items()}
     assert parsed["router"].command == "router" and parsed["router"].host == "0.0.0.0"
@@ -87,7 +93,7 @@ def test_gpu_compose_puts_prefill_on_gpu0_and_decode_on_gpu1():
 
 
 def test_cpu_compose_has_no_gpu_and_builds_its_own_demo_model():
-    services = load_compose("compose.cpu.yaml")["services"]
+    services = pdserve_services("compose.cpu.yaml")
     assert all("deploy" not in spec for spec in services.values())
     assert all(parse_command(services[role]["command"]).device == "cpu" for role in ("prefill", "decode"))
     demo = parse_command(services["demo-model"]["command"])
