@@ -27,7 +27,6 @@ from pdserve.router_cli import LOG_LEVELS, resolve_model
 from pdserve.supervisor import Component, ComponentFailed, RestartPolicy, Supervisor, log_tail
 from pdserve.trust import curve_dir_for, default_cluster_keys
 
-
 KEPT_LOG_DIRS = 10
 
 

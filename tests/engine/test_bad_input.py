@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, InvalidRequestError, SamplingParams
 from pdserve.engine.config import ConfigError, ModelConfig
+from pdserve.engine.layers.linear import WeightShapeError
 from pdserve.engine.loader import ModelLoadError, resolve_model_dir
 from pdserve.engine.models.registry import UnsupportedArchitectureError
-from pdserve.engine.layers.linear import WeightShapeError
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import jsonschema
 import pytest
-import yaml
 
 from pdserve.cli import build_parser, main
 from tests.router.test_launcher_and_compose import interpolate, load_compose, pdserve_services
