@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 from pdserve.trust import add_trust_args, curve_dir_for
 
@@ -15,8 +16,12 @@ from pdserve.trust import add_trust_args, curve_dir_for
 def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--control-address", default="tcp://127.0.0.1:0",
                         help="where the router reaches this engine (tcp://host:port or ipc://path; port 0 = any)")
-    parser.add_argument("--engine-id", default=f"{role}-0")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--engine-id", default=None,
+                        help=f"this engine's name in the router's metrics and logs; unique per engine "
+                             f"(default: {role}-HOSTNAME, so container replicas differ)")
+    parser.add_argument("--log-level", default="info", type=str.lower,
+                        choices=["debug", "info", "warning", "error", "critical"],
+                        help="least severe log messages shown")
     parser.add_argument("--router-address", action="append", default=[], metavar="ADDRESS",
                         help="register with the router at this address (its --registration-address, e.g. "
                              "tcp://router:7000) and heartbeat load figures to it; repeat it for every router "
@@ -56,9 +61,10 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
 
 def _configs(args: argparse.Namespace) -> tuple:
     """(ModelConfig, CacheConfig, SchedulerConfig); torch is imported here, not at parse time."""
-    from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+    from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, check_device
     from pdserve.engine.loader import resolve_model_dir
 
+    check_device(args.device)  # before building or fetching a model it could not run
     if args.model is None:
         from pdserve.demo_model import default_demo_model
 
@@ -76,7 +82,13 @@ def streams_layers(choice: str, device: str) -> bool:
     return choice == "on" or (choice == "auto" and device.startswith("cuda"))
 
 
+def default_engine_id(role: str) -> str:
+    """role-hostname: a container's hostname is its id, so `--scale` replicas get distinct ids."""
+    return f"{role}-{socket.gethostname()}"
+
+
 def run_engine(args: argparse.Namespace, role: str) -> int:
+    args.engine_id = args.engine_id or default_engine_id(role)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s")
     curve_dir = curve_dir_for(args, [args.control_address, getattr(args, "kv_address", None), *args.router_address])
     configs = _configs(args)
