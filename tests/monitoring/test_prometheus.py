@@ -33,7 +33,8 @@ needs_prometheus = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def served(model_factory, tmp_path_factory):
     """1P1D with a few streamed requests behind it, so every histogram and engine series has samples."""
-    up = UpProcess(model_factory("llama"), tmp_path_factory.mktemp("up-monitoring"), "--num-prefill", "1", "--num-decode", "1")
+    up = UpProcess(model_factory("llama"), tmp_path_factory.mktemp("up-monitoring"), "--num-prefill", "1",
+                   "--num-decode", "1")
     yield up
     assert up.stop() == 0, up.logs()
 
