@@ -74,17 +74,18 @@ def run_plan(args: argparse.Namespace) -> int:
     slos = parse_slos(args.slo)
     if not slos:
         raise ValueError("pass --slo, e.g. --slo ttft:2000 tpot:150: a split is judged by its goodput under SLOs")
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     settings = PlanSettings(StepModel.from_profile(profile), workload_from_args(args), slos,
                             cluster_spec(args, profile), args.burstiness, args.seed, args.exact_up_to)
     check_slos_reachable(settings)
     rows = plan_splits(settings, args.engines, args.request_rate)
     best = recommend(rows)
     smallest = smallest_engines(settings, args.target_rate, args.engines) if args.target_rate else None
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - started_cpu
     print(format_table(rows))
     print(f"\nrecommended: {best['config']} ({best['goodput_per_engine']:.3g} req/s per engine under "
-          f"{' '.join(args.slo)}); {len(rows)} splits of {len(settings.workload)} requests simulated in {elapsed:.1f} s")
+          f"{' '.join(args.slo)}); {len(rows)} splits of {len(settings.workload)} requests simulated in {elapsed:.1f} s "
+          f"({cpu:.1f} s of CPU)")
     if args.target_rate:
         print(f"smallest cluster for {args.target_rate:g} req/s: " + (
             f"{smallest['num_engines']} engines as {smallest['config']}" if smallest else

@@ -14,8 +14,8 @@ What it models (docs/planning.md says why each choice):
   the transfer starts when both the prompt is computed and the want is there, lasts latency + bytes /
   bandwidth (streamed: only latency after the prefill), and takes the sending and receiving CPU time of
   the profile's link from the engines' own cores: the prefill engine's next step and the decode
-  engine's next step are that much later. The decode engine emits the first token when it has
-  received the KV.
+  engine's next step are that much later. The decode engine publishes the first token (sampled on the
+  prefill engine) with the output of its next step, as its scheduler does (engine/scheduler.py).
 
 The event loop is a heap (heapq) rather than simpy: see docs/BENCHMARKS.md ("pdserve plan") for the
 measured reason. Decode-only stretches of an engine run as one event of k steps (until the next request
@@ -171,6 +171,7 @@ class SimEngine:
         self.queued_tokens = 0  # prompt tokens not yet computed (waiting and prefilling)
         self.num_waiting_for_kv = 0
         self.landed: list[SimRequest] = []  # KV arrived, not yet taken in by the loop
+        self._announce: list[SimRequest] = []  # KV taken in: first token published after the next step
         self.cpu_debt = 0.0  # transfer CPU taken from this engine's core, paid before its next step
         self.busy = False
         self._run: tuple | None = None  # a decode run: (start, num_steps, first step s, growth s/step)
@@ -218,16 +219,17 @@ class SimEngine:
     def iterate(self) -> None:
         now = self.sim.now + self.cpu_debt
         self.cpu_debt = 0.0
-        for request in self.landed:
+        for request in self.landed:  # the first token goes out with the next step's tokens
             self.num_waiting_for_kv -= 1
             self.fixed_tokens -= request.kv_tokens
-            request.first_token = now
+            self._announce.append(request)
             self._join_decoding(request, 1, now)
         self.landed.clear()
         self._preempt_to_fit()
         chunks = self._admit()
         num_decodes = len(self.decoding)
         if not num_decodes and not chunks:
+            self._announce_first_tokens(now)
             self.busy = False
             return
         if not chunks:
@@ -273,8 +275,16 @@ class SimEngine:
         if request.prompt_done is not None:
             self.cluster.start_transfer(request)
 
+    def _announce_first_tokens(self, at: float) -> None:
+        for request in self._announce:
+            request.first_token = at
+            if request.finish is not None:
+                request.finish = max(request.finish, at)
+        self._announce.clear()
+
     def _step_done(self, chunks: list[tuple[SimRequest, int]]) -> None:
         now = self.sim.now
+        self._announce_first_tokens(now)
         if self.decoding:
             self.clock += 1
             self._finish_due(now)
@@ -366,7 +376,8 @@ class SimEngine:
     def _run_done(self, version: int) -> None:
         if version != self._version:
             return
-        num_steps = self._run[1]
+        start, num_steps, first, _ = self._run
+        self._announce_first_tokens(start + first)
         self._run = None
         self.clock += num_steps
         self._finish_due(self.sim.now)
