@@ -32,7 +32,12 @@ def run_split(settings: PlanSettings, num_prefill: int, num_decode: int, rate: f
     exact = num_prefill + num_decode <= settings.exact_up_to
     run = simulate if exact else simulate_tiers
     requests = run(spec, settings.model, arrivals, workload.prompt_lens, workload.output_lens)
-    return predicted_metrics(requests, settings.slos_ms)
+    metrics = predicted_metrics(requests, settings.slos_ms)
+    sampled = len(workload) / len(requests)  # one decode engine's share stands for all of them (simulate_tiers)
+    for key in ("request_throughput", "request_goodput"):
+        if metrics[key] is not None:
+            metrics[key] *= sampled
+    return metrics
 
 
 def find_goodput(settings: PlanSettings, num_prefill: int, num_decode: int, start_rate: float) -> float:
