@@ -56,5 +56,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                          help="off: KV sent after the prefill (pdserve's default on CPU); on: layer by layer")
     cluster.add_argument("--exact-up-to", type=int, default=8, metavar="N",
                          help="simulate every engine behind the router up to N engines; above, one engine per tier")
+    parser.add_argument("--step-scale", nargs=2, type=float, default=(1.0, 1.0), metavar=("PREFILL", "DECODE"),
+                        help="multiply the profile's prefill and decode step times (e.g. a profile measured on a "
+                             "busier machine than the one planned for); transfers are not scaled")
     parser.add_argument("--output-dir", default="plan-results", help="where the JSON and PNG go")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG")

@@ -32,6 +32,13 @@ def cluster_spec(args: argparse.Namespace, profile: Profile) -> ClusterSpec:
                        args.local_prefill_threshold, args.kv_streaming == "on")
 
 
+def step_model(args: argparse.Namespace, profile: Profile) -> StepModel:
+    prefill_scale, decode_scale = args.step_scale
+    if not (prefill_scale > 0 and decode_scale > 0):
+        raise ValueError(f"--step-scale {prefill_scale:g} {decode_scale:g}: both scales must be above 0 (1 = as profiled)")
+    return StepModel.from_profile(profile, prefill_scale, decode_scale)
+
+
 def check_slos_reachable(settings: PlanSettings) -> None:
     """An SLO below what one request alone gets on the best split cannot be met at any rate."""
     workload = settings.workload
@@ -75,7 +82,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if not slos:
         raise ValueError("pass --slo, e.g. --slo ttft:2000 tpot:150: a split is judged by its goodput under SLOs")
     started, started_cpu = time.perf_counter(), time.process_time()
-    settings = PlanSettings(StepModel.from_profile(profile), workload_from_args(args), slos,
+    settings = PlanSettings(step_model(args, profile), workload_from_args(args), slos,
                             cluster_spec(args, profile), args.burstiness, args.seed, args.exact_up_to)
     check_slos_reachable(settings)
     rows = plan_splits(settings, args.engines, args.request_rate)
@@ -101,7 +108,7 @@ def write_outputs(args, profile: Profile, rows: list[dict], best: dict, smallest
               "engines": args.engines, "slos_ms": parse_slos(args.slo), "request_rate": args.request_rate,
               "dataset": {k: getattr(args, k) for k in ("dataset", "dataset_path", "num_prompts", "input_len",
                                                          "output_len", "range_ratio", "burstiness", "seed")},
-              "splits": rows, "recommended": best, "smallest": smallest, "seconds": elapsed}
+              "step_scale": list(args.step_scale), "splits": rows, "recommended": best, "smallest": smallest, "seconds": elapsed}
     (out / "plan.json").write_text(json.dumps(result, indent=1, default=str))
     if not args.no_plots:
         from pdserve.bench.plan_plots import plot_goodput

@@ -56,10 +56,13 @@ class StepModel:
     receiver_cpu_per_byte: float = 0.0
 
     @classmethod
-    def from_profile(cls, profile: Profile) -> StepModel:
+    def from_profile(cls, profile: Profile, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> StepModel:
+        """The profile's fits; the scales multiply its prefill and decode step times (a profile taken on a
+        busier or slower machine than the one planned for)."""
         p, d, t = (profile.prefill_fit.coefficients, profile.decode_fit.coefficients,
                    profile.transfer_fit.coefficients)
-        return cls(p["intercept"], p["tokens"], p["attention"], d["intercept"], d["batch"], d["context"],
+        return cls(p["intercept"] * prefill_scale, p["tokens"] * prefill_scale, p["attention"] * prefill_scale,
+                   d["intercept"] * decode_scale, d["batch"] * decode_scale, d["context"] * decode_scale,
                    max(t["intercept"], 0.0), t["bytes"], profile.transfer_sender_cpu_per_byte,
                    profile.transfer_receiver_cpu_per_byte)
 

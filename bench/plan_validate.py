@@ -11,10 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.plan_cli import cluster_spec, format_table
+from pdserve.bench.plan_cli import cluster_spec, format_table, step_model
 from pdserve.bench.plan_fit import Profile, ProfileError, model_identity
 from pdserve.bench.plan_recommend import PlanSettings, run_split
-from pdserve.bench.plan_simulator import StepModel
 from pdserve.bench.plan_workload import Workload
 from pdserve.bench.sweep_results import ATTAINMENT_TARGET, request_latencies_ms, slo_attainment
 
@@ -68,7 +67,7 @@ def replay(run: dict, profile: Profile, args: argparse.Namespace) -> dict:
     sweep = run["sweep"]
     slos = {name: float(value) for name, value in (run.get("goodput") or {}).items()}
     workload = Workload([int(n) for n in run["input_lens"]], [int(n) for n in run["output_lens"]])
-    settings = PlanSettings(StepModel.from_profile(profile), workload, slos, cluster_spec(args, profile),
+    settings = PlanSettings(step_model(args, profile), workload, slos, cluster_spec(args, profile),
                             float(run.get("burstiness") or 1.0), int(run.get("seed") or 0), exact_up_to=1 << 30)
     predicted = run_split(settings, int(sweep["num_prefill"]), int(sweep["num_decode"]), float(run["request_rate"]))
     measured = measured_metrics(run, slos)
@@ -129,7 +128,8 @@ def run_validate(args: argparse.Namespace, profile: Profile) -> int:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "validation.json").write_text(json.dumps({"sweep_dir": str(sweep_dir), "profile": str(args.profile),
-                                                     "machine": profile.machine, "points": rows, "summary": summary},
+                                                     "machine": profile.machine,
+                                                     "step_scale": list(args.step_scale), "points": rows, "summary": summary},
                                                     indent=1))
     if not args.no_plots:
         from pdserve.bench.plan_plots import plot_validation
