@@ -11,6 +11,7 @@ KV messages of several sizes over loopback tcp with CURVE, sender and receiver o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -42,16 +43,23 @@ QUICK_DECODE = [(1, 16), (2, 16), (4, 16), (2, 64)]
 QUICK_TRANSFER_MIB = [1, 2]
 
 
-def pin_one_core(core: int | None) -> int:
+@contextlib.contextmanager
+def one_core(core: int | None):
+    """This process on one core with one torch thread while measuring (as a sweep engine runs), then back."""
     import torch
 
     allowed = sorted(os.sched_getaffinity(0))
     chosen = allowed[0] if core is None else core
     if chosen not in allowed:
         raise ValueError(f"--core {core} is not one this process may use ({allowed})")
+    threads = torch.get_num_threads()
     os.sched_setaffinity(0, {chosen})
     torch.set_num_threads(1)
-    return chosen
+    try:
+        yield chosen
+    finally:
+        os.sched_setaffinity(0, allowed)
+        torch.set_num_threads(threads)
 
 
 def timed_step(engine) -> tuple[float, float, list]:
@@ -167,10 +175,11 @@ def run_profile(args: argparse.Namespace) -> int:
 
     model = args.model or str(default_demo_model())
     identity = model_identity(model)
-    core = pin_one_core(args.core) if args.device == "cpu" else None
     started = time.perf_counter()
-    machine = machine_info(args.device, core)
-    prefill, decode, settings = measure_engine(args, model)
+    pinned = one_core(args.core) if args.device == "cpu" else contextlib.nullcontext(None)
+    with pinned as core:
+        machine = machine_info(args.device, core)
+        prefill, decode, settings = measure_engine(args, model)
     transfer = measure_transfer(QUICK_TRANSFER_MIB if args.quick else TRANSFER_MIB, TRANSFER_REQUESTS)
     clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
     profile = build_profile(identity, machine, settings, prefill, decode, transfer, clock)
