@@ -8,10 +8,11 @@ import math
 from dataclasses import dataclass, replace
 
 from pdserve.bench.plan_metrics import meets_target, predicted_metrics
-from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate, simulate_tiers
+from pdserve.bench.sweep_results import ATTAINMENT_TARGET
+from pdserve.bench.plan_simulator import BudgetExceeded, ClusterSpec, StepModel, simulate, simulate_tiers
 from pdserve.bench.plan_workload import Workload
 
-SEARCH_STEPS = 6  # bisection steps after bracketing: the goodput to within 1/64 of the bracket
+SEARCH_STEPS = 5  # bisection steps after bracketing: the goodput to within 1/32 of the bracket
 
 
 @dataclass(frozen=True)
@@ -25,13 +26,17 @@ class PlanSettings:
     exact_up_to: int = 8  # whole-cluster simulation up to this many engines, one engine per tier above
 
 
-def run_split(settings: PlanSettings, num_prefill: int, num_decode: int, rate: float) -> dict:
+def run_split(settings: PlanSettings, num_prefill: int, num_decode: int, rate: float,
+              stop_below_target: bool = False) -> dict:
+    """The split's predicted metrics at `rate`; with stop_below_target, BudgetExceeded as soon as the run
+    cannot reach the attainment target (a goodput probe needs no more)."""
     spec = replace(settings.cluster, num_prefill=num_prefill, num_decode=num_decode)
     workload = settings.workload
     arrivals = workload.arrivals(rate, settings.burstiness, settings.seed)
     exact = num_prefill + num_decode <= settings.exact_up_to
     run = simulate if exact else simulate_tiers
-    requests = run(spec, settings.model, arrivals, workload.prompt_lens, workload.output_lens)
+    stop_below = (settings.slos_ms, ATTAINMENT_TARGET) if stop_below_target else None
+    requests = run(spec, settings.model, arrivals, workload.prompt_lens, workload.output_lens, stop_below)
     metrics = predicted_metrics(requests, settings.slos_ms)
     sampled = len(workload) / len(requests)  # one decode engine's share stands for all of them (simulate_tiers)
     for key in ("request_throughput", "request_goodput"):
@@ -43,7 +48,10 @@ def run_split(settings: PlanSettings, num_prefill: int, num_decode: int, rate: f
 def find_goodput(settings: PlanSettings, num_prefill: int, num_decode: int, start_rate: float) -> float:
     """The highest rate meeting the target: bracket by doubling or halving from start_rate, then bisect."""
     def meets(rate: float) -> bool:
-        return meets_target(run_split(settings, num_prefill, num_decode, rate))
+        try:
+            return meets_target(run_split(settings, num_prefill, num_decode, rate, stop_below_target=True))
+        except BudgetExceeded:
+            return False
 
     if meets(start_rate):
         low, high = start_rate, start_rate * 2
@@ -82,10 +90,11 @@ def plan_splits(settings: PlanSettings, num_engines: int, rate: float | None) ->
     """One row per split: its metrics at `rate`, or its searched goodput (rate None)."""
     rows = []
     start = capacity_guess(settings, num_engines)
-    for x, y in splits_of(num_engines):
+    for x, y in splits_of(num_engines):  # each search starts from the previous split's goodput
         row = {"config": f"{x}P{y}D", "num_prefill": x, "num_decode": y, "num_engines": num_engines}
         if rate is None:
             goodput = find_goodput(settings, x, y, start)
+            start = goodput if 0 < goodput < math.inf else start
             row["goodput"] = goodput
             metrics = run_split(settings, x, y, goodput) if goodput > 0 and math.isfinite(goodput) else {}
             row["request_rate"] = goodput

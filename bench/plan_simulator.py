@@ -134,6 +134,24 @@ class SimRequest:
         return self.finish - self.arrival
 
 
+class BudgetExceeded(Exception):
+    """More requests missed an SLO than the attainment target allows: the run cannot meet it."""
+
+
+@dataclass
+class MissBudget:
+    """Stops a run (a goodput probe) as soon as it is sure to miss the attainment target."""
+    slos_s: dict[str, float]  # SimRequest property -> its limit in seconds
+    max_misses: int
+    num_missed: int = 0
+
+    def judge(self, request: SimRequest) -> None:
+        if any(getattr(request, name) > limit for name, limit in self.slos_s.items()):
+            self.num_missed += 1
+            if self.num_missed > self.max_misses:
+                raise BudgetExceeded
+
+
 class Simulation:
     """The clock and the event queue (simpy's): engines schedule callbacks at absolute times."""
 
@@ -290,6 +308,7 @@ class SimEngine:
             request.first_token = at
             if request.finish is not None:
                 request.finish = max(request.finish, at)
+                self.cluster.finished(request)
         self._announce.clear()
 
     def _step_done(self, chunks: list[tuple[SimRequest, int]]) -> None:
@@ -322,6 +341,8 @@ class SimEngine:
         request.num_generated = num_generated
         if num_generated >= request.output_len:
             request.finish = now
+            if request.first_token is not None:  # else when its first token goes out
+                self.cluster.finished(request)
             return
         request.join_clock = self.clock
         self.decoding[request.index] = request
@@ -340,6 +361,7 @@ class SimEngine:
             if self.decoding.get(index) is request:
                 self._leave_decoding(request)
                 request.finish = now
+                self.cluster.finished(request)
 
     def transfer_sent(self, request: SimRequest, num_bytes: int) -> None:
         """The prefill side of a finished transfer: blocks freed; its CPU taken from this engine's core."""
@@ -410,8 +432,8 @@ def _steps_done_by(elapsed: float, first: float, growth: float) -> int:
 
 
 class SimCluster:
-    def __init__(self, spec: ClusterSpec, model: StepModel) -> None:
-        self.spec, self.model = spec, model
+    def __init__(self, spec: ClusterSpec, model: StepModel, budget: MissBudget | None = None) -> None:
+        self.spec, self.model, self.budget = spec, model, budget
         self.sim = Simulation()
         self.prefills = [SimEngine(self.sim, self, i, "prefill") for i in range(spec.num_prefill)]
         self.decodes = [SimEngine(self.sim, self, i, "decode") for i in range(spec.num_decode)]
@@ -422,6 +444,10 @@ class SimCluster:
             self.sim.at(request.arrival, self.route, request)
         self.sim.run()
         return requests
+
+    def finished(self, request: SimRequest) -> None:
+        if self.budget is not None:
+            self.budget.judge(request)
 
     def route(self, request: SimRequest) -> None:
         decode = self._pick(self.decodes, "decode", self.spec.decode_policy == "round_robin",
@@ -473,17 +499,28 @@ def check_requests(spec: ClusterSpec, prompt_lens: list[int], output_lens: list[
                          "give the engines more KV blocks or shorten the dataset")
 
 
+def miss_budget(slos_ms: dict[str, float] | None, target: float, num_requests: int) -> MissBudget | None:
+    """The misses a run of num_requests may have and still reach the attainment target."""
+    if not slos_ms:
+        return None
+    allowed = num_requests - math.ceil(target * num_requests - 1e-9)
+    return MissBudget({name: limit / 1000.0 for name, limit in slos_ms.items()}, allowed)
+
+
 def simulate(spec: ClusterSpec, model: StepModel, arrivals: list[float], prompt_lens: list[int],
-             output_lens: list[int]) -> list[SimRequest]:
-    """Every request's predicted times through the whole cluster and the router's policies."""
+             output_lens: list[int], stop_below: tuple[dict[str, float], float] | None = None) -> list[SimRequest]:
+    """Every request's predicted times through the whole cluster and the router's policies. stop_below
+    (SLOs in ms, attainment target): raise BudgetExceeded as soon as the run cannot reach the target."""
     check_requests(spec, prompt_lens, output_lens)
     requests = [SimRequest(i, float(a), int(p), int(o))
                 for i, (a, p, o) in enumerate(zip(arrivals, prompt_lens, output_lens))]
-    return SimCluster(spec, model).run(requests)
+    budget = miss_budget(*stop_below, len(requests)) if stop_below else None
+    return SimCluster(spec, model, budget).run(requests)
 
 
 def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], prompt_lens: list[int],
-                   output_lens: list[int]) -> list[SimRequest]:
+                   output_lens: list[int], stop_below: tuple[dict[str, float], float] | None = None
+                   ) -> list[SimRequest]:
     """A large cluster by one engine of each tier: the prefill engine takes every x-th request and the
     decode engine every y-th (round robin), the decode side's prompts done after the prefill delay the
     prefill engine gave the request at the same position of its own stream. Work ~ requests / x +
@@ -507,8 +544,9 @@ def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], p
             if request.prompt_len > threshold and delays:
                 request.remote = True
                 request.prompt_done = request.arrival + delays[min(request.index // x, len(delays) - 1)]
+    budget = miss_budget(*stop_below, len(decode_stream)) if stop_below else None
     cluster = SimCluster(ClusterSpec(0, 1, spec.settings, spec.kv_bytes_per_token, kv_streaming=spec.kv_streaming),
-                         model)
+                         model, budget)
     for request in decode_stream:
         request.decode_engine = cluster.decodes[0]
     return cluster.run_tier(cluster.decodes[0], decode_stream)

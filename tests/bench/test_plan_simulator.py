@@ -105,3 +105,17 @@ def test_bad_input_is_refused():
         ClusterSpec(2, 0)
     with pytest.raises(ValueError, match="does not fit the KV pool"):
         simulate(ClusterSpec(0, 1, EngineSettings(num_kv_blocks=2)), model(), [0.0], [100], [10])
+
+
+def test_a_goodput_probe_stops_once_it_cannot_reach_the_target():
+    from pdserve.bench.plan_simulator import BudgetExceeded
+
+    workload = random_workload(400, 200, 20, seed=4)
+    cost = model(prefill_intercept=0.05, decode_intercept=0.02)
+    slos = ({"ttft": 500.0}, 0.9)
+    light = simulate(ClusterSpec(0, 1), cost, workload.arrivals(1.0, seed=4), workload.prompt_lens,
+                     workload.output_lens, stop_below=slos)
+    assert sum(r.ttft <= 0.5 for r in light) >= 0.9 * len(light)
+    with pytest.raises(BudgetExceeded):
+        simulate(ClusterSpec(0, 1), cost, workload.arrivals(50.0, seed=4), workload.prompt_lens,
+                 workload.output_lens, stop_below=slos)
