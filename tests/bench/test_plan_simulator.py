@@ -111,7 +111,7 @@ def test_a_goodput_probe_stops_once_it_cannot_reach_the_target():
     from pdserve.bench.plan_simulator import BudgetExceeded
 
     workload = random_workload(400, 200, 20, seed=4)
-    cost = model(prefill_intercept=0.05, decode_intercept=0.02)
+    cost = model(prefill_intercept=0.05, prefill_per_token=1e-3, decode_intercept=0.02)  # ~5 prompts/s at most
     slos = ({"ttft": 500.0}, 0.9)
     light = simulate(ClusterSpec(0, 1), cost, workload.arrivals(1.0, seed=4), workload.prompt_lens,
                      workload.output_lens, stop_below=slos)
