@@ -117,4 +117,4 @@ def write_outputs(args, profile: Profile, rows: list[dict], best: dict, smallest
     print(f"wrote {out / 'plan.json'}" + ("" if args.no_plots else f" and {out / 'plan_goodput.png'}"))
 
 
-__all__ = ["run_plan", "run_profile", "ProfileError"]
+__all__ = ["ProfileError", "run_plan", "run_profile"]

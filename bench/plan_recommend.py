@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass, replace
 
 from pdserve.bench.plan_metrics import meets_target, predicted_metrics
-from pdserve.bench.sweep_results import ATTAINMENT_TARGET
 from pdserve.bench.plan_simulator import BudgetExceeded, ClusterSpec, StepModel, simulate, simulate_tiers
 from pdserve.bench.plan_workload import Workload
+from pdserve.bench.sweep_results import ATTAINMENT_TARGET
 
 SEARCH_STEPS = 5  # bisection steps after bracketing: the goodput to within 1/32 of the bracket
 

@@ -77,7 +77,7 @@ class StepModel:
 class ClusterSpec:
     num_prefill: int
     num_decode: int
-    settings: EngineSettings = EngineSettings()
+    settings: EngineSettings = field(default_factory=EngineSettings)
     kv_bytes_per_token: int = 46080
     prefill_policy: str = "prefix_aware"
     decode_policy: str = "least_kv"

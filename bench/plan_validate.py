@@ -153,4 +153,4 @@ def print_summary(summary: dict) -> None:
               + ("" if group["decisive"] else " (measured goodputs within 10%: not decisive)"))
 
 
-__all__ = ["run_validate", "ProfileError"]
+__all__ = ["ProfileError", "run_validate"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from pdserve.bench.plan_fit import EngineSettings
@@ -11,9 +10,9 @@ from pdserve.bench.plan_workload import Workload, random_workload
 
 
 def model(**overrides) -> StepModel:
-    values = dict(prefill_intercept=0.0, prefill_per_token=0.0, prefill_per_attention=0.0, decode_intercept=0.0,
-                  decode_per_seq=0.0, decode_per_context=0.0, transfer_latency=0.0, transfer_per_byte=0.0)
-    return StepModel(**{**values, **overrides})
+    names = ("prefill_intercept", "prefill_per_token", "prefill_per_attention", "decode_intercept", "decode_per_seq",
+             "decode_per_context", "transfer_latency", "transfer_per_byte")
+    return StepModel(**{**dict.fromkeys(names, 0.0), **overrides})
 
 
 def test_one_engine_with_constant_service_has_the_md1_waiting_time():
