@@ -9,7 +9,7 @@ import math
 import time
 from pathlib import Path
 
-from pdserve.bench.plan_fit import Profile, ProfileError, load_profile, model_identity
+from pdserve.bench.plan_fit import Profile, load_profile, model_identity
 from pdserve.bench.plan_recommend import PlanSettings, plan_splits, recommend, run_split, smallest_engines
 from pdserve.bench.plan_simulator import ClusterSpec, StepModel
 from pdserve.bench.plan_workload import Workload, workload_from_args
@@ -116,5 +116,3 @@ def write_outputs(args, profile: Profile, rows: list[dict], best: dict, smallest
         plot_goodput(rows, out / "plan_goodput.png")
     print(f"wrote {out / 'plan.json'}" + ("" if args.no_plots else f" and {out / 'plan_goodput.png'}"))
 
-
-__all__ = ["ProfileError", "run_plan", "run_profile"]

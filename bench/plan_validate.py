@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.bench.plan_cli import cluster_spec, format_table, step_model
-from pdserve.bench.plan_fit import Profile, ProfileError, model_identity
+from pdserve.bench.plan_fit import Profile, model_identity
 from pdserve.bench.plan_recommend import PlanSettings, run_split
 from pdserve.bench.plan_workload import Workload
 from pdserve.bench.sweep_results import ATTAINMENT_TARGET, request_latencies_ms, slo_attainment
@@ -152,5 +152,3 @@ def print_summary(summary: dict) -> None:
               f"{group['measured_best']} vs {group['predicted_best']}"
               + ("" if group["decisive"] else " (measured goodputs within 10%: not decisive)"))
 
-
-__all__ = ["ProfileError", "run_validate"]
