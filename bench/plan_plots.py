@@ -11,7 +11,9 @@ from pdserve.bench.sweep_plots import pyplot
 def plot_goodput(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(6.0, 0.22 * len(rows)), 4.0))
-    ax.bar([row["config"] for row in rows], [row["goodput_per_engine"] for row in rows], color="tab:blue")
+    positions = range(len(rows))  # numbers, not the names: matplotlib would try "0P3D" as a date
+    ax.bar(positions, [row["goodput_per_engine"] for row in rows], color="tab:blue")
+    ax.set_xticks(list(positions), [row["config"] for row in rows])
     ax.set_ylabel("predicted goodput per engine (req/s)")
     ax.set_xlabel("split")
     ax.set_title(f"pdserve plan: {rows[0]['num_engines']} engines")
