@@ -16,6 +16,9 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
                         help="CPU core to pin the engine to (default: the first this process may use)")
     parser.add_argument("--repeats", type=int, default=2, help="measurements of each shape")
     parser.add_argument("--quick", action="store_true", help="a handful of small shapes (tests, smoke runs)")
+    parser.add_argument("--served-decode", action="store_true",
+                        help="time decode steps through a served engine process (CURVE control socket, all its "
+                             "threads' CPU) instead of in-process steps; CPU only")
     parser.add_argument("--clock", default=None, choices=["wall", "cpu"],
                         help="time the fits use: cpu (the default on CPU) counts only the engine thread's own CPU "
                              "time, what a step takes on a core of its own even on a shared machine; wall on GPUs")

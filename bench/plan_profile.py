@@ -128,6 +128,8 @@ def measure_engine(args, model: str) -> tuple[list[PrefillPoint], list[DecodePoi
     probe.decode_points(2, 16)
     prefill, decode = [], []
     prefill_shapes, decode_shapes = (QUICK_PREFILL, QUICK_DECODE) if args.quick else (PREFILL_SHAPES, DECODE_SHAPES)
+    if args.served_decode:
+        decode_shapes = []  # timed through a served engine instead (plan_served.py)
     max_len = probe.llm.model_config.max_model_len
     for _ in range(args.repeats):
         for prompt_len, batch in prefill_shapes:
@@ -180,6 +182,13 @@ def run_profile(args: argparse.Namespace) -> int:
     with pinned as core:
         machine = machine_info(args.device, core)
         prefill, decode, settings = measure_engine(args, model)
+    if args.served_decode:
+        from pdserve.bench.plan_served import served_decode_points
+
+        shapes = QUICK_DECODE if args.quick else DECODE_SHAPES
+        decode = [point for _ in range(args.repeats)
+                  for point in served_decode_points(model, shapes, core or 0, args.max_num_batched_tokens)]
+        machine["decode_points"] = "served: a pdserve decode process with CURVE, its CPU time per step"
     transfer = measure_transfer(QUICK_TRANSFER_MIB if args.quick else TRANSFER_MIB, TRANSFER_REQUESTS)
     clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
     profile = build_profile(identity, machine, settings, prefill, decode, transfer, clock)

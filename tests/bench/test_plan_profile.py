@@ -30,3 +30,12 @@ def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_pat
                  "--num-prompts", "20", "--input-len", "32", "--output-len", "8", "--request-rate", "1",
                  "--output-dir", str(plan_dir), "--no-plots"]) == 0
     assert len(json.loads((plan_dir / "plan.json").read_text())["splits"]) == 2
+
+
+def test_served_decode_points_time_a_real_engine_process(model_factory):
+    from pdserve.bench.plan_served import SERVED_TOKENS, served_decode_points
+
+    points = served_decode_points(model_factory(), [(1, 8), (3, 8)], core=min(os.sched_getaffinity(0)),
+                                  max_num_batched_tokens=64)
+    assert [(p.batch, p.context) for p in points] == [(1, 8 + SERVED_TOKENS // 2), (3, 3 * (8 + SERVED_TOKENS // 2))]
+    assert all(p.seconds > 0 and p.cpu_seconds >= 0 for p in points)
