@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep = commands.add_parser("sweep", help="benchmark xPyD layouts of `pdserve up` across loads; CSV and plots")
     add_sweep_args(sweep)
+    from pdserve.bench.plan_args import add_plan_args, add_profile_args
+
+    add_profile_args(commands.add_parser("profile", help="measure one engine's step and KV transfer times for "
+                                                         "`pdserve plan`"))
+    add_plan_args(commands.add_parser("plan", help="simulate every xPyD split from a profile and recommend one; "
+                                                   "--validate replays a sweep"))
     use_defaults_help(parser)
     return parser
 
@@ -153,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.bench.sweep import run_sweep
 
             return run_sweep(args)
+        if args.command in ("profile", "plan"):
+            from pdserve.bench.plan_cli import run_plan, run_profile
+
+            return run_profile(args) if args.command == "profile" else run_plan(args)
     except (ValueError, MemoryError, FileNotFoundError, FileExistsError) as exc:
         # Our errors name the problem and the fix; a traceback would only bury that.
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
