@@ -39,22 +39,27 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                         help="replay a `pdserve sweep` directory (its runs/*.json) and compare with what it measured")
     parser.add_argument("--model", default=None, help="check that the profile was measured on this model")
     data = parser.add_argument_group("dataset (as `pdserve bench`)")
-    data.add_argument("--dataset", default="random", choices=DATASETS)
-    data.add_argument("--dataset-path", default=None)
+    data.add_argument("--dataset", default="random", choices=DATASETS, help="which prompts and lengths to simulate")
+    data.add_argument("--dataset-path", default=None, help="the file of a sharegpt or jsonl dataset")
     data.add_argument("--tokenizer", default=None, help="tokenizer for sharegpt/prefix/jsonl (default: --model)")
-    data.add_argument("--num-prompts", type=int, default=1000)
-    data.add_argument("--input-len", type=int, default=1024)
-    data.add_argument("--output-len", type=int, default=128)
-    data.add_argument("--range-ratio", type=float, default=0.0)
-    data.add_argument("--prefix-len", type=int, default=None)
-    data.add_argument("--num-prefix-groups", type=int, default=4)
-    data.add_argument("--burstiness", type=float, default=1.0)
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--num-prompts", type=int, default=1000, help="simulated requests per split and rate")
+    data.add_argument("--input-len", type=int, default=1024, help="random dataset: prompt tokens")
+    data.add_argument("--output-len", type=int, default=128, help="random dataset: output tokens")
+    data.add_argument("--range-ratio", type=float, default=0.0,
+                      help="random dataset: lengths drawn uniformly within this fraction around the given ones")
+    data.add_argument("--prefix-len", type=int, default=None, help="prefix dataset: tokens shared within a group")
+    data.add_argument("--num-prefix-groups", type=int, default=4, help="prefix dataset: groups of prompts")
+    data.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma arrivals' shape: 1 = Poisson, below 1 burstier, above 1 steadier")
+    data.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals (as bench's)")
     cluster = parser.add_argument_group("cluster (as `pdserve up`)")
     cluster.add_argument("--prefill-policy", default="prefix_aware",
-                         choices=["round_robin", "least_loaded", "prefix_aware"])
-    cluster.add_argument("--decode-policy", default="least_kv", choices=["round_robin", "least_kv"])
-    cluster.add_argument("--local-prefill-threshold", type=int, default=0)
+                         choices=["round_robin", "least_loaded", "prefix_aware"],
+                         help="the router's choice of prefill engine (prefix_aware is simulated as least_loaded)")
+    cluster.add_argument("--decode-policy", default="least_kv", choices=["round_robin", "least_kv"],
+                         help="the router's choice of decode engine")
+    cluster.add_argument("--local-prefill-threshold", type=int, default=0,
+                         help="prompts up to this many tokens are prefilled on the decode engine (0 = none)")
     cluster.add_argument("--kv-streaming", default="off", choices=["on", "off"],
                          help="off: KV sent after the prefill (pdserve's default on CPU); on: layer by layer")
     cluster.add_argument("--exact-up-to", type=int, default=8, metavar="N",
