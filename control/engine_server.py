@@ -157,11 +157,13 @@ class EngineServer:
             owner = self.owners.get(delta.request_id)
             if delta.finish_reason is not None:
                 self.owners.pop(delta.request_id, None)
-            if owner is not None and self.should_publish(delta):
-                self.reply(owner, delta)
+            message = self.outgoing(delta) if owner is not None else None
+            if message is not None:
+                self.reply(owner, message)
 
-    def should_publish(self, delta: TokenDelta) -> bool:
-        return True
+    def outgoing(self, delta: TokenDelta) -> TokenDelta | None:
+        """What the request's peer is sent for `delta` (None: nothing): the delta as it is, by default."""
+        return delta
 
     def reply(self, peer_id: bytes | None, msg: Any) -> None:
         """Never waits: a reply a peer's full queue cannot take is dropped (and logged), so a peer that

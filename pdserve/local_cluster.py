@@ -106,6 +106,9 @@ class Driver:
                                    f"{[k for k, r in results.items() if r.finish_reason is None]}")
             for client in filter(None, (self.decode, self.prefill)):
                 received = client.recv(timeout=0.01)
+                if client is self.prefill and received is not None and not (
+                        isinstance(received.msg, TokenDelta) and received.msg.finish_reason == "error"):
+                    continue  # the prefill engine's first token comes again from the decode engine
                 if received is not None and isinstance(received.msg, TokenDelta):
                     result = results[received.msg.request_id]
                     result.token_ids.extend(received.msg.token_ids)
