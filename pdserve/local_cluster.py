@@ -84,6 +84,7 @@ class Driver:
 
     def __init__(self, decode: EngineProcess, prefill: EngineProcess | None = None, curve=None) -> None:
         """curve: a CurveClientConfig when the engines run with --curve-dir."""
+        self.engines = (decode, prefill)
         self.decode = ClientSocket(decode.addresses["control"], curve=curve)
         self.prefill = ClientSocket(prefill.addresses["control"], curve=curve) if prefill else None
         self.prefill_kv = prefill.addresses["kv"] if prefill else None
@@ -156,6 +157,12 @@ class Driver:
             if time.monotonic() > deadline:
                 return decode, prefill
             time.sleep(0.05)
+
+    def decode_log(self) -> str:
+        return self.engines[0].log()
+
+    def prefill_log(self) -> str:
+        return self.engines[1].log()
 
     def close(self) -> None:
         for client in filter(None, (self.decode, self.prefill)):
