@@ -222,16 +222,18 @@ async def _one_stream(host: str, port: int, num_tokens: int) -> int:
     while chunk := await reader.read(1 << 16):
         received += chunk
     writer.close()
+    if b'"completion_tokens":' not in received:  # refused (a 429 or 503) or cut short: counted as failed
+        return 0
     usage = received.rsplit(b'"completion_tokens":', 1)[1]
     return int(usage.split(b",", 1)[0])
 
 
-async def _relay(url: str, num_streams: int, num_tokens: int) -> tuple[int, float]:
+async def _relay(url: str, num_streams: int, num_tokens: int) -> tuple[int, int, float]:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     await _one_stream(host, int(port), 8)  # warm up
     start_time = time.perf_counter()
     counts = await asyncio.gather(*(_one_stream(host, int(port), num_tokens) for _ in range(num_streams)))
-    return sum(counts), time.perf_counter() - start_time
+    return sum(counts), counts.count(0), time.perf_counter() - start_time
 
 
 def cpu_seconds(pid: int) -> float:
@@ -248,9 +250,9 @@ def measure_relay(model: str, args: argparse.Namespace, log_dir: Path) -> list[d
     try:
         for num_streams in args.streams:
             cpu_before = cpu_seconds(router.pid)
-            num_tokens, seconds = asyncio.run(_relay(url, num_streams, args.stream_tokens))
+            num_tokens, num_failed, seconds = asyncio.run(_relay(url, num_streams, args.stream_tokens))
             router_cpu = cpu_seconds(router.pid) - cpu_before
-            rows.append({"streams": num_streams, "tokens": num_tokens, "seconds": seconds,
+            rows.append({"streams": num_streams, "failed": num_failed, "tokens": num_tokens, "seconds": seconds,
                          "tokens_per_s": num_tokens / seconds, "router_cpu_s": router_cpu,
                          "tokens_per_cpu_s": num_tokens / max(router_cpu, 1e-9)})
     finally:
@@ -291,10 +293,11 @@ def report(latency: dict | None, relay: list | None, args: argparse.Namespace) -
               f"{latency['router_cpu_per_request']['median']:.2f} ms")
     if relay:
         print(f"\nrelay throughput (synthetic engine, {args.stream_tokens} tokens per stream)")
-        print("| concurrent streams | tokens | seconds | streamed tokens/s | router CPU s | tokens per router CPU s |")
-        print("|---|---|---|---|---|---|")
+        print("| concurrent streams | failed | tokens | seconds | streamed tokens/s | router CPU s | "
+              "tokens per router CPU s |")
+        print("|---|---|---|---|---|---|---|")
         for row in relay:
-            print(f"| {row['streams']} | {row['tokens']} | {row['seconds']:.2f} | {row['tokens_per_s']:.0f} | "
+            print(f"| {row['streams']} | {row['failed']} | {row['tokens']} | {row['seconds']:.2f} | {row['tokens_per_s']:.0f} | "
                   f"{row['router_cpu_s']:.2f} | {row['tokens_per_cpu_s']:.0f} |")
 
 
