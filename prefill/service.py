@@ -51,7 +51,8 @@ class PrefillServer(EngineServer):
         self.engine.add_request(request)
         self.owners[msg.request_id] = peer_id
         max_tokens = msg.sampling_params.max_tokens
-        if (max_tokens is None or max_tokens > 1) and request.num_prompt_tokens + 1 < self.engine.model_config.max_model_len:
+        room_for_more = request.num_prompt_tokens + 1 < self.engine.model_config.max_model_len
+        if (max_tokens is None or max_tokens > 1) and room_for_more:
             self.continuing.add(msg.request_id)
 
     def publish(self, deltas: list[TokenDelta]) -> None:

@@ -124,7 +124,8 @@ class Submission:
                                               logprobs=delta.logprobs[0] if delta.logprobs else None))
 
     def release_prefill(self) -> None:
-        """The KV has arrived (tokens flow): the prefill engine's part is over, whatever becomes of it."""
+        """Tokens flow (the prefill engine's first one, or the decode engine's): the prefill engine's part
+        is over for the router, whatever becomes of its KV (that is between the two engines)."""
         if self.route.prefill is not None:
             self.route.prefill.close_stream(self.request_id)
             self.route = Route(self.route.decode, None, self.route.num_uncached_tokens)

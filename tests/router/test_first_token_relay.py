@@ -9,7 +9,7 @@ import json
 
 from pdserve.control.messages import FirstToken
 from tests.router.conftest import router_app, wait_until
-from tests.router.fake_engine import FakeEngine, fake_tokens
+from tests.router.fake_engine import fake_tokens
 from tests.router.test_engines_and_failures import PROMPT_IDS, _close, _engines, completion
 
 
