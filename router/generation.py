@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -104,16 +105,18 @@ class Submission:
         """Send the prompt to the prefill and the decode engine at once (EngineUnreachable -> _Retry)."""
         decode, prefill = self.route.decode, self.route.prefill
         prompt = tuple(spec.prompt_token_ids)
+        params = spec.sampling_params
         if prefill is not None:
+            params = _one_seed_for_both(params)
             try:
                 prefill.send(PrefillRequest(request_id=self.request_id, prompt_token_ids=prompt,
-                                            sampling_params=spec.sampling_params))
+                                            sampling_params=params))
             except EngineUnreachable as exc:
                 raise _Retry(str(exc), exclude=prefill.control_address) from exc
         kv_address = prefill.info.kv_address if prefill is not None else None
         try:
             decode.send(GenerateRequest(request_id=self.request_id, prompt_token_ids=prompt,
-                                        sampling_params=spec.sampling_params, prefill_kv_address=kv_address))
+                                        sampling_params=params, prefill_kv_address=kv_address))
         except EngineUnreachable as exc:
             raise _Retry(str(exc), exclude=decode.control_address) from exc
 
@@ -245,6 +248,15 @@ class ChoiceRunner:
         except TimeoutError:
             raise RequestTimeout("the request took longer than the router's request timeout: raise "
                                  "--request-timeout or lower max_tokens") from None
+
+
+def _one_seed_for_both(params: SamplingParams) -> SamplingParams:
+    """An unseeded random choice sent to two engines gets a random seed, so that a decode engine that
+    samples the first token itself (it prefills locally, before the prefill engine's FirstToken has come)
+    draws the same token as the prefill engine (stateless seeds: docs/sampling.md)."""
+    if params.seed is not None or params.temperature == 0:
+        return params
+    return params.replace(seed=random.getrandbits(63))
 
 
 def _without_first_token(delta: TokenDelta, first_token: int) -> TokenDelta:
