@@ -8,7 +8,8 @@
      direct  GenerateRequest on the engine's control socket (a DEALER, as the router does), and
      router  POST /v1/completions over HTTP (non-streaming; and streaming, for the first token),
    --num-requests times each, one at a time. Overhead = router - direct, median and p99 of the
-   end-to-end latency and of the time to first token.
+   end-to-end latency and of the time to first token; and the router process's CPU time per request
+   (which other load on the machine changes far less than latencies).
 2. Relay throughput. A synthetic engine process answers GenerateRequest by streaming --stream-tokens
    tokens per request as fast as it can (one TokenDelta per token; no model), so the router is the
    bottleneck. N concurrent streaming HTTP clients (raw asyncio connections, one process) read
@@ -153,6 +154,7 @@ def measure_latency(model: str, args: argparse.Namespace, log_dir: Path) -> dict
     router, url = start_router(model, ready["control"], log_dir)
     prompt = [(7 * i) % 900 + 10 for i in range(args.prompt_len)]
     samples = {name: [] for name in ("direct_e2e", "router_e2e", "direct_ttft", "router_ttft")}
+    router_cpu = cpu_seconds(router.pid)
     try:
         with ClientSocket(ready["control"]) as client, httpx.Client(base_url=url, timeout=60) as http:
             ids = (f"bench-{i}" for i in itertools.count())
@@ -164,9 +166,12 @@ def measure_latency(model: str, args: argparse.Namespace, log_dir: Path) -> dict
                     for name, value in (("direct_e2e", e2e), ("router_e2e", router_e2e),
                                         ("direct_ttft", ttft), ("router_ttft", router_ttft)):
                         samples[name].append(value * 1000)
+        router_cpu = cpu_seconds(router.pid) - router_cpu
     finally:
         stop(router)
         stop(engine)
+    num_routed = 2 * (args.num_requests + args.warmup)  # one whole and one streamed request per round
+    samples["router_cpu_per_request"] = [router_cpu * 1000 / num_routed]
     for kind in ("e2e", "ttft"):  # per request pair, sent back to back: shared machine noise cancels more
         samples[f"overhead_{kind}"] = [r - d for r, d in zip(samples[f"router_{kind}"], samples[f"direct_{kind}"])]
     return {name: {"median": statistics.median(values), "p99": percentile(values, 0.99)}
@@ -221,16 +226,18 @@ async def _one_stream(host: str, port: int, num_tokens: int) -> int:
     while chunk := await reader.read(1 << 16):
         received += chunk
     writer.close()
+    if b'"completion_tokens":' not in received:  # refused (a 429 or 503) or cut short: counted as failed
+        return 0
     usage = received.rsplit(b'"completion_tokens":', 1)[1]
     return int(usage.split(b",", 1)[0])
 
 
-async def _relay(url: str, num_streams: int, num_tokens: int) -> tuple[int, float]:
+async def _relay(url: str, num_streams: int, num_tokens: int) -> tuple[int, int, float]:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     await _one_stream(host, int(port), 8)  # warm up
     start_time = time.perf_counter()
     counts = await asyncio.gather(*(_one_stream(host, int(port), num_tokens) for _ in range(num_streams)))
-    return sum(counts), time.perf_counter() - start_time
+    return sum(counts), counts.count(0), time.perf_counter() - start_time
 
 
 def cpu_seconds(pid: int) -> float:
@@ -247,9 +254,9 @@ def measure_relay(model: str, args: argparse.Namespace, log_dir: Path) -> list[d
     try:
         for num_streams in args.streams:
             cpu_before = cpu_seconds(router.pid)
-            num_tokens, seconds = asyncio.run(_relay(url, num_streams, args.stream_tokens))
+            num_tokens, num_failed, seconds = asyncio.run(_relay(url, num_streams, args.stream_tokens))
             router_cpu = cpu_seconds(router.pid) - cpu_before
-            rows.append({"streams": num_streams, "tokens": num_tokens, "seconds": seconds,
+            rows.append({"streams": num_streams, "failed": num_failed, "tokens": num_tokens, "seconds": seconds,
                          "tokens_per_s": num_tokens / seconds, "router_cpu_s": router_cpu,
                          "tokens_per_cpu_s": num_tokens / max(router_cpu, 1e-9)})
     finally:
@@ -286,12 +293,15 @@ def report(latency: dict | None, relay: list | None, args: argparse.Namespace) -
             print(f"| {label} | {direct['median']:.2f} | {routed['median']:.2f} | {direct['p99']:.2f} | "
                   f"{routed['p99']:.2f} | {added['median']:.2f} | {added['p99']:.2f} |")
         print("(overhead = router - direct of each back-to-back pair)")
+        print(f"router CPU time per request (user + system, whole and streamed alike): "
+              f"{latency['router_cpu_per_request']['median']:.2f} ms")
     if relay:
         print(f"\nrelay throughput (synthetic engine, {args.stream_tokens} tokens per stream)")
-        print("| concurrent streams | tokens | seconds | streamed tokens/s | router CPU s | tokens per router CPU s |")
-        print("|---|---|---|---|---|---|")
+        print("| concurrent streams | failed | tokens | seconds | streamed tokens/s | router CPU s | "
+              "tokens per router CPU s |")
+        print("|---|---|---|---|---|---|---|")
         for row in relay:
-            print(f"| {row['streams']} | {row['tokens']} | {row['seconds']:.2f} | {row['tokens_per_s']:.0f} | "
+            print(f"| {row['streams']} | {row['failed']} | {row['tokens']} | {row['seconds']:.2f} | {row['tokens_per_s']:.0f} | "
                   f"{row['router_cpu_s']:.2f} | {row['tokens_per_cpu_s']:.0f} |")
 
 

@@ -162,7 +162,8 @@ class EngineServer:
             owner = self.owners.get(delta.request_id)
             if delta.finish_reason is not None:
                 self.owners.pop(delta.request_id, None)
-            if owner is not None and self.should_publish(delta) and not self._deliver(owner, delta):
+            message = self.outgoing(delta) if owner is not None else None
+            if message is not None and not self._deliver(owner, message):
                 self._abort_orphan(delta)
 
     def _deliver(self, peer_id: bytes, msg: Any) -> bool:
@@ -181,8 +182,9 @@ class EngineServer:
             self.engine.abort(delta.request_id)
             log.warning("request %s aborted: the router that sent it is gone", delta.request_id)
 
-    def should_publish(self, delta: TokenDelta) -> bool:
-        return True
+    def outgoing(self, delta: TokenDelta) -> TokenDelta | None:
+        """What the request's peer is sent for `delta` (None: nothing): the delta as it is, by default."""
+        return delta
 
     def reply(self, peer_id: bytes | None, msg: Any) -> None:
         """Never waits: a reply a peer's full queue cannot take is dropped (and logged), so a peer that

@@ -6,7 +6,11 @@ pdserve.control.protocol; Abort and Error serve the KV link too.
     router -> prefill engine  PrefillRequest
     router -> either          Abort, StatsRequest       (Abort and Error: either way, on either plane)
     decode engine -> router   TokenDelta        (new tokens, and the finish reason at the end)
-    prefill engine -> router  TokenDelta        (only to report an error for the request)
+    prefill engine -> router  TokenDelta        (the first token as soon as it is sampled, before its KV
+                                                 is sent; finish_reason set only when that token ends the
+                                                 request; or an error)
+    router -> decode engine   FirstToken        (the prefill engine's first token, which the decode engine
+                                                 keeps if it has to prefill the prompt itself)
     either -> router          EngineStats       (answer to StatsRequest, and the heartbeat)
     router -> either          DescribeRequest   (answered with Register: how a statically given
                                                  engine tells the router its KV address and limits)
@@ -76,6 +80,17 @@ class TokenDelta(Message, type_name="token_delta"):
     error_code: Literal["invalid_request", "kv_transfer_failed", "internal_error", "engine_step_failed"] | None = None
     num_prompt_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
     num_cached_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
+
+
+class FirstToken(Message, type_name="first_token"):
+    """Router -> decode engine: the first token the prefill engine sampled for a request, already sent to
+    the client. A decode engine that prefills the prompt itself (KV lost and recomputed, or the prefill
+    engine not trusted) emits this token instead of sampling its own, so its stream continues the text
+    the client has."""
+
+    request_id: str = Field(max_length=MAX_ID_LEN)
+    token_id: TokenId
+    logprobs: TokenLogprobs | None = None
 
 
 class StatsRequest(Message, type_name="stats_request"):

@@ -1,6 +1,7 @@
 """`pdserve decode`: an engine in the consumer role. Takes GenerateRequest on its control socket,
 pulls prompt KV from the named prefill engine when it trusts it (decode.kv_peers; else it prefills
-locally), decodes in its continuous batch and streams TokenDelta back to whoever sent the request."""
+locally), decodes in its continuous batch and streams TokenDelta back to whoever sent the request. A
+FirstToken from the router is the prefill engine's first token, kept if the prompt is prefilled here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from pdserve.control.engine_server import EngineServer
 from pdserve.control.keys import load_cluster_keys
-from pdserve.control.messages import GenerateRequest, KVPeers
+from pdserve.control.messages import FirstToken, GenerateRequest, KVPeers
 from pdserve.decode.kv_peers import KVPeerTrust
 from pdserve.decode.scheduler_side import DecodeSchedulerSide
 from pdserve.decode.transfer_side import DecodeTransferSide
@@ -40,6 +41,9 @@ class DecodeServer(EngineServer):
         self.kv_peers = kv_peers if kv_peers is not None else KVPeerTrust()
 
     def handle(self, peer_id: bytes, msg: Any) -> None:
+        if isinstance(msg, FirstToken):
+            logprobs = dict(msg.logprobs) if msg.logprobs is not None else None
+            return self.engine.keep_first_token(msg.request_id, msg.token_id, logprobs)
         if not isinstance(msg, GenerateRequest):
             return super().handle(peer_id, msg)
         request = self.engine.make_request(msg.request_id, list(msg.prompt_token_ids), msg.sampling_params)

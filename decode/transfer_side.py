@@ -207,6 +207,7 @@ class DecodeTransferSide(KVTransferSide):
                                  "repeated or reordered", ack_to=link)
         else:
             incoming.received(msg.first_token, msg.first_logprobs)
+            log.debug("KV of %s verified at %.6f", msg.request_id, time.time())
             self.stats.num_kv_transfers += 1
             self.stats.kv_transfer_seconds += time.monotonic() - incoming.started
             self._send_quietly(link, KVAck(request_id=msg.request_id, ok=True))

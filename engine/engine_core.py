@@ -75,6 +75,13 @@ class EngineCore:
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
 
+    def keep_first_token(self, request_id: str, token_id: int, logprobs: dict[int, float] | None) -> None:
+        """The first token was sampled elsewhere (a prefill engine) and sent to the client: a request that
+        has no output yet emits it as its first token instead of sampling one."""
+        request = self.scheduler.requests.get(request_id)
+        if request is not None and request.num_output_tokens == 0:
+            request.prefill_first_token = (token_id, logprobs)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

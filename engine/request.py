@@ -61,6 +61,9 @@ class Request:
     # Decode role of disaggregation: the prefill engine's KV link address, or None to prefill locally.
     prefill_kv_address: str | None = None
     allow_remote_prefill: bool = True  # cleared when a remote prefill failed and the request recomputes
+    # Decode role: the first token (and its logprobs) the prefill engine sampled and the client already has;
+    # a local prefill emits it instead of its own sample.
+    prefill_first_token: tuple[int, dict[int, float] | None] | None = None
     stop_reason: int | str | None = None
     # Filled by the KV cache manager: hash of each full block of all_token_ids, in order.
     block_hashes: list = field(default_factory=list)

@@ -216,6 +216,8 @@ class Scheduler:
             if request.request_id not in sampled:
                 continue
             token_id, logprobs = sampled[request.request_id]
+            if request.num_output_tokens == 0 and request.prefill_first_token is not None:
+                token_id, logprobs = request.prefill_first_token  # the client has it: continue from it
             deltas.append(self._append_token(request, token_id, logprobs))
         return deltas
 

@@ -85,6 +85,7 @@ class Driver:
 
     def __init__(self, decode: EngineProcess, prefill: EngineProcess | None = None, curve=None) -> None:
         """curve: a CurveClientConfig when the engines run with --curve-dir."""
+        self.engines = (decode, prefill)
         self.decode = ClientSocket(decode.addresses["control"], curve=curve)
         self.prefill = ClientSocket(prefill.addresses["control"], curve=curve) if prefill else None
         self.prefill_kv = prefill.addresses["kv"] if prefill else None
@@ -107,6 +108,9 @@ class Driver:
                                    f"{[k for k, r in results.items() if r.finish_reason is None]}")
             for client in filter(None, (self.decode, self.prefill)):
                 received = client.recv(timeout=0.01)
+                if client is self.prefill and received is not None and not (
+                        isinstance(received.msg, TokenDelta) and received.msg.finish_reason == "error"):
+                    continue  # the prefill engine's first token comes again from the decode engine
                 if received is not None and isinstance(received.msg, TokenDelta):
                     result = results[received.msg.request_id]
                     result.token_ids.extend(received.msg.token_ids)
@@ -154,6 +158,12 @@ class Driver:
             if time.monotonic() > deadline:
                 return decode, prefill
             time.sleep(0.05)
+
+    def decode_log(self) -> str:
+        return self.engines[0].log()
+
+    def prefill_log(self) -> str:
+        return self.engines[1].log()
 
     def close(self) -> None:
         for client in filter(None, (self.decode, self.prefill)):

@@ -1,6 +1,7 @@
 """Prefill role, scheduler side: a finished prompt keeps its blocks (delayed free) while its transfer
 lasts, and the scheduler hears which blocks may go and which requests the decode engine gave up on.
-No sockets: a computed prompt that was already asked for is handed to the transfer side to finish."""
+No sockets: a computed prompt that was already asked for is handed to the transfer side, which sends it
+after the step's first tokens have gone to the router."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class PrefillSchedulerSide(KVConnector):
             self.transfers[request.request_id] = Transfer.computed(request, block_ids)
             return True
         transfer.prompt_computed(request, block_ids)
-        self.transfer_side.finish(transfer)
+        self.transfer_side.computed.append(transfer)  # sent once the step's first tokens are out
         return True
 
     def on_request_aborted(self, request: Request) -> None:

@@ -1,11 +1,13 @@
 """`pdserve prefill`: an engine in the producer role. Takes PrefillRequest on its control socket,
-computes the prompt (batched, chunked, reusing its prefix cache) and samples the first token, then
-serves the KV to the decode engine that asks for it over the KV link, freeing blocks on its ack."""
+computes the prompt (batched, chunked, reusing its prefix cache) and samples the first token, sends that
+token to the router at once (the client sees it before any KV moves), then serves the KV to the decode
+engine that asks for it over the KV link, freeing blocks on its ack."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from pdserve.control.engine_server import EngineServer
@@ -36,6 +38,10 @@ class PrefillOptions:
 class PrefillServer(EngineServer):
     role = "prefill"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.continuing: set[str] = set()  # requests whose first token does not end them: D goes on
+
     def handle(self, peer_id: bytes, msg: Any) -> None:
         if not isinstance(msg, PrefillRequest):
             return super().handle(peer_id, msg)
@@ -44,10 +50,31 @@ class PrefillServer(EngineServer):
         request = self.engine.make_request(msg.request_id, list(msg.prompt_token_ids), params)
         self.engine.add_request(request)
         self.owners[msg.request_id] = peer_id
+        max_tokens = msg.sampling_params.max_tokens
+        room_for_more = request.num_prompt_tokens + 1 < self.engine.model_config.max_model_len
+        if (max_tokens is None or max_tokens > 1) and room_for_more:
+            self.continuing.add(msg.request_id)
 
-    def should_publish(self, delta: TokenDelta) -> bool:
-        # The router hears about a prefill only when it failed; tokens reach it through the decode engine.
-        return delta.finish_reason == "error"
+    def publish(self, deltas: list[TokenDelta]) -> None:
+        """The step's first tokens go to the router first; then the KV of the prompts it computed."""
+        try:
+            super().publish(deltas)
+        finally:
+            self.kv_transfer.send_computed()
+
+    def outgoing(self, delta: TokenDelta) -> TokenDelta | None:
+        """The first token, with the finish reason it has for the whole request (a length finish that is
+        only this engine's one-token cap is none: the decode engine goes on), and errors. An abort is
+        the router's own doing: not echoed."""
+        continuing = delta.request_id in self.continuing
+        if delta.finish_reason is not None:
+            self.continuing.discard(delta.request_id)
+        if not delta.token_ids:
+            return delta if delta.finish_reason == "error" else None
+        log.debug("first token of %s published at %.6f", delta.request_id, time.time())
+        if continuing and delta.finish_reason == "length":
+            return TokenDelta(**{**vars(delta), "finish_reason": None})
+        return delta
 
     @property
     def kv_address(self) -> str:

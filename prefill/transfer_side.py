@@ -1,7 +1,8 @@
 """Prefill role, transfer side: the KV socket that serves decode engines' KVWant, and the sending.
 
-The engine loop calls `receive()` between steps; inside a step the model runner calls the hook that
-`layer_hook()` returns (prefill/layer_stream.py). Each request's transfer is one `Transfer`, shared
+The engine loop calls `receive()` between steps and `send_computed()` once a step's first tokens are
+published; inside a step the model runner calls the hook that `layer_hook()` returns
+(prefill/layer_stream.py). Each request's transfer is one `Transfer`, shared
 with the scheduler side (prefill/scheduler_side.py), which tells `finish()` when a prompt is computed.
 """
 
@@ -39,6 +40,7 @@ class PrefillTransferSide(KVTransferSide):
         self.lease_s = lease_s
         self.stream_layers = stream_layers
         self.transfers: dict[str, Transfer] = {}  # shared with the scheduler side
+        self.computed: list[Transfer] = []  # prompts computed in this step and asked for: KV to send next
         self.sender = KVSender(server, self.stats)
         self.copies = HostCopies(self._send_streamed)
         self._peers: set[bytes] = set()  # decode engines whose Hello was accepted
@@ -50,6 +52,7 @@ class PrefillTransferSide(KVTransferSide):
         return [self.server.socket]
 
     def receive(self) -> None:
+        self.send_computed()
         self.copies.send_landed(wait=True)  # between steps nothing streamed may linger
         self.read_messages()
         self._expire()
@@ -160,6 +163,13 @@ class PrefillTransferSide(KVTransferSide):
             return False
         transfer.move(TransferState.STREAMING)
         return True
+
+    def send_computed(self) -> None:
+        """Finish the transfers of the prompts the last step computed. The engine loop calls it right after
+        it has published that step's first tokens, so a first token never waits for its KV to be sent."""
+        computed, self.computed = self.computed, []
+        for transfer in computed:
+            self.finish(transfer)
 
     def finish(self, transfer: Transfer) -> None:
         """The prompt is computed and asked for: what was not streamed goes from the cache, then KVDone."""

@@ -143,7 +143,10 @@ def _install_routes(app: FastAPI, gateway: Gateway) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         max_model_len, vocab_size = gateway.context_limits()
-        tokenized = await gateway.preprocessor.run(gateway.tokenization.completion_prompts, body)
+        if body.has_text_prompt():
+            tokenized = await gateway.preprocessor.run(gateway.tokenization.completion_prompts, body)
+        else:  # token ids: nothing to tokenize, so no hop to the tokenizer's threads
+            tokenized = gateway.tokenization.completion_prompts(body)
         prompts = [Prompt(text, ids) for text, ids in tokenized]
         specs = completion_specs(body, [p.token_ids for p in prompts], max_model_len, vocab_size, config.max_n,
                                  gateway.generation_defaults)

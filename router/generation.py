@@ -1,7 +1,13 @@
 """One choice of one request, end to end: pick engines, send the prompt to both at once, relay the
-decode engine's tokens as text, apply stop strings, and clean up.
+tokens as text, apply stop strings, and clean up.
 
     ChoiceRunner(gateway, spec, request_id).events()  ->  ChoiceDelta ... (the last has finish_reason)
+
+The first token comes from the prefill engine as soon as it is sampled (before its KV moves) and is
+streamed at once; the decode engine is told it (FirstToken) and its stream goes on from the second
+token: its own first token, the same one, is dropped. If that first token ends the choice (a stop token,
+a stop string, max_tokens=1), the decode engine is aborted and frees the blocks it reserved. Whichever
+engine's first token comes first is the choice's; the other engine's is not used.
 
 Failures, in order of preference:
   * an engine leaves routing (missed heartbeats, stopped) or cannot take the request before any
@@ -21,12 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.control.messages import Abort, GenerateRequest, PrefillRequest, TokenDelta
+from pdserve.control.messages import Abort, FirstToken, GenerateRequest, PrefillRequest, TokenDelta
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.router.errors import EngineFailed, InvalidRequest, RequestTimeout
 from pdserve.router.link import EngineGone, EngineUnreachable
@@ -98,21 +105,30 @@ class Submission:
         """Send the prompt to the prefill and the decode engine at once (EngineUnreachable -> _Retry)."""
         decode, prefill = self.route.decode, self.route.prefill
         prompt = tuple(spec.prompt_token_ids)
+        params = spec.sampling_params
         if prefill is not None:
+            params = _one_seed_for_both(params)
             try:
                 prefill.send(PrefillRequest(request_id=self.request_id, prompt_token_ids=prompt,
-                                            sampling_params=spec.sampling_params))
+                                            sampling_params=params))
             except EngineUnreachable as exc:
                 raise _Retry(str(exc), exclude=prefill.control_address) from exc
         kv_address = prefill.info.kv_address if prefill is not None else None
         try:
             decode.send(GenerateRequest(request_id=self.request_id, prompt_token_ids=prompt,
-                                        sampling_params=spec.sampling_params, prefill_kv_address=kv_address))
+                                        sampling_params=params, prefill_kv_address=kv_address))
         except EngineUnreachable as exc:
             raise _Retry(str(exc), exclude=decode.control_address) from exc
 
+    def keep_first_token(self, delta: TokenDelta) -> None:
+        """The prefill engine's first token is the client's: the decode engine continues from it, and
+        emits it (rather than its own sample) if it ends up prefilling the prompt itself."""
+        self.route.decode.try_send(FirstToken(request_id=self.request_id, token_id=delta.token_ids[0],
+                                              logprobs=delta.logprobs[0] if delta.logprobs else None))
+
     def release_prefill(self) -> None:
-        """The KV has arrived (tokens flow): the prefill engine's part is over, whatever becomes of it."""
+        """Tokens flow (the prefill engine's first one, or the decode engine's): the prefill engine's part
+        is over for the router, whatever becomes of its KV (that is between the two engines)."""
         if self.route.prefill is not None:
             self.route.prefill.close_stream(self.request_id)
             self.route = Route(self.route.decode, None, self.route.num_uncached_tokens)
@@ -167,17 +183,25 @@ class ChoiceRunner:
         detokenizer = self.gateway.tokenization.detokenizer(self.spec.prompt_token_ids, params.skip_special_tokens,
                                                             params.stop)
         self.token_ids = []
+        first_token: int | None = None  # streamed from the prefill engine: the decode engine's first again
         while True:
             source, item = await self._next(submission.queue)
             if source == "prefill" and self.token_ids:
-                continue  # news from the prefill engine after its KV arrived no longer matters
+                continue  # the decode engine's tokens came first: the prefill engine's part is over
             if isinstance(item, EngineGone):
                 raise _Retry(f"{source} engine {item.engine_id} left ({item.reason})",
                              exclude=getattr(submission.route, source).control_address,
                              force_local=source == "prefill")
             if item.finish_reason in ("error", "abort"):
                 self._failed(source, item)
-            submission.finished = item.finish_reason is not None
+            if source == "prefill" and item.token_ids:
+                first_token = item.token_ids[0]
+                if item.finish_reason is None:
+                    submission.keep_first_token(item)
+            elif source == "decode":
+                submission.finished = item.finish_reason is not None
+                if first_token is not None and item.token_ids:
+                    item, first_token = _without_first_token(item, first_token), None
             delta = self._consume(item, detokenizer)
             if delta.token_ids:
                 submission.release_prefill()
@@ -224,6 +248,23 @@ class ChoiceRunner:
         except TimeoutError:
             raise RequestTimeout("the request took longer than the router's request timeout: raise "
                                  "--request-timeout or lower max_tokens") from None
+
+
+def _one_seed_for_both(params: SamplingParams) -> SamplingParams:
+    """An unseeded random choice sent to two engines gets a random seed, so that a decode engine that
+    samples the first token itself (it prefills locally, before the prefill engine's FirstToken has come)
+    draws the same token as the prefill engine (stateless seeds: docs/sampling.md)."""
+    if params.seed is not None or params.temperature == 0:
+        return params
+    return params.replace(seed=random.getrandbits(63))
+
+
+def _without_first_token(delta: TokenDelta, first_token: int) -> TokenDelta:
+    """The decode engine's first delta, less the first token the prefill engine already streamed."""
+    if delta.token_ids[0] != first_token:
+        raise EngineFailed(f"the decode engine continued from token {delta.token_ids[0]}, not from the first token "
+                           f"{first_token} the prefill engine sampled and the client already has; retry the request")
+    return TokenDelta(**{**vars(delta), "token_ids": delta.token_ids[1:], "logprobs": delta.logprobs[1:]})
 
 
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator:

@@ -28,6 +28,7 @@ from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, open_socket
 log = logging.getLogger("pdserve.router.link")
 
 LINK_HWM = 100_000  # messages queued per link; beyond it the engine is treated as unreachable
+DRAIN_LIMIT = 256  # messages read per wake-up of a link's reader, so other tasks get their turn
 
 
 class EngineUnreachable(Exception):
@@ -141,16 +142,27 @@ class EngineLink:
     # ---- receiving ----
 
     async def _read_loop(self) -> None:
+        """Wait for a message, then take every message already queued without waiting again (one wake-up
+        of this task per burst, not one asyncio future per message)."""
+        drain = zmq.Socket.shadow(self.socket.underlying)  # the same socket, read synchronously
         while True:
-            parts = await self.socket.recv_multipart(copy=False)
-            try:
-                msg, _ = decode(parts)
-            except ProtocolError as exc:
-                log.warning("engine %s sent a bad message: %s", self.engine_id, exc)
-                continue
-            self.last_seen = time.monotonic()
-            self.num_received += 1
-            self._dispatch(msg)
+            self._receive(await self.socket.recv_multipart(copy=False))
+            for _ in range(DRAIN_LIMIT):
+                try:
+                    parts = drain.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._receive(parts)
+
+    def _receive(self, parts: list) -> None:
+        try:
+            msg, _ = decode(parts)
+        except ProtocolError as exc:
+            log.warning("engine %s sent a bad message: %s", self.engine_id, exc)
+            return
+        self.last_seen = time.monotonic()
+        self.num_received += 1
+        self._dispatch(msg)
 
     async def _watch_connection(self) -> None:
         while True:

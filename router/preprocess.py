@@ -38,7 +38,8 @@ class Preprocessor:
         future = self._executor.submit(fn, *args)
         future.add_done_callback(self._finished)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # no extra task, unlike wait_for
+                return await asyncio.wrap_future(future)
         except TimeoutError:
             raise PreprocessTimeout(
                 f"rendering the chat template and tokenizing this request took longer than the server's limit "

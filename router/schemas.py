@@ -107,6 +107,10 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
+    def has_text_prompt(self) -> bool:
+        """A prompt to tokenize (a string, or a batch with one), rather than token ids only."""
+        return isinstance(self.prompt, str) or any(isinstance(p, str) for p in self.prompt)
+
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")

@@ -2,6 +2,9 @@
 works and the PDSERVE_READY line names the real address:
 
     PDSERVE_READY role=router url=http://127.0.0.1:8000 registration=tcp://127.0.0.1:7000
+
+uvicorn runs on uvloop with the httptools parser (both dependencies of pdserve; uvicorn's "auto" falls
+back to asyncio and h11 where they are missing).
 """
 
 from __future__ import annotations

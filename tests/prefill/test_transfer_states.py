@@ -48,12 +48,15 @@ def test_prompt_computed_first_is_sent_on_its_want_and_freed_on_the_ack(link):  
     assert side.stats.num_kv_transfers == 1 and side.stats.kv_bytes_sent == layer.nbytes
 
 
-def test_want_first_then_prompt_computed_sends_at_once(link):  # noqa: F811
+def test_want_first_then_prompt_computed_sends_once_the_step_is_published(link):  # noqa: F811
+    """Inside the step only noted; sent when the engine loop has published the step's first tokens."""
     side, client, _ = link
     scheduler_side = PrefillSchedulerSide(side)
     client.send(KVWant(request_id="r", skip_tokens=0, num_tokens=PROMPT_LEN))
     _wait_for_state(side, "r", TransferState.WAITING_FOR_PROMPT)
     assert scheduler_side.on_request_finished(_computed_prompt(), BLOCK_IDS)
+    assert side.transfers["r"].state is TransferState.WAITING_FOR_PROMPT and client.recv(timeout=0.1) is None
+    side.send_computed()
     assert side.transfers["r"].state is TransferState.AWAITING_ACK
     assert isinstance(client.recv(timeout=5).msg, KVLayer) and isinstance(client.recv(timeout=5).msg, KVDone)
 

@@ -1,5 +1,5 @@
 """A scripted engine on real ZeroMQ sockets, for router tests that need an engine to misbehave on
-cue (stop heartbeating, go silent, fail a prefill) without loading a model.
+cue (stop heartbeating, go silent, fail a prefill, send a first token) without loading a model.
 
 It speaks the real control protocol: Register/EngineStats heartbeats to the router's registration
 socket, DescribeRequest/StatsRequest/Abort/GenerateRequest/PrefillRequest on its control socket.
@@ -19,6 +19,7 @@ from pdserve.control.messages import (
     Abort,
     DescribeRequest,
     EngineStats,
+    FirstToken,
     GenerateRequest,
     PrefillRequest,
     Register,
@@ -51,6 +52,7 @@ class FakeEngine:
     max_model_len: int = 512
     fail_prefill: bool = False  # answer every PrefillRequest with an error
     prefill_error_code: str | None = None  # its TokenDelta.error_code
+    first_token: bool = False  # answer every PrefillRequest with its first token (fake_tokens' first), at once
     reject_with: str | None = None  # answer every GenerateRequest with this error, before any token
     reject_code: str = "invalid_request"  # its TokenDelta.error_code
     script: list[int] | None = None  # emit these tokens (then "stop") instead of counting up
@@ -126,6 +128,11 @@ class FakeEngine:
             if self.fail_prefill:
                 self._reply(peer_id, TokenDelta(request_id=msg.request_id, finish_reason="error",
                                                 error="fake prefill failure", error_code=self.prefill_error_code))
+            elif self.first_token:
+                self._reply(peer_id, TokenDelta(request_id=msg.request_id,
+                                                token_ids=tuple(fake_tokens(msg.prompt_token_ids, 1))))
+        elif isinstance(msg, FirstToken):
+            self.received.append(msg)
         elif isinstance(msg, GenerateRequest):
             self.received.append(msg)
             if self.reject_with is not None:
