@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
     demo.add_argument("--size", default="small", choices=["tiny", "small"])
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--if-missing", action="store_true",
+                      help="keep a model already in DIR (a one-shot compose service runs it on every start)")
 
     generate = commands.add_parser("generate", help="offline generation demo: prints text and tokens/s")
     _add_model_args(generate)
@@ -80,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "demo-model":
-            from pdserve.demo_model import make_demo_model
+            from pdserve.demo_model import has_demo_model, make_demo_model
 
+            if args.if_missing and has_demo_model(args.dir):
+                print(f"demo model already in {args.dir}: kept")
+                return 0
             path = make_demo_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
             print(f"wrote {args.arch}-{args.size} demo model to {path}")
             return 0

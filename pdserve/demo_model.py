@@ -359,6 +359,11 @@ def _save_model(model, config, out_dir: Path) -> None:
     os.chmod(out_dir / "model.safetensors", 0o644)
 
 
+def has_demo_model(out_dir: str | os.PathLike) -> bool:
+    """Whether out_dir holds a whole demo model: make_demo_model writes the chat template last."""
+    return (Path(out_dir) / "config.json").is_file() and (Path(out_dir) / "chat_template.jinja").is_file()
+
+
 def make_demo_model(
     out_dir: str | os.PathLike,
     arch: str = "llama",

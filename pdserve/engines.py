@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 from pdserve.trust import add_trust_args, curve_dir_for
 
@@ -15,7 +16,9 @@ from pdserve.trust import add_trust_args, curve_dir_for
 def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--control-address", default="tcp://127.0.0.1:0",
                         help="where the router reaches this engine (tcp://host:port or ipc://path; port 0 = any)")
-    parser.add_argument("--engine-id", default=f"{role}-0")
+    parser.add_argument("--engine-id", default=f"{role}-0",
+                        help="this engine's name at the router; '{hostname}' in it becomes this host's name, so "
+                             "replicas of one compose service get distinct ids (e.g. decode-{hostname})")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--router-address", default=None,
                         help="register with the router at this address (its --registration-address, e.g. "
@@ -75,6 +78,7 @@ def streams_layers(choice: str, device: str) -> bool:
 
 def run_engine(args: argparse.Namespace, role: str) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s")
+    args.engine_id = args.engine_id.replace("{hostname}", socket.gethostname())
     curve_dir = curve_dir_for(args, [args.control_address, getattr(args, "kv_address", None), args.router_address])
     configs = _configs(args)
     if role == "prefill":
