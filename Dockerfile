@@ -6,8 +6,8 @@
 #   docker run --rm -p 8000:8000 pdserve up --host 0.0.0.0      # demo model, 1 prefill + 1 decode, CPU
 #
 # BASE_IMAGE: any Debian-like image with python3 (>= 3.11) and its venv module; deploy/base_image.sh makes
-# one offline with debootstrap where no registry can be pulled from. Wheels put in ./wheels (git-ignored)
-# are found before the index, e.g. a local CPU torch wheel on a machine without PyTorch's index.
+# one offline with debootstrap where no registry can be pulled from. ./pip-local (git-ignored but for its
+# README) feeds pip machine-local wheels and settings, e.g. a CPU torch wheel where PyTorch's index is out of reach.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
@@ -31,15 +31,17 @@ RUN useradd --create-home --uid 10001 --user-group pdserve \
 
 # Layers from the least to the most often changed: torch, then pdserve's dependencies (from pyproject
 # alone), then the code. A code change rebuilds only the last two steps.
-RUN --mount=type=bind,source=wheels,target=/wheels \
-    pip install --find-links /wheels --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+RUN --mount=type=bind,source=pip-local,target=/pip-local \
+    PIP_CONFIG_FILE=/pip-local/pip.conf pip install --find-links /pip-local --index-url "${TORCH_INDEX_URL}" \
+    "torch==${TORCH_VERSION}"
 
 WORKDIR /opt/pdserve
 COPY pyproject.toml README.md ./
-RUN python -c 'import os, re, tomllib; skip = set(os.environ.get("SKIP_DEPS", "").split()); \
+RUN --mount=type=bind,source=pip-local,target=/pip-local \
+    python -c 'import os, re, tomllib; skip = os.environ["SKIP_DEPS"].split(); \
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; \
 print("\n".join(d for d in deps if re.match(r"[\w.-]+", d).group(0) not in skip))' > /tmp/requirements.txt \
- && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
+ && PIP_CONFIG_FILE=/pip-local/pip.conf pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
 
 COPY pdserve ./pdserve
 COPY engine ./engine
@@ -50,7 +52,8 @@ COPY prefill ./prefill
 COPY decode ./decode
 COPY router ./router
 COPY bench ./bench
-RUN pip install --no-deps . && rm -rf build
+RUN --mount=type=bind,source=pip-local,target=/pip-local \
+    PIP_CONFIG_FILE=/pip-local/pip.conf pip install --no-deps . && rm -rf build
 COPY deploy/entrypoint.sh /usr/local/bin/pdserve-entrypoint
 
 USER pdserve

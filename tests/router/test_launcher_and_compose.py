@@ -58,7 +58,7 @@ def test_compose_services_use_real_cli_flags_and_find_each_other(name):
     published = [interpolate(p) for p in services["router"]["ports"]]
     assert published == [f"8000:{parsed['router'].port}"]
     for spec in services.values():
-        assert "hf-cache:/root/.cache/huggingface" in spec["volumes"]
+        assert "hf-cache:/home/pdserve/.cache/huggingface" in spec["volumes"]
 
 
 @pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml"])
@@ -97,8 +97,13 @@ def test_cpu_compose_has_no_gpu_and_builds_its_own_demo_model():
 
 def test_dockerfile_installs_every_package_and_runs_pdserve():
     dockerfile = (REPO / "Dockerfile").read_text()
-    assert 'ENTRYPOINT ["pdserve"]' in dockerfile
-    assert "HF_HOME=/root/.cache/huggingface" in dockerfile, "the compose hf-cache volume is HF_HOME"
+    assert 'ENTRYPOINT ["pdserve-entrypoint"]' in dockerfile
+    assert "exec pdserve \"$@\"" in (REPO / "deploy" / "entrypoint.sh").read_text()
+    assert "HF_HOME=/home/pdserve/.cache/huggingface" in dockerfile, "the compose hf-cache volume is HF_HOME"
+    assert re.search(r"^USER pdserve$", dockerfile, re.M), "the services run as a non-root user"
+    torch_step, code_step = dockerfile.index('"torch==${TORCH_VERSION}"'), dockerfile.index("COPY engine ./engine")
+    assert torch_step < dockerfile.index("pip install -r /tmp/requirements.txt") < code_step, \
+        "torch and the dependencies are layers below the code: a code change reinstalls neither"
     package_dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     for folder in package_dirs.values():
         assert f"COPY {folder} ./{folder}" in dockerfile, f"the image lacks the {folder} folder"
