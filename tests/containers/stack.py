@@ -24,7 +24,8 @@ def missing_tools() -> str | None:
     for tool in ("podman", "podman-compose"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (deploy/container_smoke.sh installs it)"
-    probe = subprocess.run(["podman", "info", "--format", "{{.Host.OCIRuntime.Name}}"], capture_output=True, text=True)
+    probe = subprocess.run(["podman", "info", "--format", "{{.Host.OCIRuntime.Name}}"], capture_output=True, text=True,
+                           check=False)
     if probe.returncode != 0:
         return f"podman cannot run containers here: {probe.stderr.strip()[-300:]}"
     return None
@@ -37,7 +38,7 @@ def free_port() -> int:
 
 
 def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    result = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout, check=False)
     if check and result.returncode != 0:
         raise RuntimeError(f"podman {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
     return result
@@ -51,9 +52,10 @@ class ComposeStack:
     env: dict[str, str] = field(default_factory=dict)
 
     def compose(self, *args: str, timeout: float = 900) -> str:
-        command = ["podman-compose", "-f", self.compose_file, "-p", self.project, *args]
+        # no pod: each service its own container, as with docker compose (podman applies no restart policy in a pod)
+        command = ["podman-compose", "--in-pod", "false", "-f", self.compose_file, "-p", self.project, *args]
         result = subprocess.run(command, cwd=self.repo, env={**os.environ, **self.env}, capture_output=True,
-                                text=True, timeout=timeout)
+                                text=True, timeout=timeout, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
                                f"{result.stderr[-3000:]}")
