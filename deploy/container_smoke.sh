@@ -41,7 +41,7 @@ if ! command -v podman >/dev/null || ! command -v debootstrap >/dev/null; then
 fi
 configure_podman
 podman info >/dev/null 2>&1 || skip "podman is installed but cannot run containers here: $(podman info 2>&1 | tail -n 1)"
-"$python" -m pip install --quiet --disable-pip-version-check "podman-compose>=1.1"
+"$python" -m pip install --quiet --disable-pip-version-check "podman-compose>=1.1" || skip "pip could not install podman-compose"
 PATH="$("$python" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
 export PATH
 
