@@ -110,19 +110,20 @@ def bench_once(options: BenchOptions, url: str, name: str, out: Path, request_ra
 
 
 def one_run(args: argparse.Namespace, mode: str, index: int, out: Path, stack: ComposeStack) -> dict:
-    options = BenchOptions(model="pdserve-demo", num_prompts=args.num_prompts, seed=index,
-                           dataset_args=["--dataset", "random", "--input-len", str(args.input_len),
-                                         "--output-len", str(args.output_len)])
+    def options(model: str, extra_args: list[str]) -> BenchOptions:
+        return BenchOptions(model=model, num_prompts=args.num_prompts, seed=index, extra_args=extra_args,
+                            dataset_args=["--dataset", "random", "--input-len", str(args.input_len),
+                                          "--output-len", str(args.output_len)])
+
     if mode == "containers":
         with stack:
             model = stack.model_dir(out)
-            options.extra_args = ["--tokenizer", str(model)]
-            return bench_once(options, stack.url, f"containers-{index}", out, args.request_rate)
+            return bench_once(options("pdserve-demo", ["--tokenizer", str(model)]), stack.url, f"containers-{index}",
+                              out, args.request_rate)
     model = stack.model_dir(out)
-    options.model = str(model)
     spec = ClusterSpec(model=str(model), pin_cpus=False, up_args=POLICIES)
     with Cluster(spec, parse_layout("1P1D"), out / f"bare-{index}") as cluster:
-        return bench_once(options, cluster.url, f"bare-{index}", out, args.request_rate)
+        return bench_once(options(str(model), []), cluster.url, f"bare-{index}", out, args.request_rate)
 
 
 def report(results: dict[str, list[dict]]) -> str:

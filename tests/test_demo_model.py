@@ -352,3 +352,17 @@ def test_default_demo_model_uses_the_copy_of_a_process_that_won_the_race(monkeyp
     assert default_demo_model("llama", "tiny") == target
     assert (target / "winner").exists()
     assert [p.name for p in target.parent.iterdir()] == ["llama-tiny-v1"]  # our temp dir is gone
+
+
+def test_demo_model_if_missing_keeps_a_whole_model_and_rebuilds_a_partial_one(tmp_path):
+    from pdserve.cli import main
+
+    out = tmp_path / "demo"
+    assert main(["demo-model", str(out), "--size", "tiny", "--if-missing"]) == 0
+    weights = out / "model.safetensors"
+    built = weights.stat().st_mtime_ns
+    assert main(["demo-model", str(out), "--size", "tiny", "--if-missing"]) == 0
+    assert weights.stat().st_mtime_ns == built, "a second run (each compose `up`) keeps the model"
+    (out / "chat_template.jinja").unlink()  # a run killed before it finished
+    assert main(["demo-model", str(out), "--size", "tiny", "--if-missing"]) == 0
+    assert (out / "chat_template.jinja").is_file() and weights.stat().st_mtime_ns != built

@@ -117,8 +117,9 @@ class ComposeStack:
             self.compose("down", "-v", "-t", "10", timeout=300)
         except (RuntimeError, subprocess.TimeoutExpired):
             pass
-        for container in self.containers():
-            podman("rm", "-f", "-t", "0", container["Id"], check=False)
+        for _ in range(3):  # podman refuses to remove a container that another still requires: repeat
+            for container in self.containers():
+                podman("rm", "-f", "-t", "0", container["Id"], check=False)
         for volume in self.volumes():
             podman("volume", "rm", "-f", volume, check=False)
         for network in self.networks():
