@@ -30,19 +30,20 @@ RUN useradd --create-home --uid 10001 --user-group pdserve \
  && python3 -m venv "$VIRTUAL_ENV"
 
 # Layers from the least to the most often changed: torch, then pdserve's dependencies (from pyproject
-# alone), then the code. A code change rebuilds only the last two steps.
+# alone), then the code (README included). A code or docs change rebuilds only the last steps.
 RUN --mount=type=bind,source=pip-local,target=/pip-local \
     PIP_CONFIG_FILE=/pip-local/pip.conf pip install --find-links /pip-local --index-url "${TORCH_INDEX_URL}" \
     "torch==${TORCH_VERSION}"
 
 WORKDIR /opt/pdserve
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 RUN --mount=type=bind,source=pip-local,target=/pip-local \
     python -c 'import os, re, tomllib; skip = os.environ["SKIP_DEPS"].split(); \
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; \
 print("\n".join(d for d in deps if re.match(r"[\w.-]+", d).group(0) not in skip))' > /tmp/requirements.txt \
  && PIP_CONFIG_FILE=/pip-local/pip.conf pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
 
+COPY README.md ./
 COPY pdserve ./pdserve
 COPY engine ./engine
 COPY kernels ./kernels
@@ -57,6 +58,8 @@ RUN --mount=type=bind,source=pip-local,target=/pip-local \
 COPY deploy/entrypoint.sh /usr/local/bin/pdserve-entrypoint
 
 USER pdserve
+# Out of the source tree: its pdserve/ folder would shadow the installed package for `python -m pdserve...`
+WORKDIR /home/pdserve
 # 8000 HTTP API (router), 7000 engine registration (router), 5600 engine control, 5700 prefill KV
 EXPOSE 8000 7000 5600 5700
 ENTRYPOINT ["pdserve-entrypoint"]
