@@ -100,7 +100,7 @@ def test_dockerfile_installs_every_package_and_runs_pdserve():
     assert 'ENTRYPOINT ["pdserve-entrypoint"]' in dockerfile
     assert "exec pdserve \"$@\"" in (REPO / "deploy" / "entrypoint.sh").read_text()
     assert "HF_HOME=/home/pdserve/.cache/huggingface" in dockerfile, "the compose hf-cache volume is HF_HOME"
-    assert re.search(r"^USER pdserve$", dockerfile, re.M), "the services run as a non-root user"
+    assert re.search(r"^USER pdserve$", dockerfile, re.MULTILINE), "the services run as a non-root user"
     torch_step, code_step = dockerfile.index('"torch==${TORCH_VERSION}"'), dockerfile.index("COPY engine ./engine")
     assert torch_step < dockerfile.index("pip install -r /tmp/requirements.txt") < code_step, \
         "torch and the dependencies are layers below the code: a code change reinstalls neither"
