@@ -8,6 +8,8 @@
 # BASE_IMAGE: any Debian-like image with python3 (>= 3.11) and its venv module; deploy/base_image.sh makes
 # one offline with debootstrap where no registry can be pulled from. ./pip-local (git-ignored but for its
 # README) feeds pip machine-local wheels and settings, e.g. a CPU torch wheel where PyTorch's index is out of reach.
+# It runs as the unprivileged user `pdserve` (uid 10001). OMP_NUM_THREADS defaults to the container's
+# cores (docker/entrypoint.sh); set it to override.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
@@ -25,7 +27,7 @@ ENV PYTHONUNBUFFERED=1 \
 
 # A non-root user owns the volumes' mount points, so fresh named volumes are created writable by it.
 RUN useradd --create-home --uid 10001 --user-group pdserve \
- && mkdir -p /keys /demo "$HF_HOME" "$PDSERVE_CACHE" \
+ && mkdir -p /keys /demo "${HF_HOME}" "${PDSERVE_CACHE}" \
  && chown -R pdserve:pdserve /keys /demo /home/pdserve \
  && python3 -m venv "$VIRTUAL_ENV"
 
@@ -55,7 +57,7 @@ COPY router ./router
 COPY bench ./bench
 RUN --mount=type=bind,source=pip-local,target=/pip-local \
     PIP_CONFIG_FILE=/pip-local/pip.conf pip install --no-deps . && rm -rf build
-COPY deploy/entrypoint.sh /usr/local/bin/pdserve-entrypoint
+COPY docker/entrypoint.sh /usr/local/bin/pdserve-entrypoint
 
 USER pdserve
 # Out of the source tree: its pdserve/ folder would shadow the installed package for `python -m pdserve...`

@@ -32,7 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+try:
+    import httpx
+except ImportError as exc:  # not a dependency of a plain install
+    raise ImportError('the router overhead benchmark needs httpx: pip install "pdserve[bench]"') from exc
 
 from pdserve.control.messages import (
     Abort,
@@ -89,7 +92,8 @@ def wait_routable(url: str) -> None:
 
 def start_router(model: str, decode_address: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
     process, ready = start([sys.executable, "-m", "pdserve", "router", "--model", model, "--port", "0",
-                            "--registration-address", "none", "--decode", decode_address, "--log-level", "warning",
+                            "--registration-address", "none", "--decode-address", decode_address,
+                            "--log-level", "warning",
                             "--insecure"],  # loopback only; the direct calls measured against it are plaintext too
                            log_dir / "router.log")
     wait_routable(ready["url"])

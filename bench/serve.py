@@ -21,7 +21,7 @@ DEFAULT_OUTPUT_LEN = 128
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL (without /v1)")
-    server.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
+    server.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS, help="the API the load goes to")
     server.add_argument("--model", default=None, help="model name sent in requests (default: the server's first)")
     server.add_argument("--tokenizer", default=None,
                         help="tokenizer directory or hub id (default: --model, or the model's path the server reports)")
@@ -30,7 +30,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                         help="a request that receives no data for S seconds fails as stalled")
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset", default="random", choices=DATASETS)
+    data.add_argument("--dataset", default="random", choices=DATASETS,
+                      help="random: exact token counts; sharegpt / jsonl: prompts from --dataset-path; prefix: "
+                           "prompts sharing a prefix")
     data.add_argument("--dataset-path", default=None, help="the file of --dataset sharegpt or jsonl")
     data.add_argument("--num-prompts", type=int, default=1000, help="measured requests")
     data.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random, prefix)")
@@ -48,7 +50,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of the gaps between arrivals: 1 = Poisson, < 1 burstier, > 1 steadier")
     load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--seed", type=int, default=0, help="seed of the prompts, arrival times and sampling")
     load.add_argument("--warmup", type=int, default=0, metavar="N", help="requests sent first and not measured")
     load.add_argument("--ignore-eos", action="store_true",
                       help="exact output lengths: send ignore_eos (and min_tokens) where the server takes them")

@@ -39,8 +39,8 @@ from pdserve.bench.sweep_runs import BenchOptions, run_bench, warm_up
 from pdserve.bench.sweep_unloaded import UNLOADED_PHASE, goodput_flags, parse_slo_factors, slos_from_unloaded
 
 # flags the sweep gives `pdserve up` and `pdserve bench` for each layout and run
-SET_FOR_UP = ("--model", "--prefill", "--decode", "--port", "--log-dir", "--device", "--pin-cpus",
-              "--prefill-devices", "--decode-devices", "--api-key")
+SET_FOR_UP = ("--model", "--num-prefill", "--num-decode", "--prefill", "--decode", "--port", "--log-dir", "--device",
+              "--pin-cpus", "--prefill-devices", "--decode-devices", "--api-key")
 SET_FOR_BENCH = ("--base-url", "--model", "--num-prompts", "--request-rate", "--max-concurrency", "--seed",
                  "--save-result", "--metadata", "--goodput", "--api-key", *DATASET_FLAGS)
 

@@ -22,11 +22,12 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the built-in demo model)")
     parser.add_argument("--num-prompts", type=int, default=50, help="requests per run")
     parser.add_argument("--dataset", default=None, help="bench's dataset: random, sharegpt, prefix or jsonl")
-    parser.add_argument("--dataset-path", default=None)
-    parser.add_argument("--input-len", type=int, default=None)
-    parser.add_argument("--output-len", type=int, default=None)
-    parser.add_argument("--range-ratio", type=float, default=None)
-    parser.add_argument("--burstiness", type=float, default=None)
+    parser.add_argument("--dataset-path", default=None, help="bench's --dataset-path (sharegpt, jsonl)")
+    parser.add_argument("--input-len", type=int, default=None, help="bench's --input-len: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=None, help="bench's --output-len: max_tokens per request")
+    parser.add_argument("--range-ratio", type=float, default=None, help="bench's --range-ratio: length spread")
+    parser.add_argument("--burstiness", type=float, default=None,
+                        help="bench's --burstiness: gamma shape of arrival gaps (1 = Poisson)")
     parser.add_argument("--seed", type=int, default=0,
                         help="the n-th load of every server gets seed + n: the same prompts across servers, "
                              "new prompts (no prefix-cache hits from earlier runs) across loads")

@@ -38,7 +38,7 @@ class ClusterSpec:
 
 def up_command(spec: ClusterSpec, layout: Layout, log_dir: Path) -> list[str]:
     command = [sys.executable, "-m", "pdserve", "up", "--model", spec.model, "--port", "0",
-               "--prefill", str(layout.num_prefill), "--decode", str(layout.num_decode),
+               "--num-prefill", str(layout.num_prefill), "--num-decode", str(layout.num_decode),
                "--log-dir", str(log_dir), "--device", spec.device]
     if spec.device.startswith("cuda"):
         prefill_gpus, decode_gpus = device_plan(layout, spec.devices)

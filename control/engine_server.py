@@ -10,6 +10,7 @@ file a supervisor watches (`pdserve up`), and it feeds the heartbeat, which goes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -19,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from pdserve.control.errors import InvalidRequestError, ProtocolError
+from pdserve.control.errors import InvalidRequestError, PeerUnreachableError, ProtocolError, WireError
 from pdserve.control.heartbeat import Heartbeat, advertised_address
 from pdserve.control.keys import ClusterCurve
 from pdserve.control.messages import Abort, DescribeRequest, EngineStats, Error, Register, StatsRequest, TokenDelta
@@ -64,7 +65,7 @@ class EngineServer:
                                     max_message_bytes=CONTROL_MESSAGE_BYTES)
         self.owners: dict[str, bytes] = {}  # request id -> control peer that sent it
         self._stop = threading.Event()
-        self.heartbeat: Heartbeat | None = None
+        self.heartbeats: list[Heartbeat] = []  # one per router this engine registers with
         self.advertise_host: str | None = None
         self.progress_file: str | None = None
         self._progress_marked = 0.0
@@ -94,8 +95,10 @@ class EngineServer:
                 self._guarded(self.kv_transfer.receive)
                 if self.engine.has_work():
                     self.publish(self.engine.step())
-                if self.heartbeat is not None and self.heartbeat.wants_stats():
-                    self.heartbeat.set_stats(self.stats())
+                if any(heartbeat.wants_stats() for heartbeat in self.heartbeats):
+                    stats = self.stats()
+                    for heartbeat in self.heartbeats:
+                        heartbeat.set_stats(stats)
                 self._mark_progress()
         finally:
             self.close()
@@ -127,8 +130,8 @@ class EngineServer:
             log.exception("error while handling input; the engine keeps serving")
 
     def close(self) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
+        for heartbeat in self.heartbeats:
+            heartbeat.stop()
         self.kv_transfer.close()
         self.control.close()
 
@@ -152,13 +155,31 @@ class EngineServer:
             self.reply(peer_id, Error(code="unexpected", message=f"{msg.type_name} is not served by a {self.role} engine"))
 
     def publish(self, deltas: list[TokenDelta]) -> None:
-        """Send each delta of a step, as the scheduler made it, to the peer that sent its request."""
+        """Send each delta of a step, as the scheduler made it, to the peer that sent its request. A
+        request whose peer is gone (a router that died: its connection closed) is aborted, so its blocks
+        go back now rather than after max_tokens nobody reads."""
         for delta in deltas:
             owner = self.owners.get(delta.request_id)
             if delta.finish_reason is not None:
                 self.owners.pop(delta.request_id, None)
-            if owner is not None and self.should_publish(delta):
-                self.reply(owner, delta)
+            if owner is not None and self.should_publish(delta) and not self._deliver(owner, delta):
+                self._abort_orphan(delta)
+
+    def _deliver(self, peer_id: bytes, msg: Any) -> bool:
+        """Send without waiting; False only when the peer is gone (a full queue drops the message, logged)."""
+        try:
+            self.control.send(peer_id, msg, timeout=0)
+        except PeerUnreachableError:
+            return False
+        except WireError as exc:
+            log.info("could not send %s to peer %s: %s", msg.type_name, peer_id.hex(), exc)
+        return True
+
+    def _abort_orphan(self, delta: TokenDelta) -> None:
+        self.owners.pop(delta.request_id, None)
+        if delta.finish_reason is None:
+            self.engine.abort(delta.request_id)
+            log.warning("request %s aborted: the router that sent it is gone", delta.request_id)
 
     def should_publish(self, delta: TokenDelta) -> bool:
         return True
@@ -175,33 +196,43 @@ class EngineServer:
 
     # ---- registration with a router ----
 
-    def enable_registration(self, router_address: str, interval_s: float = 1.0,
+    def enable_registration(self, router_addresses: str | list[str], interval_s: float = 1.0,
                             advertise_host: str | None = None, stall_s: float | None = None) -> None:
-        """Register with the router at `router_address` and heartbeat every interval_s seconds, until
-        the loop makes no progress for stall_s seconds (None: heartbeat while the process lives).
-        advertise_host replaces a wildcard bind host (0.0.0.0) in the addresses the router is told."""
+        """Register with every router in `router_addresses` (replicas serving the same engines) and
+        heartbeat to each every interval_s seconds, until the loop makes no progress for stall_s seconds
+        (None: heartbeat while the process lives). Each router is told this engine's addresses as seen
+        from its side (heartbeat.advertised_address); advertise_host overrides the host in them.
+        ValueError before any beat when an address could not be reached from a router."""
         if not interval_s > 0:
             raise ValueError(f"heartbeat interval {interval_s} must be > 0 seconds")
         if stall_s is not None and not stall_s > 0:
             raise ValueError(f"stall timeout {stall_s} must be > 0 seconds (or none)")
+        routers = [router_addresses] if isinstance(router_addresses, str) else list(dict.fromkeys(router_addresses))
         self.advertise_host = advertise_host
-        self.heartbeat = Heartbeat(router_address, interval_s, self.curve.client if self.curve else None, stall_s)
-        self.heartbeat.register = self.registration()
-        self.heartbeat.on_message = self.on_router_message
-        self.heartbeat.set_stats(self.stats())
-        self.heartbeat.start()
+        registrations = [self.registration(router, interval_s) for router in routers]  # may raise: nothing started
+        stats = self.stats()
+        for router, register in zip(routers, registrations):
+            heartbeat = Heartbeat(router, interval_s, self.curve.client if self.curve else None, stall_s)
+            heartbeat.register = register
+            heartbeat.on_message = functools.partial(self.on_router_message, router=router)
+            heartbeat.set_stats(stats)
+            self.heartbeats.append(heartbeat)
+        for heartbeat in self.heartbeats:
+            heartbeat.start()
 
-    def on_router_message(self, msg: Any) -> None:
-        """What the router sends on the registration link (on the heartbeat's thread): nothing, by default."""
-        log.debug("ignored %s from the router's registration link", msg.type_name)
+    def on_router_message(self, msg: Any, router: str = "") -> None:
+        """What a router sends on its registration link (on that heartbeat's thread): nothing, by default."""
+        log.debug("ignored %s from the registration link of %s", msg.type_name, router)
 
-    def registration(self) -> Register:
+    def registration(self, router: str | None = None, interval_s: float | None = None) -> Register:
+        """This engine as `router` (a router address; None: whoever asked) should reach it."""
+        if interval_s is None:
+            interval_s = self.heartbeats[0].interval_s if self.heartbeats else 1.0
         kv_address = getattr(self, "kv_address", None)
         config = self.engine.model_config
         return Register(
             engine_id=self.engine_id, role=self.role,
-            control_address=advertised_address(self.control_address, self.advertise_host),
-            kv_address=advertised_address(kv_address, self.advertise_host) if kv_address else None,
+            control_address=advertised_address(self.control_address, self.advertise_host, router),
+            kv_address=advertised_address(kv_address, self.advertise_host, router) if kv_address else None,
             block_size=self.engine.cache_config.block_size, max_model_len=config.max_model_len,
-            vocab_size=config.vocab_size,
-            heartbeat_interval_s=self.heartbeat.interval_s if self.heartbeat else 1.0)
+            vocab_size=config.vocab_size, heartbeat_interval_s=interval_s)

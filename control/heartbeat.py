@@ -1,12 +1,14 @@
 """Registration with a router: a Heartbeat thread sends Register + the latest EngineStats every
 interval on its own DEALER (a thread, so a long engine step never looks like a dead engine), and
 Deregister when the engine stops. Between beats it listens on that link: what the router sends there
-(KVPeers, to decode engines) goes to the `on_message` callback, on this thread; advertised_address() is the address peers can reach. The engine
-loop hands it fresh stats as it goes round: stats older than the stall bound mean a stuck loop, and
-the thread stops beating so the router takes the engine out of routing."""
+(KVPeers, to decode engines) goes to the `on_message` callback, on this thread. An engine given several
+routers runs one Heartbeat per router. advertised_address() is the address other hosts can reach. The
+engine loop hands it fresh stats as it goes round: stats older than the stall bound mean a stuck loop,
+and the thread stops beating so the router takes the engine out of routing."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket as socketlib
 import threading
@@ -21,18 +23,60 @@ from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, ClientSocket
 
 log = logging.getLogger("pdserve.heartbeat")
 
-WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+WILDCARD_HOSTS = ("0.0.0.0", "*", "::")
 LISTEN_SLICE_S = 0.1  # how often the thread between beats checks whether it was stopped
 
 
-def advertised_address(address: str, advertise_host: str | None = None) -> str:
-    """The address a peer can connect to: a wildcard bind host becomes advertise_host, else this
-    machine's address (in a container: its IP on the compose network)."""
-    scheme, sep, rest = address.partition("://")
+def _split(address: str) -> tuple[str, str, str]:
+    """tcp://host:port -> (scheme, host without brackets, port); other schemes -> (scheme, "", "")."""
+    scheme, _, rest = address.partition("://")
     host, colon, port = rest.rpartition(":")
-    if scheme != "tcp" or not colon or host not in WILDCARD_HOSTS:
+    return (scheme, host.strip("[]"), port) if scheme == "tcp" and colon else (scheme, "", "")
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def local_address_toward(address: str | None) -> str:
+    """This host's IP on the route to `address` (a UDP connect sends nothing; the kernel picks the source
+    address): the one a router there sees, even in a container or network namespace. Falls back to the
+    host name's address when there is no route yet."""
+    _, host, port = _split(address or "")
+    if host:
+        try:
+            family, kind, _, _, target = socketlib.getaddrinfo(host, int(port), type=socketlib.SOCK_DGRAM)[0]
+            with socketlib.socket(family, kind) as probe:
+                probe.connect(target)
+                return probe.getsockname()[0]
+        except OSError:
+            pass
+    return socketlib.gethostbyname(socketlib.gethostname())
+
+
+def advertised_address(address: str, advertise_host: str | None = None, toward: str | None = None) -> str:
+    """The address a peer connects to: advertise_host (--advertise-address) when given, else a wildcard
+    bind host (0.0.0.0) becomes this host's IP on the route to `toward` (the router), else the bind
+    address as it is. Raises ValueError when a loopback address would be advertised to a router that is
+    not on loopback: it could never connect."""
+    _, host, port = _split(address)
+    if not host:
         return address
-    return f"tcp://{advertise_host or socketlib.gethostbyname(socketlib.gethostname())}:{port}"
+    if advertise_host:
+        host = advertise_host
+    elif host in WILDCARD_HOSTS:
+        host = local_address_toward(toward)
+    _, router_host, _ = _split(toward or "")
+    if is_loopback_host(host) and router_host and not is_loopback_host(router_host):
+        raise ValueError(f"this engine would tell the router at {toward} to reach it at {address}, a loopback "
+                         f"address that host cannot connect to: bind tcp://0.0.0.0:PORT or this host's IP, or pass "
+                         f"--advertise-address HOST")
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 class Heartbeat(threading.Thread):

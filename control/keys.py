@@ -87,6 +87,17 @@ def write_cluster_keys(directory: str | Path) -> Path:
     return directory
 
 
+def cluster_keys_secret(name: str) -> str:
+    """New cluster keys as a Kubernetes Secret manifest (JSON, which kubectl reads as YAML) whose files are
+    what `pdserve keygen DIR` writes: `pdserve keygen --secret-manifest NAME | kubectl apply -f -`."""
+    files = {}
+    for filename in _FILES.values():
+        pair = generate_curve_keypair()
+        files[filename] = json.dumps({"public": pair.public_key.decode(), "secret": pair.secret_key.decode()})
+    return json.dumps({"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": name},
+                       "stringData": files}, indent=2)
+
+
 def has_cluster_keys(directory: str | Path) -> bool:
     return all((Path(directory) / name).is_file() for name in _FILES.values())
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import FailFast, Field
+from pydantic import FailFast, Field, field_validator
 
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.schema import (
@@ -120,6 +120,15 @@ class Register(Message, type_name="register"):
     max_model_len: int = Field(ge=1, le=MAX_TOKENS)
     vocab_size: int = Field(ge=1, le=MAX_TOKEN_ID)
     heartbeat_interval_s: float = 1.0
+
+    @field_validator("control_address", "kv_address")
+    @classmethod
+    def _connectable(cls, address: str | None) -> str | None:
+        host = (address or "").partition("://")[2].rpartition(":")[0].strip("[]")
+        if host in ("0.0.0.0", "*", "::"):
+            raise ValueError(f"{address} is a bind-any address no peer can connect to: the engine must advertise "
+                             f"its IP (--advertise-address)")
+        return address
 
 
 class Deregister(Message, type_name="deregister"):

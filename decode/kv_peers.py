@@ -1,6 +1,6 @@
 """KVPeerTrust: the prefill engines a decode engine pulls KV from. Two sources only: the addresses the
-operator gave (`--kv-peer`), and the registered prefill engines that the router lists in KVPeers on the
-registration link this engine opened itself. A control message naming any other address is served by
+operator gave (`--kv-peer`), and the registered prefill engines that each router lists in KVPeers on the
+registration link this engine opened itself (with several routers: any of their lists). A control message naming any other address is served by
 prefilling locally: whoever can send a GenerateRequest cannot also choose where the KV comes from."""
 
 from __future__ import annotations
@@ -16,18 +16,20 @@ WARN_INTERVAL_S = 10.0  # an untrusted address is logged at most this often
 class KVPeerTrust:
     def __init__(self, configured: tuple[str, ...] = ()) -> None:
         self.configured = frozenset(configured)
-        self._from_router: frozenset[str] = frozenset()  # replaced whole (by the heartbeat thread)
+        # router address -> its latest list, each replaced whole (by that router's heartbeat thread)
+        self._from_routers: dict[str, frozenset[str]] = {}
         self._last_warning = float("-inf")
         self.num_refused = 0
 
-    def update_from_router(self, addresses: tuple[str, ...]) -> None:
+    def update_from_router(self, addresses: tuple[str, ...], router: str = "") -> None:
         addresses = frozenset(addresses)
-        if addresses != self._from_router:
-            log.info("prefill engines to pull KV from, as the router lists them: %s", sorted(addresses) or "none")
-        self._from_router = addresses
+        if addresses != self._from_routers.get(router):
+            log.info("prefill engines to pull KV from, as the router %s lists them: %s", router or "",
+                     sorted(addresses) or "none")
+        self._from_routers = {**self._from_routers, router: addresses}
 
     def trusts(self, address: str) -> bool:
-        return address in self.configured or address in self._from_router
+        return address in self.configured or any(address in listed for listed in self._from_routers.values())
 
     def checked(self, address: str | None) -> str | None:
         """address if KV may be pulled from it, else None (prefill locally)."""

@@ -47,11 +47,11 @@ class DecodeServer(EngineServer):
         self.engine.add_request(request)
         self.owners[msg.request_id] = peer_id
 
-    def on_router_message(self, msg: Any) -> None:
+    def on_router_message(self, msg: Any, router: str = "") -> None:
         if isinstance(msg, KVPeers):
-            self.kv_peers.update_from_router(msg.kv_addresses)
+            self.kv_peers.update_from_router(msg.kv_addresses, router)
         else:
-            super().on_router_message(msg)
+            super().on_router_message(msg, router)
 
 
 def build_decode_server(model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,

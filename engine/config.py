@@ -17,6 +17,22 @@ class ConfigError(ValueError):
     """A configuration that cannot work; the message names the setting and how to fix it."""
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """The device, or a ConfigError naming the fix: a CUDA device needs a CUDA build of torch and a GPU."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device={str(device)!r} is not a device: use cpu, cuda or cuda:N") from exc
+    if resolved.type != "cuda" or torch.cuda.is_available():
+        return resolved
+    if torch.version.cuda is None:
+        raise ConfigError(f"device={str(device)!r}, but this torch ({torch.__version__}) is a CPU-only build: use "
+                          f"--device cpu, or install a CUDA build of torch (e.g. `pip install torch=="
+                          f"{torch.__version__.split('+')[0]}` from PyPI on Linux)")
+    raise ConfigError(f"device={str(device)!r}, but torch sees no CUDA GPU (check the driver and "
+                      f"CUDA_VISIBLE_DEVICES): use --device cpu, or run where a GPU is visible")
+
+
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
     """`auto` keeps the checkpoint's dtype on GPUs and uses float32 on CPU (bf16 matmuls are slow there)."""
     if isinstance(dtype, torch.dtype):
@@ -90,6 +106,7 @@ class ModelConfig:
     ) -> "ModelConfig":
         if model_impl not in MODEL_IMPLS:
             raise ConfigError(f"model_impl={model_impl!r} is not a model implementation: use {', '.join(MODEL_IMPLS)}")
+        device = check_device(device)
         model_dir = Path(model_dir)
         config_path = model_dir / "config.json"
         if not config_path.is_file():
@@ -128,7 +145,7 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=sliding_window,
-            dtype=resolve_dtype(dtype, checkpoint_dtype, torch.device(device)),
+            dtype=resolve_dtype(dtype, checkpoint_dtype, device),
             checkpoint_dtype=checkpoint_dtype,
             eos_token_ids=_eos_token_ids(model_dir, hf),
             bos_token_id=hf.get("bos_token_id"),

@@ -14,9 +14,10 @@ from typing import Sequence
 
 import torch
 
-from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, check_device
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.generation_defaults import load_generation_defaults
 from pdserve.engine.loader import resolve_model_dir
 from pdserve.engine.request import InvalidRequestError, RequestStatus, SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
@@ -75,11 +76,13 @@ class LLM:
         model_impl: str = "auto",
         enforce_eager: bool = False,
     ) -> None:
+        check_device(device)  # before building or fetching a model it could not run
         if model is None:
             from pdserve.demo_model import default_demo_model
 
             model = str(default_demo_model())
         model_dir = resolve_model_dir(model)
+        self.generation_defaults = load_generation_defaults(model_dir)
         torch.manual_seed(seed)
         self.model_config = ModelConfig.from_hf(
             model_dir, dtype=dtype, device=device, max_model_len=max_model_len, model_impl=model_impl,
@@ -123,10 +126,13 @@ class LLM:
             raise
         return [self._result(request_id, tracker) for request_id, tracker in trackers.items()]
 
-    @staticmethod
-    def _params_for(count: int, sampling_params) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (what generate() uses without any)."""
+        return SamplingParams(**self.generation_defaults.as_kwargs())
+
+    def _params_for(self, count: int, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
         if len(sampling_params) != count:

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.hub import hub_failure, is_hub_id
 from pdserve.engine.layers.linear import pack_linear_weights
 from pdserve.engine.models.registry import resolve_model_class
 
@@ -26,17 +27,17 @@ def resolve_model_dir(model: str | Path) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
-    if path.exists() or str(model).count("/") != 1 or str(model).startswith((".", "/")):
-        raise ModelLoadError(f"model {model!r} is neither a model directory nor a Hugging Face hub id (org/name)")
+    if not is_hub_id(model):
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise ModelLoadError(f"model {str(model)!r} {what} and is not a Hugging Face hub id (org/name): pass a "
+                             f"model directory (config.json + *.safetensors + tokenizer), a hub id, or no model for "
+                             f"the built-in demo model")
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(str(model), allow_patterns=_HUB_PATTERNS))
     except Exception as exc:  # noqa: BLE001 - the hub raises many kinds; all mean "not available"
-        raise ModelLoadError(
-            f"could not fetch {model!r} from the Hugging Face hub ({type(exc).__name__}: {exc}); when offline, "
-            "pass a local model directory, or pre-download it and set HF_HUB_OFFLINE=1"
-        ) from exc
+        raise ModelLoadError(hub_failure(str(model), "the model", exc)) from exc
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -58,17 +59,29 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in safetensors_files(model_dir):
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as handle:
-                for name in handle.keys():
-                    yield name, handle.get_tensor(name)
-        except Exception as exc:  # safetensors raises its own error type for truncated/corrupt files
-            if isinstance(exc, ModelLoadError):
-                raise
-            raise ModelLoadError(
-                f"cannot read weights file {file} ({exc}): it is truncated or corrupt; re-download it"
-            ) from exc
+    """Every tensor of the checkpoint; a progress bar on a terminal (none in a log file)."""
+    from tqdm import tqdm
+
+    files = safetensors_files(model_dir)
+    with tqdm(total=sum(f.stat().st_size for f in files), desc="loading weights", unit="B", unit_scale=True,
+              disable=None, leave=False) as bar:
+        for file in files:
+            yield from _file_weights(file, bar)
+
+
+def _file_weights(file: Path, bar) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name)
+                bar.update(tensor.numel() * tensor.element_size())
+                yield name, tensor
+    except Exception as exc:  # safetensors raises its own error type for truncated/corrupt files
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(
+            f"cannot read weights file {file} ({exc}): it is truncated or corrupt; re-download it"
+        ) from exc
 
 
 def _target_of(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pdserve.engine.hub import hub_failure, is_hub_id
+
 
 class TokenizerLoadError(ValueError):
     pass
@@ -15,6 +17,12 @@ def load_tokenizer(model_dir: str | Path):
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for a missing/broken tokenizer
+        if is_hub_id(model_dir):
+            raise TokenizerLoadError(hub_failure(str(model_dir), "the tokenizer", exc)) from exc
+        if not Path(model_dir).expanduser().is_dir():
+            raise TokenizerLoadError(f"cannot load the tokenizer of {str(model_dir)!r}: no such directory, and "
+                                     f"not a Hugging Face hub id (org/name): pass a model directory or a hub id"
+                                     ) from exc
         raise TokenizerLoadError(
             f"cannot load the tokenizer of {model_dir} ({type(exc).__name__}: {exc}): the directory needs "
             "tokenizer.json (or the files of a slow tokenizer) and tokenizer_config.json"

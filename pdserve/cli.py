@@ -5,18 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.cli_help import use_defaults_help
+
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="Hugging Face model directory or hub id (default: the built-in demo model)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and KV cache dtype; auto: float32 on CPU, the checkpoint's dtype on a GPU")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV cache size in blocks (default: 1 GiB on CPU; on CUDA, 90%% of the GPU memory left "
+                             "after the weights)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length in tokens, prompt included (default: the model's)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="do not reuse the KV blocks of prompt prefixes seen before")
     parser.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],
                         help="auto: pdserve's native model code when it has the architecture, else the transformers "
                              "backend (transformers' layers on pdserve's KV cache)")
@@ -26,28 +33,41 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     keygen = commands.add_parser("keygen", help="write CURVE keys for encrypted, authenticated links (--curve-dir)")
-    keygen.add_argument("dir", help="output directory (keep it private: it holds secret keys)")
+    keygen.add_argument("dir", nargs="?", help="output directory (keep it private: it holds secret keys)")
+    keygen.add_argument("--secret-manifest", metavar="NAME", default=None,
+                        help="print new keys as a Kubernetes Secret NAME instead of writing DIR: "
+                             "`pdserve keygen --secret-manifest pdserve-cluster-keys | kubectl apply -f -`")
     keygen.add_argument("--if-missing", action="store_true",
                         help="keep the keys already in DIR (a one-shot compose service runs it on every start)")
 
     demo = commands.add_parser("demo-model", help="write a random-weight Hugging Face model directory")
-    demo.add_argument("dir", help="output directory")
-    demo.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
-    demo.add_argument("--size", default="small", choices=["tiny", "small"])
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("dir", help="output directory (new or empty, unless --force)")
+    demo.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"],
+                      help="Hugging Face architecture of the model")
+    demo.add_argument("--size", default="small", choices=["tiny", "small"],
+                      help="tiny: a few MB, for tests; small: SmolLM-135M-shaped (about 500 MB)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed of the weights (same seed, same bytes)")
+    demo.add_argument("--force", action="store_true", help="write into DIR even when it already holds files")
     demo.add_argument("--if-missing", action="store_true",
-                      help="keep a model already in DIR (a one-shot compose service runs it on every start)")
+                      help="keep the model already in DIR, else build it (a one-shot compose service runs it on "
+                           "every start)")
+    demo.add_argument("--for-model", default=None, metavar="MODEL",
+                      help="build only when MODEL, the model the other services are given, is DIR (compose: "
+                           "skipped when PDSERVE_MODEL names another model)")
 
     generate = commands.add_parser("generate", help="offline generation demo: prints text and tokens/s")
     _add_model_args(generate)
-    generate.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few demo prompts")
+    generate.add_argument("--prompt", action="append",
+                          help="a prompt; repeat the flag for several (--prompt Hello --prompt 'Once upon'); "
+                               "default: a few demo prompts")
     generate.add_argument("--num-prompts", type=int, default=8, help="how many prompts when none are given")
-    generate.add_argument("--max-tokens", type=int, default=32)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt, at most")
+    generate.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    generate.add_argument("--seed", type=int, default=0, help="random seed of the engine and of sampling")
     for role in ("prefill", "decode"):
         from pdserve.engines import add_engine_args
 
@@ -75,24 +95,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep = commands.add_parser("sweep", help="benchmark xPyD layouts of `pdserve up` across loads; CSV and plots")
     add_sweep_args(sweep)
+    from pdserve.bench.plan_args import add_plan_args, add_profile_args
+
+    add_profile_args(commands.add_parser("profile", help="measure one engine's step and KV transfer times for "
+                                                         "`pdserve plan`"))
+    add_plan_args(commands.add_parser("plan", help="simulate every xPyD split from a profile and recommend one; "
+                                                   "--validate replays a sweep"))
+    use_defaults_help(parser)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "demo-model":
-            from pdserve.demo_model import has_demo_model, make_demo_model
+            from pdserve.demo_model import run_demo_model_command
 
-            if args.if_missing and has_demo_model(args.dir):
-                print(f"demo model already in {args.dir}: kept")
-                return 0
-            path = make_demo_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
-            print(f"wrote {args.arch}-{args.size} demo model to {path}")
+            print(run_demo_model_command(args))
             return 0
         if args.command == "keygen":
-            from pdserve.control.keys import has_cluster_keys, write_cluster_keys
+            from pdserve.control.keys import cluster_keys_secret, has_cluster_keys, write_cluster_keys
 
+            if args.secret_manifest:
+                print(cluster_keys_secret(args.secret_manifest))
+                return 0
+            if not args.dir:
+                raise ValueError("keygen needs an output directory DIR, or --secret-manifest NAME for Kubernetes")
             if args.if_missing and has_cluster_keys(args.dir):
                 print(f"CURVE keys already in {args.dir}: kept")
                 return 0
@@ -122,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.bench.sweep import run_sweep
 
             return run_sweep(args)
-    except (ValueError, MemoryError, FileNotFoundError) as exc:
+        if args.command in ("profile", "plan"):
+            from pdserve.bench.plan_cli import run_plan, run_profile
+
+            return run_profile(args) if args.command == "profile" else run_plan(args)
+    except (ValueError, MemoryError, FileNotFoundError, FileExistsError) as exc:
         # Our errors name the problem and the fix; a traceback would only bury that.
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -30,7 +30,10 @@ SUPPORTED_DEMO_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 DEMO_SIZES = ("tiny", "small")
 DEMO_DTYPES = ("float32", "bfloat16", "float16")
 # Bump when anything that changes the written files changes, so stale caches are not reused.
-DEMO_MODEL_VERSION = "v1"
+DEMO_MODEL_VERSION = "v2"
+# generation_config.json's max_new_tokens per size: a request without max_tokens stops there (random
+# weights never emit the end token, so it would otherwise run to the context length)
+_MAX_NEW_TOKENS = {"small": 256}
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -345,23 +348,25 @@ def _build_model(config, seed: int, dtype: str):
     return model.to(getattr(torch, dtype)).eval()
 
 
-def _save_model(model, config, out_dir: Path) -> None:
+def _save_model(model, config, out_dir: Path, max_new_tokens: int | None) -> None:
     import transformers
+    from transformers.utils import logging as hf_logging
 
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
+        max_new_tokens=max_new_tokens,
     )
-    # One file whatever the size: the loader and tests expect model.safetensors.
-    model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="1000GB")
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # our own bar covers the whole build
+    try:  # one file whatever the size: the loader and tests expect model.safetensors
+        model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="1000GB")
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     # safetensors >= 0.8 writes 0600; other users of a shared cache must be able to read it.
     os.chmod(out_dir / "model.safetensors", 0o644)
-
-
-def has_demo_model(out_dir: str | os.PathLike) -> bool:
-    """Whether out_dir holds a whole demo model: make_demo_model writes the chat template last."""
-    return (Path(out_dir) / "config.json").is_file() and (Path(out_dir) / "chat_template.jinja").is_file()
 
 
 def make_demo_model(
@@ -371,16 +376,75 @@ def make_demo_model(
     seed: int = 0,
     config_overrides: dict[str, Any] | None = None,
     dtype: str = "float32",
+    progress: bool = False,
 ) -> Path:
     """Write a random-weight HF model dir (config, safetensors, generation config, tokenizer, chat
-    template) to out_dir, creating it; files already there are overwritten. Returns the dir."""
+    template) to out_dir, creating it; files already there are overwritten. Returns the dir.
+    progress=True shows one progress bar (on stderr) over the build's steps."""
+    from tqdm import tqdm
+
     config = demo_config(arch, size, config_overrides, dtype)
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
-    model = _build_model(config, seed, dtype)
-    _save_model(model, config, out_path)
-    _save_tokenizer(out_path, config.vocab_size, config.max_position_embeddings)
+    with tqdm(total=3, desc=f"building the {arch}-{size} demo model", unit="step", disable=None if progress else True,
+              file=sys.stderr) as bar:
+        model = _build_model(config, seed, dtype)
+        bar.update()
+        _save_model(model, config, out_path, _MAX_NEW_TOKENS.get(size))
+        bar.update()
+        _save_tokenizer(out_path, config.vocab_size, config.max_position_embeddings)
+        bar.update()
     return out_path
+
+
+def write_demo_model(out_dir: str | os.PathLike, arch: str, size: str, seed: int, force: bool = False) -> Path:
+    """`pdserve demo-model DIR`: refuses a directory that already holds files unless force is given."""
+    out_path = Path(out_dir).expanduser()
+    if out_path.exists() and not out_path.is_dir():
+        raise FileExistsError(f"{out_path} is a file: give a directory path for the model")
+    if out_path.is_dir() and any(out_path.iterdir()) and not force:
+        raise FileExistsError(f"{out_path} is not empty: choose a new directory, or pass --force to overwrite "
+                              "the model files in it")
+    return make_demo_model(out_path, arch=arch, size=size, seed=seed, progress=True)
+
+
+def run_demo_model_command(args) -> str:
+    """`pdserve demo-model`'s work; returns the line to print."""
+    target = Path(args.dir).expanduser()
+    if args.for_model is not None and Path(args.for_model).expanduser() != target:
+        return f"not building the demo model: the services use {args.for_model}"
+    if args.if_missing:
+        if not build_once(target, args.arch, args.size, args.seed):
+            return f"demo model already in {target}: kept"
+    else:
+        write_demo_model(target, args.arch, args.size, args.seed, force=args.force)
+    return f"wrote {args.arch}-{args.size} demo model to {target}"
+
+
+def is_model_dir(path: Path) -> bool:
+    """A finished model directory: what the loader and tokenizer need is all there."""
+    return all((path / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def build_once(out_dir: str | os.PathLike, arch: str, size: str, seed: int) -> bool:
+    """`pdserve demo-model DIR --if-missing`: build into a temp sibling and rename it into place, so DIR
+    is either absent or complete; False when a finished model is already there (kept as it is)."""
+    target = Path(out_dir).expanduser()
+    if is_model_dir(target):
+        return False
+    if target.is_dir() and any(target.iterdir()):
+        raise FileExistsError(f"{target} holds files but no finished model: empty it, or pass --force instead "
+                              "of --if-missing")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    try:
+        make_demo_model(tmp, arch=arch, size=size, seed=seed, progress=True)
+        if target.is_dir():
+            target.rmdir()  # empty (a mount point is never the target: it is DIR's parent)
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return True
 
 
 def default_demo_model(arch: str = "llama", size: str = "small") -> Path:
@@ -397,7 +461,7 @@ def default_demo_model(arch: str = "llama", size: str = "small") -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
     try:
-        make_demo_model(tmp, arch=arch, size=size, seed=0)
+        make_demo_model(tmp, arch=arch, size=size, seed=0, progress=True)
         os.rename(tmp, target)
     except OSError:
         if not target.is_dir():

@@ -16,13 +16,16 @@ from pdserve.trust import add_trust_args, curve_dir_for
 def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--control-address", default="tcp://127.0.0.1:0",
                         help="where the router reaches this engine (tcp://host:port or ipc://path; port 0 = any)")
-    parser.add_argument("--engine-id", default=f"{role}-0",
-                        help="this engine's name at the router; '{hostname}' in it becomes this host's name, so "
-                             "replicas of one compose service get distinct ids (e.g. decode-{hostname})")
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--router-address", default=None,
+    parser.add_argument("--engine-id", default=None,
+                        help=f"this engine's name in the router's metrics and logs; unique per engine "
+                             f"(default: {role}-HOSTNAME, so container replicas differ)")
+    parser.add_argument("--log-level", default="info", type=str.lower,
+                        choices=["debug", "info", "warning", "error", "critical"],
+                        help="least severe log messages shown")
+    parser.add_argument("--router-address", action="append", default=[], metavar="ADDRESS",
                         help="register with the router at this address (its --registration-address, e.g. "
-                             "tcp://router:7000) and heartbeat load figures to it")
+                             "tcp://router:7000) and heartbeat load figures to it; repeat it for every router "
+                             "replica serving this engine (docs/deploy.md)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
     parser.add_argument("--stall-timeout", type=float, default=120.0,
                         help="stop heartbeating when the engine loop made no progress for this many seconds, so "
@@ -30,9 +33,11 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--progress-file", default=None,
                         help="touch this file as the engine loop goes round (for a supervisor such as `pdserve up`)")
     add_trust_args(parser)
-    parser.add_argument("--advertise-host", default=None,
-                        help="host the router and peers should use when this engine binds a wildcard host "
-                             "(0.0.0.0); default: this machine's address")
+    parser.add_argument("--advertise-address", "--advertise-host", dest="advertise_host", default=None,
+                        metavar="HOST",
+                        help="host name or IP routers and peers reach this engine at (e.g. a pod IP); default: "
+                             "the bind host, or for a wildcard bind (0.0.0.0) this host's IP on the route to "
+                             "the router. A loopback address is refused when a router is elsewhere")
     if role == "prefill":
         parser.add_argument("--kv-address", default="tcp://127.0.0.1:0", help="where decode engines pull KV from")
         parser.add_argument("--kv-want-timeout", type=float, default=30.0,
@@ -56,9 +61,10 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
 
 def _configs(args: argparse.Namespace) -> tuple:
     """(ModelConfig, CacheConfig, SchedulerConfig); torch is imported here, not at parse time."""
-    from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+    from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, check_device
     from pdserve.engine.loader import resolve_model_dir
 
+    check_device(args.device)  # before building or fetching a model it could not run
     if args.model is None:
         from pdserve.demo_model import default_demo_model
 
@@ -76,10 +82,15 @@ def streams_layers(choice: str, device: str) -> bool:
     return choice == "on" or (choice == "auto" and device.startswith("cuda"))
 
 
+def default_engine_id(role: str) -> str:
+    """role-hostname: a container's hostname is its id, so `--scale` replicas get distinct ids."""
+    return f"{role}-{socket.gethostname()}"
+
+
 def run_engine(args: argparse.Namespace, role: str) -> int:
+    args.engine_id = args.engine_id or default_engine_id(role)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s")
-    args.engine_id = args.engine_id.replace("{hostname}", socket.gethostname())
-    curve_dir = curve_dir_for(args, [args.control_address, getattr(args, "kv_address", None), args.router_address])
+    curve_dir = curve_dir_for(args, [args.control_address, getattr(args, "kv_address", None), *args.router_address])
     configs = _configs(args)
     if role == "prefill":
         from pdserve.prefill.service import PrefillOptions, build_prefill_server

@@ -23,15 +23,16 @@ START_TIMEOUT_S = 120
 
 class EngineProcess:
     """`python -m pdserve <role> ...` as a child process; waits for its PDSERVE_READY line. `module` runs
-    another entry point with the same command line (tests: one that injects faults first). Without
-    --curve-dir in args it runs --insecure: plaintext on loopback, as tests and benchmarks here need."""
+    another entry point with the same command line (tests: one that injects faults first); `launcher`
+    goes before it (tests: `ip netns exec NS`, another host). Without --curve-dir in args it runs
+    --insecure: plaintext on loopback, as tests and benchmarks here need."""
 
     def __init__(self, role: str, model_dir: str, *args: str, env: dict | None = None, log_dir: Path,
-                 module: str = "pdserve") -> None:
+                 module: str = "pdserve", launcher: tuple[str, ...] = ()) -> None:
         self.role = role
         self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
         trust = () if "--curve-dir" in args or "--insecure" in args else ("--insecure",)
-        command = [sys.executable, "-m", module, role, "--model", model_dir, "--dtype", "float32", *args, *trust]
+        command = [*launcher, sys.executable, "-m", module, role, "--model", model_dir, "--dtype", "float32", *args, *trust]
         self.process = subprocess.Popen(
             command, cwd=REPO, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True,
             env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})

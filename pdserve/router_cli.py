@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 
+from pdserve.cli_help import DeprecatedFlag
 from pdserve.trust import add_trust_args, curve_dir_for
 
 DEMO_MODEL_NAME = "pdserve-demo"
+LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 
 
 def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True) -> None:
@@ -19,8 +21,11 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
     parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                         help="require `Authorization: Bearer KEY` on /v1 (default: env PDSERVE_API_KEY)")
     parser.add_argument("--prefill-policy", default="prefix_aware",
-                        choices=["round_robin", "least_loaded", "prefix_aware"])
-    parser.add_argument("--decode-policy", default="least_kv", choices=["round_robin", "least_kv"])
+                        choices=["round_robin", "least_loaded", "prefix_aware"],
+                        help="how a prefill engine is picked: in turn, fewest tokens queued, or most of the prompt "
+                             "already in its prefix cache")
+    parser.add_argument("--decode-policy", default="least_kv", choices=["round_robin", "least_kv"],
+                        help="how a decode engine is picked: in turn, or most free KV blocks")
     parser.add_argument("--local-prefill-threshold", type=int, default=0,
                         help="prefill on the decode engine when the prompt's uncached part is at most this "
                              "many tokens (conditional disaggregation)")
@@ -37,14 +42,19 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
                         help="accept a `chat_template` in the request body (a template is code run on the router)")
     add_trust_args(parser, up=not standalone)
     if standalone:
-        parser.add_argument("--log-level", default="info")
+        parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, type=str.lower,
+                            help="least severe log messages shown")
         parser.add_argument("--registration-address", default="tcp://127.0.0.1:7000",
                             help="where engines register (their --router-address); 'none' to take static "
                                  "engines only")
-        parser.add_argument("--prefill", action="append", default=[], metavar="ADDRESS",
-                            help="control address of a prefill engine (repeatable); its KV address is asked")
-        parser.add_argument("--decode", action="append", default=[], metavar="ADDRESS",
-                            help="control address of a decode engine (repeatable)")
+        parser.add_argument("--prefill-address", action="append", default=[], metavar="ADDRESS",
+                            help="control address of a prefill engine started without --router-address "
+                                 "(repeatable); its KV address is asked")
+        parser.add_argument("--decode-address", action="append", default=[], metavar="ADDRESS",
+                            help="control address of a decode engine started without --router-address (repeatable)")
+        for old, new in (("--prefill", "--prefill-address"), ("--decode", "--decode-address")):
+            parser.add_argument(old, action=DeprecatedFlag, dest=new[2:].replace("-", "_"), replacement=new,
+                                append=True)
         parser.add_argument("--stats-interval", type=float, default=1.0,
                             help="seconds between stats polls of static engines")
         parser.add_argument("--max-retries", type=int, default=2,
@@ -65,11 +75,11 @@ def router_config(args: argparse.Namespace):
 
     model, name = resolve_model(args.model)
     registration = None if str(args.registration_address).lower() == "none" else args.registration_address
-    curve_dir = curve_dir_for(args, [registration, *args.prefill, *args.decode])
+    curve_dir = curve_dir_for(args, [registration, *args.prefill_address, *args.decode_address])
     return RouterConfig(
         model=model, served_model_name=args.served_model_name or name, host=args.host, port=args.port,
         api_key=args.api_key or None, registration_address=registration,
-        prefill_addresses=tuple(args.prefill), decode_addresses=tuple(args.decode),
+        prefill_addresses=tuple(args.prefill_address), decode_addresses=tuple(args.decode_address),
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         local_prefill_threshold=args.local_prefill_threshold, heartbeat_timeout_s=args.heartbeat_timeout,
         stats_interval_s=args.stats_interval, max_concurrent_requests=args.max_concurrent_requests,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -21,23 +22,31 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pdserve.router_cli import resolve_model
+from pdserve.cli_help import DeprecatedFlag
+from pdserve.router_cli import LOG_LEVELS, resolve_model
 from pdserve.supervisor import Component, ComponentFailed, RestartPolicy, Supervisor, log_tail
 from pdserve.trust import curve_dir_for, default_cluster_keys
 
+KEPT_LOG_DIRS = 10
+
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill", type=int, default=1, metavar="N",
+    parser.add_argument("--num-prefill", type=int, default=1, metavar="N",
                         help="prefill engines (0 = colocated: decode engines prefill themselves)")
-    parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode engines (at least 1)")
+    parser.add_argument("--num-decode", type=int, default=1, metavar="M", help="decode engines (at least 1)")
+    for old, new in (("--prefill", "--num-prefill"), ("--decode", "--num-decode")):
+        parser.add_argument(old, type=int, action=DeprecatedFlag, dest=new[2:].replace("-", "_"), replacement=new)
     parser.add_argument("--prefill-devices", default=None,
                         help="with --device cuda: comma-separated GPU indices for prefill engines (default 0..N-1)")
     parser.add_argument("--decode-devices", default=None,
                         help="with --device cuda: GPU indices for decode engines (default: the next M GPUs)")
     parser.add_argument("--pin-cpus", action="store_true",
                         help="on CPU: give each engine its own cores (sched_setaffinity) and threads to match")
-    parser.add_argument("--log-dir", default=None, help="where component logs go (default: a new temp dir)")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-dir", default=None,
+                        help="where each component's log file goes (default: a new up-<time> folder under "
+                             "~/.cache/pdserve/logs, or $PDSERVE_CACHE/logs; the last 10 are kept)")
+    parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
+                        help="least severe log messages the components write")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds every component together may take to become ready")
     parser.add_argument("--max-restarts", type=int, default=5, metavar="N",
@@ -124,11 +133,11 @@ def router_component(args: argparse.Namespace, model: str, name: str) -> Compone
 
 
 def engine_components(args: argparse.Namespace, model: str, registration: str) -> list[Component]:
-    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
-    indexes = list(range(args.prefill)) + list(range(args.decode))
+    roles = ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
+    indexes = list(range(args.num_prefill)) + list(range(args.num_decode))
     cuda = args.device.startswith("cuda")
-    gpus = (_devices(args.prefill_devices, args.prefill, 0) + _devices(args.decode_devices, args.decode, args.prefill)
-            if cuda else [])
+    gpus = (_devices(args.prefill_devices, args.num_prefill, 0)
+            + _devices(args.decode_devices, args.num_decode, args.num_prefill) if cuda else [])
     cpu_sets = split_cpus(sorted(os.sched_getaffinity(0)), len(roles)) if args.pin_cpus and not cuda else None
     components = []
     for position, (role, index) in enumerate(zip(roles, indexes)):
@@ -166,11 +175,11 @@ def engine_addresses(args: argparse.Namespace, role: str, position: int) -> list
 def check_ports(args: argparse.Namespace) -> None:
     if args.engine_port_base is None:
         return
-    last = args.engine_port_base + 2 * (args.prefill + args.decode) - 1
+    num_engines = args.num_prefill + args.num_decode
+    last = args.engine_port_base + 2 * num_engines - 1
     if args.engine_port_base < 1 or last > 65535:
-        raise ValueError(f"--engine-port-base {args.engine_port_base}: the {args.prefill + args.decode} engines need "
-                         f"ports {args.engine_port_base}..{last}; give a base between 1 and "
-                         f"{65536 - 2 * (args.prefill + args.decode)}")
+        raise ValueError(f"--engine-port-base {args.engine_port_base}: the {num_engines} engines need "
+                         f"ports {args.engine_port_base}..{last}; give a base between 1 and {65536 - 2 * num_engines}")
 
 
 # ---- running them ----
@@ -199,10 +208,23 @@ def _health_engines(url: str) -> dict | None:
 
 
 def _check_counts(args: argparse.Namespace) -> None:
-    if args.prefill < 0:
-        raise ValueError(f"--prefill {args.prefill}: give 0 or more prefill engines")
-    if args.decode < 1:
-        raise ValueError(f"--decode {args.decode}: at least one decode engine is needed")
+    if args.num_prefill < 0:
+        raise ValueError(f"--num-prefill {args.num_prefill}: give 0 or more prefill engines")
+    if args.num_decode < 1:
+        raise ValueError(f"--num-decode {args.num_decode}: at least one decode engine is needed")
+
+
+def new_log_dir(keep: int = KEPT_LOG_DIRS) -> Path:
+    """A fresh up-<UTC time> folder under the pdserve cache's logs/; only the newest `keep` are kept."""
+    from pdserve.demo_model import cache_dir
+
+    root = cache_dir() / "logs"
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    log_dir = Path(tempfile.mkdtemp(dir=root, prefix=f"up-{stamp}-"))
+    for old in sorted(root.glob("up-*"), key=lambda p: (p.stat().st_mtime_ns, p.name))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return log_dir
 
 
 def restart_policy(args: argparse.Namespace) -> RestartPolicy:
@@ -238,7 +260,7 @@ def _start_all(args: argparse.Namespace, supervisor: Supervisor, model: str, nam
         watch_progress(engine, supervisor.log_dir, args.stall_timeout)
         supervisor.start(engine)
     supervisor.wait_ready(engines, deadline)
-    wait_routed(supervisor, url, args.prefill, args.decode, deadline, router)
+    wait_routed(supervisor, url, args.num_prefill, args.num_decode, deadline, router)
     return url
 
 
@@ -249,9 +271,9 @@ def run_up(args: argparse.Namespace) -> int:
     policy = restart_policy(args)
     model, default_name = resolve_model(args.model)
     name = args.served_model_name or default_name
-    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+    log_dir = Path(args.log_dir).expanduser() if args.log_dir else new_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"[pdserve up] serving {name} with {args.prefill} prefill + {args.decode} decode engine(s); "
+    print(f"[pdserve up] serving {name} with {args.num_prefill} prefill + {args.num_decode} decode engine(s); "
           f"logs in {log_dir}", flush=True)
     print(f"[pdserve up] {'CURVE keys in ' + args.curve_dir if args.curve_dir else 'warning: --insecure: no CURVE'}"
           f" on every plane", flush=True)
@@ -264,7 +286,7 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         url = _start_all(args, supervisor, model, name, time.monotonic() + args.startup_timeout)
-        print(f"PDSERVE_READY role=up url={url} prefill={args.prefill} decode={args.decode}", flush=True)
+        print(f"PDSERVE_READY role=up url={url} prefill={args.num_prefill} decode={args.num_decode}", flush=True)
         print(f"[pdserve up] ready: OpenAI API at {url}/v1 (model {name!r}); Ctrl-C stops", flush=True)
         supervisor.watch()
         return 0

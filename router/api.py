@@ -145,7 +145,8 @@ def _install_routes(app: FastAPI, gateway: Gateway) -> None:
         max_model_len, vocab_size = gateway.context_limits()
         tokenized = await gateway.preprocessor.run(gateway.tokenization.completion_prompts, body)
         prompts = [Prompt(text, ids) for text, ids in tokenized]
-        specs = completion_specs(body, [p.token_ids for p in prompts], max_model_len, vocab_size, config.max_n)
+        specs = completion_specs(body, [p.token_ids for p in prompts], max_model_len, vocab_size, config.max_n,
+                                 gateway.generation_defaults)
         formatter = CompletionFormatter(
             config.served_model_name, gateway.tokenization, prompts, body.n, num_logprobs=body.logprobs,
             return_token_ids=body.return_token_ids, include_usage=body.include_usage_in_stream, echo=body.echo)
@@ -157,7 +158,7 @@ def _install_routes(app: FastAPI, gateway: Gateway) -> None:
         max_model_len, _ = gateway.context_limits()
         text, token_ids = await gateway.preprocessor.run(gateway.tokenization.chat_prompt, body,
                                                          config.allow_request_chat_template)
-        specs = chat_specs(body, token_ids, max_model_len, config.max_n)
+        specs = chat_specs(body, token_ids, max_model_len, config.max_n, gateway.generation_defaults)
         formatter = ChatFormatter(
             config.served_model_name, gateway.tokenization, [Prompt(text, token_ids)], body.n,
             num_logprobs=(body.top_logprobs or 0) if body.logprobs else None,

@@ -55,7 +55,7 @@ class RouterConfig:
             (self.request_timeout_s > 0, f"request timeout {self.request_timeout_s} must be > 0 seconds"),
             (0 <= self.port < 65536, f"port {self.port} must be in 0..65535 (0 picks a free port)"),
             (self.registration_address is not None or self.decode_addresses,
-             "the router can reach no decode engine: give --decode addresses or a --registration-address"),
+             "the router can reach no decode engine: give --decode-address addresses or a --registration-address"),
         ]
         for ok, message in checks:
             if not ok:

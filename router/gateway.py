@@ -3,6 +3,7 @@ metrics, admission) that the API handlers and the generation code share."""
 
 from __future__ import annotations
 
+from pdserve.engine.generation_defaults import load_generation_defaults
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import NoEngineAvailable, Overloaded
 from pdserve.router.metrics import RouterMetrics
@@ -16,6 +17,7 @@ class Gateway:
     def __init__(self, config: RouterConfig, tokenization: Tokenization | None = None) -> None:
         self.config = config
         self.tokenization = tokenization or Tokenization(config.model)
+        self.generation_defaults = load_generation_defaults(config.model)  # generation_config.json's sampling
         self.preprocessor = Preprocessor(config.num_preprocess_threads, config.preprocess_timeout_s)
         self.registry = EngineRegistry(config)
         self.policy = RoutingPolicy(config)

@@ -94,13 +94,18 @@ class RouterMetrics:
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("pdserve_time_per_output_token_seconds", "mean time per token after the first",
                               buckets=TPOT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "time between a choice's successive token "
+                             "deliveries (one observation per delivery after the first)",
+                             buckets=TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(EngineCollector(links))
 
     def observe_request(self, *, ttft: float | None, e2e: float, num_prompt_tokens: int,
-                        num_generated_tokens: int) -> None:
+                        num_generated_tokens: int, itls: list[float] = ()) -> None:
         self.e2e.observe(e2e)
+        for gap in itls:
+            self.itl.observe(gap)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generated_tokens)
         if ttft is not None:

@@ -1,24 +1,28 @@
 """Validated API requests -> ChoiceSpecs the engines can run: token limits against the context
-length, one SamplingParams per prompt (the engines get it as it is), n x prompts fan-out. Everything
-refused here is a 400 that names the fix."""
+length, one SamplingParams per prompt (the engines get it as it is; what the request leaves unset
+comes from the model's generation_config.json, as in vLLM), n x prompts fan-out. Everything refused
+here is a 400 that names the fix."""
 
 from __future__ import annotations
 
 from pdserve.control.errors import InvalidRequestError
 from pdserve.control.sampling_params import SamplingParams
+from pdserve.engine.generation_defaults import GenerationDefaults
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.generation import ChoiceSpec
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
-def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, param: str) -> int:
-    """max_tokens for the engine: as asked, or the rest of the context when not given."""
+def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, param: str,
+                       default: int | None = None) -> int:
+    """max_tokens for the engine: as asked; when not given, the default (the model's max_new_tokens)
+    within the rest of the context, or the rest of the context."""
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequest(f"the prompt has {num_prompt_tokens} tokens but the model's context length is "
                              f"{max_model_len} tokens, which leaves no room to generate: shorten the prompt",
                              param=param)
     if requested is None:
-        return max_model_len - num_prompt_tokens
+        return min(default or max_model_len, max_model_len - num_prompt_tokens)
     if num_prompt_tokens + requested > max_model_len:
         raise InvalidRequest(f"the model's context length is {max_model_len} tokens, but the prompt has "
                              f"{num_prompt_tokens} tokens and max_tokens asks for {requested} more: shorten the "
@@ -37,13 +41,16 @@ def check_token_ids(token_ids: list[int], vocab_size: int | None, param: str) ->
         raise InvalidRequest(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab_size})", param=param)
 
 
-def sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The request's SamplingParams: its checks (e.g. min_tokens <= max_tokens, at most 16 stop strings)
-    refuse it here, as a 400, rather than on an engine."""
+def sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None,
+                    defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
+    """The request's SamplingParams, the model's defaults where the request is silent: its checks (e.g.
+    min_tokens <= max_tokens, at most 16 stop strings) refuse it here, as a 400, rather than on an engine."""
+    sampling = defaults.fill(
+        {"temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
+         "repetition_penalty": request.repetition_penalty}, request.model_fields_set)
     try:
         return SamplingParams(
-            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
-            seed=request.seed, repetition_penalty=request.repetition_penalty,
+            **sampling, min_p=request.min_p, seed=request.seed,
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop_strings(),
             stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
@@ -77,7 +84,8 @@ def _specs(request: SamplingRequest, prompts: list[list[int]], params_of: list[S
 
 
 def completion_specs(request: CompletionRequest, prompts: list[list[int]], max_model_len: int,
-                     vocab_size: int | None, max_n: int) -> list[ChoiceSpec]:
+                     vocab_size: int | None, max_n: int,
+                     defaults: GenerationDefaults = GenerationDefaults()) -> list[ChoiceSpec]:
     if request.suffix:
         raise InvalidRequest("suffix is not supported: put the text in the prompt", param="suffix")
     if request.best_of is not None and request.best_of != request.n:
@@ -87,21 +95,25 @@ def completion_specs(request: CompletionRequest, prompts: list[list[int]], max_m
                              "drop one of them", param="echo")
     _check_supported(request)
     _check_n(request, len(prompts), max_n)
+    # an unset max_tokens is the model's max_new_tokens, else the API's default of 16
+    given = "max_tokens" in request.model_fields_set or defaults.max_tokens is None
+    requested, default = (request.max_tokens, None) if given else (None, defaults.max_tokens)
     params_of = []
     for token_ids in prompts:
         check_token_ids(token_ids, vocab_size, "prompt")
-        max_tokens = resolve_max_tokens(len(token_ids), request.max_tokens, max_model_len, "prompt")
-        params_of.append(sampling_params(request, max_tokens, request.logprobs))
+        max_tokens = resolve_max_tokens(len(token_ids), requested, max_model_len, "prompt", default)
+        params_of.append(sampling_params(request, max_tokens, request.logprobs, defaults))
     return _specs(request, prompts, params_of)
 
 
 def chat_specs(request: ChatCompletionRequest, token_ids: list[int], max_model_len: int,
-               max_n: int) -> list[ChoiceSpec]:
+               max_n: int, defaults: GenerationDefaults = GenerationDefaults()) -> list[ChoiceSpec]:
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
     _check_supported(request)
     _check_n(request, 1, max_n)
     check_token_ids(token_ids, None, "messages")
-    max_tokens = resolve_max_tokens(len(token_ids), request.max_new_tokens(), max_model_len, "messages")
+    max_tokens = resolve_max_tokens(len(token_ids), request.max_new_tokens(), max_model_len, "messages",
+                                    defaults.max_tokens)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _specs(request, [token_ids], [sampling_params(request, max_tokens, logprobs)])
+    return _specs(request, [token_ids], [sampling_params(request, max_tokens, logprobs, defaults)])

@@ -46,17 +46,26 @@ class _Timing:
     def __init__(self) -> None:
         self.start = time.monotonic()
         self.first_token: float | None = None
+        self.last_token: dict[int, float] = {}  # choice index -> when its latest tokens arrived
+        self.itls: list[float] = []  # seconds between a choice's successive token deliveries
 
     def saw(self, delta: ChoiceDelta) -> None:
-        if self.first_token is None and delta.token_ids:
-            self.first_token = time.monotonic()
+        if not delta.token_ids:
+            return
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+        previous = self.last_token.get(delta.index)
+        if previous is not None:
+            self.itls.append(now - previous)
+        self.last_token[delta.index] = now
 
     def record(self, gateway: Gateway, formatter: Formatter) -> None:
         usage = formatter.usage()
         gateway.metrics.observe_request(
             ttft=None if self.first_token is None else self.first_token - self.start,
             e2e=time.monotonic() - self.start, num_prompt_tokens=usage["prompt_tokens"],
-            num_generated_tokens=usage["completion_tokens"])
+            num_generated_tokens=usage["completion_tokens"], itls=self.itls)
         for total in formatter.totals:
             if total.finish_reason is not None:
                 gateway.metrics.finished.labels(total.finish_reason).inc()
@@ -120,6 +129,7 @@ async def _respond_whole(gateway: Gateway, request: Request, events: AsyncIterat
             async for event in events:
                 if isinstance(event, Restarted):
                     formatter.totals[event.index] = ChoiceTotal()
+                    timing.last_token.pop(event.index, None)  # the retry's first token starts afresh
                     continue
                 timing.saw(event)
                 formatter.totals[event.index].add(event)

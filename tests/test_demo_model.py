@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from pdserve import demo_model
 from pdserve.demo_model import (
     BOS_TOKEN,
+    DEMO_MODEL_VERSION,
     DEMO_SIZES,
     EOS_TOKEN,
     IM_END_TOKEN,
@@ -330,16 +331,16 @@ def test_greedy_generation_is_not_degenerate(tmp_path, tiny_dirs, arch, tie):
 def test_default_demo_model_is_built_once_then_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     first = default_demo_model("qwen3", "tiny")
-    assert first == tmp_path / "demo-models" / "qwen3-tiny-v1"
+    assert first == tmp_path / "demo-models" / f"qwen3-tiny-{DEMO_MODEL_VERSION}"
     assert AutoConfig.from_pretrained(first).architectures == ["Qwen3ForCausalLM"]
     monkeypatch.setattr(demo_model, "make_demo_model", lambda *a, **k: pytest.fail("rebuilt"))
     assert default_demo_model("qwen3", "tiny") == first
-    assert sorted(p.name for p in (tmp_path / "demo-models").iterdir()) == ["qwen3-tiny-v1"]
+    assert sorted(p.name for p in (tmp_path / "demo-models").iterdir()) == [f"qwen3-tiny-{DEMO_MODEL_VERSION}"]
 
 
 def test_default_demo_model_uses_the_copy_of_a_process_that_won_the_race(monkeypatch, tmp_path):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
-    target = tmp_path / "demo-models" / "llama-tiny-v1"
+    target = tmp_path / "demo-models" / f"llama-tiny-{DEMO_MODEL_VERSION}"
     real_make = demo_model.make_demo_model
 
     def make_while_another_process_finishes(out_dir, **kwargs):
@@ -351,18 +352,23 @@ def test_default_demo_model_uses_the_copy_of_a_process_that_won_the_race(monkeyp
     monkeypatch.setattr(demo_model, "make_demo_model", make_while_another_process_finishes)
     assert default_demo_model("llama", "tiny") == target
     assert (target / "winner").exists()
-    assert [p.name for p in target.parent.iterdir()] == ["llama-tiny-v1"]  # our temp dir is gone
+    assert [p.name for p in target.parent.iterdir()] == [f"llama-tiny-{DEMO_MODEL_VERSION}"]  # our temp dir is gone
 
 
-def test_demo_model_if_missing_keeps_a_whole_model_and_rebuilds_a_partial_one(tmp_path):
-    from pdserve.cli import main
+def test_small_demo_model_stops_at_a_sensible_length_by_default(tmp_path, monkeypatch):
+    """Random weights never emit the end token: generation_config's max_new_tokens bounds a request that
+    sets no max_tokens (the router and the offline API take it as the default)."""
+    from pdserve.demo_model import _MAX_NEW_TOKENS
+    from pdserve.engine.generation_defaults import load_generation_defaults
 
-    out = tmp_path / "demo"
-    assert main(["demo-model", str(out), "--size", "tiny", "--if-missing"]) == 0
-    weights = out / "model.safetensors"
-    built = weights.stat().st_mtime_ns
-    assert main(["demo-model", str(out), "--size", "tiny", "--if-missing"]) == 0
-    assert weights.stat().st_mtime_ns == built, "a second run (each compose `up`) keeps the model"
-    (out / "chat_template.jinja").unlink()  # a run killed before it finished
-    assert main(["demo-model", str(out), "--size", "tiny", "--if-missing"]) == 0
-    assert (out / "chat_template.jinja").is_file() and weights.stat().st_mtime_ns != built
+    assert 0 < _MAX_NEW_TOKENS["small"] <= 512
+    assert load_generation_defaults(make_demo_model(tmp_path / "tiny")).max_tokens is None, "tests' tiny: none"
+    monkeypatch.setitem(_MAX_NEW_TOKENS, "tiny", _MAX_NEW_TOKENS["small"])  # the small build's path, tiny-sized
+    written = make_demo_model(tmp_path / "bounded")
+    assert load_generation_defaults(written).max_tokens == _MAX_NEW_TOKENS["small"]
+
+
+def test_demo_build_shows_no_transformers_shard_bar(tmp_path, capfd):
+    make_demo_model(tmp_path / "m", arch="llama", size="tiny", progress=True)
+    err = capfd.readouterr().err
+    assert "Writing model shards" not in err

@@ -35,7 +35,8 @@ DOCUMENTED_KEYS = (
 
 @pytest.fixture(scope="module")
 def cluster(model_factory, tmp_path_factory):
-    up = UpProcess(model_factory("llama"), tmp_path_factory.mktemp("up-bench"), "--prefill", "1", "--decode", "1",
+    up = UpProcess(model_factory("llama"), tmp_path_factory.mktemp("up-bench"), "--num-prefill", "1",
+                   "--num-decode", "1",
                    env={"PDSERVE_API_KEY": API_KEY})
     yield up
     assert up.stop() == 0, up.logs()

@@ -100,6 +100,26 @@ def test_sweep_two_layouts_two_rates(model_factory, tmp_path):
     pids = up_pids(out)
     assert len(pids) == 3 + 2  # router + 2 engines, router + 1 engine
     assert not [pid for pid in pids if alive(pid)]  # every layout was stopped
+    validate_with_plan(model, out, tmp_path)
+
+
+def validate_with_plan(model: str, sweep_dir: Path, tmp_path: Path) -> None:
+    """`pdserve plan --validate` replays this sweep: every (config, rate) point, predicted against measured."""
+    from pdserve.bench.plan_fit import EngineSettings, model_identity
+    from tests.bench.plan_helpers import synthetic_profile
+
+    profile = synthetic_profile(model_identity(model)).model_copy(
+        update={"engine": EngineSettings(block_size=4, num_kv_blocks=512, max_num_batched_tokens=64)})
+    profile_path = tmp_path / "profile.json"
+    profile_path.write_text(profile.model_dump_json())
+    out = tmp_path / "validation"
+    assert main(["plan", "--profile", str(profile_path), "--validate", str(sweep_dir), "--output-dir", str(out)]) == 0
+    result = json.loads((out / "validation.json").read_text())
+    points = {(p["config"], p["request_rate"]) for p in result["points"]}
+    assert points == {(c, r) for c in ("1P1D", "0P1D") for r in RATES}
+    assert result["summary"]["attainment_mae_pp"] == 0.0  # a minute-long SLO: met in the sweep and predicted
+    assert all(p["predicted_median_ttft_ms"] > 0 for p in result["points"])
+    assert (out / "validation.png").stat().st_size > 0
 
 
 @pytest.mark.timeout(180)

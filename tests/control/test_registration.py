@@ -31,6 +31,12 @@ def test_register_is_validated():
     with pytest.raises(ProtocolError, match="role"):
         Register(engine_id="x", role="router", control_address="tcp://a:1", block_size=16, max_model_len=8,
                  vocab_size=8)
+    with pytest.raises(ProtocolError, match="bind-any address.*--advertise-address"):
+        Register(engine_id="x", role="prefill", control_address="tcp://0.0.0.0:5600", block_size=16,
+                 max_model_len=8, vocab_size=8)
+    with pytest.raises(ProtocolError, match="bind-any"):
+        Register(engine_id="x", role="prefill", control_address="tcp://10.0.0.3:5600", kv_address="tcp://*:5700",
+                 block_size=16, max_model_len=8, vocab_size=8)
     with pytest.raises(ProtocolError, match="block_size"):
         Register(engine_id="x", role="decode", control_address="tcp://a:1", block_size=0, max_model_len=8,
                  vocab_size=8)
@@ -41,6 +47,20 @@ def test_wildcard_binds_advertise_a_reachable_host():
     assert advertised_address("tcp://0.0.0.0:5600") == f"tcp://{socket.gethostbyname(socket.gethostname())}:5600"
     assert advertised_address("tcp://127.0.0.1:5600") == "tcp://127.0.0.1:5600"
     assert advertised_address("ipc:///tmp/engine.sock") == "ipc:///tmp/engine.sock"
+
+
+def test_a_wildcard_bind_advertises_the_ip_on_the_route_to_the_router():
+    # the kernel's source address toward the router: loopback for a router on loopback
+    assert advertised_address("tcp://0.0.0.0:5600", toward="tcp://127.0.0.1:7000") == "tcp://127.0.0.1:5600"
+    assert advertised_address("tcp://0.0.0.0:5600", "10.1.2.3", toward="tcp://127.0.0.1:7000") == "tcp://10.1.2.3:5600"
+    assert advertised_address("tcp://127.0.0.1:5600", "fd00::5") == "tcp://[fd00::5]:5600"
+
+
+def test_a_loopback_address_is_never_advertised_to_a_router_elsewhere():
+    with pytest.raises(ValueError, match="loopback.*--advertise-address"):
+        advertised_address("tcp://127.0.0.1:5600", toward="tcp://10.9.8.7:7000")
+    with pytest.raises(ValueError, match="loopback"):
+        advertised_address("tcp://0.0.0.0:5600", "localhost", toward="tcp://router:7000")
 
 
 def test_heartbeat_registers_reports_and_says_goodbye():

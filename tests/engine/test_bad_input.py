@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, InvalidRequestError, SamplingParams
 from pdserve.engine.config import ConfigError, ModelConfig
+from pdserve.engine.layers.linear import WeightShapeError
 from pdserve.engine.loader import ModelLoadError, resolve_model_dir
 from pdserve.engine.models.registry import UnsupportedArchitectureError
-from pdserve.engine.layers.linear import WeightShapeError
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +83,32 @@ def test_missing_config(tmp_path):
 
 
 def test_not_a_model_or_hub_id(tmp_path):
-    with pytest.raises(ModelLoadError, match="neither a model directory nor"):
+    with pytest.raises(ModelLoadError, match="does not exist and is not a Hugging Face hub id"):
         resolve_model_dir(str(tmp_path / "missing" / "deeper"))
+    with pytest.raises(ModelLoadError, match="pass a model directory"):
+        LLM("path/to/hf-model-dir")  # a placeholder copied from an example: one line, no hub lookup
+
+
+def test_unreachable_hub_id_is_described_as_a_hub_model():
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    from pdserve.engine.hub import hub_failure
+
+    offline = LocalEntryNotFoundError("Cannot find the requested files in the disk cache")
+    assert hub_failure("org/name", "the model", offline).startswith(
+        "cannot reach the Hugging Face hub to fetch the model of 'org/name'")
+    missing = RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # its constructor wants an HTTP response
+    assert "has no model 'org/name'" in hub_failure("org/name", "the model", missing)
+    wrapped = OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+    assert "cannot reach the Hugging Face hub" in hub_failure("org/name", "the tokenizer", wrapped)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable CUDA device")
+def test_cuda_device_without_cuda_names_the_fix(model_factory):
+    with pytest.raises(ConfigError, match="use --device cpu"):
+        LLM(model_factory("llama"), device="cuda")
+    with pytest.raises(ConfigError, match="is not a device"):
+        ModelConfig.from_hf(model_factory("llama"), device="gpu0")
 
 
 def test_missing_safetensors(model_factory, tmp_path):

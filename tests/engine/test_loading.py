@@ -87,11 +87,18 @@ def test_hub_id_offline_gives_clear_error(tmp_path):
     """In a fresh process with HF_HUB_OFFLINE=1 (read at import), so no request ever leaves the machine."""
     code = (
         "from pdserve.engine.loader import resolve_model_dir, ModelLoadError\n"
+        "from pdserve.engine.tokenizer import load_tokenizer, TokenizerLoadError\n"
         "try:\n    resolve_model_dir('nobody/no-such-model')\n"
         "except ModelLoadError as e:\n    print('ERROR:', e)\n"
+        "try:\n    load_tokenizer('nobody/no-such-model')\n"
+        "except TokenizerLoadError as e:\n    print('ERROR:', e)\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
                             timeout=120)
-    assert "ERROR: could not fetch 'nobody/no-such-model'" in result.stdout, result.stderr
-    assert "pass a local model directory" in result.stdout
+    model_error, tokenizer_error = result.stdout.splitlines()
+    assert model_error.startswith("ERROR: HF_HUB_OFFLINE is set and the model of 'nobody/no-such-model' is not in "
+                                  "the local HF cache"), result.stdout + result.stderr
+    assert tokenizer_error.startswith("ERROR: HF_HUB_OFFLINE is set and the tokenizer of 'nobody/no-such-model'")
+    for line in (model_error, tokenizer_error):
+        assert "pass a local model directory" in line and "directory needs" not in line, "a hub id is no directory"

@@ -40,8 +40,8 @@ class RouterProcess:
 
     def __init__(self, model_dir: str, prefill: EngineProcess, decode: EngineProcess, log_path) -> None:
         command = [sys.executable, "-m", "pdserve", "router", "--model", model_dir, "--port", "0",
-                   "--registration-address", "none", "--prefill", prefill.addresses["control"],
-                   "--decode", decode.addresses["control"], "--insecure", "--api-key", API_KEY,
+                   "--registration-address", "none", "--prefill-address", prefill.addresses["control"],
+                   "--decode-address", decode.addresses["control"], "--insecure", "--api-key", API_KEY,
                    "--stats-interval", "0.2", "--log-level", "warning"]
         self.log_path, self.log = log_path, open(log_path, "w")  # noqa: SIM115 (the process writes it until stop)
         self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=self.log, text=True,

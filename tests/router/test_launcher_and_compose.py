@@ -16,6 +16,7 @@ from pdserve.cli import build_parser
 from pdserve.up import engine_components, split_cpus
 from tests.router.conftest import REPO
 
+HF_HOME = "/home/pdserve/.cache/huggingface"
 VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 
@@ -26,6 +27,12 @@ def interpolate(value: str) -> str:
 
 def load_compose(name: str) -> dict:
     return yaml.safe_load((REPO / name).read_text())
+
+
+def pdserve_services(name: str) -> dict:
+    """The services that run the pdserve image (not the monitoring profile's Prometheus and Grafana)."""
+    return {service: spec for service, spec in load_compose(name)["services"].items()
+            if str(spec.get("image", "")).startswith("pdserve:")}
 
 
 def parse_command(command: list[str]) -> Namespace:
@@ -42,7 +49,7 @@ def port_of(address: str) -> str:
 
 @pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml"])
 def test_compose_services_use_real_cli_flags_and_find_each_other(name):
-    services = load_compose(name)["services"]
+    services = pdserve_services(name)
     assert {"router", "prefill", "decode"} <= set(services)
     parsed = {service: parse_command(spec["command"]) for service, spec in services.items()}
     assert parsed["router"].command == "router" and parsed["router"].host == "0.0.0.0"
@@ -51,14 +58,14 @@ def test_compose_services_use_real_cli_flags_and_find_each_other(name):
     for role in ("prefill", "decode"):
         engine = parsed[role]
         # engines find the router by service name, so `--scale` replicas register themselves
-        assert engine.router_address == f"tcp://router:{registration_port}"
+        assert engine.router_address == [f"tcp://router:{registration_port}"]
         assert engine.control_address.startswith("tcp://0.0.0.0:"), "bind every interface of the container"
         assert engine.model == parsed["router"].model, "router tokenizer and engine weights come from one model"
     assert parsed["prefill"].kv_address.startswith("tcp://0.0.0.0:")
     published = [interpolate(p) for p in services["router"]["ports"]]
     assert published == [f"8000:{parsed['router'].port}"]
     for spec in services.values():
-        assert "hf-cache:/home/pdserve/.cache/huggingface" in spec["volumes"]
+        assert f"hf-cache:{HF_HOME}" in spec["volumes"]
 
 
 @pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml"])
@@ -86,7 +93,7 @@ def test_gpu_compose_puts_prefill_on_gpu0_and_decode_on_gpu1():
 
 
 def test_cpu_compose_has_no_gpu_and_builds_its_own_demo_model():
-    services = load_compose("compose.cpu.yaml")["services"]
+    services = pdserve_services("compose.cpu.yaml")
     assert all("deploy" not in spec for spec in services.values())
     assert all(parse_command(services[role]["command"]).device == "cpu" for role in ("prefill", "decode"))
     demo = parse_command(services["demo-model"]["command"])
@@ -98,9 +105,8 @@ def test_cpu_compose_has_no_gpu_and_builds_its_own_demo_model():
 def test_dockerfile_installs_every_package_and_runs_pdserve():
     dockerfile = (REPO / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["pdserve-entrypoint"]' in dockerfile
-    assert "exec pdserve \"$@\"" in (REPO / "deploy" / "entrypoint.sh").read_text()
-    assert "HF_HOME=/home/pdserve/.cache/huggingface" in dockerfile, "the compose hf-cache volume is HF_HOME"
-    assert re.search(r"^USER pdserve$", dockerfile, re.MULTILINE), "the services run as a non-root user"
+    assert "COPY docker/entrypoint.sh /usr/local/bin/pdserve-entrypoint" in dockerfile
+    assert f"HF_HOME={HF_HOME}" in dockerfile, "the compose hf-cache volume is HF_HOME"
     torch_step, code_step = dockerfile.index('"torch==${TORCH_VERSION}"'), dockerfile.index("COPY engine ./engine")
     assert torch_step < dockerfile.index("pip install -r /tmp/requirements.txt") < code_step, \
         "torch and the dependencies are layers below the code: a code change reinstalls neither"
@@ -119,17 +125,18 @@ def test_up_plans_pinned_cpu_engines_on_disjoint_cores(monkeypatch):
     assert split_cpus([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3]]
     assert split_cpus([0, 1], 3) == [[0], [1], [0]], "more engines than cores: shared, with a warning"
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
-    components = engine_components(up_args("--prefill", "1", "--decode", "2", "--pin-cpus"), "/m", "tcp://r:1")
+    components = engine_components(up_args("--num-prefill", "1", "--num-decode", "2", "--pin-cpus"), "/m", "tcp://r:1")
     assert [c.cpus for c in components] == [[0, 1], [2, 3], [4, 5]]
     for component in components:
         parsed = build_parser().parse_args(component.command[3:])  # after `python -m pdserve`
-        assert parsed.router_address == "tcp://r:1" and parsed.model == "/m"
+        assert parsed.router_address == ["tcp://r:1"] and parsed.model == "/m"
         assert component.env["OMP_NUM_THREADS"] == str(len(component.cpus))
     assert [c.name for c in components] == ["prefill-0", "decode-0", "decode-1"]
 
 
 def test_up_plans_one_gpu_per_engine():
-    components = engine_components(up_args("--device", "cuda", "--prefill", "1", "--decode", "2"), "/m", "tcp://r:1")
+    components = engine_components(up_args("--device", "cuda", "--num-prefill", "1", "--num-decode", "2"), "/m",
+                                   "tcp://r:1")
     assert [c.env["CUDA_VISIBLE_DEVICES"] for c in components] == ["0", "1", "2"]
     pinned = engine_components(up_args("--device", "cuda", "--prefill-devices", "3", "--decode-devices", "5,6"),
                                "/m", "tcp://r:1")
@@ -148,7 +155,7 @@ def test_up_exits_nonzero_with_the_log_of_a_component_that_dies_at_start(tmp_pat
 
 
 def test_up_refuses_a_plan_without_decode_engines():
-    result = subprocess.run([sys.executable, "-m", "pdserve", "up", "--decode", "0"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "pdserve", "up", "--num-decode", "0"], cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "at least one decode engine" in result.stderr
 
@@ -156,7 +163,7 @@ def test_up_refuses_a_plan_without_decode_engines():
 def test_up_pins_the_engines_ports_from_a_base():
     from pdserve.up import check_ports
 
-    args = up_args("--prefill", "2", "--decode", "1", "--engine-port-base", "7100", "--engine-host", "0.0.0.0")
+    args = up_args("--num-prefill", "2", "--num-decode", "1", "--engine-port-base", "7100", "--engine-host", "0.0.0.0")
     commands = [component.command for component in engine_components(args, "/m", "tcp://r:7000")]
     addresses = [[c[c.index(flag) + 1] for flag in ("--control-address", "--kv-address") if flag in c] for c in commands]
     assert addresses == [["tcp://0.0.0.0:7100", "tcp://0.0.0.0:7101"], ["tcp://0.0.0.0:7102", "tcp://0.0.0.0:7103"],
@@ -164,7 +171,7 @@ def test_up_pins_the_engines_ports_from_a_base():
     free = engine_components(up_args(), "/m", "tcp://r:7000")
     assert [c.command[c.command.index("--control-address") + 1] for c in free] == ["tcp://127.0.0.1:0"] * 2
     with pytest.raises(ValueError, match="need ports 65531..65536"):
-        check_ports(up_args("--engine-port-base", "65531", "--prefill", "2", "--decode", "1"))
+        check_ports(up_args("--engine-port-base", "65531", "--num-prefill", "2", "--num-decode", "1"))
 
 
 def test_up_refuses_insecure_planes_beyond_loopback():

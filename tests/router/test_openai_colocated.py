@@ -1,4 +1,4 @@
-"""`pdserve up --prefill 0` (colocated: the decode engine prefills) with an API key, through the real
+"""`pdserve up --num-prefill 0` (colocated: the decode engine prefills) with an API key, through the real
 openai client: sampling parameters, logprobs, echo, n, models list, auth, and disconnects."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ PROMPT = "def parse(text):\n    tokens ="
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    up = UpProcess(tiny_model, tmp_path_factory.mktemp("up-colocated"), "--prefill", "0", "--decode", "1",
+    up = UpProcess(tiny_model, tmp_path_factory.mktemp("up-colocated"), "--num-prefill", "0", "--num-decode", "1",
                    "--served-model-name", "tiny", env={"PDSERVE_API_KEY": API_KEY})
     yield up
     assert up.stop() == 0, up.logs()

@@ -1,4 +1,4 @@
-"""`pdserve up --prefill 1 --decode 1` as real processes, driven through the real openai client:
+"""`pdserve up --num-prefill 1 --num-decode 1` as real processes, driven through the real openai client:
 output equals the offline engine token for token, streaming and not, stop strings, errors, client
 disconnects free every KV block, a statically configured router reaches the same engines, and a
 killed prefill engine leaves the service answering (the last test: it kills the engine)."""
@@ -34,7 +34,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
     # --max-restarts 0: the last test checks that a killed engine is routed around (test_supervision: restarts)
-    up = UpProcess(tiny_model, tmp_path_factory.mktemp("up-1p1d"), "--prefill", "1", "--decode", "1",
+    up = UpProcess(tiny_model, tmp_path_factory.mktemp("up-1p1d"), "--num-prefill", "1", "--num-decode", "1",
                    "--max-restarts", "0")
     yield up
     assert up.stop() == 0, up.logs()
@@ -193,7 +193,8 @@ def _read_then_leave(url: str, body: dict) -> None:
 def test_a_router_given_static_addresses_reaches_the_same_engines(cluster, client, offline, tiny_model):
     prefill, decode = cluster.ready_line("prefill-0"), cluster.ready_line("decode-0")
     command = [sys.executable, "-m", "pdserve", "router", "--model", tiny_model, "--port", "0",
-               "--registration-address", "none", "--prefill", prefill["control"], "--decode", decode["control"],
+               "--registration-address", "none", "--prefill-address", prefill["control"],
+               "--decode-address", decode["control"],
                "--curve-dir", str(default_cluster_keys())]  # the keys `pdserve up` made for the cluster
     router = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -55,7 +55,7 @@ def test_a_decode_engine_that_keeps_dying_is_given_up_and_up_ends(tmp_path, caps
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    up = UpProcess(tiny_model, tmp_path_factory.mktemp("up-supervised"), "--prefill", "1", "--decode", "1",
+    up = UpProcess(tiny_model, tmp_path_factory.mktemp("up-supervised"), "--num-prefill", "1", "--num-decode", "1",
                    *SUPERVISION)
     reader = threading.Thread(target=_read_lines, args=(up,), daemon=True)
     reader.start()

@@ -74,7 +74,7 @@ def _decode_engines(url: str) -> int:
 
 
 def test_an_engine_without_the_cluster_keys_cannot_join(tiny_model, tmp_path):
-    up = UpProcess(tiny_model, tmp_path / "up", "--prefill", "0", "--decode", "1")
+    up = UpProcess(tiny_model, tmp_path / "up", "--num-prefill", "0", "--num-decode", "1")
     try:
         assert any("CURVE keys in" in line for line in up.lines), "up runs on keys by default"
         registration = up.ready_line("router")["registration"]
@@ -119,7 +119,7 @@ def test_up_binds_the_ports_it_is_given(tiny_model, tmp_path):
     """For firewalls and containers: the registration address and every engine's ports are pinned."""
     base = free_port_run(5)
     registration = f"tcp://127.0.0.1:{base + 4}"
-    up = UpProcess(tiny_model, tmp_path / "up", "--prefill", "1", "--decode", "1",
+    up = UpProcess(tiny_model, tmp_path / "up", "--num-prefill", "1", "--num-decode", "1",
                    "--registration-address", registration, "--engine-port-base", str(base))
     try:
         assert up.ready_line("router")["registration"] == registration

@@ -1,0 +1,118 @@
+"""`pdserve profile` and `pdserve plan`: flags -> profile, workload and cluster settings -> every xPyD split
+simulated (or a sweep replayed with --validate) -> table, JSON and PNG (docs/planning.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from pdserve.bench.plan_fit import Profile, load_profile, model_identity
+from pdserve.bench.plan_recommend import PlanSettings, plan_splits, recommend, run_split, smallest_engines
+from pdserve.bench.plan_simulator import ClusterSpec, StepModel
+from pdserve.bench.plan_workload import Workload, workload_from_args
+from pdserve.bench.sweep_results import parse_slos
+
+PLAN_COLUMNS = (("config", "config", "{}"), ("request_rate", "rate/s", "{:.3g}"), ("slo_attainment", "attain", "{:.0%}"),
+                ("median_ttft_ms", "TTFT p50 ms", "{:.0f}"), ("p90_ttft_ms", "TTFT p90", "{:.0f}"),
+                ("median_tpot_ms", "TPOT p50 ms", "{:.1f}"), ("p90_tpot_ms", "TPOT p90", "{:.1f}"),
+                ("goodput", "goodput/s", "{:.3g}"), ("goodput_per_engine", "per engine", "{:.3g}"))
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from pdserve.bench.plan_profile import run_profile as measure
+
+    return measure(args)
+
+
+def cluster_spec(args: argparse.Namespace, profile: Profile) -> ClusterSpec:
+    return ClusterSpec(0, 1, profile.engine, profile.model.kv_bytes_per_token, args.prefill_policy, args.decode_policy,
+                       args.local_prefill_threshold, args.kv_streaming == "on")
+
+
+def step_model(args: argparse.Namespace, profile: Profile) -> StepModel:
+    prefill_scale, decode_scale = args.step_scale
+    if not (prefill_scale > 0 and decode_scale > 0):
+        raise ValueError(f"--step-scale {prefill_scale:g} {decode_scale:g}: both scales must be above 0 (1 = as profiled)")
+    return StepModel.from_profile(profile, prefill_scale, decode_scale)
+
+
+def check_slos_reachable(settings: PlanSettings) -> None:
+    """An SLO below what one request alone gets on the best split cannot be met at any rate."""
+    workload = settings.workload
+    order = sorted(range(len(workload)), key=lambda i: workload.prompt_lens[i] + workload.output_lens[i])
+    median = order[len(order) // 2]
+    alone = Workload([workload.prompt_lens[median]], [workload.output_lens[median]])
+    best: dict[str, float] = {}
+    for x, y in ((0, 1), (1, 1)):
+        metrics = run_split(PlanSettings(settings.model, alone, {}, settings.cluster), x, y, 1.0)
+        for name in settings.slos_ms:
+            value = metrics[f"median_{name}_ms"]
+            best[name] = min(best.get(name, math.inf), value)
+    for name, limit in settings.slos_ms.items():
+        if limit < best[name]:
+            raise ValueError(f"--slo {name}:{limit:g} is below the unloaded {name.upper()} of a median request "
+                             f"({best[name]:.0f} ms on the best split, from the profile): no split meets it at any "
+                             f"rate; raise it above {best[name]:.0f} ms")
+
+
+def format_table(rows: list[dict], columns=PLAN_COLUMNS) -> str:
+    def cell(row: dict, key: str, fmt: str) -> str:
+        value = row.get(key)
+        return "-" if value is None else fmt.format(value)
+
+    table = [[title for _, title, _ in columns]] + [[cell(row, key, fmt) for key, _, fmt in columns] for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    return "\n".join("  ".join(text.rjust(width) for text, width in zip(line, widths)) for line in table)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    profile = load_profile(args.profile)
+    if args.model:
+        profile.check_model(model_identity(args.model), args.model)
+    if args.validate:
+        from pdserve.bench.plan_validate import run_validate
+
+        return run_validate(args, profile)
+    if args.engines is None or args.engines < 1:
+        raise ValueError("pass --engines N (at least 1): the engines to split into prefill and decode")
+    slos = parse_slos(args.slo)
+    if not slos:
+        raise ValueError("pass --slo, e.g. --slo ttft:2000 tpot:150: a split is judged by its goodput under SLOs")
+    started, started_cpu = time.perf_counter(), time.process_time()
+    settings = PlanSettings(step_model(args, profile), workload_from_args(args), slos,
+                            cluster_spec(args, profile), args.burstiness, args.seed, args.exact_up_to)
+    check_slos_reachable(settings)
+    rows = plan_splits(settings, args.engines, args.request_rate)
+    best = recommend(rows)
+    smallest = smallest_engines(settings, args.target_rate, args.engines) if args.target_rate else None
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - started_cpu
+    print(format_table(rows))
+    print(f"\nrecommended: {best['config']} ({best['goodput_per_engine']:.3g} req/s per engine under "
+          f"{' '.join(args.slo)}); {len(rows)} splits of {len(settings.workload)} requests simulated in {elapsed:.1f} s "
+          f"({cpu:.1f} s of CPU)")
+    if args.target_rate:
+        print(f"smallest cluster for {args.target_rate:g} req/s: " + (
+            f"{smallest['num_engines']} engines as {smallest['config']}" if smallest else
+            f"none up to {args.engines} engines; give more --engines"))
+    write_outputs(args, profile, rows, best, smallest, elapsed)
+    return 0
+
+
+def write_outputs(args, profile: Profile, rows: list[dict], best: dict, smallest: dict | None, elapsed: float) -> None:
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"profile": str(args.profile), "model": profile.model.model_dump(), "machine": profile.machine,
+              "engines": args.engines, "slos_ms": parse_slos(args.slo), "request_rate": args.request_rate,
+              "dataset": {k: getattr(args, k) for k in ("dataset", "dataset_path", "num_prompts", "input_len",
+                                                         "output_len", "range_ratio", "burstiness", "seed")},
+              "step_scale": list(args.step_scale), "splits": rows, "recommended": best, "smallest": smallest, "seconds": elapsed}
+    (out / "plan.json").write_text(json.dumps(result, indent=1, default=str))
+    if not args.no_plots:
+        from pdserve.bench.plan_plots import plot_goodput
+
+        plot_goodput(rows, out / "plan_goodput.png")
+    print(f"wrote {out / 'plan.json'}" + ("" if args.no_plots else f" and {out / 'plan_goodput.png'}"))
+

@@ -1,0 +1,208 @@
+"""The engine profile `pdserve profile` writes and `pdserve plan` reads: the model it measured, the
+machine, the raw points, and three least-squares fits with their errors.
+
+    prefill step  = p0 + p_token * tokens + p_attention * sum(n * (n + 2 * cached))   (quadratic in length)
+    decode step   = d0 + d_seq * batch + d_context * total context tokens               (linear)
+    KV transfer   = latency + bytes * seconds_per_byte                                  (over the KV link)
+
+A chunk of n new tokens after `cached` computed ones attends to n * (n + 2 * cached) / 2 earlier pairs, so
+a single prompt of length L has the feature L^2: the papers' quadratic prefill.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+PROFILE_VERSION = 1
+
+
+class ProfileError(ValueError):
+    pass
+
+
+class ModelIdentity(BaseModel):
+    """What makes two engines' timings comparable: the architecture, its dimensions and the KV dtype."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype: str
+    kv_bytes_per_token: int
+    config_hash: str  # sha256 of config.json's architecture fields (not its path)
+
+    def differences(self, other: ModelIdentity) -> list[str]:
+        mine, theirs = self.model_dump(), other.model_dump()
+        return [f"{name} {mine[name]} != {theirs[name]}" for name in mine if mine[name] != theirs[name]]
+
+
+def model_identity(model_dir: str | Path, dtype: str = "float32") -> ModelIdentity:
+    from pdserve.engine.config import ModelConfig
+
+    config = ModelConfig.from_hf(str(model_dir), dtype=dtype)
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    shape_keys = sorted(k for k in hf if not k.startswith("_") and k not in ("transformers_version", "torch_dtype"))
+    digest = hashlib.sha256(json.dumps({k: hf[k] for k in shape_keys}, sort_keys=True).encode()).hexdigest()[:16]
+    return ModelIdentity(
+        architecture=config.architecture, num_layers=config.num_layers, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim, vocab_size=config.vocab_size, dtype=str(config.dtype).removeprefix("torch."),
+        kv_bytes_per_token=config.kv_bytes_per_token, config_hash=digest)
+
+
+class Fit(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    coefficients: dict[str, float]
+    r2: float
+    mean_relative_error: float
+    num_points: int
+
+    def predict(self, features: dict[str, float]) -> float:
+        return sum(value * features[name] for name, value in self.coefficients.items())
+
+
+class PrefillPoint(BaseModel):
+    prompt_len: int
+    batch: int
+    tokens: int  # new tokens in this step
+    attention: float  # sum over chunks of n * (n + 2 * cached)
+    seconds: float  # wall time of the step
+    cpu_seconds: float  # CPU time of the engine's one thread in it (what the step costs on a core of its own)
+
+
+class DecodePoint(BaseModel):
+    batch: int
+    context: int  # total tokens the batch attends to
+    seconds: float
+    cpu_seconds: float
+
+
+class TransferPoint(BaseModel):
+    bytes: int
+    seconds: float  # wall time per request, first frame sent to the receiver's ack
+    sender_cpu_s: float  # CPU the sending process spent per request (its engine's core)
+    receiver_cpu_s: float
+
+
+class EngineSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    num_kv_blocks: int = 23301  # 1 GiB of fp32 KV of the demo model: the CPU default
+
+
+class Profile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int = PROFILE_VERSION
+    model: ModelIdentity
+    machine: dict
+    engine: EngineSettings
+    prefill_points: list[PrefillPoint]
+    decode_points: list[DecodePoint]
+    transfer_points: list[TransferPoint]
+    prefill_fit: Fit
+    decode_fit: Fit
+    transfer_fit: Fit
+    clock: str = "wall"  # the fits' time: "wall", or "cpu" (a shared machine: what a core of its own would take)
+    transfer_sender_cpu_per_byte: float
+    transfer_receiver_cpu_per_byte: float
+
+    def check_model(self, identity: ModelIdentity, where: str) -> None:
+        differences = self.model.differences(identity)
+        if differences:
+            raise ProfileError(f"the profile was measured on another model than {where} ({'; '.join(differences)}): "
+                               f"run `pdserve profile --model <that model>` and plan with that profile")
+
+
+def load_profile(path: str | Path) -> Profile:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ProfileError(f"cannot read the profile {path}: {exc.strerror}; make one with `pdserve profile`") from None
+    try:
+        profile = Profile.model_validate_json(text)
+    except ValidationError as exc:
+        raise ProfileError(f"{path} is not a pdserve profile ({exc.error_count()} problems, first: "
+                           f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}); make one with `pdserve profile`") from None
+    if profile.version != PROFILE_VERSION:
+        raise ProfileError(f"{path} is a version {profile.version} profile; this pdserve reads version "
+                           f"{PROFILE_VERSION}: profile the engine again")
+    return profile
+
+
+def least_squares(features: list[dict[str, float]], seconds: list[float], names: list[str]) -> Fit:
+    """Least squares of seconds on the named features, none negative (a term that fits below zero is
+    noise: it is dropped and the rest refitted); R^2 and mean relative error over the points."""
+    if len(seconds) < len(names):
+        raise ProfileError(f"{len(seconds)} points cannot fit {len(names)} coefficients ({', '.join(names)}): "
+                           "measure more points")
+    matrix = np.array([[point[name] for name in names] for point in features], dtype=np.float64)
+    target = np.asarray(seconds, dtype=np.float64)
+    active = list(range(len(names)))
+    coefficients = np.zeros(len(names))
+    while active:
+        solution, *_ = np.linalg.lstsq(matrix[:, active], target, rcond=None)
+        if (solution >= 0).all():
+            coefficients[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))
+    predicted = matrix @ coefficients
+    total = float(np.sum((target - target.mean()) ** 2))
+    r2 = 1.0 - float(np.sum((target - predicted) ** 2)) / total if total > 0 else 1.0
+    relative = float(np.mean(np.abs(predicted - target) / np.maximum(target, 1e-12)))
+    return Fit(coefficients={n: float(c) for n, c in zip(names, coefficients)}, r2=r2,
+               mean_relative_error=relative, num_points=len(seconds))
+
+
+CLOCKS = ("wall", "cpu")
+
+
+def step_time(point: PrefillPoint | DecodePoint, clock: str) -> float:
+    return point.cpu_seconds if clock == "cpu" else point.seconds
+
+
+def transfer_time(point: TransferPoint, clock: str) -> float:
+    """Wall time, or on the cpu clock the busier side's CPU time (the two sides work as a pipeline)."""
+    return max(point.sender_cpu_s, point.receiver_cpu_s) if clock == "cpu" else point.seconds
+
+
+def fit_prefill(points: list[PrefillPoint], clock: str = "wall") -> Fit:
+    rows = [{"intercept": 1.0, "tokens": p.tokens, "attention": p.attention} for p in points]
+    return least_squares(rows, [step_time(p, clock) for p in points], ["intercept", "tokens", "attention"])
+
+
+def fit_decode(points: list[DecodePoint], clock: str = "wall") -> Fit:
+    rows = [{"intercept": 1.0, "batch": p.batch, "context": p.context} for p in points]
+    return least_squares(rows, [step_time(p, clock) for p in points], ["intercept", "batch", "context"])
+
+
+def fit_transfer(points: list[TransferPoint], clock: str = "wall") -> Fit:
+    rows = [{"intercept": 1.0, "bytes": p.bytes} for p in points]
+    return least_squares(rows, [transfer_time(p, clock) for p in points], ["intercept", "bytes"])
+
+
+def cpu_per_byte(points: list[TransferPoint], side: str) -> float:
+    """CPU seconds per byte on one side of the link (through the origin: the per-message cost is small)."""
+    total_bytes = sum(p.bytes for p in points)
+    return sum(getattr(p, f"{side}_cpu_s") for p in points) / total_bytes if total_bytes else 0.0
+
+
+def build_profile(model: ModelIdentity, machine: dict, engine: EngineSettings, prefill: list[PrefillPoint],
+                  decode: list[DecodePoint], transfer: list[TransferPoint], clock: str = "wall") -> Profile:
+    if clock not in CLOCKS:
+        raise ProfileError(f"clock {clock!r} is unknown: use one of {', '.join(CLOCKS)}")
+    return Profile(model=model, machine=machine, engine=engine, prefill_points=prefill, decode_points=decode,
+                   transfer_points=transfer, prefill_fit=fit_prefill(prefill, clock), decode_fit=fit_decode(decode, clock),
+                   transfer_fit=fit_transfer(transfer, clock), clock=clock,
+                   transfer_sender_cpu_per_byte=cpu_per_byte(transfer, "sender"),
+                   transfer_receiver_cpu_per_byte=cpu_per_byte(transfer, "receiver"))

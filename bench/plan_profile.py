@@ -1,0 +1,211 @@
+"""`pdserve profile`: one engine measured in-process, step by step, and the KV link between two processes;
+the fits of bench/plan_fit.py over the points, written as the profile JSON `pdserve plan` reads.
+
+On CPU the engine runs pinned to one core with one thread, as each engine of `pdserve sweep` does.
+Prefill points: prompts of several lengths, alone and batched (chunked at the token budget). Decode
+points: batches of several sizes over several prompt lengths, a few decode steps each. Transfer points:
+KV messages of several sizes over loopback tcp with CURVE, sender and receiver on a core each
+(bench/connector_throughput.py's processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.bench.plan_fit import (
+    DecodePoint,
+    EngineSettings,
+    PrefillPoint,
+    Profile,
+    TransferPoint,
+    build_profile,
+    model_identity,
+)
+
+# (prompt length, prompts in one batch): single prompts trace the quadratic, batches the chunking.
+PREFILL_SHAPES = [(16, 1), (64, 1), (256, 1), (512, 1), (1024, 1), (1536, 1), (2000, 1), (256, 4), (1000, 2),
+                  (1000, 3)]
+# (batch, prompt length): decode steps timed after the batch's prompts are computed.
+DECODE_SHAPES = [(1, 16), (4, 16), (16, 16), (32, 16), (64, 16), (1, 512), (4, 512), (8, 512), (1, 1500), (4, 1000)]
+DECODE_STEPS = 4
+TRANSFER_MIB = [1, 4, 16, 44]
+TRANSFER_REQUESTS = 3
+QUICK_PREFILL = [(16, 1), (64, 1), (128, 1), (64, 2)]
+QUICK_DECODE = [(1, 16), (2, 16), (4, 16), (2, 64)]
+QUICK_TRANSFER_MIB = [1, 2]
+
+
+@contextlib.contextmanager
+def one_core(core: int | None):
+    """This process on one core with one torch thread while measuring (as a sweep engine runs), then back."""
+    import torch
+
+    allowed = sorted(os.sched_getaffinity(0))
+    chosen = allowed[0] if core is None else core
+    if chosen not in allowed:
+        raise ValueError(f"--core {core} is not one this process may use ({allowed})")
+    threads = torch.get_num_threads()
+    os.sched_setaffinity(0, {chosen})
+    torch.set_num_threads(1)
+    try:
+        yield chosen
+    finally:
+        os.sched_setaffinity(0, allowed)
+        torch.set_num_threads(threads)
+
+
+def timed_step(engine) -> tuple[float, float, list]:
+    """One engine step as EngineCore.step runs it: (wall s, this thread's CPU s, [(new tokens, computed
+    before)] per request)."""
+    start, start_cpu = time.perf_counter(), time.thread_time()
+    plan = engine.scheduler.schedule()
+    shapes = [(s.num_new_tokens, s.request.num_computed_tokens) for s in plan.scheduled]
+    sampled = engine.runner.execute(plan, engine.kv_transfer.layer_hook(plan))
+    engine.scheduler.update_from_output(plan, sampled)
+    return time.perf_counter() - start, time.thread_time() - start_cpu, shapes
+
+
+class EngineProbe:
+    """The engine and fresh random prompts (no prefix-cache hits between measurements)."""
+
+    def __init__(self, model: str, device: str, max_num_batched_tokens: int) -> None:
+        from pdserve import LLM
+
+        self.llm = LLM(model, dtype="float32", device=device, max_num_batched_tokens=max_num_batched_tokens,
+                       enable_prefix_caching=False)
+        self.engine = self.llm.engine
+        self.vocab = self.llm.model_config.vocab_size
+        self.rng = np.random.default_rng(0)
+        self.count = 0
+
+    def add(self, prompt_len: int, max_tokens: int) -> None:
+        from pdserve import SamplingParams
+
+        ids = self.rng.integers(10, self.vocab, size=prompt_len).tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.count += 1
+        self.engine.add_request(self.engine.make_request(f"p{self.count}", ids, params))
+
+    def drain(self) -> None:
+        while self.engine.has_work():
+            self.engine.step()
+
+    def prefill_points(self, prompt_len: int, batch: int) -> list[PrefillPoint]:
+        for _ in range(batch):
+            self.add(prompt_len, 1)
+        points = []
+        while self.engine.has_work():
+            seconds, cpu_seconds, shapes = timed_step(self.engine)
+            if shapes:
+                points.append(PrefillPoint(prompt_len=prompt_len, batch=batch, tokens=sum(n for n, _ in shapes),
+                                           attention=float(sum(n * (n + 2 * c) for n, c in shapes)), seconds=seconds,
+                                           cpu_seconds=cpu_seconds))
+        return points
+
+    def decode_points(self, batch: int, prompt_len: int) -> list[DecodePoint]:
+        for _ in range(batch):
+            self.add(prompt_len, DECODE_STEPS + 2)
+        points = []
+        while self.engine.has_work():
+            seconds, cpu_seconds, shapes = timed_step(self.engine)
+            if shapes and all(n == 1 for n, _ in shapes) and len(shapes) == batch:
+                points.append(DecodePoint(batch=batch, context=sum(c + 1 for _, c in shapes), seconds=seconds,
+                                          cpu_seconds=cpu_seconds))
+        return points
+
+
+def measure_engine(args, model: str) -> tuple[list[PrefillPoint], list[DecodePoint], EngineSettings]:
+    probe = EngineProbe(model, args.device, args.max_num_batched_tokens)
+    probe.prefill_points(64, 1)  # warm-up: first-step allocations
+    probe.decode_points(2, 16)
+    prefill, decode = [], []
+    prefill_shapes, decode_shapes = (QUICK_PREFILL, QUICK_DECODE) if args.quick else (PREFILL_SHAPES, DECODE_SHAPES)
+    if args.served_decode:
+        decode_shapes = []  # timed through a served engine instead (plan_served.py)
+    max_len = probe.llm.model_config.max_model_len
+    for _ in range(args.repeats):
+        for prompt_len, batch in prefill_shapes:
+            if prompt_len + 1 <= max_len:
+                prefill += probe.prefill_points(prompt_len, batch)
+        for batch, prompt_len in decode_shapes:
+            if prompt_len + DECODE_STEPS + 2 <= max_len:
+                decode += probe.decode_points(batch, prompt_len)
+    runner = probe.engine.runner
+    settings = EngineSettings(block_size=probe.engine.cache_config.block_size,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_num_seqs=probe.engine.scheduler.config.max_num_seqs, num_kv_blocks=runner.num_blocks)
+    return prefill, decode, settings
+
+
+def measure_transfer(sizes_mib: list[int], num_requests: int) -> list[TransferPoint]:
+    """Seconds per request of pdserve's KV messages (tcp loopback, CURVE) and the CPU each side spent."""
+    from pdserve.bench.connector_throughput import MIB, messages_per_request, run_scenarios
+
+    scenarios = [("tcp", "kv", size, messages_per_request("kv", size, 4), num_requests, "tcp://127.0.0.1:0")
+                 for size in sizes_mib]
+    results = run_scenarios(scenarios, pin=True, curve=True)
+    wall = {index: seconds for role, index, seconds, _ in results if role == "send"}
+    cpu = {(role, index): cpu_s for role, index, _, cpu_s in results}
+    return [TransferPoint(bytes=size * MIB, seconds=wall[i] / num_requests,
+                          sender_cpu_s=cpu[("send", i)] / num_requests, receiver_cpu_s=cpu[("recv", i)] / num_requests)
+            for i, size in enumerate(sizes_mib)]
+
+
+def machine_info(device: str, core: int | None) -> dict:
+    import torch
+
+    cpu_name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    info = {"cpu": cpu_name, "cores": os.cpu_count(), "pinned_core": core, "torch": torch.__version__,
+            "python": platform.python_version(), "device": device, "load_average": list(os.getloadavg()),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from pdserve.demo_model import default_demo_model
+
+    model = args.model or str(default_demo_model())
+    identity = model_identity(model)
+    started = time.perf_counter()
+    pinned = one_core(args.core) if args.device == "cpu" else contextlib.nullcontext(None)
+    with pinned as core:
+        machine = machine_info(args.device, core)
+        prefill, decode, settings = measure_engine(args, model)
+    if args.served_decode:
+        from pdserve.bench.plan_served import served_decode_points
+
+        shapes = QUICK_DECODE if args.quick else DECODE_SHAPES
+        decode = [point for _ in range(args.repeats)
+                  for point in served_decode_points(model, shapes, core or 0, args.max_num_batched_tokens)]
+        machine["decode_points"] = "served: a pdserve decode process with CURVE, its CPU time per step"
+    transfer = measure_transfer(QUICK_TRANSFER_MIB if args.quick else TRANSFER_MIB, TRANSFER_REQUESTS)
+    clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
+    profile = build_profile(identity, machine, settings, prefill, decode, transfer, clock)
+    Path(args.out).write_text(profile.model_dump_json(indent=1))
+    print_fits(profile, time.perf_counter() - started, args.out)
+    return 0
+
+
+def print_fits(profile: Profile, seconds: float, out: str) -> None:
+    print(f"profiled {profile.model.architecture} ({profile.model.num_layers} layers, hidden "
+          f"{profile.model.hidden_size}) on {profile.machine['device']} in {seconds:.0f} s -> {out}; fits on the "
+          f"{profile.clock} clock")
+    for name in ("prefill", "decode", "transfer"):
+        fit = getattr(profile, f"{name}_fit")
+        terms = ", ".join(f"{k} {v:.3g}" for k, v in fit.coefficients.items())
+        print(f"  {name:<8} {terms}  (R^2 {fit.r2:.3f}, mean relative error {fit.mean_relative_error:.1%}, "
+              f"{fit.num_points} points)")
+    print(f"  KV link CPU: sender {profile.transfer_sender_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB, receiver "
+          f"{profile.transfer_receiver_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB")
+

@@ -1,0 +1,134 @@
+"""Every xPyD split of N engines simulated at one rate, or searched for its goodput (the highest rate at
+which >= 90% of requests meet every SLO, DistServe's definition); the best split per engine, and the
+smallest number of engines whose best split meets a target rate."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from pdserve.bench.plan_metrics import meets_target, predicted_metrics
+from pdserve.bench.plan_simulator import BudgetExceeded, ClusterSpec, StepModel, simulate, simulate_tiers
+from pdserve.bench.plan_workload import Workload
+from pdserve.bench.sweep_results import ATTAINMENT_TARGET
+
+SEARCH_STEPS = 5  # bisection steps after bracketing: the goodput to within 1/32 of the bracket
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    model: StepModel
+    workload: Workload
+    slos_ms: dict[str, float]
+    cluster: ClusterSpec  # policies and engine settings; its engine counts are replaced per split
+    burstiness: float = 1.0
+    seed: int = 0
+    exact_up_to: int = 8  # whole-cluster simulation up to this many engines, one engine per tier above
+
+
+def run_split(settings: PlanSettings, num_prefill: int, num_decode: int, rate: float,
+              stop_below_target: bool = False) -> dict:
+    """The split's predicted metrics at `rate`; with stop_below_target, BudgetExceeded as soon as the run
+    cannot reach the attainment target (a goodput probe needs no more)."""
+    spec = replace(settings.cluster, num_prefill=num_prefill, num_decode=num_decode)
+    workload = settings.workload
+    arrivals = workload.arrivals(rate, settings.burstiness, settings.seed)
+    exact = num_prefill + num_decode <= settings.exact_up_to
+    run = simulate if exact else simulate_tiers
+    stop_below = (settings.slos_ms, ATTAINMENT_TARGET) if stop_below_target else None
+    requests = run(spec, settings.model, arrivals, workload.prompt_lens, workload.output_lens, stop_below)
+    metrics = predicted_metrics(requests, settings.slos_ms)
+    sampled = len(workload) / len(requests)  # one decode engine's share stands for all of them (simulate_tiers)
+    for key in ("request_throughput", "request_goodput"):
+        if metrics[key] is not None:
+            metrics[key] *= sampled
+    return metrics
+
+
+def find_goodput(settings: PlanSettings, num_prefill: int, num_decode: int, start_rate: float) -> float:
+    """The highest rate meeting the target: bracket by doubling or halving from start_rate, then bisect."""
+    def meets(rate: float) -> bool:
+        try:
+            return meets_target(run_split(settings, num_prefill, num_decode, rate, stop_below_target=True))
+        except BudgetExceeded:
+            return False
+
+    if meets(start_rate):
+        low, high = start_rate, start_rate * 2
+        while meets(high):
+            low, high = high, high * 2
+            if high > 1e6:
+                return math.inf
+    else:
+        low, high = start_rate / 2, start_rate
+        while not meets(low):
+            low, high = low / 2, low
+            if low < start_rate / 4096:
+                return 0.0
+    for _ in range(SEARCH_STEPS):
+        middle = (low + high) / 2
+        low, high = (middle, high) if meets(middle) else (low, middle)
+    return low
+
+
+def splits_of(num_engines: int) -> list[tuple[int, int]]:
+    """(x, y) for every xPyD with x + y = N and at least one decode engine; 0P = colocated."""
+    return [(x, num_engines - x) for x in range(num_engines)]
+
+
+def capacity_guess(settings: PlanSettings, num_engines: int) -> float:
+    """A first rate for the goodput search: what N engines finish if each serves one request at a time."""
+    model, workload = settings.model, settings.workload
+    prompt = sum(workload.prompt_lens) / len(workload)
+    output = sum(workload.output_lens) / len(workload)
+    prefill = model.step_seconds(0, 0, int(prompt), prompt * prompt)
+    decode = output * model.step_seconds(1, int(prompt + output / 2), 0, 0.0)
+    return num_engines / max(prefill + decode, 1e-9)
+
+
+def plan_splits(settings: PlanSettings, num_engines: int, rate: float | None) -> list[dict]:
+    """One row per split: its metrics at `rate`, or its searched goodput (rate None)."""
+    rows = []
+    start = capacity_guess(settings, num_engines)
+    for x, y in splits_of(num_engines):  # each search starts from the previous split's goodput
+        row = {"config": f"{x}P{y}D", "num_prefill": x, "num_decode": y, "num_engines": num_engines}
+        if rate is None:
+            goodput = find_goodput(settings, x, y, start)
+            start = goodput if 0 < goodput < math.inf else start
+            row["goodput"] = goodput
+            metrics = run_split(settings, x, y, goodput) if goodput > 0 and math.isfinite(goodput) else {}
+            row["request_rate"] = goodput
+        else:
+            metrics = run_split(settings, x, y, rate)
+            row["request_rate"] = rate
+            row["goodput"] = metrics["request_goodput"] or 0.0
+        row["goodput_per_engine"] = row["goodput"] / num_engines
+        row.update({k: metrics.get(k) for k in ("slo_attainment", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms",
+                                                "p90_tpot_ms", "preemptions")})
+        rows.append(row)
+    return rows
+
+
+def recommend(rows: list[dict]) -> dict:
+    return max(rows, key=lambda row: (row["goodput_per_engine"], -row["num_prefill"]))
+
+
+def smallest_engines(settings: PlanSettings, target_rate: float, max_engines: int) -> dict | None:
+    """The fewest engines (<= max_engines) with a split meeting target_rate, and that split; None if none."""
+    def best_at(num_engines: int) -> dict | None:
+        passing = [(x, y, run_split(settings, x, y, target_rate)) for x, y in splits_of(num_engines)]
+        passing = [(x, y, m) for x, y, m in passing if meets_target(m)]
+        if not passing:
+            return None
+        x, y, metrics = min(passing, key=lambda item: -item[2]["slo_attainment"])
+        return {"num_engines": num_engines, "config": f"{x}P{y}D", "slo_attainment": metrics["slo_attainment"]}
+
+    low, high, found = 1, max_engines, None
+    while low <= high:  # attainment grows with engines: bisect on N
+        middle = (low + high) // 2
+        best = best_at(middle)
+        if best is not None:
+            found, high = best, middle - 1
+        else:
+            low = middle + 1
+    return found

@@ -1,0 +1,88 @@
+"""Decode steps of a served engine: one `pdserve decode` process (CURVE on its control socket, one thread,
+pinned to one core) driven over its control socket, as the router drives it. Each point is the process's CPU
+time per decode step (all its threads: the engine loop, ZeroMQ's I/O with its encryption, heartbeats) and
+the median gap between a request's tokens; the in-process steps of bench/plan_profile.py miss the first."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.bench.plan_fit import DecodePoint
+
+SERVED_TOKENS = 24  # tokens per request: the decode steps timed after the prompts are in
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of a process, all its threads, in seconds (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def served_decode_points(model: str, shapes: list[tuple[int, int]], core: int, max_num_batched_tokens: int
+                         ) -> list[DecodePoint]:
+    """One point per (batch, prompt length): CPU and wall time per decode step of a served engine."""
+    from pdserve.control.keys import load_cluster_keys, write_cluster_keys
+    from pdserve.local_cluster import Driver, EngineProcess
+
+    work = Path(tempfile.mkdtemp(prefix="pdserve-profile-"))
+    write_cluster_keys(work / "keys")
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})  # the engine process inherits the one core
+    try:
+        engine = EngineProcess("decode", model, "--max-num-batched-tokens", str(max_num_batched_tokens),
+                               "--curve-dir", str(work / "keys"), env={"OMP_NUM_THREADS": "1"}, log_dir=work)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    driver = Driver(engine, curve=load_cluster_keys(work / "keys").client)
+    vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    prompts = _Prompts(np.random.default_rng(1), vocab_size)
+    try:
+        return [_point(driver, engine.process.pid, batch, prompt_len, prompts, f"{batch}x{prompt_len}-{n}")
+                for n, (batch, prompt_len) in enumerate([(1, 16), *shapes])][1:]  # the first warms up
+    finally:
+        driver.close()
+        engine.stop()
+
+
+class _Prompts:
+    def __init__(self, rng: np.random.Generator, vocab_size: int) -> None:
+        self.rng, self.vocab_size = rng, vocab_size
+
+    def new(self, length: int) -> list[int]:
+        return self.rng.integers(min(10, self.vocab_size - 1), self.vocab_size, size=length).tolist()
+
+
+def _point(driver, pid: int, batch: int, prompt_len: int, prompts: _Prompts, tag: str) -> DecodePoint:
+    from pdserve.control.messages import TokenDelta
+
+    ids = [f"{tag}-{i}" for i in range(batch)]
+    for request_id in ids:
+        driver.submit(request_id, prompts.new(prompt_len), remote=False,
+                      temperature=0.0, max_tokens=SERVED_TOKENS, ignore_eos=True)
+    times: dict[str, list[float]] = {request_id: [] for request_id in ids}
+    cpu_at_first = None
+    finished = 0
+    while finished < batch:
+        received = driver.decode.recv(timeout=0.01)
+        if received is None or not isinstance(received.msg, TokenDelta):
+            continue
+        if received.msg.token_ids:
+            times[received.msg.request_id].append(time.perf_counter())
+            if cpu_at_first is None and all(times.values()):
+                cpu_at_first = process_cpu_s(pid)  # every prompt is in: decode steps from here
+        if received.msg.error:
+            raise RuntimeError(f"the served engine failed {received.msg.request_id}: {received.msg.error}")
+        finished += received.msg.finish_reason is not None
+    num_steps = SERVED_TOKENS - 1
+    cpu_per_step = (process_cpu_s(pid) - cpu_at_first) / num_steps
+    gaps = [b - a for stamps in times.values() for a, b in itertools.pairwise(stamps[1:])]  # after the first token
+    context = batch * (prompt_len + SERVED_TOKENS // 2)
+    return DecodePoint(batch=batch, context=context, seconds=statistics.median(gaps), cpu_seconds=cpu_per_step)

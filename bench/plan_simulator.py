@@ -1,0 +1,552 @@
+"""A discrete-event simulator of a pdserve cluster: xPyD engines behind the router's policies, each a
+continuous-batching scheduler with a token budget, chunked prefill and a KV pool that preempts.
+
+What it models (docs/planning.md says why each choice):
+- the router: prefill policy (round_robin; least_loaded and prefix_aware both as least queued prefill
+  tokens, since no prefix cache is simulated), decode policy (round_robin, least_kv), and local prefill
+  on the decode engine when there are no prefill engines or the prompt is <= local_prefill_threshold;
+- one engine: each step runs every decoding request's next token, then prompt chunks up to the token
+  budget (running chunks first, then waiting prompts in arrival order), admitting only what the KV pool
+  holds; a decode that cannot grow preempts the newest request, which is recomputed later;
+- step time from the profile's fits: prefill-only steps by the prefill fit, steps with decodes by the
+  decode fit plus the prefill fit's per-token and attention terms for the chunks in them;
+- disaggregation: the decode engine allocates the prompt's blocks when it admits the request (KVWant);
+  the transfer starts when both the prompt is computed and the want is there, lasts latency + bytes /
+  bandwidth (streamed: only latency after the prefill), and takes the sending and receiving CPU time of
+  the profile's link from the engines' own cores: the prefill engine's next step and the decode
+  engine's next step are that much later. The decode engine publishes the first token (sampled on the
+  prefill engine) with the output of its next step, as its scheduler does (engine/scheduler.py).
+
+Events run on simpy's queue (a plain heapq loop was 1.4x faster, 2.5 against 3.6 CPU-seconds for 64 splits
+of 64 engines and 10,000 requests: both well within the 10 s goal, see docs/BENCHMARKS.md). Decode-only
+stretches of an engine run as one event of k steps (until the next request finishes), cut at the next step
+boundary when a new arrival or KV lands there.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+try:
+    import simpy
+except ImportError as exc:  # an extra of the bench tools
+    raise ImportError('pdserve plan needs simpy: pip install "pdserve[bench]"') from exc
+
+from pdserve.bench.plan_fit import EngineSettings, Profile
+
+PREFILL_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+DECODE_POLICIES = ("round_robin", "least_kv")
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Seconds of one engine step and of one KV transfer, from a profile's fits."""
+    prefill_intercept: float
+    prefill_per_token: float
+    prefill_per_attention: float
+    decode_intercept: float
+    decode_per_seq: float
+    decode_per_context: float
+    transfer_latency: float
+    transfer_per_byte: float
+    sender_cpu_per_byte: float = 0.0
+    receiver_cpu_per_byte: float = 0.0
+
+    @classmethod
+    def from_profile(cls, profile: Profile, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> StepModel:
+        """The profile's fits; the scales multiply its prefill and decode step times (a profile taken on a
+        busier or slower machine than the one planned for)."""
+        p, d, t = (profile.prefill_fit.coefficients, profile.decode_fit.coefficients,
+                   profile.transfer_fit.coefficients)
+        return cls(p["intercept"] * prefill_scale, p["tokens"] * prefill_scale, p["attention"] * prefill_scale,
+                   d["intercept"] * decode_scale, d["batch"] * decode_scale, d["context"] * decode_scale,
+                   max(t["intercept"], 0.0), t["bytes"], profile.transfer_sender_cpu_per_byte,
+                   profile.transfer_receiver_cpu_per_byte)
+
+    def step_seconds(self, num_decodes: int, context: int, prefill_tokens: int, attention: float) -> float:
+        chunks = self.prefill_per_token * prefill_tokens + self.prefill_per_attention * attention
+        if num_decodes:
+            return self.decode_intercept + self.decode_per_seq * num_decodes + self.decode_per_context * context + chunks
+        return self.prefill_intercept + chunks
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    num_prefill: int
+    num_decode: int
+    settings: EngineSettings = field(default_factory=EngineSettings)
+    kv_bytes_per_token: int = 46080
+    prefill_policy: str = "prefix_aware"
+    decode_policy: str = "least_kv"
+    local_prefill_threshold: int = 0
+    kv_streaming: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_decode < 1 or self.num_prefill < 0:
+            raise ValueError(f"{self.num_prefill}P{self.num_decode}D: a cluster needs at least one decode engine "
+                             "(0P = colocated)")
+        if self.prefill_policy not in PREFILL_POLICIES or self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(f"unknown policy {self.prefill_policy}/{self.decode_policy}: prefill one of "
+                             f"{', '.join(PREFILL_POLICIES)}, decode one of {', '.join(DECODE_POLICIES)}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.num_prefill}P{self.num_decode}D"
+
+
+@dataclass
+class SimRequest:
+    index: int
+    arrival: float
+    prompt_len: int
+    output_len: int
+    num_computed: int = 0  # prompt tokens computed on the engine prefilling it
+    num_generated: int = 0  # up to join_clock while decoding
+    kv_tokens: int = 0  # KV slots allocated on admission (whole blocks)
+    join_clock: int = 0  # the decode engine's clock when it began decoding
+    remote: bool = False
+    want_time: float | None = None  # the decode engine allocated its blocks
+    prompt_done: float | None = None  # the prefill engine computed it
+    first_token: float | None = None
+    finish: float | None = None
+    num_preemptions: int = 0
+    prefill_engine: SimEngine | None = field(default=None, repr=False)
+    decode_engine: SimEngine | None = field(default=None, repr=False)
+
+    @property
+    def recompute_len(self) -> int:
+        """Tokens to compute before the next token: the prompt, plus what it generated before a preemption."""
+        return self.prompt_len + self.num_generated
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        return (self.finish - self.first_token) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+    @property
+    def e2el(self) -> float:
+        return self.finish - self.arrival
+
+
+class BudgetExceeded(Exception):
+    """More requests missed an SLO than the attainment target allows: the run cannot meet it."""
+
+
+@dataclass
+class MissBudget:
+    """Stops a run (a goodput probe) as soon as it is sure to miss the attainment target."""
+    slos_s: dict[str, float]  # SimRequest property -> its limit in seconds
+    max_misses: int
+    num_missed: int = 0
+
+    def judge(self, request: SimRequest) -> None:
+        if any(getattr(request, name) > limit for name, limit in self.slos_s.items()):
+            self.num_missed += 1
+            if self.num_missed > self.max_misses:
+                raise BudgetExceeded
+
+
+class Simulation:
+    """The clock and the event queue (simpy's): engines schedule callbacks at absolute times."""
+
+    def __init__(self) -> None:
+        self.env = simpy.Environment()
+        self.num_events = 0
+
+    @property
+    def now(self) -> float:
+        return self.env.now
+
+    def at(self, time: float, callback, *args) -> None:
+        event = self.env.timeout(max(0.0, time - self.env.now))
+        event.callbacks.append(lambda _: self._fire(callback, args))
+
+    def _fire(self, callback, args: tuple) -> None:
+        self.num_events += 1
+        callback(*args)
+
+    def run(self) -> None:
+        self.env.run()
+
+
+class SimEngine:
+    """One engine's scheduler, in tokens. Decoding requests advance together, so they are counted by a
+    clock (decode tokens every decoding request has had since the engine started): a request's tokens
+    are its tokens when it joined plus the clock's advance since, and none is touched per step."""
+
+    def __init__(self, sim: Simulation, cluster: SimCluster, index: int, role: str) -> None:
+        self.sim, self.cluster, self.index, self.role = sim, cluster, index, role
+        settings = cluster.spec.settings
+        self.block_size = settings.block_size
+        self.budget = settings.max_num_batched_tokens
+        self.max_num_seqs = settings.max_num_seqs
+        self.capacity = settings.num_kv_blocks * settings.block_size  # KV pool, tokens
+        self.model = cluster.model
+        self.waiting: deque[SimRequest] = deque()
+        self.prefilling: list[SimRequest] = []  # admitted, prompt (or recompute) not done
+        self.decoding: dict[int, SimRequest] = {}  # by index, in the order they joined
+        self._finishes: list[tuple[int, int, SimRequest]] = []  # (finish clock, index, request)
+        self.clock = 0
+        self._context_base = 0  # sum over decoding of (tokens at join - clock at join)
+        self.fixed_tokens = 0  # KV of prefilling requests, requests waiting for KV, prompts held for a transfer
+        self.waiting_tokens = 0  # prompt tokens not yet admitted (the router counts them as pending)
+        self.queued_tokens = 0  # prompt tokens not yet computed (waiting and prefilling)
+        self.num_waiting_for_kv = 0
+        self.landed: list[SimRequest] = []  # KV arrived, not yet taken in by the loop
+        self._announce: list[SimRequest] = []  # KV taken in: first token published after the next step
+        self.cpu_debt = 0.0  # transfer CPU taken from this engine's core, paid before its next step
+        self.busy = False
+        self._run: tuple | None = None  # a decode run: (start, num_steps, first step s, growth s/step)
+        self._version = 0
+        self.num_preemptions = 0
+
+    # ---- load figures the router reads ----
+
+    def kv_usage(self) -> float:
+        return (self.used_tokens() + self.waiting_tokens) / self.capacity
+
+    def num_inflight(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + len(self.decoding) + self.num_waiting_for_kv
+
+    def context_tokens(self) -> int:
+        return self._context_base + len(self.decoding) * self.clock
+
+    def used_tokens(self) -> int:
+        return self.fixed_tokens + self.context_tokens()
+
+    # ---- input ----
+
+    def add(self, request: SimRequest) -> None:
+        self.waiting.append(request)
+        self.waiting_tokens += request.prompt_len
+        if not (self.role == "decode" and request.remote):
+            self.queued_tokens += request.prompt_len
+        self.wake()
+
+    def kv_landed(self, request: SimRequest) -> None:
+        self.landed.append(request)
+        self.cpu_debt += request.prompt_len * self.cluster.spec.kv_bytes_per_token * self.model.receiver_cpu_per_byte
+        self.wake()
+
+    def wake(self) -> None:
+        """New input: start a loop iteration now if idle, or end a decode run at its next step boundary."""
+        if not self.busy:
+            self.busy = True
+            self.sim.at(self.sim.now, self.iterate)
+        elif self._run is not None:
+            self._cut_run()
+
+    # ---- the loop ----
+
+    def iterate(self) -> None:
+        now = self.sim.now + self.cpu_debt
+        self.cpu_debt = 0.0
+        for request in self.landed:  # the first token goes out with the next step's tokens
+            self.num_waiting_for_kv -= 1
+            self.fixed_tokens -= request.kv_tokens
+            self._announce.append(request)
+            self._join_decoding(request, 1, now)
+        self.landed.clear()
+        self._preempt_to_fit()
+        chunks = self._admit()
+        num_decodes = len(self.decoding)
+        if not num_decodes and not chunks:
+            self._announce_first_tokens(now)
+            self.busy = False
+            return
+        if not chunks:
+            self._start_decode_run(now)
+            return
+        tokens = sum(n for _, n in chunks)
+        attention = sum(n * (n + 2 * r.num_computed) for r, n in chunks)
+        seconds = self.model.step_seconds(num_decodes, self.context_tokens(), tokens, attention)
+        self.sim.at(now + seconds, self._step_done, chunks)
+
+    def _admit(self) -> list[tuple[SimRequest, int]]:
+        """Prompt chunks of this step: running prompts first, then waiting ones while the pool holds them."""
+        budget = self.budget - len(self.decoding)
+        chunks = []
+        for request in self.prefilling:
+            if budget <= 0:
+                break
+            num = min(request.recompute_len - request.num_computed, budget)
+            chunks.append((request, num))
+            budget -= num
+        while self.waiting and budget > 0 and self.num_inflight() - len(self.waiting) < self.max_num_seqs:
+            request = self.waiting[0]
+            kv_tokens = -(-request.recompute_len // self.block_size) * self.block_size
+            if self.used_tokens() + kv_tokens > self.capacity:
+                break
+            self.waiting.popleft()
+            self.waiting_tokens -= request.prompt_len
+            self.fixed_tokens += kv_tokens
+            request.kv_tokens = kv_tokens
+            if self.role == "decode" and request.remote:
+                self._want(request)
+                continue
+            request.num_computed = 0
+            self.prefilling.append(request)
+            num = min(request.recompute_len, budget)
+            chunks.append((request, num))
+            budget -= num
+        return chunks
+
+    def _want(self, request: SimRequest) -> None:
+        self.num_waiting_for_kv += 1
+        request.want_time = self.sim.now
+        if request.prompt_done is not None:
+            self.cluster.start_transfer(request)
+
+    def _announce_first_tokens(self, at: float) -> None:
+        for request in self._announce:
+            request.first_token = at
+            if request.finish is not None:
+                request.finish = max(request.finish, at)
+                self.cluster.finished(request)
+        self._announce.clear()
+
+    def _step_done(self, chunks: list[tuple[SimRequest, int]]) -> None:
+        now = self.sim.now
+        self._announce_first_tokens(now)
+        if self.decoding:
+            self.clock += 1
+            self._finish_due(now)
+        for request, num in chunks:
+            request.num_computed += num
+            self.queued_tokens -= num
+            if request.num_computed >= request.recompute_len:
+                self._prompt_computed(request, now)
+        self.iterate()
+
+    def _prompt_computed(self, request: SimRequest, now: float) -> None:
+        self.prefilling.remove(request)
+        self.fixed_tokens -= request.kv_tokens
+        if self.role == "prefill":
+            self.fixed_tokens += request.kv_tokens  # held until the transfer ends
+            request.prompt_done = now
+            if request.want_time is not None:
+                self.cluster.start_transfer(request)
+            return
+        if request.first_token is None:
+            request.first_token = now
+        self._join_decoding(request, request.num_generated + 1, now)  # the step that completes a prompt samples
+
+    def _join_decoding(self, request: SimRequest, num_generated: int, now: float) -> None:
+        request.num_generated = num_generated
+        if num_generated >= request.output_len:
+            request.finish = now
+            if request.first_token is not None:  # else when its first token goes out
+                self.cluster.finished(request)
+            return
+        request.join_clock = self.clock
+        self.decoding[request.index] = request
+        self._context_base += request.prompt_len + num_generated - self.clock
+        heapq.heappush(self._finishes, (self.clock + request.output_len - num_generated, request.index, request))
+
+    def _leave_decoding(self, request: SimRequest) -> None:
+        del self.decoding[request.index]
+        request.num_generated += self.clock - request.join_clock
+        self._context_base -= request.prompt_len + request.num_generated - self.clock
+
+    def _finish_due(self, now: float) -> None:
+        finishes = self._finishes
+        while finishes and finishes[0][0] <= self.clock:
+            _, index, request = heapq.heappop(finishes)
+            if self.decoding.get(index) is request:
+                self._leave_decoding(request)
+                request.finish = now
+                self.cluster.finished(request)
+
+    def transfer_sent(self, request: SimRequest, num_bytes: int) -> None:
+        """The prefill side of a finished transfer: blocks freed; its CPU taken from this engine's core."""
+        self.fixed_tokens -= request.kv_tokens
+        self.cpu_debt += num_bytes * self.model.sender_cpu_per_byte
+        self.wake()
+
+    # ---- KV pool ----
+
+    def _preempt_to_fit(self) -> None:
+        """Every decoding request needs one more token's slot; preempt the newest while the pool is short."""
+        while self.decoding and self.used_tokens() + len(self.decoding) > self.capacity:
+            victim = self.decoding[next(reversed(self.decoding))]
+            self._leave_decoding(victim)
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            victim.remote = False  # recomputed here: prompt + generated tokens
+            victim.num_computed = 0
+            self.waiting.appendleft(victim)
+            self.waiting_tokens += victim.prompt_len
+            self.queued_tokens += victim.recompute_len
+
+    # ---- decode runs: k decode-only steps as one event ----
+
+    def _start_decode_run(self, now: float) -> None:
+        batch = len(self.decoding)
+        room = (self.capacity - self.used_tokens()) // batch
+        num_steps = max(1, min(self._finishes[0][0] - self.clock, room))
+        first = self.model.step_seconds(batch, self.context_tokens(), 0, 0.0)
+        growth = self.model.decode_per_context * batch  # each step attends to one more token per request
+        self._version += 1
+        self._run = (now, num_steps, first, growth)
+        self.sim.at(now + _run_seconds(num_steps, first, growth), self._run_done, self._version)
+
+    def _cut_run(self) -> None:
+        start, num_steps, first, growth = self._run
+        done = _steps_done_by(self.sim.now - start, first, growth)
+        if done + 1 >= num_steps:
+            return
+        self._version += 1
+        self._run = (start, done + 1, first, growth)
+        self.sim.at(start + _run_seconds(done + 1, first, growth), self._run_done, self._version)
+
+    def _run_done(self, version: int) -> None:
+        if version != self._version:
+            return
+        start, num_steps, first, _ = self._run
+        self._announce_first_tokens(start + first)
+        self._run = None
+        self.clock += num_steps
+        self._finish_due(self.sim.now)
+        self.iterate()
+
+
+def _run_seconds(num_steps: int, first: float, growth: float) -> float:
+    return num_steps * first + growth * num_steps * (num_steps - 1) / 2
+
+
+def _steps_done_by(elapsed: float, first: float, growth: float) -> int:
+    """The most steps m with _run_seconds(m) <= elapsed."""
+    if growth <= 0:
+        return int(elapsed // first)
+    a, b = growth / 2, first - growth / 2
+    m = int((-b + math.sqrt(b * b + 4 * a * elapsed)) / (2 * a))
+    while m > 0 and _run_seconds(m, first, growth) > elapsed:
+        m -= 1
+    return m
+
+
+class SimCluster:
+    def __init__(self, spec: ClusterSpec, model: StepModel, budget: MissBudget | None = None) -> None:
+        self.spec, self.model, self.budget = spec, model, budget
+        self.sim = Simulation()
+        self.prefills = [SimEngine(self.sim, self, i, "prefill") for i in range(spec.num_prefill)]
+        self.decodes = [SimEngine(self.sim, self, i, "decode") for i in range(spec.num_decode)]
+        self._next = {"prefill": 0, "decode": 0}
+
+    def run(self, requests: list[SimRequest]) -> list[SimRequest]:
+        for request in requests:
+            self.sim.at(request.arrival, self.route, request)
+        self.sim.run()
+        return requests
+
+    def finished(self, request: SimRequest) -> None:
+        if self.budget is not None:
+            self.budget.judge(request)
+
+    def route(self, request: SimRequest) -> None:
+        decode = self._pick(self.decodes, "decode", self.spec.decode_policy == "round_robin",
+                            lambda e: (e.kv_usage(), e.num_inflight(), e.index))
+        request.decode_engine = decode
+        if self.prefills and request.prompt_len > self.spec.local_prefill_threshold:
+            prefill = self._pick(self.prefills, "prefill", self.spec.prefill_policy == "round_robin",
+                                 lambda e: (e.queued_tokens, e.num_inflight(), e.index))
+            request.prefill_engine, request.remote = prefill, True
+            prefill.add(request)
+        decode.add(request)
+
+    def _pick(self, engines: list[SimEngine], side: str, round_robin: bool, load) -> SimEngine:
+        if round_robin or len(engines) == 1:
+            engine = engines[self._next[side] % len(engines)]
+            self._next[side] += 1
+            return engine
+        return min(engines, key=load)
+
+    def start_transfer(self, request: SimRequest) -> None:
+        num_bytes = request.prompt_len * self.spec.kv_bytes_per_token
+        start = max(request.prompt_done, request.want_time)
+        wire = self.model.transfer_latency
+        if not (self.spec.kv_streaming and request.want_time <= request.prompt_done):
+            wire += num_bytes * self.model.transfer_per_byte
+        self.sim.at(start + wire, self._transfer_done, request, num_bytes)
+
+    def _transfer_done(self, request: SimRequest, num_bytes: int) -> None:
+        if request.prefill_engine is not None:  # None: a decode tier simulated alone (simulate_tiers)
+            request.prefill_engine.transfer_sent(request, num_bytes)
+        if request.decode_engine is not None:  # None: a prefill tier simulated alone
+            request.decode_engine.kv_landed(request)
+
+    def run_tier(self, engine: SimEngine, requests: list[SimRequest]) -> list[SimRequest]:
+        for request in requests:
+            self.sim.at(request.arrival, engine.add, request)
+        self.sim.run()
+        return requests
+
+
+def check_requests(spec: ClusterSpec, prompt_lens: list[int], output_lens: list[int]) -> None:
+    for name, values in (("prompt", prompt_lens), ("output", output_lens)):
+        if any(value < 1 for value in values):
+            raise ValueError(f"every {name} length must be at least 1 token")
+    capacity = spec.settings.num_kv_blocks * spec.settings.block_size
+    longest = max((p + o for p, o in zip(prompt_lens, output_lens)), default=0)
+    if longest > capacity:
+        raise ValueError(f"a request of {longest} tokens does not fit the KV pool of {capacity} tokens: "
+                         "give the engines more KV blocks or shorten the dataset")
+
+
+def miss_budget(slos_ms: dict[str, float] | None, target: float, num_requests: int) -> MissBudget | None:
+    """The misses a run of num_requests may have and still reach the attainment target."""
+    if not slos_ms:
+        return None
+    allowed = num_requests - math.ceil(target * num_requests - 1e-9)
+    return MissBudget({name: limit / 1000.0 for name, limit in slos_ms.items()}, allowed)
+
+
+def simulate(spec: ClusterSpec, model: StepModel, arrivals: list[float], prompt_lens: list[int],
+             output_lens: list[int], stop_below: tuple[dict[str, float], float] | None = None) -> list[SimRequest]:
+    """Every request's predicted times through the whole cluster and the router's policies. stop_below
+    (SLOs in ms, attainment target): raise BudgetExceeded as soon as the run cannot reach the target."""
+    check_requests(spec, prompt_lens, output_lens)
+    requests = [SimRequest(i, float(a), int(p), int(o))
+                for i, (a, p, o) in enumerate(zip(arrivals, prompt_lens, output_lens))]
+    budget = miss_budget(*stop_below, len(requests)) if stop_below else None
+    return SimCluster(spec, model, budget).run(requests)
+
+
+def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], prompt_lens: list[int],
+                   output_lens: list[int], stop_below: tuple[dict[str, float], float] | None = None
+                   ) -> list[SimRequest]:
+    """A large cluster by one engine of each tier: the prefill engine takes every x-th request and the
+    decode engine every y-th (round robin), the decode side's prompts done after the prefill delay the
+    prefill engine gave the request at the same position of its own stream. Work ~ requests / x +
+    requests / y instead of all requests through all engines; exact for one engine per tier."""
+    check_requests(spec, prompt_lens, output_lens)
+    x, y = spec.num_prefill, spec.num_decode
+    threshold = spec.local_prefill_threshold
+    decode_stream = [SimRequest(i, float(arrivals[i]), int(prompt_lens[i]), int(output_lens[i]))
+                     for i in range(0, len(arrivals), y)]
+    if x:
+        prefill_stream = [SimRequest(i, float(arrivals[i]), int(prompt_lens[i]), int(output_lens[i]), remote=True)
+                          for i in range(0, len(arrivals), x) if prompt_lens[i] > threshold]
+        cluster = SimCluster(ClusterSpec(1, 1, spec.settings, spec.kv_bytes_per_token, kv_streaming=spec.kv_streaming,
+                                         local_prefill_threshold=threshold), model)
+        for request in prefill_stream:
+            request.want_time = request.arrival
+            request.prefill_engine = cluster.prefills[0]
+        cluster.run_tier(cluster.prefills[0], prefill_stream)
+        delays = [r.prompt_done - r.arrival for r in prefill_stream]
+        for request in decode_stream:
+            if request.prompt_len > threshold and delays:
+                request.remote = True
+                request.prompt_done = request.arrival + delays[min(request.index // x, len(delays) - 1)]
+    budget = miss_budget(*stop_below, len(decode_stream)) if stop_below else None
+    cluster = SimCluster(ClusterSpec(0, 1, spec.settings, spec.kv_bytes_per_token, kv_streaming=spec.kv_streaming),
+                         model, budget)
+    for request in decode_stream:
+        request.decode_engine = cluster.decodes[0]
+    return cluster.run_tier(cluster.decodes[0], decode_stream)

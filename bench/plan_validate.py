@@ -1,0 +1,154 @@
+"""`pdserve plan --validate SWEEP_DIR`: every run of a `pdserve sweep` directory replayed in the simulator
+with its own lengths, rate, burstiness and seed, and the prediction set against what the run measured:
+SLO attainment, p50/p90 TTFT and TPOT per (config, rate), goodput per config, and the issue's goals."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.bench.plan_cli import cluster_spec, format_table, step_model
+from pdserve.bench.plan_fit import Profile, model_identity
+from pdserve.bench.plan_recommend import PlanSettings, run_split
+from pdserve.bench.plan_workload import Workload
+from pdserve.bench.sweep_results import ATTAINMENT_TARGET, request_latencies_ms, slo_attainment
+
+COMPARED = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms")
+GOAL_ATTAINMENT_MAE_PP = 5.0
+GOAL_P50_RELATIVE = 0.15
+GOAL_GOODPUT_MARGIN = 0.10
+COLUMNS = (("config", "config", "{}"), ("request_rate", "rate", "{:g}"),
+           ("measured_slo_attainment", "attain meas", "{:.0%}"), ("predicted_slo_attainment", "pred", "{:.0%}"),
+           *[(f"{side}_{key}", f"{key.replace('_ms', '').replace('median', 'p50')} {'meas' if side == 'measured' else 'pred'}",
+              "{:.0f}" if "ttft" in key else "{:.1f}") for key in COMPARED for side in ("measured", "predicted")])
+
+
+def read_runs(sweep_dir: Path) -> list[dict]:
+    runs_dir = sweep_dir / "runs"
+    files = sorted(runs_dir.glob("*.json")) if runs_dir.is_dir() else []
+    if not files:
+        raise ValueError(f"{sweep_dir} has no runs/*.json: pass the output directory of a `pdserve sweep`")
+    runs = []
+    for path in files:
+        run = json.loads(path.read_text())
+        sweep = run.get("sweep") or {}
+        if sweep.get("num_decode") is None or not run.get("ttfts"):
+            continue  # an external server's run, or one that failed before any request
+        if run.get("max_concurrency") is not None or not math.isfinite(float(run["request_rate"])):
+            continue  # a concurrency-capped load: the simulator sends at arrival times only
+        runs.append(run)
+    if not runs:
+        raise ValueError(f"{sweep_dir}/runs has no pdserve layout run at a finite request rate to replay")
+    return runs
+
+
+def check_run_model(profile: Profile, run: dict) -> None:
+    model_dir = Path(run.get("model_id") or "")
+    if (model_dir / "config.json").is_file():
+        profile.check_model(model_identity(model_dir), f"the sweep's model {model_dir}")
+
+
+def measured_metrics(run: dict, slos: dict[str, float]) -> dict:
+    done = [i for i, error in enumerate(run.get("errors") or [""] * len(run["ttfts"])) if not error]
+    latencies = [request_latencies_ms(run, i) for i in done]
+    metrics = {"slo_attainment": slo_attainment(run, slos)}
+    for name in ("ttft", "tpot"):
+        values = [lat[name] for lat in latencies]
+        metrics[f"median_{name}_ms"] = float(np.median(values)) if values else None
+        metrics[f"p90_{name}_ms"] = float(np.percentile(values, 90)) if values else None
+    return metrics
+
+
+def replay(run: dict, profile: Profile, args: argparse.Namespace) -> dict:
+    sweep = run["sweep"]
+    slos = {name: float(value) for name, value in (run.get("goodput") or {}).items()}
+    workload = Workload([int(n) for n in run["input_lens"]], [int(n) for n in run["output_lens"]])
+    settings = PlanSettings(step_model(args, profile), workload, slos, cluster_spec(args, profile),
+                            float(run.get("burstiness") or 1.0), int(run.get("seed") or 0), exact_up_to=1 << 30)
+    predicted = run_split(settings, int(sweep["num_prefill"]), int(sweep["num_decode"]), float(run["request_rate"]))
+    measured = measured_metrics(run, slos)
+    row = {"config": run["config"], "request_rate": float(run["request_rate"]), "slos_ms": slos,
+           "num_requests": len(workload), "num_engines": int(sweep["num_engines"])}
+    for key in ("slo_attainment", *COMPARED):
+        row[f"measured_{key}"], row[f"predicted_{key}"] = measured[key], predicted[key]
+    return row
+
+
+def goodput_of(rows: list[dict], config: str, side: str) -> float:
+    """The highest listed rate whose attainment is >= 90% (0 when none), as a sweep's goodput.csv."""
+    return max((r["request_rate"] for r in rows if r["config"] == config
+                and (r[f"{side}_slo_attainment"] or 0) >= ATTAINMENT_TARGET), default=0.0)
+
+
+def summarize_errors(rows: list[dict]) -> dict:
+    with_slo = [r for r in rows if r["measured_slo_attainment"] is not None]
+    mae = 100 * float(np.mean([abs(r["predicted_slo_attainment"] - r["measured_slo_attainment"]) for r in with_slo])) \
+        if with_slo else None
+    relative = {key: [abs(r[f"predicted_{key}"] / r[f"measured_{key}"] - 1) for r in rows if r[f"measured_{key}"]]
+                for key in COMPARED}
+    summary = {"num_points": len(rows), "attainment_mae_pp": mae,
+               **{f"{key}_mean_relative_error": float(np.mean(v)) for key, v in relative.items() if v},
+               **{f"{key}_within_15pct": sum(e <= GOAL_P50_RELATIVE for e in v) for key, v in relative.items() if v}}
+    summary["goodput"] = goodput_agreement(rows)
+    return summary
+
+
+def goodput_agreement(rows: list[dict]) -> list[dict]:
+    """Per sweep (same SLOs and engines): measured vs predicted goodput per config, and whether the best agree."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((json.dumps(row["slos_ms"], sort_keys=True), row["num_engines"]), []).append(row)
+    result = []
+    for (slos, engines), group in groups.items():
+        configs = sorted({r["config"] for r in group})
+        measured = {c: goodput_of(group, c, "measured") for c in configs}
+        predicted = {c: goodput_of(group, c, "predicted") for c in configs}
+        best_measured, best_predicted = max(configs, key=measured.get), max(configs, key=predicted.get)
+        top, second = sorted(measured.values(), reverse=True)[:2] if len(configs) > 1 else (1.0, 0.0)
+        decisive = top > 0 and (top - second) > GOAL_GOODPUT_MARGIN * top
+        result.append({"slos_ms": json.loads(slos), "num_engines": engines, "measured": measured,
+                       "predicted": predicted, "measured_best": best_measured, "predicted_best": best_predicted,
+                       "decisive": decisive, "agrees": best_measured == best_predicted or not decisive})
+    return result
+
+
+def run_validate(args: argparse.Namespace, profile: Profile) -> int:
+    sweep_dir = Path(args.validate)
+    runs = read_runs(sweep_dir)
+    for run in runs:
+        check_run_model(profile, run)
+    rows = [replay(run, profile, args) for run in runs]
+    summary = summarize_errors(rows)
+    print(format_table(rows, COLUMNS))
+    print_summary(summary)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "validation.json").write_text(json.dumps({"sweep_dir": str(sweep_dir), "profile": str(args.profile),
+                                                     "machine": profile.machine,
+                                                     "step_scale": list(args.step_scale), "points": rows, "summary": summary},
+                                                    indent=1))
+    if not args.no_plots:
+        from pdserve.bench.plan_plots import plot_validation
+
+        plot_validation(rows, out / "validation.png")
+    print(f"wrote {out / 'validation.json'}" + ("" if args.no_plots else f" and {out / 'validation.png'}"))
+    return 0
+
+
+def print_summary(summary: dict) -> None:
+    mae = summary["attainment_mae_pp"]
+    print(f"\n{summary['num_points']} points; SLO attainment MAE "
+          + ("-" if mae is None else f"{mae:.1f} pp (goal <= {GOAL_ATTAINMENT_MAE_PP:g})"))
+    for key in COMPARED:
+        if f"{key}_mean_relative_error" in summary:
+            print(f"  {key}: mean |error| {summary[f'{key}_mean_relative_error']:.0%}, "
+                  f"{summary[f'{key}_within_15pct']}/{summary['num_points']} within 15%")
+    for group in summary["goodput"]:
+        print(f"  goodput measured {group['measured']} predicted {group['predicted']}: best "
+              f"{group['measured_best']} vs {group['predicted_best']}"
+              + ("" if group["decisive"] else " (measured goodputs within 10%: not decisive)"))
+

@@ -1,0 +1,132 @@
+"""`pdserve plan` end to end through the command line: splits, goodput search, bad input, --validate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.bench.plan_fit import model_identity
+from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate
+from pdserve.bench.plan_workload import random_workload
+from pdserve.cli import main
+from tests.bench.plan_helpers import synthetic_profile
+
+
+@pytest.fixture
+def tiny_model(model_factory):
+    return model_factory()
+
+
+@pytest.fixture
+def profile_path(tmp_path, tiny_model):
+    path = tmp_path / "profile.json"
+    path.write_text(synthetic_profile(model_identity(tiny_model)).model_dump_json())
+    return str(path)
+
+
+def plan(profile_path, out, *extra) -> int:
+    return main(["plan", "--profile", profile_path, "--num-prompts", "200", "--input-len", "256", "--output-len", "32",
+                 "--output-dir", str(out), *extra])
+
+
+def test_plan_at_a_rate_simulates_every_split(profile_path, tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert plan(profile_path, out, "--engines", "3", "--slo", "ttft:1000", "tpot:100", "--request-rate", "8") == 0
+    result = json.loads((out / "plan.json").read_text())
+    assert [row["config"] for row in result["splits"]] == ["0P3D", "1P2D", "2P1D"]
+    assert result["recommended"]["config"] in {"0P3D", "1P2D", "2P1D"}
+    assert all(0.0 <= row["slo_attainment"] <= 1.0 for row in result["splits"])
+    assert (out / "plan_goodput.png").stat().st_size > 0
+    assert "recommended:" in capsys.readouterr().out
+
+
+def test_find_goodput_and_the_smallest_cluster_for_a_target(profile_path, tmp_path):
+    out = tmp_path / "plan"
+    assert plan(profile_path, out, "--engines", "4", "--slo", "ttft:800", "tpot:80", "--find-goodput",
+                "--target-rate", "5", "--no-plots") == 0
+    result = json.loads((out / "plan.json").read_text())
+    goodputs = [row["goodput"] for row in result["splits"]]
+    assert max(goodputs) > 0
+    best = result["recommended"]
+    assert best["goodput"] == max(goodputs)
+    assert result["smallest"] is None or result["smallest"]["num_engines"] <= 4
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--engines", "2", "--slo", "ttft:1", "--request-rate", "1"], "below the unloaded TTFT"),
+    (["--engines", "2", "--slo", "ttft:1000", "--request-rate", "1", "--num-prompts", "0"], "no requests"),
+    (["--engines", "2", "--request-rate", "1"], "pass --slo"),
+])
+def test_bad_input_gets_a_clear_error(profile_path, tmp_path, capsys, extra, message):
+    assert plan(profile_path, tmp_path / "plan", *extra) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_profile_of_another_model_is_refused(profile_path, tmp_path, capsys, model_factory):
+    other = model_factory("qwen2")
+    assert plan(profile_path, tmp_path / "plan", "--engines", "2", "--slo", "ttft:1000", "--model", other) == 2
+    assert "another model" in capsys.readouterr().err
+
+
+def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0) -> None:
+    """A sweep directory in `pdserve sweep`'s run format whose 'measured' arrays are the simulator's own
+    prediction (times 1 + shift), so a replay must find them again."""
+    runs = sweep_dir / "runs"
+    runs.mkdir(parents=True)
+    workload = random_workload(30, 200, 20, range_ratio=0.3, seed=0)
+    for config, (x, y) in (("1P1D", (1, 1)), ("0P2D", (0, 2))):
+        for rate in (2.0, 6.0):
+            spec = ClusterSpec(x, y, profile.engine, profile.model.kv_bytes_per_token)
+            done = simulate(spec, StepModel.from_profile(profile), workload.arrivals(rate, seed=0),
+                            workload.prompt_lens, workload.output_lens)
+            run = {"model_id": str(model_dir), "config": config, "request_rate": rate, "burstiness": 1.0, "seed": 0,
+                   "max_concurrency": None, "goodput": {"ttft": 300.0, "tpot": 40.0},
+                   "sweep": {"config": config, "num_prefill": x, "num_decode": y, "num_engines": x + y},
+                   "input_lens": workload.prompt_lens, "output_lens": workload.output_lens,
+                   "ttfts": [r.ttft * (1 + shift) for r in done], "e2els": [r.e2el * (1 + shift) for r in done],
+                   "itls": [[] for _ in done], "errors": [""] * len(done)}
+            (runs / f"{config}_rate{rate}.json").write_text(json.dumps(run))
+
+
+def test_validate_replays_a_sweep_and_finds_its_own_predictions(profile_path, tmp_path, tiny_model):
+    from pdserve.bench.plan_fit import load_profile
+
+    sweep_dir = tmp_path / "sweep"
+    write_sweep(sweep_dir, tiny_model, load_profile(profile_path))
+    out = tmp_path / "validation"
+    assert main(["plan", "--profile", profile_path, "--validate", str(sweep_dir), "--output-dir", str(out)]) == 0
+    result = json.loads((out / "validation.json").read_text())
+    summary = result["summary"]
+    assert summary["num_points"] == 4
+    assert summary["attainment_mae_pp"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["median_ttft_ms_mean_relative_error"] == pytest.approx(0.0, abs=1e-9)
+    assert all(group["agrees"] for group in summary["goodput"])
+    assert (out / "validation.png").stat().st_size > 0
+
+
+def test_validate_reports_the_error_of_a_sweep_that_ran_slower(profile_path, tmp_path, tiny_model):
+    from pdserve.bench.plan_fit import load_profile
+
+    sweep_dir = tmp_path / "sweep"
+    write_sweep(sweep_dir, tiny_model, load_profile(profile_path), shift=0.5)
+    out = tmp_path / "validation"
+    assert main(["plan", "--profile", profile_path, "--validate", str(sweep_dir), "--output-dir", str(out),
+                 "--no-plots"]) == 0
+    summary = json.loads((out / "validation.json").read_text())["summary"]
+    assert summary["median_ttft_ms_mean_relative_error"] == pytest.approx(1 / 3, rel=1e-6)  # predicted / measured = 1 / 1.5
+
+
+def test_validate_refuses_a_sweep_of_another_model(tmp_path, model_factory, capsys):
+    other = model_factory("qwen2")
+    profile = synthetic_profile(model_identity(model_factory()))
+    path = tmp_path / "profile.json"
+    path.write_text(profile.model_dump_json())
+    write_sweep(tmp_path / "sweep", other, profile)
+    assert main(["plan", "--profile", str(path), "--validate", str(tmp_path / "sweep")]) == 2
+    assert "another model" in capsys.readouterr().err
+
+
+def test_validate_needs_a_sweep_directory(profile_path, tmp_path, capsys):
+    assert main(["plan", "--profile", profile_path, "--validate", str(tmp_path)]) == 2
+    assert "runs/*.json" in capsys.readouterr().err

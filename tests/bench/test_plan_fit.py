@@ -1,0 +1,55 @@
+"""Profile fits recover known coefficients; a profile refuses another model; bad profile files."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench.plan_fit import ProfileError, fit_decode, load_profile, model_identity
+from tests.bench.plan_helpers import DECODE, PREFILL, TRANSFER, synthetic_profile
+
+
+@pytest.fixture
+def identity(model_factory):
+    return model_identity(model_factory())
+
+
+def test_fits_recover_the_coefficients_of_exact_points(identity):
+    profile = synthetic_profile(identity)
+    for fit, truth in ((profile.prefill_fit, PREFILL), (profile.decode_fit, DECODE), (profile.transfer_fit, TRANSFER)):
+        assert fit.coefficients == pytest.approx(truth, rel=1e-6)
+        assert fit.r2 == pytest.approx(1.0)
+        assert fit.mean_relative_error < 1e-9
+
+
+def test_fits_of_noisy_points_report_their_error(identity):
+    profile = synthetic_profile(identity, noise=0.05)
+    assert profile.decode_fit.coefficients["batch"] == pytest.approx(DECODE["batch"], rel=0.3)
+    assert 0.0 < profile.decode_fit.mean_relative_error < 0.06
+    assert profile.decode_fit.r2 < 1.0
+
+
+def test_a_term_that_fits_below_zero_is_dropped(identity):
+    points = synthetic_profile(identity).decode_points
+    flat = [p.model_copy(update={"seconds": 0.05 - 1e-7 * p.context}) for p in points]  # context "speeds it up"
+    fit = fit_decode(flat)
+    assert fit.coefficients["context"] == 0.0
+    assert all(value >= 0 for value in fit.coefficients.values())
+
+
+def test_a_profile_of_another_model_is_refused(identity, model_factory):
+    profile = synthetic_profile(identity)
+    other = model_identity(model_factory("qwen2"))
+    with pytest.raises(ProfileError, match="another model.*architecture"):
+        profile.check_model(other, "qwen2 dir")
+    profile.check_model(identity, "same dir")  # the same model passes
+
+
+def test_bad_profile_files_get_a_clear_error(tmp_path, identity):
+    with pytest.raises(ProfileError, match="cannot read.*pdserve profile"):
+        load_profile(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text('{"version": 1}')
+    with pytest.raises(ProfileError, match="not a pdserve profile"):
+        load_profile(tmp_path / "bad.json")
+    good = tmp_path / "good.json"
+    good.write_text(synthetic_profile(identity).model_dump_json())
+    assert load_profile(good).model == identity

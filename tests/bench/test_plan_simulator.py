@@ -1,0 +1,120 @@
+"""The simulator against closed forms: M/D/1 waiting at low load, a decode-only batch, the KV pool, seeds."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench.plan_fit import EngineSettings
+from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate, simulate_tiers
+from pdserve.bench.plan_workload import Workload, random_workload
+
+
+def model(**overrides) -> StepModel:
+    names = ("prefill_intercept", "prefill_per_token", "prefill_per_attention", "decode_intercept", "decode_per_seq",
+             "decode_per_context", "transfer_latency", "transfer_per_byte")
+    return StepModel(**{**dict.fromkeys(names, 0.0), **overrides})
+
+
+def test_one_engine_with_constant_service_has_the_md1_waiting_time():
+    service, rate, prompt = 0.1, 3.0, 256  # load 0.3
+    settings = EngineSettings(max_num_batched_tokens=prompt)  # one prompt a step: a single server
+    workload = random_workload(20000, prompt, 1, seed=1)
+    requests = simulate(ClusterSpec(0, 1, settings), model(prefill_intercept=service), workload.arrivals(rate, seed=1),
+                        workload.prompt_lens, workload.output_lens)
+    load = rate * service
+    md1_wait = load * service / (2 * (1 - load))
+    mean_ttft = sum(r.ttft for r in requests) / len(requests)
+    assert mean_ttft - service == pytest.approx(md1_wait, rel=0.08)
+
+
+def test_a_decode_only_batch_takes_the_step_time_per_token():
+    step, batch, output = 0.05, 8, 40
+    requests = simulate(ClusterSpec(0, 1), model(decode_intercept=step), [0.0] * batch, [16] * batch,
+                        [output] * batch)
+    for request in requests:
+        assert request.first_token == 0.0  # the prefill step costs nothing here
+        assert request.finish == pytest.approx(step * (output - 1))
+        assert request.tpot == pytest.approx(step)
+
+
+def test_decode_steps_grow_with_the_context_in_closed_form():
+    d0, per_seq, per_context, batch, prompt, output = 0.02, 0.001, 1e-5, 4, 100, 30
+    requests = simulate(ClusterSpec(0, 1), model(decode_intercept=d0, decode_per_seq=per_seq,
+                                                 decode_per_context=per_context),
+                        [0.0] * batch, [prompt] * batch, [output] * batch)
+    expected = sum(d0 + per_seq * batch + per_context * batch * (prompt + 1 + j) for j in range(output - 1))
+    assert requests[0].finish == pytest.approx(expected, rel=1e-9)
+
+
+def test_an_arrival_in_a_decode_run_joins_at_the_next_step_boundary():
+    step = 0.05
+    requests = simulate(ClusterSpec(0, 1), model(decode_intercept=step), [0.0, 0.123], [16, 16], [20, 5])
+    first, late = requests
+    # the step under way ends at 0.15; the next one decodes the first request and prefills the late one
+    assert late.first_token == pytest.approx(0.2)
+    assert late.finish == pytest.approx(0.2 + 4 * step)
+    assert first.finish == pytest.approx(19 * step)  # one step per token all along
+
+
+def test_seeds_make_runs_repeat_and_differ():
+    workload = random_workload(300, 200, 50, range_ratio=0.5, seed=3)
+    cost = model(prefill_intercept=0.01, prefill_per_token=1e-4, decode_intercept=0.02, decode_per_seq=1e-3,
+                 transfer_latency=0.005, transfer_per_byte=1e-9)
+
+    def ttfts(seed: int) -> list[float]:
+        return [r.ttft for r in simulate(ClusterSpec(1, 2), cost, workload.arrivals(5.0, seed=seed),
+                                         workload.prompt_lens, workload.output_lens)]
+
+    assert ttfts(0) == ttfts(0)
+    assert ttfts(0) != ttfts(1)
+
+
+def test_a_small_kv_pool_preempts_and_every_request_still_finishes():
+    settings = EngineSettings(num_kv_blocks=40, block_size=16)  # 640 tokens
+    requests = simulate(ClusterSpec(0, 1, settings), model(decode_intercept=0.01), [0.0] * 8, [64] * 8, [64] * 8)
+    assert all(r.finish is not None for r in requests)
+    assert sum(r.num_preemptions for r in requests) > 0
+
+
+def test_disaggregation_adds_the_transfer_to_the_first_token():
+    cost = model(prefill_intercept=0.2, decode_intercept=0.05, transfer_latency=0.01, transfer_per_byte=1e-8)
+    spec = ClusterSpec(1, 1, kv_bytes_per_token=1000)
+    request, = simulate(spec, cost, [0.0], [500], [3])
+    # prefill, transfer, then the decode engine's next step, whose output carries the first token
+    assert request.first_token == pytest.approx(0.2 + 0.01 + 500 * 1000 * 1e-8 + 0.05)
+    assert request.finish == pytest.approx(request.first_token + 0.05)
+    streamed, = simulate(ClusterSpec(1, 1, kv_bytes_per_token=1000, kv_streaming=True), cost, [0.0], [500], [3])
+    assert streamed.first_token == pytest.approx(0.2 + 0.01 + 0.05)
+
+
+def test_one_engine_per_tier_matches_the_whole_cluster_for_1p1d():
+    workload = random_workload(100, 300, 40, range_ratio=0.5, seed=2)
+    cost = model(prefill_intercept=0.01, prefill_per_token=1e-4, decode_intercept=0.02, decode_per_seq=1e-3,
+                 transfer_latency=0.005, transfer_per_byte=1e-9)
+    arrivals = workload.arrivals(4.0, seed=2)
+    exact = simulate(ClusterSpec(1, 1), cost, arrivals, workload.prompt_lens, workload.output_lens)
+    tiers = simulate_tiers(ClusterSpec(1, 1), cost, arrivals, workload.prompt_lens, workload.output_lens)
+    assert [r.finish for r in exact] == pytest.approx([r.finish for r in tiers])
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="no requests"):
+        Workload([], [])
+    with pytest.raises(ValueError, match="at least one decode engine"):
+        ClusterSpec(2, 0)
+    with pytest.raises(ValueError, match="does not fit the KV pool"):
+        simulate(ClusterSpec(0, 1, EngineSettings(num_kv_blocks=2)), model(), [0.0], [100], [10])
+
+
+def test_a_goodput_probe_stops_once_it_cannot_reach_the_target():
+    from pdserve.bench.plan_simulator import BudgetExceeded
+
+    workload = random_workload(400, 200, 20, seed=4)
+    cost = model(prefill_intercept=0.05, prefill_per_token=1e-3, decode_intercept=0.02)  # ~5 prompts/s at most
+    slos = ({"ttft": 500.0}, 0.9)
+    light = simulate(ClusterSpec(0, 1), cost, workload.arrivals(1.0, seed=4), workload.prompt_lens,
+                     workload.output_lens, stop_below=slos)
+    assert sum(r.ttft <= 0.5 for r in light) >= 0.9 * len(light)
+    with pytest.raises(BudgetExceeded):
+        simulate(ClusterSpec(0, 1), cost, workload.arrivals(50.0, seed=4), workload.prompt_lens,
+                 workload.output_lens, stop_below=slos)
