@@ -107,6 +107,9 @@ def test_dockerfile_installs_every_package_and_runs_pdserve():
     assert 'ENTRYPOINT ["pdserve-entrypoint"]' in dockerfile
     assert "COPY docker/entrypoint.sh /usr/local/bin/pdserve-entrypoint" in dockerfile
     assert f"HF_HOME={HF_HOME}" in dockerfile, "the compose hf-cache volume is HF_HOME"
+    torch_step, code_step = dockerfile.index('"torch==${TORCH_VERSION}"'), dockerfile.index("COPY engine ./engine")
+    assert torch_step < dockerfile.index("pip install -r /tmp/requirements.txt") < code_step, \
+        "torch and the dependencies are layers below the code: a code change reinstalls neither"
     package_dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     for folder in package_dirs.values():
         assert f"COPY {folder} ./{folder}" in dockerfile, f"the image lacks the {folder} folder"
