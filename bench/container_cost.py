@@ -16,13 +16,14 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from pdserve.bench.ab_runs import median_table
+from pdserve.bench.ab_runs import mode_order as ab_order
 from pdserve.bench.sweep_cluster import Cluster, ClusterSpec
 from pdserve.bench.sweep_layouts import parse_layout
 from pdserve.bench.sweep_results import RunInfo
@@ -91,11 +92,8 @@ def _engines_up(url: str) -> int:
 
 
 def mode_order(repeats: int) -> list[str]:
-    """ABBA ..., containers first: their volume holds the model the bare processes load."""
-    order: list[str] = []
-    for repeat in range(repeats):
-        order += ["containers", "bare"] if repeat % 2 == 0 else ["bare", "containers"]
-    return order
+    """Containers first: their volume holds the model the bare processes load."""
+    return ab_order(("containers", "bare"), repeats)
 
 
 def bench_once(options: BenchOptions, url: str, name: str, out: Path, request_rate: float) -> dict:
@@ -127,12 +125,7 @@ def one_run(args: argparse.Namespace, mode: str, index: int, out: Path, stack: C
 
 
 def report(results: dict[str, list[dict]]) -> str:
-    medians = {mode: {f: statistics.median(run[f] for run in runs) for f in FIGURES} for mode, runs in results.items()}
-    lines = ["| figure | containers | bare processes | containers / bare |", "| --- | ---: | ---: | ---: |"]
-    for figure in FIGURES:
-        boxed, bare = medians["containers"][figure], medians["bare"][figure]
-        lines.append(f"| {figure} | {boxed:.1f} | {bare:.1f} | {boxed / bare:.3f} |")
-    return "\n".join(lines)
+    return median_table(results, ("containers", "bare"), ("containers", "bare processes"), FIGURES)
 
 
 def main(argv: list[str] | None = None) -> int:

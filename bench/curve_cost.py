@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 from pathlib import Path
 
+from pdserve.bench.ab_runs import median_table
+from pdserve.bench.ab_runs import mode_order as ab_order
 from pdserve.bench.sweep_cluster import Cluster, ClusterSpec
 from pdserve.bench.sweep_layouts import parse_layout
 from pdserve.bench.sweep_results import RunInfo
@@ -38,12 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def mode_order(repeats: int) -> list[str]:
-    """ABBA ...: each mode runs first as often as the other."""
-    order = []
-    for repeat in range(repeats):
-        pair = ["curve", "insecure"] if repeat % 2 == 0 else ["insecure", "curve"]
-        order += pair
-    return order
+    return ab_order(("curve", "insecure"), repeats)
 
 
 def one_run(args: argparse.Namespace, mode: str, index: int, out: Path) -> dict:
@@ -64,12 +60,7 @@ def one_run(args: argparse.Namespace, mode: str, index: int, out: Path) -> dict:
 
 
 def report(results: dict[str, list[dict]]) -> str:
-    medians = {mode: {f: statistics.median(run[f] for run in runs) for f in FIGURES} for mode, runs in results.items()}
-    lines = ["| figure | CURVE | --insecure | CURVE / insecure |", "| --- | ---: | ---: | ---: |"]
-    for figure in FIGURES:
-        curve, plain = medians["curve"][figure], medians["insecure"][figure]
-        lines.append(f"| {figure} | {curve:.1f} | {plain:.1f} | {curve / plain:.3f} |")
-    return "\n".join(lines)
+    return median_table(results, ("curve", "insecure"), ("CURVE", "--insecure"), FIGURES)
 
 
 def main(argv: list[str] | None = None) -> int:
