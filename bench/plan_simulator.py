@@ -14,8 +14,9 @@ What it models (docs/planning.md says why each choice):
   the transfer starts when both the prompt is computed and the want is there, lasts latency + bytes /
   bandwidth (streamed: only latency after the prefill), and takes the sending and receiving CPU time of
   the profile's link from the engines' own cores: the prefill engine's next step and the decode
-  engine's next step are that much later. The decode engine publishes the first token (sampled on the
-  prefill engine) with the output of its next step, as its scheduler does (engine/scheduler.py).
+  engine's next step are that much later. The prefill engine publishes the first token as soon as the
+  step that completes the prompt samples it, before the KV moves (docs/wire-protocol.md); the decode
+  engine's stream goes on from the second token once the KV has landed.
 
 Events run on simpy's queue (a plain heapq loop was 1.4x faster, 2.5 against 3.6 CPU-seconds for 64 splits
 of 64 engines and 10,000 requests: both well within the 10 s goal, see docs/BENCHMARKS.md). Decode-only
@@ -247,10 +248,11 @@ class SimEngine:
     def iterate(self) -> None:
         now = self.sim.now + self.cpu_debt
         self.cpu_debt = 0.0
-        for request in self.landed:  # the first token goes out with the next step's tokens
+        for request in self.landed:  # the first token is out already (from the prefill engine)
             self.num_waiting_for_kv -= 1
             self.fixed_tokens -= request.kv_tokens
-            self._announce.append(request)
+            if request.first_token is None:  # not yet published: it goes out with the next step's tokens
+                self._announce.append(request)
             self._join_decoding(request, 1, now)
         self.landed.clear()
         self._preempt_to_fit()
@@ -330,6 +332,7 @@ class SimEngine:
         if self.role == "prefill":
             self.fixed_tokens += request.kv_tokens  # held until the transfer ends
             request.prompt_done = now
+            request.first_token = now  # published at once, before the KV moves
             if request.want_time is not None:
                 self.cluster.start_transfer(request)
             return
@@ -544,6 +547,7 @@ def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], p
             if request.prompt_len > threshold and delays:
                 request.remote = True
                 request.prompt_done = request.arrival + delays[min(request.index // x, len(delays) - 1)]
+                request.first_token = request.prompt_done  # the prefill engine publishes it
     budget = miss_budget(*stop_below, len(decode_stream)) if stop_below else None
     cluster = SimCluster(ClusterSpec(0, 1, spec.settings, spec.kv_bytes_per_token, kv_streaming=spec.kv_streaming),
                          model, budget)

@@ -76,15 +76,17 @@ def test_a_small_kv_pool_preempts_and_every_request_still_finishes():
     assert sum(r.num_preemptions for r in requests) > 0
 
 
-def test_disaggregation_adds_the_transfer_to_the_first_token():
+def test_the_first_token_leaves_the_prefill_engine_and_the_transfer_delays_the_second():
     cost = model(prefill_intercept=0.2, decode_intercept=0.05, transfer_latency=0.01, transfer_per_byte=1e-8)
     spec = ClusterSpec(1, 1, kv_bytes_per_token=1000)
     request, = simulate(spec, cost, [0.0], [500], [3])
-    # prefill, transfer, then the decode engine's next step, whose output carries the first token
-    assert request.first_token == pytest.approx(0.2 + 0.01 + 500 * 1000 * 1e-8 + 0.05)
-    assert request.finish == pytest.approx(request.first_token + 0.05)
+    # the prefill engine publishes the first token when the prompt is computed, before the KV moves;
+    # the decode engine's two steps follow the transfer
+    assert request.first_token == pytest.approx(0.2)
+    assert request.finish == pytest.approx(0.2 + 0.01 + 500 * 1000 * 1e-8 + 2 * 0.05)
     streamed, = simulate(ClusterSpec(1, 1, kv_bytes_per_token=1000, kv_streaming=True), cost, [0.0], [500], [3])
-    assert streamed.first_token == pytest.approx(0.2 + 0.01 + 0.05)
+    assert streamed.first_token == pytest.approx(0.2)
+    assert streamed.finish == pytest.approx(0.2 + 0.01 + 2 * 0.05)
 
 
 def test_one_engine_per_tier_matches_the_whole_cluster_for_1p1d():
