@@ -15,4 +15,4 @@ def test_router_overhead_runs_at_toy_sizes(tmp_path):
          "--streams", "2", "--stream-tokens", "16"],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=None)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| end to end |" in result.stdout and "| 2 | 32 |" in result.stdout, result.stdout
+    assert "| end to end |" in result.stdout and "| 2 | 0 | 32 |" in result.stdout, result.stdout

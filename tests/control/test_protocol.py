@@ -73,6 +73,7 @@ SAMPLES = [
                      kv_address="tcp://127.0.0.1:5700", block_size=16, max_model_len=4096, vocab_size=32000),
     control.Deregister(engine_id="decode-0", control_address="tcp://127.0.0.1:5600"),
     control.KVPeers(kv_addresses=["tcp://127.0.0.1:5700", "ipc:///tmp/p1.kv"]),
+    control.FirstToken(request_id="req-2", token_id=4, logprobs={4: -0.5, 9: -2.0}),
 ]
 
 
