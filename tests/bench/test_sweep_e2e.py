@@ -73,7 +73,8 @@ def test_sweep_two_layouts_two_rates(model_factory, tmp_path):
         # prompt's first PROBE_TOKENS ids) ends with the prefill engine's first token, and the router aborts its
         # decode side: its KV crosses only if the decode engine had asked for it before the abort came
         assert (row["kv_transfers"] in (NUM_PROMPTS, NUM_PROMPTS + 1)) if disaggregated else row["kv_transfers"] == 0
-        assert row["kv_bytes_sent"] == row["kv_bytes_received"]
+        # the probe's KV may have left the prefill engine after the decode side was aborted: sent, not received
+        assert 0 <= row["kv_bytes_sent"] - row["kv_bytes_received"] <= PROBE_TOKENS * per_token
         if disaggregated:  # the probe's tokens travel, or come back as the first prompt's prefix hit on decode
             assert row["kv_bytes_sent"] % per_token == 0
             assert abs(row["kv_bytes_sent"] / per_token - NUM_PROMPTS * INPUT_LEN) <= PROBE_TOKENS
@@ -173,8 +174,11 @@ def test_ctrl_c_stops_the_layout_and_keeps_what_was_measured(model_factory, tmp_
     argv = ["sweep", "--configs", "0P1D", "--request-rates", "0.5", "--num-prompts", "40", "--input-len", "16",
             "--output-len", "4", "--model", model_factory("llama"), "--output-dir", str(out), "--warmup", "0",
             "--no-plots", "--up-args", UP_ARGS]
+    # SIGINT as a terminal leaves it (a runner that starts us in the background may have it ignored, and an
+    # ignored signal stays ignored across exec)
     process = subprocess.Popen([sys.executable, "-m", "pdserve", *argv], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     lines = []
     try:
         for line in process.stdout:
