@@ -60,7 +60,9 @@ if [ -z "${PDSERVE_TORCH_INDEX_URL:-}" ]; then
     export PDSERVE_TORCH_INDEX_URL=https://pypi.org/simple  # the +cpu wheel in ./pip-local wins over PyPI's
     echo "building with $(basename "$wheel") from ./pip-local"
 fi
-cert=$("$python" -m pip config get global.cert 2>/dev/null || true)
+# the CA pip trusts here (a proxy's): PIP_CERT, pip's config, or the one requests/ssl are told to use
+cert=${PIP_CERT:-$("$python" -m pip config get global.cert 2>/dev/null || true)}
+[ -n "$cert" ] || cert=${REQUESTS_CA_BUNDLE:-${SSL_CERT_FILE:-}}
 if [ -n "$cert" ] && [ -f "$cert" ]; then  # pip here trusts a proxy's CA: so does pip in the build
     cp -f "$cert" pip-local/ca.crt
     printf '[global]\ncert = /pip-local/ca.crt\n' > pip-local/pip.conf
