@@ -6,7 +6,8 @@
 1. Latency. One decode engine (colocated, the tiny demo model unless --model) and one router given
    its address. The same greedy request (prompt token ids, ignore_eos) is sent alternately
      direct  GenerateRequest on the engine's control socket (a DEALER, as the router does), and
-     router  POST /v1/completions over HTTP (non-streaming; and streaming, for the first token),
+     router  POST /v1/completions over HTTP (non-streaming; and streaming, for the first token), on one
+             keep-alive connection of the standard library's http.client (--client httpx for httpx),
    --num-requests times each, one at a time. Overhead = router - direct, median and p99 of the
    end-to-end latency and of the time to first token; and the router process's CPU time per request
    (which other load on the machine changes far less than latencies).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import itertools
 import json
 import os
@@ -31,6 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
 try:
@@ -56,10 +60,14 @@ READY_TIMEOUT_S = 300
 
 # ---- processes ----
 
-def start(command: list[str], log_path: Path) -> tuple[subprocess.Popen, dict[str, str]]:
-    """Start a pdserve component and wait for its PDSERVE_READY line."""
+def start(command: list[str], log_path: Path, cpus: set[int] | None = None) -> tuple[subprocess.Popen, dict[str, str]]:
+    """Start a pdserve component (on `cpus` with as many torch threads, as `pdserve up --pin-cpus` does)
+    and wait for its PDSERVE_READY line."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if cpus:
+        env["OMP_NUM_THREADS"] = str(len(cpus))
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
+                               env=env, preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         line = process.stdout.readline()
@@ -123,24 +131,75 @@ def direct_request(client: ClientSocket, request_id: str, prompt: list[int], max
                 return first, time.perf_counter() - start_time
 
 
-def router_request(http: httpx.Client, prompt: list[int], max_tokens: int) -> float:
+class LeanClient:
+    """One keep-alive HTTP/1.1 connection through the standard library's http.client. The figures are the
+    router's, so the client should cost little: on this machine httpx spends ~0.6 ms more per request than
+    http.client against a bare ASGI app (0.83 against 0.22 ms), which would count as router overhead."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.connection = http.client.HTTPConnection(host, int(port), timeout=60)
+
+    def _post(self, body: dict) -> http.client.HTTPResponse:
+        encoded = json.dumps(body).encode()
+        try:
+            self.connection.request("POST", "/v1/completions", body=encoded, headers={"Content-Type": "application/json"})
+            response = self.connection.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            self.connection.close()  # the server closed an idle keep-alive connection: open a new one
+            self.connection.request("POST", "/v1/completions", body=encoded, headers={"Content-Type": "application/json"})
+            response = self.connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"the router answered {response.status}: {response.read()[:500]!r}")
+        return response
+
+    def complete(self, body: dict) -> None:
+        self._post(body).read()
+
+    def stream_lines(self, body: dict) -> Iterator[bytes]:
+        response = self._post(body)
+        while line := response.readline():
+            yield line
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+class HttpxClient:
+    """The same requests through httpx (`--client httpx`: how the figures before issue #17 were taken)."""
+
+    def __init__(self, url: str) -> None:
+        self.http = httpx.Client(base_url=url, timeout=60)
+
+    def complete(self, body: dict) -> None:
+        self.http.post("/v1/completions", json=body).raise_for_status()
+
+    def stream_lines(self, body: dict) -> Iterator[bytes]:
+        with self.http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                yield line.encode()
+
+    def close(self) -> None:
+        self.http.close()
+
+
+CLIENTS = {"http.client": LeanClient, "httpx": HttpxClient}
+
+
+def router_request(client: LeanClient | HttpxClient, prompt: list[int], max_tokens: int) -> float:
     start_time = time.perf_counter()
-    response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                                  "ignore_eos": True})
-    response.raise_for_status()
+    client.complete({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
     return time.perf_counter() - start_time
 
 
-def router_first_token(http: httpx.Client, prompt: list[int], max_tokens: int) -> float:
+def router_first_token(client: LeanClient | HttpxClient, prompt: list[int], max_tokens: int) -> float:
     start_time = time.perf_counter()
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "return_token_ids": True}
-    with http.stream("POST", "/v1/completions", json=body) as response:
-        first = None
-        for line in response.iter_lines():
-            if first is None and line.startswith("data: {"):
-                first = time.perf_counter() - start_time
-        return first
+    first = None
+    for line in client.stream_lines({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                     "ignore_eos": True, "stream": True, "return_token_ids": True}):
+        if first is None and line.startswith(b"data: {"):
+            first = time.perf_counter() - start_time
+    return first
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -148,15 +207,28 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def engine_cpus(args: argparse.Namespace) -> set[int] | None:
+    """The decode engine's core (the last one by default), so that its torch threads, which spin between
+    operations, do not take the router's core: a deployed router does not share its cores with an engine.
+    None (--engine-cpu -1, or one core only): the engine shares every core, with torch's default threads."""
+    available = sorted(os.sched_getaffinity(0))
+    if args.engine_cpu == -1 or len(available) < 2:
+        return None
+    core = available[-1] if args.engine_cpu is None else args.engine_cpu
+    if core not in available:
+        raise SystemExit(f"--engine-cpu {core} is not one of this process's cores {available}")
+    return {core}
+
+
 def measure_latency(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, dict[str, float]]:
     engine, ready = start([sys.executable, "-m", "pdserve", "decode", "--model", model, "--dtype", "float32",
-                           "--log-level", "WARNING", "--insecure"], log_dir / "decode.log")
+                           "--log-level", "WARNING", "--insecure"], log_dir / "decode.log", engine_cpus(args))
     router, url = start_router(model, ready["control"], log_dir)
     prompt = [(7 * i) % 900 + 10 for i in range(args.prompt_len)]
     samples = {name: [] for name in ("direct_e2e", "router_e2e", "direct_ttft", "router_ttft")}
     router_cpu = cpu_seconds(router.pid)
     try:
-        with ClientSocket(ready["control"]) as client, httpx.Client(base_url=url, timeout=60) as http:
+        with ClientSocket(ready["control"]) as client, closing(CLIENTS[args.client](url)) as http:
             ids = (f"bench-{i}" for i in itertools.count())
             for i in range(args.num_requests + args.warmup):
                 ttft, e2e = direct_request(client, next(ids), prompt, args.max_tokens)
@@ -285,7 +357,8 @@ def report(latency: dict | None, relay: list | None, args: argparse.Namespace) -
     print(f"\nmachine: {os.cpu_count()} CPUs visible, python {sys.version.split()[0]}")
     if latency:
         print(f"\nlatency, ms ({args.num_requests} requests each, prompt {args.prompt_len} tokens, "
-              f"{args.max_tokens} generated, one at a time)")
+              f"{args.max_tokens} generated, one at a time; HTTP client: {args.client}; "
+              f"decode engine on {_where(engine_cpus(args))})")
         print("| measure | direct median | router median | direct p99 | router p99 | overhead median | overhead p99 |")
         print("|---|---|---|---|---|---|---|")
         for kind, label in (("e2e", "end to end"), ("ttft", "first token")):
@@ -305,6 +378,10 @@ def report(latency: dict | None, relay: list | None, args: argparse.Namespace) -
                   f"{row['router_cpu_s']:.2f} | {row['tokens_per_cpu_s']:.0f} |")
 
 
+def _where(cpus: set[int] | None) -> str:
+    return "every core" if cpus is None else f"core {','.join(map(str, sorted(cpus)))}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdserve.bench.router_overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model directory (default: a tiny demo model)")
@@ -314,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--streams", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--stream-tokens", type=int, default=256)
+    parser.add_argument("--client", choices=sorted(CLIENTS), default="http.client",
+                        help="HTTP client of the latency part (httpx costs ~0.6 ms per request more on its own)")
+    parser.add_argument("--engine-cpu", type=int, default=None,
+                        help="the decode engine's core in the latency part, with one torch thread "
+                             "(default: the last core; -1: no pinning, the engine shares every core)")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-relay", action="store_true")
     parser.add_argument("--synthetic-engine", action="store_true", help=argparse.SUPPRESS)

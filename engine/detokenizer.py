@@ -6,7 +6,19 @@ emitted only once complete, and leading-space rules of the tokenizer see a littl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 _CONTEXT_TOKENS = 5  # prompt tokens decoded along with the first output tokens, for spacing rules
+
+
+def decoder_of(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """ids -> text, exactly as `tokenizer.decode(ids, skip_special_tokens=...)`. For a fast tokenizer that
+    does no clean-up of spaces, that is its Rust backend's decode: transformers' wrapper adds ~12 us a call
+    in Python, and the router decodes twice per streamed token (docs/BENCHMARKS.md, issue #17)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -14,6 +26,7 @@ class IncrementalDetokenizer:
                  stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode = decoder_of(tokenizer, skip_special_tokens)
         self.stop = tuple(s for s in stop if s)
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -23,9 +36,6 @@ class IncrementalDetokenizer:
         self.stopped_by: str | None = None
         # a stop string may still be forming at the end of the text: hold that many characters back
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, token_ids: list[int]) -> None:
         for token_id in token_ids:

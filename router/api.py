@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.control.gc_freeze import freeze_startup_heap
 from pdserve.router.body_limit import BodyLimit
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, Unauthorized
@@ -33,6 +34,7 @@ def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await gateway.start()
+        freeze_startup_heap()  # the tokenizer and transformers' modules: never walked by a collection again
         for callback in on_started or ():
             callback(gateway)
         try:
@@ -103,14 +105,15 @@ def _install_routes(app: FastAPI, gateway: Gateway) -> None:
     config = gateway.config
 
     async def check_api_key(request: Request) -> None:  # async: no thread-pool hop per request
-        if config.api_key is None:
-            return
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise Unauthorized("missing API key: send the header `Authorization: Bearer <key>`")
         if not hmac.compare_digest(key.strip().encode(), config.api_key.encode()):
             raise Unauthorized("invalid API key: use the key the server was started with (--api-key)")
+
+    # without a key there is nothing to check, and no dependency for FastAPI to solve per request
+    key_checked = [Depends(check_api_key)] if config.api_key is not None else []
 
     def check_model(model: str | None) -> None:
         if model is not None and model not in (config.served_model_name, config.model):
@@ -124,22 +127,22 @@ def _install_routes(app: FastAPI, gateway: Gateway) -> None:
         return JSONResponse({"status": "ok" if ready else "no decode engine available", "engines": engines},
                             status_code=200 if ready else 503)
 
-    @app.get("/metrics", dependencies=[Depends(check_api_key)])
+    @app.get("/metrics", dependencies=key_checked)
     async def metrics() -> Response:
         await gateway.registry.refresh_stats()
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/openapi.json", dependencies=[Depends(check_api_key)], include_in_schema=False)
+    @app.get("/openapi.json", dependencies=key_checked, include_in_schema=False)
     async def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
 
-    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    @app.get("/v1/models", dependencies=key_checked)
     async def models() -> dict[str, Any]:
         card = {"id": config.served_model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "pdserve", "root": config.model, "max_model_len": gateway.registry.max_model_len()}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/completions", dependencies=key_checked)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         max_model_len, vocab_size = gateway.context_limits()
@@ -155,7 +158,7 @@ def _install_routes(app: FastAPI, gateway: Gateway) -> None:
             return_token_ids=body.return_token_ids, include_usage=body.include_usage_in_stream, echo=body.echo)
         return await respond(gateway, request, specs, formatter, body.stream)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/chat/completions", dependencies=key_checked)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         max_model_len, _ = gateway.context_limits()

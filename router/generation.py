@@ -41,6 +41,8 @@ from pdserve.router.policies import Route
 
 log = logging.getLogger("pdserve.router.generation")
 
+_DEADLINE = "deadline"  # the source of the item an attempt's timer puts in its queue
+
 
 
 @dataclass(frozen=True)
@@ -92,11 +94,14 @@ class _Sink:
 class Submission:
     """One attempt of a choice on one route: the engine request and the streams that carry it."""
 
-    def __init__(self, route: Route, request_id: str) -> None:
+    def __init__(self, route: Route, request_id: str, deadline: float) -> None:
         self.route = route
         self.request_id = request_id
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False  # the decode engine ended the request itself: nothing to abort
+        # at the deadline (loop time) a timer puts (_DEADLINE, None) in the queue: one timer per attempt
+        # rather than a timeout scope around every wait for a token
+        self._timer = asyncio.get_running_loop().call_at(deadline, self.queue.put_nowait, (_DEADLINE, None))
         route.decode.open_stream(request_id, _Sink(self.queue, "decode"))
         if route.prefill is not None:
             route.prefill.open_stream(request_id, _Sink(self.queue, "prefill"))
@@ -134,6 +139,7 @@ class Submission:
             self.route = Route(self.route.decode, None, self.route.num_uncached_tokens)
 
     def close(self) -> None:
+        self._timer.cancel()
         for link in filter(None, (self.route.decode, self.route.prefill)):
             link.close_stream(self.request_id)
             if not self.finished:
@@ -157,7 +163,7 @@ class ChoiceRunner:
             submission: Submission | None = None
             try:
                 route = self.gateway.route(self.spec.prompt_token_ids, excluded, force_local)
-                submission = Submission(route, f"{self.request_id}-{self.spec.index}.{attempt}")
+                submission = Submission(route, f"{self.request_id}-{self.spec.index}.{attempt}", self.deadline)
                 submission.submit(self.spec)
                 async for delta in self._relay(submission):
                     emitted = True
@@ -185,7 +191,7 @@ class ChoiceRunner:
         self.token_ids = []
         first_token: int | None = None  # streamed from the prefill engine: the decode engine's first again
         while True:
-            source, item = await self._next(submission.queue)
+            source, item = await _next(submission.queue)
             if source == "prefill" and self.token_ids:
                 continue  # the decode engine's tokens came first: the prefill engine's part is over
             if isinstance(item, EngineGone):
@@ -203,7 +209,7 @@ class ChoiceRunner:
                 if first_token is not None and item.token_ids:
                     item, first_token = _without_first_token(item, first_token), None
             delta = self._consume(item, detokenizer)
-            if delta.token_ids:
+            if delta.token_ids and delta.finish_reason is None:  # a choice over at once aborts both engines
                 submission.release_prefill()
             if delta.finish_reason is not None:
                 self.gateway.policy.record_output(submission.route.decode,
@@ -239,15 +245,15 @@ class ChoiceRunner:
         return ChoiceDelta(self.spec.index, text, new_ids, list(delta.logprobs[:len(new_ids)]),
                            finish_reason, stop_reason, delta.num_cached_tokens)
 
-    async def _next(self, queue: asyncio.Queue) -> tuple[str, Any]:
-        if not queue.empty():
-            return queue.get_nowait()
-        try:
-            async with asyncio.timeout_at(self.deadline):
-                return await queue.get()
-        except TimeoutError:
-            raise RequestTimeout("the request took longer than the router's request timeout: raise "
-                                 "--request-timeout or lower max_tokens") from None
+
+
+async def _next(queue: asyncio.Queue) -> tuple[str, Any]:
+    """The next (source, item) of an attempt's queue; RequestTimeout once its deadline timer fired."""
+    source, item = queue.get_nowait() if not queue.empty() else await queue.get()
+    if source is _DEADLINE:
+        raise RequestTimeout("the request took longer than the router's request timeout: raise "
+                             "--request-timeout or lower max_tokens")
+    return source, item
 
 
 def _one_seed_for_both(params: SamplingParams) -> SamplingParams:
@@ -267,13 +273,13 @@ def _without_first_token(delta: TokenDelta, first_token: int) -> TokenDelta:
     return TokenDelta(**{**vars(delta), "token_ids": delta.token_ids[1:], "logprobs": delta.logprobs[1:]})
 
 
-async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
-    """Items of several async iterators as they come; the first error cancels the rest."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as stream:
-            async for item in stream:
-                yield item
-        return
+def merge(streams: list[AsyncIterator]) -> AsyncIterator:
+    """Items of several async iterators as they come; the first error cancels the rest. One stream is
+    returned as it is (no generator in between: every token of every n=1 request passes here)."""
+    return streams[0] if len(streams) == 1 else _merge_many(streams)
+
+
+async def _merge_many(streams: list[AsyncIterator]) -> AsyncIterator:
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 

@@ -1,7 +1,9 @@
 """EngineLink: the router's DEALER socket to one engine's control ROUTER, on the asyncio loop.
 
-One reader task per link decodes what the engine sends and routes each TokenDelta by request id to
-the asyncio.Queue of the request waiting for it. Sends never wait: a message the engine cannot take
+A reader callback on the socket's file descriptor (not a task awaiting pyzmq's asyncio futures: that
+machinery cost more router CPU per streamed token than decoding it, docs/BENCHMARKS.md issue #17) decodes
+what the engine sends and routes each TokenDelta by request id to the asyncio.Queue of the request
+waiting for it. Sends never wait: a message the engine cannot take
 right now (not connected, or its queue is full) raises EngineUnreachable at once, so a request can
 go elsewhere instead of hanging on a dead peer. A socket monitor marks the link broken the moment its
 connection drops (the engine process died), so the registry need not wait for missed heartbeats.
@@ -28,7 +30,7 @@ from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, open_socket
 log = logging.getLogger("pdserve.router.link")
 
 LINK_HWM = 100_000  # messages queued per link; beyond it the engine is treated as unreachable
-DRAIN_LIMIT = 256  # messages read per wake-up of a link's reader, so other tasks get their turn
+DRAIN_LIMIT = 256  # messages read per call of a link's reader, so other callbacks get their turn
 
 
 class EngineUnreachable(Exception):
@@ -60,12 +62,18 @@ class EngineLink:
         self.pending_tokens = 0  # prompt tokens sent since the last stats (load not yet reported)
         self.streams: dict[str, asyncio.Queue] = {}
         self._stats_waiters: list[asyncio.Future] = []
-        self._opened = open_socket(zmq.DEALER, control_address, bind=False, curve=curve, context=context,
+        # a plain (synchronous) socket on the registry's context: sends never wait, and reading is the
+        # loop's reader callback on its file descriptor
+        self._opened = open_socket(zmq.DEALER, control_address, bind=False, curve=curve,
+                                   context=zmq.Context.shadow(context.underlying),
                                    hwm=LINK_HWM, linger_s=0, max_message_bytes=CONTROL_MESSAGE_BYTES)
-        self.socket: zmq.asyncio.Socket = self._opened.socket
+        self.socket: zmq.Socket = self._opened.socket
         self.broken: str | None = None  # why the connection dropped, until the registry acts on it
-        self._monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._reader = asyncio.create_task(self._read_loop(), name=f"link {control_address}")
+        self._loop = asyncio.get_running_loop()
+        self._read_scheduled = False
+        self._loop.add_reader(self.socket.FD, self._read)
+        self._schedule_read()  # anything that came before the reader was added
+        self._monitor = self._open_monitor(context)
         self._watcher = asyncio.create_task(self._watch_connection(), name=f"link monitor {control_address}")
 
     @property
@@ -81,7 +89,8 @@ class EngineLink:
     def send(self, msg: Message) -> None:
         """Hand msg to the socket now or raise EngineUnreachable."""
         try:
-            self.socket.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False).result()
+            self.socket.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+            self._schedule_read()  # a send may take the descriptor's wake-up for a message that came meanwhile
         except zmq.Again:
             raise EngineUnreachable(f"engine {self.engine_id} at {self.control_address} is not connected "
                                     f"or not taking messages") from None
@@ -141,18 +150,30 @@ class EngineLink:
 
     # ---- receiving ----
 
-    async def _read_loop(self) -> None:
-        """Wait for a message, then take every message already queued without waiting again (one wake-up
-        of this task per burst, not one asyncio future per message)."""
-        drain = zmq.Socket.shadow(self.socket.underlying)  # the same socket, read synchronously
-        while True:
-            self._receive(await self.socket.recv_multipart(copy=False))
-            for _ in range(DRAIN_LIMIT):
-                try:
-                    parts = drain.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
+    def _schedule_read(self) -> None:
+        if not self._read_scheduled:
+            self._read_scheduled = True
+            self._loop.call_soon(self._read)
+
+    def _read(self) -> None:
+        """Take every queued message (at most DRAIN_LIMIT, then continue in a later callback). ZeroMQ's
+        descriptor signals edges, not levels: it wakes the loop again only once the queue has been emptied."""
+        self._read_scheduled = False
+        for _ in range(DRAIN_LIMIT):
+            try:
+                if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:  # the socket was closed under the reader
+                log.debug("link %s stopped reading: %s", self.control_address, exc)
+                return
+            try:
                 self._receive(parts)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the reading (no later edge would come)
+                log.exception("link %s: handling a message failed", self.control_address)
+        self._schedule_read()
 
     def _receive(self, parts: list) -> None:
         try:
@@ -163,6 +184,14 @@ class EngineLink:
         self.last_seen = time.monotonic()
         self.num_received += 1
         self._dispatch(msg)
+
+    def _open_monitor(self, context: zmq.asyncio.Context) -> zmq.asyncio.Socket:
+        """An asyncio PAIR socket that hears when the link's connection drops."""
+        address = f"inproc://pdserve-link-monitor-{id(self)}"
+        self.socket.monitor(address, zmq.EVENT_DISCONNECTED)
+        monitor = context.socket(zmq.PAIR)
+        monitor.connect(address)
+        return monitor
 
     async def _watch_connection(self) -> None:
         while True:
@@ -194,10 +223,10 @@ class EngineLink:
         """Stop the link's tasks and close its sockets. The sockets close even when the caller is
         cancelled meanwhile, and that cancellation goes on up (the registry's close waits for it)."""
         self.up = False
-        self._reader.cancel()
+        self._loop.remove_reader(self.socket.FD)
         self._watcher.cancel()
         try:
-            await asyncio.gather(self._reader, self._watcher, return_exceptions=True)
+            await asyncio.gather(self._watcher, return_exceptions=True)
         finally:
             self.socket.disable_monitor()
             self._monitor.close(linger=0)

@@ -39,7 +39,8 @@ class ClientGone(Exception):
 
 def endpoint_label(request: Request) -> str:
     """The metrics label of a request's path: unknown paths share one label (no label per probe)."""
-    return request.url.path if request.url.path in ENDPOINTS else "other"
+    path = request.scope["path"]  # not request.url, which parses the whole URL
+    return path if path in ENDPOINTS else "other"
 
 
 class _Timing:

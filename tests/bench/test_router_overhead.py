@@ -16,3 +16,12 @@ def test_router_overhead_runs_at_toy_sizes(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=300, env=None)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| end to end |" in result.stdout and "| 2 | 0 | 32 |" in result.stdout, result.stdout
+
+
+def test_router_overhead_with_the_httpx_client(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.bench.router_overhead", "--num-requests", "2", "--warmup", "1",
+         "--skip-relay", "--client", "httpx"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=None)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "HTTP client: httpx" in result.stdout and "| first token |" in result.stdout, result.stdout

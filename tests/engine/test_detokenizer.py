@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.detokenizer import IncrementalDetokenizer, decoder_of
 from pdserve.engine.tokenizer import load_tokenizer
 
 
@@ -52,3 +52,24 @@ def test_partial_stop_string_is_held_back_then_released(tokenizer):
 def test_earliest_stop_string_wins(tokenizer):
     _, detok = stream(tokenizer, "one two three four", stop=("four", "two"))
     assert detok.text == "one " and detok.stopped_by == "two"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_fast_decoder_equals_the_tokenizers_decode(tokenizer, skip_special_tokens):
+    """The backend shortcut must give transformers' text exactly: special tokens, bytes of a split
+    character, spaces."""
+    assert tokenizer.clean_up_tokenization_spaces is False  # so the shortcut is the one under test
+    ids = tokenizer.encode("héllo wörld, 1 2  3 ✓ end") + [tokenizer.eos_token_id] + tokenizer.encode(" again")
+    decode = decoder_of(tokenizer, skip_special_tokens)
+    for start in range(len(ids)):
+        for end in range(start, len(ids) + 1):
+            assert decode(ids[start:end]) == tokenizer.decode(ids[start:end], skip_special_tokens=skip_special_tokens)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode(tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    calls = []
+    original = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, **kw: calls.append(ids) or original(ids, **kw))
+    decoder_of(tokenizer, True)([5, 6])
+    assert calls == [[5, 6]]
