@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 
 from pdserve.control.errors import InvalidRequestError, PeerUnreachableError, ProtocolError, WireError
+from pdserve.control.gc_freeze import freeze_startup_heap
 from pdserve.control.heartbeat import Heartbeat, advertised_address
 from pdserve.control.keys import ClusterCurve
 from pdserve.control.messages import Abort, DescribeRequest, EngineStats, Error, Register, StatsRequest, TokenDelta
@@ -82,6 +83,7 @@ class EngineServer:
         signal.signal(signal.SIGINT, self.stop)
 
     def run(self) -> None:
+        freeze_startup_heap()  # torch, transformers, the model: no full collection walks them mid-step
         poller = zmq.Poller()
         registered: set = set()
         try:
