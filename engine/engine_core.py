@@ -127,7 +127,7 @@ class EngineCore:
 
 def _step_label(plan) -> str:
     """How the DEBUG log names a step: its tokens and the requests it prefills (tools match the engines'
-    own timestamps of a step against other events, e.g. tests/prefill/test_mid_step_kv.py)."""
+    own timestamps of a step against other events, e.g. tests/decode/test_mid_step_kv.py)."""
     prompt_ids = [item.request.request_id for item in plan.scheduled[plan.num_decodes:]]
     return f"step of {plan.num_tokens} tokens (prompt chunks of {','.join(prompt_ids) or 'none'})"
 
