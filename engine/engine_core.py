@@ -4,6 +4,7 @@ KV connector's scheduler side goes to the scheduler, its transfer side only lend
 from __future__ import annotations
 
 import logging
+import time
 
 from pdserve.control.messages import TokenDelta
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -95,12 +96,15 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return self.scheduler.take_pending()
+        label = _step_label(plan) if log.isEnabledFor(logging.DEBUG) else ""
+        log.debug("%s began at %.6f", label, time.time())
         try:
             sampled = self.runner.execute(plan, self.kv_transfer.layer_hook(plan))
         except Exception as exc:  # noqa: BLE001 - one bad step must not end the engine, see docstring
             request_ids = [item.request.request_id for item in plan.scheduled]
             log.exception("a step failed; failing its requests %s", request_ids)
             return self.scheduler.fail_step(plan, _step_error(exc))
+        log.debug("%s ended at %.6f", label, time.time())
         return self.scheduler.update_from_output(plan, sampled)
 
     def stats(self) -> SchedulerStats:
@@ -119,6 +123,13 @@ class EngineCore:
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
         self.scheduler.finish_externally(request_id, status)
+
+
+def _step_label(plan) -> str:
+    """How the DEBUG log names a step: its tokens and the requests it prefills (tools match the engines'
+    own timestamps of a step against other events, e.g. tests/decode/test_mid_step_kv.py)."""
+    prompt_ids = [item.request.request_id for item in plan.scheduled[plan.num_decodes:]]
+    return f"step of {plan.num_tokens} tokens (prompt chunks of {','.join(prompt_ids) or 'none'})"
 
 
 def _step_error(exc: Exception) -> str:

@@ -1,8 +1,9 @@
 """Prefill role, transfer side: the KV socket that serves decode engines' KVWant, and the sending.
 
 The engine loop calls `receive()` between steps and `send_computed()` once a step's first tokens are
-published; inside a step the model runner calls the hook that `layer_hook()` returns
-(prefill/layer_stream.py). Each request's transfer is one `Transfer`, shared
+published; inside a step the model runner calls the hook that `layer_hook()` returns: layer streaming
+(prefill/layer_stream.py) and, while a computed prompt waits on its decode engine, socket reads
+(prefill/waiting_reads.py). Each request's transfer is one `Transfer`, shared
 with the scheduler side (prefill/scheduler_side.py), which tells `finish()` when a prompt is computed.
 """
 
@@ -26,6 +27,7 @@ from pdserve.prefill.host_copies import HostCopies, StreamedLayers
 from pdserve.prefill.kv_sender import KVSender
 from pdserve.prefill.layer_stream import StepStream
 from pdserve.prefill.transfers import Transfer, TransferState
+from pdserve.prefill.waiting_reads import WaitingTransferReads
 
 log = logging.getLogger("pdserve.prefill.transfer_side")
 
@@ -58,12 +60,22 @@ class PrefillTransferSide(KVTransferSide):
         self._expire()
 
     def layer_hook(self, plan) -> Callable[[int], None] | None:
-        if not self.stream_layers:
-            return None
-        prompt_items = [item for item in plan.scheduled
-                        if item.request.num_computed_tokens < item.request.num_prompt_tokens]
-        stream = StepStream(self, prompt_items, self.sender.kv_cache.shape[0])
-        return stream if stream.has_work else None
+        """The step's per-layer hook: None (no call, no socket read) when it has nothing to stream and no
+        computed prompt waits on its decode engine."""
+        hooks = []
+        if self.has_waiting_transfers():  # first: the stream starts a chunk whose KVWant it reads at the same layer
+            hooks.append(WaitingTransferReads(self))
+        if self.stream_layers:
+            prompt_items = [item for item in plan.scheduled
+                            if item.request.num_computed_tokens < item.request.num_prompt_tokens]
+            stream = StepStream(self, prompt_items, self.sender.kv_cache.shape[0])
+            if stream.has_work:
+                hooks.append(stream)
+        return _each_of(hooks)
+
+    def has_waiting_transfers(self) -> bool:
+        """Whether a computed prompt waits for its KVWant or its KVAck."""
+        return any(transfer.waits_on_peer for transfer in self.transfers.values())
 
     def close(self) -> None:
         self.server.close()
@@ -213,3 +225,15 @@ class PrefillTransferSide(KVTransferSide):
         wait ends its side (recompute or error); this side frees the blocks once the prompt is done."""
         log.warning("%s KV of %s failed: %s", during, transfer.request_id, exc)
         transfer.move(TransferState.FAILED, str(exc))
+
+
+def _each_of(hooks: list[Callable[[int], None]]) -> Callable[[int], None] | None:
+    """One per-layer hook that calls each of `hooks` in order (None for none)."""
+    if len(hooks) <= 1:
+        return hooks[0] if hooks else None
+
+    def each(layer_idx: int) -> None:
+        for hook in hooks:
+            hook(layer_idx)
+
+    return each

@@ -21,6 +21,8 @@ class TransferState(enum.Enum):
 
 
 ENDED = frozenset({TransferState.DONE, TransferState.FAILED, TransferState.ABORTED})
+# The prompt is computed and its blocks held; what comes next is up to the decode engine.
+WAITING_ON_PEER = frozenset({TransferState.WAITING_FOR_WANT, TransferState.AWAITING_ACK})
 
 
 @dataclass
@@ -59,6 +61,10 @@ class Transfer:
     @property
     def is_ended(self) -> bool:
         return self.state in ENDED
+
+    @property
+    def waits_on_peer(self) -> bool:
+        return self.state in WAITING_ON_PEER
 
     def want(self, peer_id: bytes, skip_tokens: int, num_tokens: int) -> None:
         self.peer_id, self.skip_tokens, self.num_tokens = peer_id, skip_tokens, num_tokens
