@@ -141,16 +141,31 @@ class BudgetExceeded(Exception):
 
 @dataclass
 class MissBudget:
-    """Stops a run (a goodput probe) as soon as it is sure to miss the attainment target."""
+    """Stops a run (a goodput probe) as soon as it is sure to miss the attainment target. A request is judged
+    on TTFT when its first token is out and on every SLO when it finishes; it counts once (weights: how many
+    requests of the judged run one request stands for, simulate_tiers' prefill tier)."""
     slos_s: dict[str, float]  # SimRequest property -> its limit in seconds
     max_misses: int
+    weights: dict[int, int] | None = None  # request index -> requests it stands for; None: 1 each
     num_missed: int = 0
+    missed: set[int] = field(default_factory=set)  # indexes already counted
+
+    def judge_first_token(self, request: SimRequest) -> None:
+        limit = self.slos_s.get("ttft")
+        if limit is not None and request.ttft > limit:
+            self._miss(request)
 
     def judge(self, request: SimRequest) -> None:
         if any(getattr(request, name) > limit for name, limit in self.slos_s.items()):
-            self.num_missed += 1
-            if self.num_missed > self.max_misses:
-                raise BudgetExceeded
+            self._miss(request)
+
+    def _miss(self, request: SimRequest) -> None:
+        if request.index in self.missed:
+            return
+        self.missed.add(request.index)
+        self.num_missed += 1 if self.weights is None else self.weights.get(request.index, 0)
+        if self.num_missed > self.max_misses:
+            raise BudgetExceeded
 
 
 class Simulation:
@@ -308,6 +323,7 @@ class SimEngine:
     def _announce_first_tokens(self, at: float) -> None:
         for request in self._announce:
             request.first_token = at
+            self.cluster.first_token_out(request)
             if request.finish is not None:
                 request.finish = max(request.finish, at)
                 self.cluster.finished(request)
@@ -333,11 +349,13 @@ class SimEngine:
             self.fixed_tokens += request.kv_tokens  # held until the transfer ends
             request.prompt_done = now
             request.first_token = now  # published at once, before the KV moves
+            self.cluster.first_token_out(request)
             if request.want_time is not None:
                 self.cluster.start_transfer(request)
             return
         if request.first_token is None:
             request.first_token = now
+            self.cluster.first_token_out(request)
         self._join_decoding(request, request.num_generated + 1, now)  # the step that completes a prompt samples
 
     def _join_decoding(self, request: SimRequest, num_generated: int, now: float) -> None:
@@ -448,6 +466,10 @@ class SimCluster:
         self.sim.run()
         return requests
 
+    def first_token_out(self, request: SimRequest) -> None:
+        if self.budget is not None:
+            self.budget.judge_first_token(request)
+
     def finished(self, request: SimRequest) -> None:
         if self.budget is not None:
             self.budget.judge(request)
@@ -533,24 +555,47 @@ def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], p
     threshold = spec.local_prefill_threshold
     decode_stream = [SimRequest(i, float(arrivals[i]), int(prompt_lens[i]), int(output_lens[i]))
                      for i in range(0, len(arrivals), y)]
+    budget = miss_budget(*stop_below, len(decode_stream)) if stop_below else None
     if x:
         prefill_stream = [SimRequest(i, float(arrivals[i]), int(prompt_lens[i]), int(output_lens[i]), remote=True)
                           for i in range(0, len(arrivals), x) if prompt_lens[i] > threshold]
-        cluster = SimCluster(ClusterSpec(1, 1, spec.settings, spec.kv_bytes_per_token, kv_streaming=spec.kv_streaming,
-                                         local_prefill_threshold=threshold), model)
-        for request in prefill_stream:
-            request.want_time = request.arrival
-            request.prefill_engine = cluster.prefills[0]
-        cluster.run_tier(cluster.prefills[0], prefill_stream)
-        delays = [r.prompt_done - r.arrival for r in prefill_stream]
+        delays = _prefill_tier_delays(spec, model, prefill_stream, decode_stream, budget)
         for request in decode_stream:
             if request.prompt_len > threshold and delays:
                 request.remote = True
-                request.prompt_done = request.arrival + delays[min(request.index // x, len(delays) - 1)]
+                request.prompt_done = request.arrival + delays[_prefill_position(request, x, len(delays))]
                 request.first_token = request.prompt_done  # the prefill engine publishes it
-    budget = miss_budget(*stop_below, len(decode_stream)) if stop_below else None
+                if budget is not None:
+                    budget.judge_first_token(request)
     cluster = SimCluster(ClusterSpec(0, 1, spec.settings, spec.kv_bytes_per_token, kv_streaming=spec.kv_streaming),
                          model, budget)
     for request in decode_stream:
         request.decode_engine = cluster.decodes[0]
     return cluster.run_tier(cluster.decodes[0], decode_stream)
+
+
+def _prefill_position(request: SimRequest, num_prefill: int, num_delays: int) -> int:
+    """The position in the prefill engine's stream whose delay a decode-stream request takes."""
+    return min(request.index // num_prefill, num_delays - 1)
+
+
+def _prefill_tier_delays(spec: ClusterSpec, model: StepModel, prefill_stream: list[SimRequest],
+                         decode_stream: list[SimRequest], budget: MissBudget | None) -> list[float]:
+    """The prefill engine's delay (prompt computed - arrival) per position of its stream. With a budget the
+    tier stops once the decode-stream requests whose first token it makes late are more than allowed: a
+    prefill request's delay is the TTFT of each decode-stream request mapped to its position."""
+    tier_budget = None
+    if budget is not None and "ttft" in budget.slos_s and prefill_stream:
+        uses: dict[int, int] = {}
+        for request in decode_stream:
+            if request.prompt_len > spec.local_prefill_threshold:
+                index = prefill_stream[_prefill_position(request, spec.num_prefill, len(prefill_stream))].index
+                uses[index] = uses.get(index, 0) + 1
+        tier_budget = MissBudget({"ttft": budget.slos_s["ttft"]}, budget.max_misses, uses)
+    cluster = SimCluster(ClusterSpec(1, 1, spec.settings, spec.kv_bytes_per_token, kv_streaming=spec.kv_streaming,
+                                     local_prefill_threshold=spec.local_prefill_threshold), model, tier_budget)
+    for request in prefill_stream:
+        request.want_time = request.arrival
+        request.prefill_engine = cluster.prefills[0]
+    cluster.run_tier(cluster.prefills[0], prefill_stream)
+    return [r.prompt_done - r.arrival for r in prefill_stream]
