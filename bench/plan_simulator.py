@@ -173,19 +173,16 @@ class Simulation:
 
     def __init__(self) -> None:
         self.env = simpy.Environment()
-        self.num_events = 0
 
     @property
     def now(self) -> float:
         return self.env.now
 
-    def at(self, time: float, callback, *args) -> None:
+    def at(self, time: float, callback, *args) -> simpy.Timeout:
+        """callback(*args) at `time`; the event, whose callbacks a caller may clear to cancel it."""
         event = self.env.timeout(max(0.0, time - self.env.now))
-        event.callbacks.append(lambda _: self._fire(callback, args))
-
-    def _fire(self, callback, args: tuple) -> None:
-        self.num_events += 1
-        callback(*args)
+        event.callbacks.append(lambda _: callback(*args))
+        return event
 
     def run(self) -> None:
         self.env.run()
@@ -219,7 +216,7 @@ class SimEngine:
         self.cpu_debt = 0.0  # transfer CPU taken from this engine's core, paid before its next step
         self.busy = False
         self._run: tuple | None = None  # a decode run: (start, num_steps, first step s, growth s/step)
-        self._version = 0
+        self._run_event: simpy.Timeout | None = None  # its end; a cut run's is cancelled
         self.num_preemptions = 0
 
     # ---- load figures the router reads ----
@@ -413,25 +410,22 @@ class SimEngine:
         num_steps = max(1, min(self._finishes[0][0] - self.clock, room))
         first = self.model.step_seconds(batch, self.context_tokens(), 0, 0.0)
         growth = self.model.decode_per_context * batch  # each step attends to one more token per request
-        self._version += 1
         self._run = (now, num_steps, first, growth)
-        self.sim.at(now + _run_seconds(num_steps, first, growth), self._run_done, self._version)
+        self._run_event = self.sim.at(now + _run_seconds(num_steps, first, growth), self._run_done)
 
     def _cut_run(self) -> None:
         start, num_steps, first, growth = self._run
         done = _steps_done_by(self.sim.now - start, first, growth)
         if done + 1 >= num_steps:
             return
-        self._version += 1
+        self._run_event.callbacks.clear()  # cancelled: it fires with nothing to call
         self._run = (start, done + 1, first, growth)
-        self.sim.at(start + _run_seconds(done + 1, first, growth), self._run_done, self._version)
+        self._run_event = self.sim.at(start + _run_seconds(done + 1, first, growth), self._run_done)
 
-    def _run_done(self, version: int) -> None:
-        if version != self._version:
-            return
+    def _run_done(self) -> None:
         start, num_steps, first, _ = self._run
         self._announce_first_tokens(start + first)
-        self._run = None
+        self._run = self._run_event = None
         self.clock += num_steps
         self._finish_due(self.sim.now)
         self.iterate()
