@@ -135,6 +135,9 @@ class SimRequest:
         return self.finish - self.arrival
 
 
+DEADLINE_MARGIN = 1e-9  # relative and absolute slack on a deadline, so that float rounding never counts a miss early
+
+
 class BudgetExceeded(Exception):
     """More requests missed an SLO than the attainment target allows: the run cannot meet it."""
 
@@ -142,18 +145,36 @@ class BudgetExceeded(Exception):
 @dataclass
 class MissBudget:
     """Stops a run (a goodput probe) as soon as it is sure to miss the attainment target. A request is judged
-    on TTFT when its first token is out and on every SLO when it finishes; it counts once (weights: how many
-    requests of the judged run one request stands for, simulate_tiers' prefill tier)."""
+    on TTFT when its first token is out, on TPOT and E2EL once the time they allow has passed unfinished, and
+    on every SLO when it finishes; it counts once (weights: how many requests of the judged run one request
+    stands for, simulate_tiers' prefill tier)."""
     slos_s: dict[str, float]  # SimRequest property -> its limit in seconds
     max_misses: int
     weights: dict[int, int] | None = None  # request index -> requests it stands for; None: 1 each
     num_missed: int = 0
     missed: set[int] = field(default_factory=set)  # indexes already counted
+    deadlines: list[tuple[float, int, SimRequest]] = field(default_factory=list)  # heap: unfinished past it = miss
 
     def judge_first_token(self, request: SimRequest) -> None:
         limit = self.slos_s.get("ttft")
         if limit is not None and request.ttft > limit:
             self._miss(request)
+            return
+        deadline = math.inf
+        if "tpot" in self.slos_s and request.output_len > 1:
+            deadline = request.first_token + self.slos_s["tpot"] * (request.output_len - 1)
+        if "e2el" in self.slos_s:
+            deadline = min(deadline, request.arrival + self.slos_s["e2el"])
+        if deadline < math.inf:
+            heapq.heappush(self.deadlines, (deadline * (1 + DEADLINE_MARGIN) + DEADLINE_MARGIN, request.index, request))
+
+    def judge_unfinished(self, now: float) -> None:
+        """Requests still unfinished past their deadline: their TPOT or E2EL will exceed the limit."""
+        deadlines = self.deadlines
+        while deadlines and deadlines[0][0] < now:
+            _, _, request = heapq.heappop(deadlines)
+            if request.finish is None:
+                self._miss(request)
 
     def judge(self, request: SimRequest) -> None:
         if any(getattr(request, name) > limit for name, limit in self.slos_s.items()):
@@ -217,6 +238,8 @@ class SimEngine:
         self.busy = False
         self._run: tuple | None = None  # a decode run: (start, num_steps, first step s, growth s/step)
         self._run_event: simpy.Timeout | None = None  # its end; a cut run's is cancelled
+        self.expected: deque[SimRequest] = deque()  # arrivals known ahead (expect), in arrival order
+        self._due_at: float | None = None  # when the next expected arrival wakes this engine from idle
         self.num_preemptions = 0
 
     # ---- load figures the router reads ----
@@ -236,11 +259,37 @@ class SimEngine:
     # ---- input ----
 
     def add(self, request: SimRequest) -> None:
+        self._enqueue(request)
+        self.wake()
+
+    def _enqueue(self, request: SimRequest) -> None:
         self.waiting.append(request)
         self.waiting_tokens += request.prompt_len
         if not (self.role == "decode" and request.remote):
             self.queued_tokens += request.prompt_len
-        self.wake()
+
+    def expect(self, requests: list[SimRequest]) -> None:
+        """Arrivals known ahead (one engine fed without a router, simulate_tiers). The loop takes them in when
+        it reaches their time, and a decode run ends at the step boundary after the next one, as an arrival's
+        wake would cut it: no event per arrival while the engine is busy, the same times as add()."""
+        self.expected = deque(sorted(requests, key=lambda r: r.arrival))
+        self._sleep_until_expected()
+
+    def _sleep_until_expected(self) -> None:
+        if self.expected and self._due_at != self.expected[0].arrival:
+            self._due_at = self.expected[0].arrival
+            self.sim.at(self._due_at, self._expected_due)
+
+    def _expected_due(self) -> None:
+        self._due_at = None
+        if not self.busy:
+            self.busy = True
+            self.iterate()
+
+    def _take_expected(self) -> None:
+        expected, now = self.expected, self.sim.now
+        while expected and expected[0].arrival <= now:
+            self._enqueue(expected.popleft())
 
     def kv_landed(self, request: SimRequest) -> None:
         self.landed.append(request)
@@ -260,6 +309,10 @@ class SimEngine:
     def iterate(self) -> None:
         now = self.sim.now + self.cpu_debt
         self.cpu_debt = 0.0
+        if self.cluster.budget is not None:
+            self.cluster.budget.judge_unfinished(self.sim.now)
+        if self.expected:
+            self._take_expected()
         for request in self.landed:  # the first token is out already (from the prefill engine)
             self.num_waiting_for_kv -= 1
             self.fixed_tokens -= request.kv_tokens
@@ -273,6 +326,7 @@ class SimEngine:
         if not num_decodes and not chunks:
             self._announce_first_tokens(now)
             self.busy = False
+            self._sleep_until_expected()
             return
         if not chunks:
             self._start_decode_run(now)
@@ -410,6 +464,8 @@ class SimEngine:
         num_steps = max(1, min(self._finishes[0][0] - self.clock, room))
         first = self.model.step_seconds(batch, self.context_tokens(), 0, 0.0)
         growth = self.model.decode_per_context * batch  # each step attends to one more token per request
+        if self.expected and self.expected[0].arrival < now + _run_seconds(num_steps, first, growth):
+            num_steps = min(num_steps, _steps_done_by(self.expected[0].arrival - now, first, growth) + 1)
         self._run = (now, num_steps, first, growth)
         self._run_event = self.sim.at(now + _run_seconds(num_steps, first, growth), self._run_done)
 
@@ -501,8 +557,7 @@ class SimCluster:
             request.decode_engine.kv_landed(request)
 
     def run_tier(self, engine: SimEngine, requests: list[SimRequest]) -> list[SimRequest]:
-        for request in requests:
-            self.sim.at(request.arrival, engine.add, request)
+        engine.expect(requests)
         self.sim.run()
         return requests
 
