@@ -239,6 +239,9 @@ class SimEngine:
         self._run: tuple | None = None  # a decode run: (start, num_steps, first step s, growth s/step)
         self._run_event: simpy.Timeout | None = None  # its end; a cut run's is cancelled
         self.expected: deque[SimRequest] = deque()  # arrivals known ahead (expect), in arrival order
+        self.knows_ahead = False  # fed by expect(): its transfers' ends are inputs known ahead too
+        self._transfers: list[tuple[float, int, SimRequest, int]] = []  # heap: (end, number, request, bytes)
+        self._num_transfers = 0
         self._due_at: float | None = None  # when the next expected arrival wakes this engine from idle
         self.num_preemptions = 0
 
@@ -269,16 +272,27 @@ class SimEngine:
             self.queued_tokens += request.prompt_len
 
     def expect(self, requests: list[SimRequest]) -> None:
-        """Arrivals known ahead (one engine fed without a router, simulate_tiers). The loop takes them in when
-        it reaches their time, and a decode run ends at the step boundary after the next one, as an arrival's
-        wake would cut it: no event per arrival while the engine is busy, the same times as add()."""
+        """Arrivals known ahead (one engine fed without a router, simulate_tiers), and then the ends of its
+        transfers too (expect_transfer). The loop takes them in when it reaches their time, and a decode run
+        ends at the step boundary after the next one, as their wake would cut it: no event per input while
+        the engine is busy, the same times as add(), kv_landed() and transfer_sent()."""
+        self.knows_ahead = True
         self.expected = deque(sorted(requests, key=lambda r: r.arrival))
         self._sleep_until_expected()
 
+    def expect_transfer(self, end: float, request: SimRequest, num_bytes: int) -> None:
+        self._num_transfers += 1  # ties end in the order they were started, as events would fire
+        heapq.heappush(self._transfers, (end, self._num_transfers, request, num_bytes))
+
+    def _next_input(self) -> float:
+        arrival = self.expected[0].arrival if self.expected else math.inf
+        return min(arrival, self._transfers[0][0]) if self._transfers else arrival
+
     def _sleep_until_expected(self) -> None:
-        if self.expected and self._due_at != self.expected[0].arrival:
-            self._due_at = self.expected[0].arrival
-            self.sim.at(self._due_at, self._expected_due)
+        due = self._next_input()
+        if due < math.inf and self._due_at != due:
+            self._due_at = due
+            self.sim.at(due, self._expected_due)
 
     def _expected_due(self) -> None:
         self._due_at = None
@@ -287,14 +301,23 @@ class SimEngine:
             self.iterate()
 
     def _take_expected(self) -> None:
-        expected, now = self.expected, self.sim.now
+        expected, transfers, now = self.expected, self._transfers, self.sim.now
         while expected and expected[0].arrival <= now:
             self._enqueue(expected.popleft())
+        while transfers and transfers[0][0] <= now:
+            _, _, request, num_bytes = heapq.heappop(transfers)
+            if self.role == "decode":
+                self._land(request)
+            else:
+                self._sent(request, num_bytes)
 
     def kv_landed(self, request: SimRequest) -> None:
+        self._land(request)
+        self.wake()
+
+    def _land(self, request: SimRequest) -> None:
         self.landed.append(request)
         self.cpu_debt += request.prompt_len * self.cluster.spec.kv_bytes_per_token * self.model.receiver_cpu_per_byte
-        self.wake()
 
     def wake(self) -> None:
         """New input: start a loop iteration now if idle, or end a decode run at its next step boundary."""
@@ -307,12 +330,12 @@ class SimEngine:
     # ---- the loop ----
 
     def iterate(self) -> None:
+        if self.knows_ahead:
+            self._take_expected()
         now = self.sim.now + self.cpu_debt
         self.cpu_debt = 0.0
         if self.cluster.budget is not None:
             self.cluster.budget.judge_unfinished(self.sim.now)
-        if self.expected:
-            self._take_expected()
         for request in self.landed:  # the first token is out already (from the prefill engine)
             self.num_waiting_for_kv -= 1
             self.fixed_tokens -= request.kv_tokens
@@ -437,9 +460,12 @@ class SimEngine:
 
     def transfer_sent(self, request: SimRequest, num_bytes: int) -> None:
         """The prefill side of a finished transfer: blocks freed; its CPU taken from this engine's core."""
+        self._sent(request, num_bytes)
+        self.wake()
+
+    def _sent(self, request: SimRequest, num_bytes: int) -> None:
         self.fixed_tokens -= request.kv_tokens
         self.cpu_debt += num_bytes * self.model.sender_cpu_per_byte
-        self.wake()
 
     # ---- KV pool ----
 
@@ -464,8 +490,9 @@ class SimEngine:
         num_steps = max(1, min(self._finishes[0][0] - self.clock, room))
         first = self.model.step_seconds(batch, self.context_tokens(), 0, 0.0)
         growth = self.model.decode_per_context * batch  # each step attends to one more token per request
-        if self.expected and self.expected[0].arrival < now + _run_seconds(num_steps, first, growth):
-            num_steps = min(num_steps, _steps_done_by(self.expected[0].arrival - now, first, growth) + 1)
+        next_input = self._next_input() if self.knows_ahead else math.inf
+        if next_input < now + _run_seconds(num_steps, first, growth):
+            num_steps = min(num_steps, _steps_done_by(next_input - now, first, growth) + 1)
         self._run = (now, num_steps, first, growth)
         self._run_event = self.sim.at(now + _run_seconds(num_steps, first, growth), self._run_done)
 
@@ -548,6 +575,11 @@ class SimCluster:
         wire = self.model.transfer_latency
         if not (self.spec.kv_streaming and request.want_time <= request.prompt_done):
             wire += num_bytes * self.model.transfer_per_byte
+        alone = request.decode_engine if request.prefill_engine is None else request.prefill_engine
+        if (request.prefill_engine is None or request.decode_engine is None) and alone.knows_ahead:
+            now = self.sim.now  # the time an event at start + wire would fire (simpy adds a delay to now)
+            alone.expect_transfer(now + max(0.0, start + wire - now), request, num_bytes)
+            return
         self.sim.at(start + wire, self._transfer_done, request, num_bytes)
 
     def _transfer_done(self, request: SimRequest, num_bytes: int) -> None:
