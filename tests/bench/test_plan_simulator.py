@@ -89,13 +89,18 @@ def test_the_first_token_leaves_the_prefill_engine_and_the_transfer_delays_the_s
     assert streamed.finish == pytest.approx(0.2 + 0.01 + 2 * 0.05)
 
 
-def test_one_engine_per_tier_matches_the_whole_cluster_for_1p1d():
+@pytest.mark.parametrize("streaming", [False, True])
+def test_one_engine_per_tier_matches_the_whole_cluster_for_1p1d(streaming):
+    # the tiers take arrivals and transfer ends from queues known ahead; the whole cluster, from events
     workload = random_workload(100, 300, 40, range_ratio=0.5, seed=2)
     cost = model(prefill_intercept=0.01, prefill_per_token=1e-4, decode_intercept=0.02, decode_per_seq=1e-3,
-                 transfer_latency=0.005, transfer_per_byte=1e-9)
+                 decode_per_context=1e-6, transfer_latency=0.005, transfer_per_byte=1e-9, sender_cpu_per_byte=1e-10,
+                 receiver_cpu_per_byte=1e-10)
     arrivals = workload.arrivals(4.0, seed=2)
-    exact = simulate(ClusterSpec(1, 1), cost, arrivals, workload.prompt_lens, workload.output_lens)
-    tiers = simulate_tiers(ClusterSpec(1, 1), cost, arrivals, workload.prompt_lens, workload.output_lens)
+    spec = ClusterSpec(1, 1, kv_streaming=streaming)
+    exact = simulate(spec, cost, arrivals, workload.prompt_lens, workload.output_lens)
+    tiers = simulate_tiers(spec, cost, arrivals, workload.prompt_lens, workload.output_lens)
+    assert [r.first_token for r in exact] == pytest.approx([r.first_token for r in tiers])
     assert [r.finish for r in exact] == pytest.approx([r.finish for r in tiers])
 
 
