@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -216,6 +217,7 @@ class SimEngine:
 
     def __init__(self, sim: Simulation, cluster: SimCluster, index: int, role: str) -> None:
         self.sim, self.cluster, self.index, self.role = sim, cluster, index, role
+        self.env = sim.env  # its clock read directly: the loop reads it on every event
         settings = cluster.spec.settings
         self.block_size = settings.block_size
         self.budget = settings.max_num_batched_tokens
@@ -301,7 +303,7 @@ class SimEngine:
             self.iterate()
 
     def _take_expected(self) -> None:
-        expected, transfers, now = self.expected, self._transfers, self.sim.now
+        expected, transfers, now = self.expected, self._transfers, self.env.now
         while expected and expected[0].arrival <= now:
             self._enqueue(expected.popleft())
         while transfers and transfers[0][0] <= now:
@@ -323,7 +325,7 @@ class SimEngine:
         """New input: start a loop iteration now if idle, or end a decode run at its next step boundary."""
         if not self.busy:
             self.busy = True
-            self.sim.at(self.sim.now, self.iterate)
+            self.sim.at(self.env.now, self.iterate)
         elif self._run is not None:
             self._cut_run()
 
@@ -332,10 +334,10 @@ class SimEngine:
     def iterate(self) -> None:
         if self.knows_ahead:
             self._take_expected()
-        now = self.sim.now + self.cpu_debt
+        now = self.env.now + self.cpu_debt
         self.cpu_debt = 0.0
         if self.cluster.budget is not None:
-            self.cluster.budget.judge_unfinished(self.sim.now)
+            self.cluster.budget.judge_unfinished(self.env.now)
         for request in self.landed:  # the first token is out already (from the prefill engine)
             self.num_waiting_for_kv -= 1
             self.fixed_tokens -= request.kv_tokens
@@ -390,7 +392,7 @@ class SimEngine:
 
     def _want(self, request: SimRequest) -> None:
         self.num_waiting_for_kv += 1
-        request.want_time = self.sim.now
+        request.want_time = self.env.now
         if request.prompt_done is not None:
             self.cluster.start_transfer(request)
 
@@ -404,7 +406,7 @@ class SimEngine:
         self._announce.clear()
 
     def _step_done(self, chunks: list[tuple[SimRequest, int]]) -> None:
-        now = self.sim.now
+        now = self.env.now
         self._announce_first_tokens(now)
         if self.decoding:
             self.clock += 1
@@ -498,7 +500,7 @@ class SimEngine:
 
     def _cut_run(self) -> None:
         start, num_steps, first, growth = self._run
-        done = _steps_done_by(self.sim.now - start, first, growth)
+        done = _steps_done_by(self.env.now - start, first, growth)
         if done + 1 >= num_steps:
             return
         self._run_event.callbacks.clear()  # cancelled: it fires with nothing to call
@@ -510,7 +512,7 @@ class SimEngine:
         self._announce_first_tokens(start + first)
         self._run = self._run_event = None
         self.clock += num_steps
-        self._finish_due(self.sim.now)
+        self._finish_due(self.env.now)
         self.iterate()
 
 
@@ -596,10 +598,10 @@ class SimCluster:
 
 def check_requests(spec: ClusterSpec, prompt_lens: list[int], output_lens: list[int]) -> None:
     for name, values in (("prompt", prompt_lens), ("output", output_lens)):
-        if any(value < 1 for value in values):
+        if values and min(values) < 1:
             raise ValueError(f"every {name} length must be at least 1 token")
     capacity = spec.settings.num_kv_blocks * spec.settings.block_size
-    longest = max((p + o for p, o in zip(prompt_lens, output_lens)), default=0)
+    longest = max(map(operator.add, prompt_lens, output_lens), default=0)
     if longest > capacity:
         raise ValueError(f"a request of {longest} tokens does not fit the KV pool of {capacity} tokens: "
                          "give the engines more KV blocks or shorten the dataset")
