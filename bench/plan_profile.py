@@ -41,6 +41,7 @@ TRANSFER_REQUESTS = 3
 QUICK_PREFILL = [(16, 1), (64, 1), (128, 1), (64, 2)]
 QUICK_DECODE = [(1, 16), (2, 16), (4, 16), (2, 64)]
 QUICK_TRANSFER_MIB = [1, 2]
+QUICK_REFERENCE_LEN = 64
 
 
 @contextlib.contextmanager
@@ -142,7 +143,28 @@ def measure_engine(args, model: str) -> tuple[list[PrefillPoint], list[DecodePoi
     settings = EngineSettings(block_size=probe.engine.cache_config.block_size,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               max_num_seqs=probe.engine.scheduler.config.max_num_seqs, num_kv_blocks=runner.num_blocks)
-    return prefill, decode, settings
+    return prefill, decode, settings, max_len
+
+
+def measure_served(args, model: str, core: int, machine: dict, max_len: int) -> list[DecodePoint]:
+    """Through a served engine on the same core: the reference prefill (into machine["reference"]) and, with
+    --served-decode, the decode points (else [])."""
+    from pdserve.bench.plan_served import (
+        REFERENCE_PROMPT_LEN,
+        served_decode_points,
+        served_engine,
+        served_prefill_reference,
+    )
+
+    decode = []
+    with served_engine(model, core, args.max_num_batched_tokens) as session:
+        if args.served_decode:
+            shapes = QUICK_DECODE if args.quick else DECODE_SHAPES
+            decode = [point for _ in range(args.repeats) for point in served_decode_points(session, shapes)]
+            machine["decode_points"] = "served: a pdserve decode process with CURVE, its CPU time per step"
+        prompt_len = min(QUICK_REFERENCE_LEN if args.quick else REFERENCE_PROMPT_LEN, max_len - 1)
+        machine["reference"] = served_prefill_reference(session, prompt_len)
+    return decode
 
 
 def measure_transfer(sizes_mib: list[int], num_requests: int) -> list[TransferPoint]:
@@ -181,17 +203,17 @@ def run_profile(args: argparse.Namespace) -> int:
     pinned = one_core(args.core) if args.device == "cpu" else contextlib.nullcontext(None)
     with pinned as core:
         machine = machine_info(args.device, core)
-        prefill, decode, settings = measure_engine(args, model)
-    if args.served_decode:
-        from pdserve.bench.plan_served import served_decode_points
-
-        shapes = QUICK_DECODE if args.quick else DECODE_SHAPES
-        decode = [point for _ in range(args.repeats)
-                  for point in served_decode_points(model, shapes, core or 0, args.max_num_batched_tokens)]
-        machine["decode_points"] = "served: a pdserve decode process with CURVE, its CPU time per step"
+        prefill, decode, settings, max_len = measure_engine(args, model)
+    if args.device == "cpu":
+        decode = measure_served(args, model, core, machine, max_len) or decode
     transfer = measure_transfer(QUICK_TRANSFER_MIB if args.quick else TRANSFER_MIB, TRANSFER_REQUESTS)
     clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
     profile = build_profile(identity, machine, settings, prefill, decode, transfer, clock)
+    reference = profile.machine.get("reference")
+    if reference is not None:  # what the fit says for the same prompt, beside the served engine's time
+        length = reference["prompt_len"]
+        reference["profile_prefill_s"] = profile.prefill_fit.predict(
+            {"intercept": 1.0, "tokens": length, "attention": float(length * length)})
     Path(args.out).write_text(profile.model_dump_json(indent=1))
     print_fits(profile, time.perf_counter() - started, args.out)
     return 0
@@ -206,6 +228,11 @@ def print_fits(profile: Profile, seconds: float, out: str) -> None:
         terms = ", ".join(f"{k} {v:.3g}" for k, v in fit.coefficients.items())
         print(f"  {name:<8} {terms}  (R^2 {fit.r2:.3f}, mean relative error {fit.mean_relative_error:.1%}, "
               f"{fit.num_points} points)")
+    reference = profile.machine.get("reference")
+    if reference is not None:
+        print(f"  reference: a {reference['prompt_len']}-token prompt alone through a served engine took "
+              f"{reference['served_prefill_wall_s']:.3f} s ({reference['served_prefill_cpu_s']:.3f} s CPU); "
+              f"the prefill fit says {reference['profile_prefill_s']:.3f} s")
     print(f"  KV link CPU: sender {profile.transfer_sender_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB, receiver "
           f"{profile.transfer_receiver_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB")
 

@@ -45,30 +45,39 @@ def run_split(settings: PlanSettings, num_prefill: int, num_decode: int, rate: f
     return metrics
 
 
-def find_goodput(settings: PlanSettings, num_prefill: int, num_decode: int, start_rate: float) -> float:
-    """The highest rate meeting the target: bracket by doubling or halving from start_rate, then bisect."""
+def find_goodput(settings: PlanSettings, num_prefill: int, num_decode: int, start_rate: float
+                 ) -> tuple[float, dict]:
+    """The highest rate meeting the target, and the split's metrics there ({} when none or unbounded):
+    bracket by doubling or halving from start_rate, then bisect. A probe that meets the target ran in full,
+    so the metrics at the rate found are that probe's, not a run of their own."""
+    passed: dict[float, dict] = {}
+
     def meets(rate: float) -> bool:
         try:
-            return meets_target(run_split(settings, num_prefill, num_decode, rate, stop_below_target=True))
+            metrics = run_split(settings, num_prefill, num_decode, rate, stop_below_target=True)
         except BudgetExceeded:
             return False
+        if meets_target(metrics):
+            passed[rate] = metrics
+            return True
+        return False
 
     if meets(start_rate):
         low, high = start_rate, start_rate * 2
         while meets(high):
             low, high = high, high * 2
             if high > 1e6:
-                return math.inf
+                return math.inf, {}
     else:
         low, high = start_rate / 2, start_rate
         while not meets(low):
             low, high = low / 2, low
             if low < start_rate / 4096:
-                return 0.0
+                return 0.0, {}
     for _ in range(SEARCH_STEPS):
         middle = (low + high) / 2
         low, high = (middle, high) if meets(middle) else (low, middle)
-    return low
+    return low, passed[low]
 
 
 def splits_of(num_engines: int) -> list[tuple[int, int]]:
@@ -93,10 +102,9 @@ def plan_splits(settings: PlanSettings, num_engines: int, rate: float | None) ->
     for x, y in splits_of(num_engines):  # each search starts from the previous split's goodput
         row = {"config": f"{x}P{y}D", "num_prefill": x, "num_decode": y, "num_engines": num_engines}
         if rate is None:
-            goodput = find_goodput(settings, x, y, start)
+            goodput, metrics = find_goodput(settings, x, y, start)
             start = goodput if 0 < goodput < math.inf else start
             row["goodput"] = goodput
-            metrics = run_split(settings, x, y, goodput) if goodput > 0 and math.isfinite(goodput) else {}
             row["request_rate"] = goodput
         else:
             metrics = run_split(settings, x, y, rate)

@@ -1,16 +1,20 @@
-"""Decode steps of a served engine: one `pdserve decode` process (CURVE on its control socket, one thread,
-pinned to one core) driven over its control socket, as the router drives it. Each point is the process's CPU
-time per decode step (all its threads: the engine loop, ZeroMQ's I/O with its encryption, heartbeats) and
-the median gap between a request's tokens; the in-process steps of bench/plan_profile.py miss the first."""
+"""A served engine for `pdserve profile`: one `pdserve decode` process (CURVE on its control socket, one thread,
+pinned to one core, as `pdserve up --pin-cpus` starts it) driven over its control socket, as the router drives
+it. Decode points: the process's CPU time per decode step (all its threads: the engine loop, ZeroMQ's I/O with
+its encryption, heartbeats) and the median gap between a request's tokens; the in-process steps of
+bench/plan_profile.py miss the first. The reference: a 1,000-token prompt alone, its CPU and wall time, to
+compare with a sweep's unloaded TTFT (the machine's speed drifts during the day)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +30,13 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def served_decode_points(model: str, shapes: list[tuple[int, int]], core: int, max_num_batched_tokens: int
-                         ) -> list[DecodePoint]:
-    """One point per (batch, prompt length): CPU and wall time per decode step of a served engine."""
+REFERENCE_PROMPT_LEN = 1000  # the sweeps' prefill-heavy prompt
+REFERENCE_REPEATS = 3
+
+
+@contextlib.contextmanager
+def served_engine(model: str, core: int, max_num_batched_tokens: int) -> Iterator[tuple]:
+    """(driver, pid, prompts) of a `pdserve decode` process pinned to `core` with OMP_NUM_THREADS=1."""
     from pdserve.control.keys import load_cluster_keys, write_cluster_keys
     from pdserve.local_cluster import Driver, EngineProcess
 
@@ -43,13 +51,33 @@ def served_decode_points(model: str, shapes: list[tuple[int, int]], core: int, m
         os.sched_setaffinity(0, allowed)
     driver = Driver(engine, curve=load_cluster_keys(work / "keys").client)
     vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    prompts = _Prompts(np.random.default_rng(1), vocab_size)
     try:
-        return [_point(driver, engine.process.pid, batch, prompt_len, prompts, f"{batch}x{prompt_len}-{n}")
-                for n, (batch, prompt_len) in enumerate([(1, 16), *shapes])][1:]  # the first warms up
+        yield driver, engine.process.pid, _Prompts(np.random.default_rng(1), vocab_size)
     finally:
         driver.close()
         engine.stop()
+
+
+def served_decode_points(session: tuple, shapes: list[tuple[int, int]]) -> list[DecodePoint]:
+    """One point per (batch, prompt length): CPU and wall time per decode step of the served engine."""
+    driver, pid, prompts = session
+    return [_point(driver, pid, batch, prompt_len, prompts, f"{batch}x{prompt_len}-{n}")
+            for n, (batch, prompt_len) in enumerate([(1, 16), *shapes])][1:]  # the first warms up
+
+
+def served_prefill_reference(session: tuple, prompt_len: int, repeats: int = REFERENCE_REPEATS) -> dict:
+    """Median CPU and wall seconds of one prompt alone (max_tokens=1) through the served engine."""
+    driver, pid, prompts = session
+    driver.generate([prompts.new(16)], remote=False, prefix="reference-warmup", temperature=0.0, max_tokens=1)
+    cpu, wall = [], []
+    for n in range(repeats):
+        before_cpu, before = process_cpu_s(pid), time.perf_counter()
+        driver.generate([prompts.new(prompt_len)], remote=False, prefix=f"reference-{n}-", temperature=0.0,
+                        max_tokens=1, ignore_eos=True)
+        wall.append(time.perf_counter() - before)
+        cpu.append(process_cpu_s(pid) - before_cpu)
+    return {"prompt_len": prompt_len, "served_prefill_cpu_s": statistics.median(cpu),
+            "served_prefill_wall_s": statistics.median(wall), "repeats": repeats}
 
 
 class _Prompts:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -135,22 +136,58 @@ class SimRequest:
         return self.finish - self.arrival
 
 
+DEADLINE_MARGIN = 1e-9  # relative and absolute slack on a deadline, so that float rounding never counts a miss early
+
+
 class BudgetExceeded(Exception):
     """More requests missed an SLO than the attainment target allows: the run cannot meet it."""
 
 
 @dataclass
 class MissBudget:
-    """Stops a run (a goodput probe) as soon as it is sure to miss the attainment target."""
+    """Stops a run (a goodput probe) as soon as it is sure to miss the attainment target. A request is judged
+    on TTFT when its first token is out, on TPOT and E2EL once the time they allow has passed unfinished, and
+    on every SLO when it finishes; it counts once (weights: how many requests of the judged run one request
+    stands for, simulate_tiers' prefill tier)."""
     slos_s: dict[str, float]  # SimRequest property -> its limit in seconds
     max_misses: int
+    weights: dict[int, int] | None = None  # request index -> requests it stands for; None: 1 each
     num_missed: int = 0
+    missed: set[int] = field(default_factory=set)  # indexes already counted
+    deadlines: list[tuple[float, int, SimRequest]] = field(default_factory=list)  # heap: unfinished past it = miss
+
+    def judge_first_token(self, request: SimRequest) -> None:
+        limit = self.slos_s.get("ttft")
+        if limit is not None and request.ttft > limit:
+            self._miss(request)
+            return
+        deadline = math.inf
+        if "tpot" in self.slos_s and request.output_len > 1:
+            deadline = request.first_token + self.slos_s["tpot"] * (request.output_len - 1)
+        if "e2el" in self.slos_s:
+            deadline = min(deadline, request.arrival + self.slos_s["e2el"])
+        if deadline < math.inf:
+            heapq.heappush(self.deadlines, (deadline * (1 + DEADLINE_MARGIN) + DEADLINE_MARGIN, request.index, request))
+
+    def judge_unfinished(self, now: float) -> None:
+        """Requests still unfinished past their deadline: their TPOT or E2EL will exceed the limit."""
+        deadlines = self.deadlines
+        while deadlines and deadlines[0][0] < now:
+            _, _, request = heapq.heappop(deadlines)
+            if request.finish is None:
+                self._miss(request)
 
     def judge(self, request: SimRequest) -> None:
         if any(getattr(request, name) > limit for name, limit in self.slos_s.items()):
-            self.num_missed += 1
-            if self.num_missed > self.max_misses:
-                raise BudgetExceeded
+            self._miss(request)
+
+    def _miss(self, request: SimRequest) -> None:
+        if request.index in self.missed:
+            return
+        self.missed.add(request.index)
+        self.num_missed += 1 if self.weights is None else self.weights.get(request.index, 0)
+        if self.num_missed > self.max_misses:
+            raise BudgetExceeded
 
 
 class Simulation:
@@ -158,19 +195,16 @@ class Simulation:
 
     def __init__(self) -> None:
         self.env = simpy.Environment()
-        self.num_events = 0
 
     @property
     def now(self) -> float:
         return self.env.now
 
-    def at(self, time: float, callback, *args) -> None:
+    def at(self, time: float, callback, *args) -> simpy.Timeout:
+        """callback(*args) at `time`; the event, whose callbacks a caller may clear to cancel it."""
         event = self.env.timeout(max(0.0, time - self.env.now))
-        event.callbacks.append(lambda _: self._fire(callback, args))
-
-    def _fire(self, callback, args: tuple) -> None:
-        self.num_events += 1
-        callback(*args)
+        event.callbacks.append(lambda _: callback(*args))
+        return event
 
     def run(self) -> None:
         self.env.run()
@@ -183,6 +217,7 @@ class SimEngine:
 
     def __init__(self, sim: Simulation, cluster: SimCluster, index: int, role: str) -> None:
         self.sim, self.cluster, self.index, self.role = sim, cluster, index, role
+        self.env = sim.env  # its clock read directly: the loop reads it on every event
         settings = cluster.spec.settings
         self.block_size = settings.block_size
         self.budget = settings.max_num_batched_tokens
@@ -204,7 +239,12 @@ class SimEngine:
         self.cpu_debt = 0.0  # transfer CPU taken from this engine's core, paid before its next step
         self.busy = False
         self._run: tuple | None = None  # a decode run: (start, num_steps, first step s, growth s/step)
-        self._version = 0
+        self._run_event: simpy.Timeout | None = None  # its end; a cut run's is cancelled
+        self.expected: deque[SimRequest] = deque()  # arrivals known ahead (expect), in arrival order
+        self.knows_ahead = False  # fed by expect(): its transfers' ends are inputs known ahead too
+        self._transfers: list[tuple[float, int, SimRequest, int]] = []  # heap: (end, number, request, bytes)
+        self._num_transfers = 0
+        self._due_at: float | None = None  # when the next expected arrival wakes this engine from idle
         self.num_preemptions = 0
 
     # ---- load figures the router reads ----
@@ -224,30 +264,80 @@ class SimEngine:
     # ---- input ----
 
     def add(self, request: SimRequest) -> None:
+        self._enqueue(request)
+        self.wake()
+
+    def _enqueue(self, request: SimRequest) -> None:
         self.waiting.append(request)
         self.waiting_tokens += request.prompt_len
         if not (self.role == "decode" and request.remote):
             self.queued_tokens += request.prompt_len
-        self.wake()
+
+    def expect(self, requests: list[SimRequest]) -> None:
+        """Arrivals known ahead (one engine fed without a router, simulate_tiers), and then the ends of its
+        transfers too (expect_transfer). The loop takes them in when it reaches their time, and a decode run
+        ends at the step boundary after the next one, as their wake would cut it: no event per input while
+        the engine is busy, the same times as add(), kv_landed() and transfer_sent()."""
+        self.knows_ahead = True
+        self.expected = deque(sorted(requests, key=lambda r: r.arrival))
+        self._sleep_until_expected()
+
+    def expect_transfer(self, end: float, request: SimRequest, num_bytes: int) -> None:
+        self._num_transfers += 1  # ties end in the order they were started, as events would fire
+        heapq.heappush(self._transfers, (end, self._num_transfers, request, num_bytes))
+
+    def _next_input(self) -> float:
+        arrival = self.expected[0].arrival if self.expected else math.inf
+        return min(arrival, self._transfers[0][0]) if self._transfers else arrival
+
+    def _sleep_until_expected(self) -> None:
+        due = self._next_input()
+        if due < math.inf and self._due_at != due:
+            self._due_at = due
+            self.sim.at(due, self._expected_due)
+
+    def _expected_due(self) -> None:
+        self._due_at = None
+        if not self.busy:
+            self.busy = True
+            self.iterate()
+
+    def _take_expected(self) -> None:
+        expected, transfers, now = self.expected, self._transfers, self.env.now
+        while expected and expected[0].arrival <= now:
+            self._enqueue(expected.popleft())
+        while transfers and transfers[0][0] <= now:
+            _, _, request, num_bytes = heapq.heappop(transfers)
+            if self.role == "decode":
+                self._land(request)
+            else:
+                self._sent(request, num_bytes)
 
     def kv_landed(self, request: SimRequest) -> None:
+        self._land(request)
+        self.wake()
+
+    def _land(self, request: SimRequest) -> None:
         self.landed.append(request)
         self.cpu_debt += request.prompt_len * self.cluster.spec.kv_bytes_per_token * self.model.receiver_cpu_per_byte
-        self.wake()
 
     def wake(self) -> None:
         """New input: start a loop iteration now if idle, or end a decode run at its next step boundary."""
         if not self.busy:
             self.busy = True
-            self.sim.at(self.sim.now, self.iterate)
+            self.sim.at(self.env.now, self.iterate)
         elif self._run is not None:
             self._cut_run()
 
     # ---- the loop ----
 
     def iterate(self) -> None:
-        now = self.sim.now + self.cpu_debt
+        if self.knows_ahead:
+            self._take_expected()
+        now = self.env.now + self.cpu_debt
         self.cpu_debt = 0.0
+        if self.cluster.budget is not None:
+            self.cluster.budget.judge_unfinished(self.env.now)
         for request in self.landed:  # the first token is out already (from the prefill engine)
             self.num_waiting_for_kv -= 1
             self.fixed_tokens -= request.kv_tokens
@@ -261,6 +351,7 @@ class SimEngine:
         if not num_decodes and not chunks:
             self._announce_first_tokens(now)
             self.busy = False
+            self._sleep_until_expected()
             return
         if not chunks:
             self._start_decode_run(now)
@@ -301,20 +392,21 @@ class SimEngine:
 
     def _want(self, request: SimRequest) -> None:
         self.num_waiting_for_kv += 1
-        request.want_time = self.sim.now
+        request.want_time = self.env.now
         if request.prompt_done is not None:
             self.cluster.start_transfer(request)
 
     def _announce_first_tokens(self, at: float) -> None:
         for request in self._announce:
             request.first_token = at
+            self.cluster.first_token_out(request)
             if request.finish is not None:
                 request.finish = max(request.finish, at)
                 self.cluster.finished(request)
         self._announce.clear()
 
     def _step_done(self, chunks: list[tuple[SimRequest, int]]) -> None:
-        now = self.sim.now
+        now = self.env.now
         self._announce_first_tokens(now)
         if self.decoding:
             self.clock += 1
@@ -333,11 +425,13 @@ class SimEngine:
             self.fixed_tokens += request.kv_tokens  # held until the transfer ends
             request.prompt_done = now
             request.first_token = now  # published at once, before the KV moves
+            self.cluster.first_token_out(request)
             if request.want_time is not None:
                 self.cluster.start_transfer(request)
             return
         if request.first_token is None:
             request.first_token = now
+            self.cluster.first_token_out(request)
         self._join_decoding(request, request.num_generated + 1, now)  # the step that completes a prompt samples
 
     def _join_decoding(self, request: SimRequest, num_generated: int, now: float) -> None:
@@ -368,9 +462,12 @@ class SimEngine:
 
     def transfer_sent(self, request: SimRequest, num_bytes: int) -> None:
         """The prefill side of a finished transfer: blocks freed; its CPU taken from this engine's core."""
+        self._sent(request, num_bytes)
+        self.wake()
+
+    def _sent(self, request: SimRequest, num_bytes: int) -> None:
         self.fixed_tokens -= request.kv_tokens
         self.cpu_debt += num_bytes * self.model.sender_cpu_per_byte
-        self.wake()
 
     # ---- KV pool ----
 
@@ -395,27 +492,27 @@ class SimEngine:
         num_steps = max(1, min(self._finishes[0][0] - self.clock, room))
         first = self.model.step_seconds(batch, self.context_tokens(), 0, 0.0)
         growth = self.model.decode_per_context * batch  # each step attends to one more token per request
-        self._version += 1
+        next_input = self._next_input() if self.knows_ahead else math.inf
+        if next_input < now + _run_seconds(num_steps, first, growth):
+            num_steps = min(num_steps, _steps_done_by(next_input - now, first, growth) + 1)
         self._run = (now, num_steps, first, growth)
-        self.sim.at(now + _run_seconds(num_steps, first, growth), self._run_done, self._version)
+        self._run_event = self.sim.at(now + _run_seconds(num_steps, first, growth), self._run_done)
 
     def _cut_run(self) -> None:
         start, num_steps, first, growth = self._run
-        done = _steps_done_by(self.sim.now - start, first, growth)
+        done = _steps_done_by(self.env.now - start, first, growth)
         if done + 1 >= num_steps:
             return
-        self._version += 1
+        self._run_event.callbacks.clear()  # cancelled: it fires with nothing to call
         self._run = (start, done + 1, first, growth)
-        self.sim.at(start + _run_seconds(done + 1, first, growth), self._run_done, self._version)
+        self._run_event = self.sim.at(start + _run_seconds(done + 1, first, growth), self._run_done)
 
-    def _run_done(self, version: int) -> None:
-        if version != self._version:
-            return
+    def _run_done(self) -> None:
         start, num_steps, first, _ = self._run
         self._announce_first_tokens(start + first)
-        self._run = None
+        self._run = self._run_event = None
         self.clock += num_steps
-        self._finish_due(self.sim.now)
+        self._finish_due(self.env.now)
         self.iterate()
 
 
@@ -448,6 +545,10 @@ class SimCluster:
         self.sim.run()
         return requests
 
+    def first_token_out(self, request: SimRequest) -> None:
+        if self.budget is not None:
+            self.budget.judge_first_token(request)
+
     def finished(self, request: SimRequest) -> None:
         if self.budget is not None:
             self.budget.judge(request)
@@ -476,6 +577,11 @@ class SimCluster:
         wire = self.model.transfer_latency
         if not (self.spec.kv_streaming and request.want_time <= request.prompt_done):
             wire += num_bytes * self.model.transfer_per_byte
+        alone = request.decode_engine if request.prefill_engine is None else request.prefill_engine
+        if (request.prefill_engine is None or request.decode_engine is None) and alone.knows_ahead:
+            now = self.sim.now  # the time an event at start + wire would fire (simpy adds a delay to now)
+            alone.expect_transfer(now + max(0.0, start + wire - now), request, num_bytes)
+            return
         self.sim.at(start + wire, self._transfer_done, request, num_bytes)
 
     def _transfer_done(self, request: SimRequest, num_bytes: int) -> None:
@@ -485,18 +591,17 @@ class SimCluster:
             request.decode_engine.kv_landed(request)
 
     def run_tier(self, engine: SimEngine, requests: list[SimRequest]) -> list[SimRequest]:
-        for request in requests:
-            self.sim.at(request.arrival, engine.add, request)
+        engine.expect(requests)
         self.sim.run()
         return requests
 
 
 def check_requests(spec: ClusterSpec, prompt_lens: list[int], output_lens: list[int]) -> None:
     for name, values in (("prompt", prompt_lens), ("output", output_lens)):
-        if any(value < 1 for value in values):
+        if values and min(values) < 1:
             raise ValueError(f"every {name} length must be at least 1 token")
     capacity = spec.settings.num_kv_blocks * spec.settings.block_size
-    longest = max((p + o for p, o in zip(prompt_lens, output_lens)), default=0)
+    longest = max(map(operator.add, prompt_lens, output_lens), default=0)
     if longest > capacity:
         raise ValueError(f"a request of {longest} tokens does not fit the KV pool of {capacity} tokens: "
                          "give the engines more KV blocks or shorten the dataset")
@@ -533,24 +638,47 @@ def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], p
     threshold = spec.local_prefill_threshold
     decode_stream = [SimRequest(i, float(arrivals[i]), int(prompt_lens[i]), int(output_lens[i]))
                      for i in range(0, len(arrivals), y)]
+    budget = miss_budget(*stop_below, len(decode_stream)) if stop_below else None
     if x:
         prefill_stream = [SimRequest(i, float(arrivals[i]), int(prompt_lens[i]), int(output_lens[i]), remote=True)
                           for i in range(0, len(arrivals), x) if prompt_lens[i] > threshold]
-        cluster = SimCluster(ClusterSpec(1, 1, spec.settings, spec.kv_bytes_per_token, kv_streaming=spec.kv_streaming,
-                                         local_prefill_threshold=threshold), model)
-        for request in prefill_stream:
-            request.want_time = request.arrival
-            request.prefill_engine = cluster.prefills[0]
-        cluster.run_tier(cluster.prefills[0], prefill_stream)
-        delays = [r.prompt_done - r.arrival for r in prefill_stream]
+        delays = _prefill_tier_delays(spec, model, prefill_stream, decode_stream, budget)
         for request in decode_stream:
             if request.prompt_len > threshold and delays:
                 request.remote = True
-                request.prompt_done = request.arrival + delays[min(request.index // x, len(delays) - 1)]
+                request.prompt_done = request.arrival + delays[_prefill_position(request, x, len(delays))]
                 request.first_token = request.prompt_done  # the prefill engine publishes it
-    budget = miss_budget(*stop_below, len(decode_stream)) if stop_below else None
+                if budget is not None:
+                    budget.judge_first_token(request)
     cluster = SimCluster(ClusterSpec(0, 1, spec.settings, spec.kv_bytes_per_token, kv_streaming=spec.kv_streaming),
                          model, budget)
     for request in decode_stream:
         request.decode_engine = cluster.decodes[0]
     return cluster.run_tier(cluster.decodes[0], decode_stream)
+
+
+def _prefill_position(request: SimRequest, num_prefill: int, num_delays: int) -> int:
+    """The position in the prefill engine's stream whose delay a decode-stream request takes."""
+    return min(request.index // num_prefill, num_delays - 1)
+
+
+def _prefill_tier_delays(spec: ClusterSpec, model: StepModel, prefill_stream: list[SimRequest],
+                         decode_stream: list[SimRequest], budget: MissBudget | None) -> list[float]:
+    """The prefill engine's delay (prompt computed - arrival) per position of its stream. With a budget the
+    tier stops once the decode-stream requests whose first token it makes late are more than allowed: a
+    prefill request's delay is the TTFT of each decode-stream request mapped to its position."""
+    tier_budget = None
+    if budget is not None and "ttft" in budget.slos_s and prefill_stream:
+        uses: dict[int, int] = {}
+        for request in decode_stream:
+            if request.prompt_len > spec.local_prefill_threshold:
+                index = prefill_stream[_prefill_position(request, spec.num_prefill, len(prefill_stream))].index
+                uses[index] = uses.get(index, 0) + 1
+        tier_budget = MissBudget({"ttft": budget.slos_s["ttft"]}, budget.max_misses, uses)
+    cluster = SimCluster(ClusterSpec(1, 1, spec.settings, spec.kv_bytes_per_token, kv_streaming=spec.kv_streaming,
+                                     local_prefill_threshold=spec.local_prefill_threshold), model, tier_budget)
+    for request in prefill_stream:
+        request.want_time = request.arrival
+        request.prefill_engine = cluster.prefills[0]
+    cluster.run_tier(cluster.prefills[0], prefill_stream)
+    return [r.prompt_done - r.arrival for r in prefill_stream]

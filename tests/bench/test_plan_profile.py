@@ -22,6 +22,9 @@ def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_pat
     assert any(p.batch > 1 for p in profile.prefill_points)
     assert all(p.seconds > 0 and p.cpu_seconds > 0 for p in profile.prefill_points + profile.decode_points)
     assert [p.bytes for p in profile.transfer_points] == [1 << 20, 2 << 20]
+    reference = profile.machine["reference"]  # a served engine's prompt, to judge the machine's drift by
+    assert reference["prompt_len"] > 1 and reference["served_prefill_wall_s"] > 0
+    assert reference["profile_prefill_s"] > 0
     for fit in (profile.prefill_fit, profile.decode_fit, profile.transfer_fit):
         assert all(value >= 0 for value in fit.coefficients.values())
     assert "R^2" in capsys.readouterr().out
@@ -33,9 +36,9 @@ def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_pat
 
 
 def test_served_decode_points_time_a_real_engine_process(model_factory):
-    from pdserve.bench.plan_served import SERVED_TOKENS, served_decode_points
+    from pdserve.bench.plan_served import SERVED_TOKENS, served_decode_points, served_engine
 
-    points = served_decode_points(model_factory(), [(1, 8), (3, 8)], core=min(os.sched_getaffinity(0)),
-                                  max_num_batched_tokens=64)
+    with served_engine(model_factory(), min(os.sched_getaffinity(0)), max_num_batched_tokens=64) as session:
+        points = served_decode_points(session, [(1, 8), (3, 8)])
     assert [(p.batch, p.context) for p in points] == [(1, 8 + SERVED_TOKENS // 2), (3, 3 * (8 + SERVED_TOKENS // 2))]
     assert all(p.seconds > 0 and p.cpu_seconds >= 0 for p in points)

@@ -89,13 +89,18 @@ def test_the_first_token_leaves_the_prefill_engine_and_the_transfer_delays_the_s
     assert streamed.finish == pytest.approx(0.2 + 0.01 + 2 * 0.05)
 
 
-def test_one_engine_per_tier_matches_the_whole_cluster_for_1p1d():
+@pytest.mark.parametrize("streaming", [False, True])
+def test_one_engine_per_tier_matches_the_whole_cluster_for_1p1d(streaming):
+    # the tiers take arrivals and transfer ends from queues known ahead; the whole cluster, from events
     workload = random_workload(100, 300, 40, range_ratio=0.5, seed=2)
     cost = model(prefill_intercept=0.01, prefill_per_token=1e-4, decode_intercept=0.02, decode_per_seq=1e-3,
-                 transfer_latency=0.005, transfer_per_byte=1e-9)
+                 decode_per_context=1e-6, transfer_latency=0.005, transfer_per_byte=1e-9, sender_cpu_per_byte=1e-10,
+                 receiver_cpu_per_byte=1e-10)
     arrivals = workload.arrivals(4.0, seed=2)
-    exact = simulate(ClusterSpec(1, 1), cost, arrivals, workload.prompt_lens, workload.output_lens)
-    tiers = simulate_tiers(ClusterSpec(1, 1), cost, arrivals, workload.prompt_lens, workload.output_lens)
+    spec = ClusterSpec(1, 1, kv_streaming=streaming)
+    exact = simulate(spec, cost, arrivals, workload.prompt_lens, workload.output_lens)
+    tiers = simulate_tiers(spec, cost, arrivals, workload.prompt_lens, workload.output_lens)
+    assert [r.first_token for r in exact] == pytest.approx([r.first_token for r in tiers])
     assert [r.finish for r in exact] == pytest.approx([r.finish for r in tiers])
 
 
@@ -120,3 +125,26 @@ def test_a_goodput_probe_stops_once_it_cannot_reach_the_target():
     with pytest.raises(BudgetExceeded):
         simulate(ClusterSpec(0, 1), cost, workload.arrivals(50.0, seed=4), workload.prompt_lens,
                  workload.output_lens, stop_below=slos)
+
+
+@pytest.mark.parametrize("run, spec", [(simulate, ClusterSpec(1, 2)), (simulate_tiers, ClusterSpec(3, 7))])
+def test_the_early_stop_gives_the_full_simulations_verdict(run, spec):
+    from pdserve.bench.plan_metrics import meets_target, predicted_metrics
+    from pdserve.bench.plan_simulator import BudgetExceeded
+
+    workload = random_workload(300, 300, 30, range_ratio=0.5, seed=5)
+    cost = model(prefill_intercept=0.02, prefill_per_token=2e-4, prefill_per_attention=1e-8, decode_intercept=0.03,
+                 decode_per_seq=2e-3, decode_per_context=1e-6, transfer_latency=0.005, transfer_per_byte=1e-9)
+    slos = {"ttft": 400.0, "tpot": 60.0}
+    verdicts = []
+    for rate_per_engine in (0.3, 1.0, 2.0, 3.0, 4.0, 6.0, 10.0):
+        rate = rate_per_engine * (spec.num_prefill + spec.num_decode)
+        args = (spec, cost, workload.arrivals(rate, seed=5), workload.prompt_lens, workload.output_lens)
+        full = meets_target(predicted_metrics(run(*args), slos))
+        try:
+            early = meets_target(predicted_metrics(run(*args, stop_below=(slos, 0.9)), slos))
+        except BudgetExceeded:
+            early = False
+        assert early == full, f"rate {rate}"
+        verdicts.append(full)
+    assert True in verdicts and False in verdicts  # both verdicts occur over these rates
