@@ -99,6 +99,13 @@ def wait_routable(url: str) -> None:
     raise RuntimeError(f"router at {url} never routed to its engine")
 
 
+def start_bare_relay(decode_address: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
+    process, ready = start([sys.executable, "-m", "pdserve.bench.bare_relay", "--decode-address", decode_address],
+                           log_dir / "bare_relay.log")
+    wait_routable(ready["url"])
+    return process, ready["url"]
+
+
 def start_router(model: str, decode_address: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
     process, ready = start([sys.executable, "-m", "pdserve", "router", "--model", model, "--port", "0",
                             "--registration-address", "none", "--decode-address", decode_address,
@@ -223,7 +230,10 @@ def engine_cpus(args: argparse.Namespace) -> set[int] | None:
 def measure_latency(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, dict[str, float]]:
     engine, ready = start([sys.executable, "-m", "pdserve", "decode", "--model", model, "--dtype", "float32",
                            "--log-level", "WARNING", "--insecure"], log_dir / "decode.log", engine_cpus(args))
-    router, url = start_router(model, ready["control"], log_dir)
+    if args.router == "bare":
+        router, url = start_bare_relay(ready["control"], log_dir)
+    else:
+        router, url = start_router(model, ready["control"], log_dir)
     prompt = [(7 * i) % 900 + 10 for i in range(args.prompt_len)]
     samples = {name: [] for name in ("direct_e2e", "router_e2e", "direct_ttft", "router_ttft")}
     router_cpu = cpu_seconds(router.pid)
@@ -358,7 +368,7 @@ def report(latency: dict | None, relay: list | None, args: argparse.Namespace) -
     if latency:
         print(f"\nlatency, ms ({args.num_requests} requests each, prompt {args.prompt_len} tokens, "
               f"{args.max_tokens} generated, one at a time; HTTP client: {args.client}; "
-              f"decode engine on {_where(engine_cpus(args))})")
+              f"decode engine on {_where(engine_cpus(args))}; front end: {args.router})")
         print("| measure | direct median | router median | direct p99 | router p99 | overhead median | overhead p99 |")
         print("|---|---|---|---|---|---|---|")
         for kind, label in (("e2e", "end to end"), ("ttft", "first token")):
@@ -396,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-cpu", type=int, default=None,
                         help="the decode engine's core in the latency part, with one torch thread "
                              "(default: the last core; -1: no pinning, the engine shares every core)")
+    parser.add_argument("--router", choices=("pdserve", "bare"), default="pdserve",
+                        help="what the latency part measures: pdserve's router, or bench/bare_relay.py, the fewest "
+                             "steps a Python relay can take (the floor; no relay part then)")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-relay", action="store_true")
     parser.add_argument("--synthetic-engine", action="store_true", help=argparse.SUPPRESS)
@@ -407,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = Path(scratch)
         model = resolve_model(args.model, log_dir)
         latency = None if args.skip_latency else measure_latency(model, args, log_dir)
-        relay = None if args.skip_relay else measure_relay(model, args, log_dir)
+        relay = None if args.skip_relay or args.router == "bare" else measure_relay(model, args, log_dir)
         report(latency, relay, args)
     return 0
 

@@ -21,6 +21,7 @@ from pdserve.router.body_limit import BodyLimit
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, Unauthorized
 from pdserve.router.gateway import Gateway
+from pdserve.router.lean_routes import lean_post
 from pdserve.router.responses import ChatFormatter, CompletionFormatter, Prompt
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.specs import chat_specs, completion_specs
@@ -170,3 +171,8 @@ def _install_routes(app: FastAPI, gateway: Gateway) -> None:
             num_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             return_token_ids=body.return_token_ids, include_usage=body.include_usage_in_stream)
         return await respond(gateway, request, specs, formatter, body.stream)
+
+    # the same two handlers, served first by lean routes that skip FastAPI's per-request machinery
+    key_check = check_api_key if config.api_key is not None else None
+    app.router.routes[:0] = [lean_post("/v1/completions", CompletionRequest, completions, key_check),
+                             lean_post("/v1/chat/completions", ChatCompletionRequest, chat_completions, key_check)]

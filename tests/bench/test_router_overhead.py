@@ -25,3 +25,13 @@ def test_router_overhead_with_the_httpx_client(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=300, env=None)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "HTTP client: httpx" in result.stdout and "| first token |" in result.stdout, result.stdout
+
+
+def test_router_overhead_against_the_bare_relay(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.bench.router_overhead", "--num-requests", "2", "--warmup", "1",
+         "--router", "bare"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=None)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "front end: bare" in result.stdout and "| first token |" in result.stdout, result.stdout
+    assert "relay throughput" not in result.stdout  # the bare relay has no usage chunk to count

@@ -1,0 +1,63 @@
+"""The two generation endpoints as plain Starlette routes in front of FastAPI's own.
+
+FastAPI's route machinery (dependency solving, an email-module parse of the content type, telemetry
+hooks, an exit stack) took ~0.3 ms of the ~0.75 ms the router spent on a request before the engine had
+it (docs/BENCHMARKS.md, issue #17). These routes read and validate the body themselves, with FastAPI's
+rules and FastAPI's errors (RequestValidationError, HTTPException 400), so the app's exception handlers
+answer exactly as before. FastAPI's routes stay registered behind them for /openapi.json.
+
+    lean_post(path, model, handler, check_api_key) -> Route
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI's test: application/json or application/*+json (parameters such as charset ignored)."""
+    if not content_type:
+        return False
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    kind, _, subtype = media_type.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    """The request body as `model`, refused as FastAPI refuses it: bad JSON and invalid fields as a
+    RequestValidationError (locations under "body"), an unreadable body as HTTPException(400)."""
+    body: Any = await request.body()
+    if not body:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    try:
+        if body and _is_json(request.headers.get("content-type")):
+            body = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": exc.msg}}], body=exc.doc) from exc
+    except Exception as exc:  # noqa: BLE001 - not UTF-8, nested too deep, an integer too long: FastAPI's 400
+        raise HTTPException(status_code=400, detail="There was an error parsing the body") from exc
+    try:
+        return model.model_validate(body, from_attributes=True)  # as FastAPI validates
+    except ValidationError as exc:
+        errors = [{**error, "loc": ("body", *error["loc"])} for error in exc.errors(include_url=False)]
+        raise RequestValidationError(errors, body=body) from None
+
+
+def lean_post(path: str, model: type[BaseModel], handler: Callable[[Any, Request], Awaitable[Response]],
+              check_api_key: Callable[[Request], Awaitable[None]] | None) -> Route:
+    async def endpoint(request: Request) -> Response:
+        if check_api_key is not None:
+            await check_api_key(request)
+        return await handler(await parse_body(request, model), request)
+
+    return Route(path, endpoint, methods=["POST"], include_in_schema=False)
