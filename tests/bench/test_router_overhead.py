@@ -9,29 +9,24 @@ import sys
 from tests.router.conftest import REPO
 
 
-def test_router_overhead_runs_at_toy_sizes(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "pdserve.bench.router_overhead", "--num-requests", "3", "--warmup", "1",
-         "--streams", "2", "--stream-tokens", "16"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env=None)
+def run_bench(*args: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "pdserve.bench.router_overhead", "--warmup", "1", *args],
+                            cwd=REPO, capture_output=True, text=True, timeout=300, env=None)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| end to end |" in result.stdout and "| 2 | 0 | 32 |" in result.stdout, result.stdout
+    return result.stdout
 
 
-def test_router_overhead_with_the_httpx_client(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "pdserve.bench.router_overhead", "--num-requests", "2", "--warmup", "1",
-         "--skip-relay", "--client", "httpx"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env=None)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "HTTP client: httpx" in result.stdout and "| first token |" in result.stdout, result.stdout
+def test_router_overhead_runs_at_toy_sizes():
+    out = run_bench("--num-requests", "3", "--streams", "2", "--stream-tokens", "16")
+    assert "| end to end |" in out and "| 2 | 0 | 32 |" in out, out
 
 
-def test_router_overhead_against_the_bare_relay(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "pdserve.bench.router_overhead", "--num-requests", "2", "--warmup", "1",
-         "--router", "bare"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env=None)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "front end: bare" in result.stdout and "| first token |" in result.stdout, result.stdout
-    assert "relay throughput" not in result.stdout  # the bare relay has no usage chunk to count
+def test_router_overhead_with_the_httpx_client():
+    out = run_bench("--num-requests", "2", "--skip-relay", "--client", "httpx")
+    assert "HTTP client: httpx" in out and "| first token |" in out, out
+
+
+def test_router_overhead_against_the_bare_relay():
+    out = run_bench("--num-requests", "2", "--router", "bare")
+    assert "front end: bare" in out and "| first token |" in out, out
+    assert "relay throughput" not in out  # the bare relay has no usage chunk to count
