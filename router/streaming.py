@@ -72,28 +72,46 @@ class _Timing:
                 gateway.metrics.finished.labels(total.finish_reason).inc()
 
 
+class _DisconnectWatch:
+    """Cancels the request's task (ClientGone, through `caught`) when its HTTP client disconnects. One
+    watcher serves the whole request: the wait for the first token and then the stream, which therefore
+    needs no task group of its own. Once `stop` runs (the last chunk is about to go) it cancels nothing."""
+
+    def __init__(self, request: Request) -> None:
+        self.task = asyncio.current_task()
+        self.gone = False
+        self.stopped = False
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(request.receive))
+
+    async def _watch(self, receive: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.stopped:
+            self.gone = True
+            self.task.cancel()
+
+    def caught(self) -> bool:
+        """Inside `except CancelledError`: True, with the cancellation withdrawn, when the client left."""
+        if self.gone:
+            self.task.uncancel()
+        return self.gone
+
+    def stop(self) -> None:
+        self.stopped = True
+        self._watcher.cancel()
+
+
 async def _until_disconnect(request: Request, awaitable: Awaitable) -> Any:
     """Await `awaitable`, cancelling it (ClientGone) if the client disconnects first."""
-    task = asyncio.current_task()
-    gone = False
-
-    async def watch() -> None:
-        nonlocal gone
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        gone = True
-        task.cancel()
-
-    watcher = asyncio.create_task(watch())
+    watch = _DisconnectWatch(request)
     try:
         return await awaitable
     except asyncio.CancelledError:
-        if gone:
-            task.uncancel()
+        if watch.caught():
             raise ClientGone() from None
         raise
     finally:
-        watcher.cancel()
+        watch.stop()
 
 
 async def respond(gateway: Gateway, request: Request, specs: list, formatter: Formatter, stream: bool) -> Response:
@@ -107,14 +125,19 @@ async def respond(gateway: Gateway, request: Request, specs: list, formatter: Fo
         timing = _Timing()
         if not stream:
             return await _respond_whole(gateway, request, events, formatter, timing)
+        watch = _DisconnectWatch(request)  # handed over with the stream, or stopped here
         try:
-            first = await _until_disconnect(request, anext(events))
-        except BaseException:
+            first = await anext(events)
+        except BaseException as exc:
+            watch.stop()
+            gone = isinstance(exc, asyncio.CancelledError) and watch.caught()
             await events.aclose()
+            if gone:
+                raise ClientGone() from None
             raise
         handed_over = True
         outcome = _StreamOutcome(gateway, endpoint_label(request), events, formatter, timing)
-        return _EventStream(_stream(first, events, formatter, timing, outcome), outcome)
+        return _EventStream(_stream(first, events, formatter, timing, outcome), outcome, watch)
     except ClientGone:
         gateway.metrics.requests.labels(endpoint_label(request), str(CLIENT_CLOSED_REQUEST)).inc()
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -161,14 +184,28 @@ class _StreamOutcome:
 
 
 class _EventStream(StreamingResponse):
-    def __init__(self, content: AsyncIterator[str], outcome: _StreamOutcome) -> None:
+    """Server-sent events, written from the request's own task: the status line and the first event go
+    out back to back, with no task group per response (Starlette's costs ~0.25 ms before the first
+    byte); the request's disconnect watcher, started before the first token, ends the stream if the
+    client leaves."""
+
+    def __init__(self, content: AsyncIterator[str], outcome: _StreamOutcome, watch: _DisconnectWatch) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.outcome = outcome
+        self.watch = watch
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for text in self.body_iterator:
+                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            self.watch.stop()  # from here on, a disconnect is the response being complete
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not self.watch.caught():
+                raise
         finally:
+            self.watch.stop()
             await self.outcome.close()
 
 
