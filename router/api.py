@@ -20,8 +20,9 @@ from pdserve.control.gc_freeze import freeze_startup_heap
 from pdserve.router.body_limit import BodyLimit
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, Unauthorized
+from pdserve.router.fast_path import RouterApp
 from pdserve.router.gateway import Gateway
-from pdserve.router.lean_routes import lean_post
+from pdserve.router.lean_routes import lean_endpoint
 from pdserve.router.responses import ChatFormatter, CompletionFormatter, Prompt
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.specs import chat_specs, completion_specs
@@ -29,7 +30,10 @@ from pdserve.router.streaming import endpoint_label, respond
 
 log = logging.getLogger("pdserve.router.api")
 
-def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started: list | None = None) -> FastAPI:
+def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started: list | None = None,
+               fast_path: bool = True) -> FastAPI:
+    """The router's app. fast_path=False serves the generation endpoints through FastAPI's own routes
+    and middleware too (tests compare the two)."""
     gateway = gateway or Gateway(config)
 
     @asynccontextmanager
@@ -43,11 +47,12 @@ def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started:
         finally:
             await gateway.close()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = RouterApp(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                    max_body_bytes=config.max_request_bytes)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.state.gateway = gateway
     _install_error_handlers(app, gateway)
-    _install_routes(app, gateway)
+    _install_routes(app, gateway, fast_path)
     return app
 
 
@@ -102,7 +107,7 @@ def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
 
 # ---- routes ----
 
-def _install_routes(app: FastAPI, gateway: Gateway) -> None:
+def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
     config = gateway.config
 
     async def check_api_key(request: Request) -> None:  # async: no thread-pool hop per request
@@ -172,7 +177,7 @@ def _install_routes(app: FastAPI, gateway: Gateway) -> None:
             return_token_ids=body.return_token_ids, include_usage=body.include_usage_in_stream)
         return await respond(gateway, request, specs, formatter, body.stream)
 
-    # the same two handlers, served first by lean routes that skip FastAPI's per-request machinery
-    key_check = check_api_key if config.api_key is not None else None
-    app.router.routes[:0] = [lean_post("/v1/completions", CompletionRequest, completions, key_check),
-                             lean_post("/v1/chat/completions", ChatCompletionRequest, chat_completions, key_check)]
+    if fast_path:  # the same two handlers, ahead of FastAPI's per-request machinery (router/fast_path.py)
+        key_check = check_api_key if config.api_key is not None else None
+        app.fast_routes["/v1/completions"] = lean_endpoint(CompletionRequest, completions, key_check)
+        app.fast_routes["/v1/chat/completions"] = lean_endpoint(ChatCompletionRequest, chat_completions, key_check)

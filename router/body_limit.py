@@ -27,25 +27,35 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
-        if declared is not None and declared > self.max_bytes:
-            error = RequestTooLarge(too_large_message(self.max_bytes))
-            await JSONResponse(error.body(), status_code=error.status_code)(scope, receive, send)
+        refusal = refuse_declared(scope, self.max_bytes)
+        if refusal is not None:
+            await refusal(scope, receive, send)
             return
-        await self.app(scope, self._counting(receive), send)
+        await self.app(scope, counting_receive(receive, self.max_bytes), send)
 
-    def _counting(self, receive: Receive) -> Receive:
-        num_bytes = 0
 
-        async def counted() -> dict[str, Any]:
-            nonlocal num_bytes
-            message = await receive()
-            num_bytes += len(message.get("body", b""))
-            if num_bytes > self.max_bytes:  # FastAPI passes an HTTPException raised here to the handlers
-                raise HTTPException(413, too_large_message(self.max_bytes))
-            return message
+def refuse_declared(scope: Scope, max_bytes: int) -> JSONResponse | None:
+    """The 413 for a request whose Content-Length is over the cap (None when it is not)."""
+    declared = _content_length(scope)
+    if declared is None or declared <= max_bytes:
+        return None
+    error = RequestTooLarge(too_large_message(max_bytes))
+    return JSONResponse(error.body(), status_code=error.status_code)
 
-        return counted
+
+def counting_receive(receive: Receive, max_bytes: int) -> Receive:
+    """`receive`, raising HTTPException(413) once the body that arrived passes the cap."""
+    num_bytes = 0
+
+    async def counted() -> dict[str, Any]:
+        nonlocal num_bytes
+        message = await receive()
+        num_bytes += len(message.get("body", b""))
+        if num_bytes > max_bytes:  # FastAPI passes an HTTPException raised here to the handlers
+            raise HTTPException(413, too_large_message(max_bytes))
+        return message
+
+    return counted
 
 
 def _content_length(scope: Scope) -> int | None:

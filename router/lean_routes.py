@@ -1,12 +1,12 @@
-"""The two generation endpoints as plain Starlette routes in front of FastAPI's own.
+"""The two generation endpoints without FastAPI's route machinery (router/fast_path.py serves them).
 
 FastAPI's route machinery (dependency solving, an email-module parse of the content type, telemetry
 hooks, an exit stack) took ~0.3 ms of the ~0.75 ms the router spent on a request before the engine had
 it (docs/BENCHMARKS.md, issue #17). These routes read and validate the body themselves, with FastAPI's
 rules and FastAPI's errors (RequestValidationError, HTTPException 400), so the app's exception handlers
-answer exactly as before. FastAPI's routes stay registered behind them for /openapi.json.
+answer exactly as before. FastAPI's routes stay registered for /openapi.json.
 
-    lean_post(path, model, handler, check_api_key) -> Route
+    lean_endpoint(model, handler, check_api_key) -> async endpoint(request) -> Response
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -53,11 +52,13 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
         raise RequestValidationError(errors, body=body) from None
 
 
-def lean_post(path: str, model: type[BaseModel], handler: Callable[[Any, Request], Awaitable[Response]],
-              check_api_key: Callable[[Request], Awaitable[None]] | None) -> Route:
+def lean_endpoint(model: type[BaseModel], handler: Callable[[Any, Request], Awaitable[Response]],
+                  check_api_key: Callable[[Request], Awaitable[None]] | None
+                  ) -> Callable[[Request], Awaitable[Response]]:
+    """`handler` as an endpoint taking the bare request: key checked, body parsed as `model`."""
     async def endpoint(request: Request) -> Response:
         if check_api_key is not None:
             await check_api_key(request)
         return await handler(await parse_body(request, model), request)
 
-    return Route(path, endpoint, methods=["POST"], include_in_schema=False)
+    return endpoint

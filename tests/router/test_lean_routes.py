@@ -1,4 +1,4 @@
-"""The lean generation routes refuse a bad body exactly as FastAPI's own route would: the same
+"""The lean generation endpoints refuse a bad body exactly as FastAPI's own route would: the same
 exception type, status, error types, locations and messages, for every kind of bad body."""
 
 
@@ -8,8 +8,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 from starlette.exceptions import HTTPException
+from starlette.routing import Route
 
-from pdserve.router.lean_routes import lean_post
+from pdserve.router.lean_routes import lean_endpoint
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 
 
@@ -23,7 +24,7 @@ def app_with_both(model) -> FastAPI:
     async def through_fastapi(body: model, request: Request) -> JSONResponse:  # type: ignore[valid-type]
         return await echo(body, request)
 
-    app.router.routes.insert(0, lean_post("/lean", model, echo, None))
+    app.router.routes.insert(0, Route("/lean", lean_endpoint(model, echo, None), methods=["POST"]))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc):
