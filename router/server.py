@@ -54,7 +54,9 @@ def run(config: RouterConfig) -> int:
         print(f"PDSERVE_READY role=router url={_url(config.host, port)}{registration}", flush=True)
 
     app = create_app(config, gateway, on_started=[ready])
+    # proxy_headers off: the router uses no client address (no access log), so X-Forwarded-* would be
+    # parsed for nothing on every request
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level.lower(), access_log=False,
-                                           timeout_graceful_shutdown=5, lifespan="on"))
+                                           proxy_headers=False, timeout_graceful_shutdown=5, lifespan="on"))
     server.run(sockets=[sock])
     return 0

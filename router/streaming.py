@@ -126,6 +126,8 @@ async def respond(gateway: Gateway, request: Request, specs: list, formatter: Fo
         if not stream:
             return await _respond_whole(gateway, request, events, formatter, timing)
         watch = _DisconnectWatch(request)  # handed over with the stream, or stopped here
+        outcome = _StreamOutcome(gateway, endpoint_label(request), events, formatter, timing)
+        response = _EventStream(outcome, watch)  # built while the engines work: not after the first token
         try:
             first = await anext(events)
         except BaseException as exc:
@@ -136,8 +138,8 @@ async def respond(gateway: Gateway, request: Request, specs: list, formatter: Fo
                 raise ClientGone() from None
             raise
         handed_over = True
-        outcome = _StreamOutcome(gateway, endpoint_label(request), events, formatter, timing)
-        return _EventStream(_stream(first, events, formatter, timing, outcome), outcome, watch)
+        response.body_iterator = _stream(first, events, formatter, timing, outcome)
+        return response
     except ClientGone:
         gateway.metrics.requests.labels(endpoint_label(request), str(CLIENT_CLOSED_REQUEST)).inc()
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -189,8 +191,13 @@ class _EventStream(StreamingResponse):
     byte); the request's disconnect watcher, started before the first token, ends the stream if the
     client leaves."""
 
-    def __init__(self, content: AsyncIterator[str], outcome: _StreamOutcome, watch: _DisconnectWatch) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    body_iterator: AsyncIterator[str]  # set once the first event is in
+
+    def __init__(self, outcome: _StreamOutcome, watch: _DisconnectWatch) -> None:  # StreamingResponse's, less content
+        self.status_code = 200
+        self.media_type = "text/event-stream"
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache"})
         self.outcome = outcome
         self.watch = watch
 
