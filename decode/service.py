@@ -1,7 +1,8 @@
 """`pdserve decode`: an engine in the consumer role. Takes GenerateRequest on its control socket,
 pulls prompt KV from the named prefill engine when it trusts it (decode.kv_peers; else it prefills
 locally), decodes in its continuous batch and streams TokenDelta back to whoever sent the request. A
-FirstToken from the router is the prefill engine's first token, kept if the prompt is prefilled here."""
+FirstToken from the router is the prefill engine's first token, kept if the prompt is prefilled here; it
+also tells the transfer side that the prompt is computed (its KV's --kv-timeout runs from then)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,12 @@ log = logging.getLogger("pdserve.decode")
 class DecodeOptions:
     control_address: str = "tcp://127.0.0.1:0"
     engine_id: str = "decode-0"
-    kv_timeout_s: float = 30.0
+    kv_timeout_s: float = 30.0  # for a prompt's KV once the prefill engine has computed it
     kv_failure: str = "recompute"
     device: str = "cpu"
     curve_dir: str | None = None  # `pdserve keygen` directory: CURVE on every socket
     kv_peers: tuple[str, ...] = ()  # prefill KV addresses trusted without the router's word (--kv-peer)
+    kv_queue_timeout_s: float = 600.0  # for the prompt to be computed (the prefill engine's queue), from the KVWant
 
 
 class DecodeServer(EngineServer):
@@ -42,6 +44,7 @@ class DecodeServer(EngineServer):
 
     def handle(self, peer_id: bytes, msg: Any) -> None:
         if isinstance(msg, FirstToken):
+            self.kv_transfer.prompt_computed(msg.request_id)  # its KV's own timeout starts now
             logprobs = dict(msg.logprobs) if msg.logprobs is not None else None
             return self.engine.keep_first_token(msg.request_id, msg.token_id, logprobs)
         if not isinstance(msg, GenerateRequest):
@@ -62,7 +65,8 @@ def build_decode_server(model_config: ModelConfig, cache_config: CacheConfig, sc
                         options: DecodeOptions) -> DecodeServer:
     curve = load_cluster_keys(options.curve_dir) if options.curve_dir else None
     transfer = DecodeTransferSide(engine_fingerprint(model_config, cache_config.block_size), options.engine_id,
-                                  timeout_s=options.kv_timeout_s, curve=curve.client if curve else None)
+                                  timeout_s=options.kv_timeout_s, curve=curve.client if curve else None,
+                                  queue_timeout_s=options.kv_queue_timeout_s)
     engine = EngineCore(model_config, cache_config, scheduler_config, options.device,
                         connector=DecodeSchedulerSide(transfer), kv_failure_policy=options.kv_failure,
                         kv_transfer=transfer)

@@ -51,11 +51,17 @@ class _PrefillLink:
 
 class DecodeTransferSide(KVTransferSide):
     def __init__(self, fingerprint: LayoutFingerprint, engine_id: str, timeout_s: float = 30.0,
-                 curve: CurveClientConfig | None = None) -> None:
+                 curve: CurveClientConfig | None = None, queue_timeout_s: float = 600.0) -> None:
         super().__init__()
         self.fingerprint = fingerprint
         self.engine_id = engine_id
+        # A prompt's KV may take queue_timeout_s from the KVWant while the prefill engine has not computed
+        # it (its queue and its compute), then timeout_s from when it has (prompt_computed).
+        for flag, seconds in (("--kv-timeout", timeout_s), ("--kv-queue-timeout", queue_timeout_s)):
+            if not seconds > 0:
+                raise ValueError(f"{flag} {seconds:g} must be > 0 seconds")
         self.timeout_s = timeout_s
+        self.queue_timeout_s = queue_timeout_s
         self.curve = curve
         self.writer: KVWriter | None = None  # set when the cache is bound
         self.transfers: dict[str, IncomingTransfer] = {}  # shared with the scheduler side
@@ -226,12 +232,28 @@ class DecodeTransferSide(KVTransferSide):
         if ack_to is not None:  # the prefill engine may free its blocks now
             self._send_quietly(ack_to, KVAck(request_id=incoming.request_id, ok=False, reason=reason[:4000]))
 
+    def prompt_computed(self, request_id: str) -> None:
+        """The prefill engine has computed the request's prompt (the router relayed its first token):
+        the KV now has timeout_s from here, however long the prompt waited in that engine's queue."""
+        incoming = self.transfers.get(request_id)
+        if incoming is not None and incoming.state is IncomingState.RECEIVING and incoming.computed_at is None:
+            incoming.computed_at = time.monotonic()
+
     def _expire(self) -> None:
         now = time.monotonic()
         for incoming in list(self.transfers.values()):
-            if incoming.state is IncomingState.RECEIVING and now - incoming.started > self.timeout_s:
-                self.abort(incoming, "KV timed out on decode")
-                self._fail(incoming, f"no complete KV from {incoming.address} within {self.timeout_s:g}s")
+            if incoming.state is not IncomingState.RECEIVING:
+                continue
+            if incoming.computed_at is None and now - incoming.started > self.queue_timeout_s:
+                reason = (f"the prefill engine at {incoming.address} did not compute the prompt within "
+                          f"{self.queue_timeout_s:g}s of the KVWant (--kv-queue-timeout)")
+            elif incoming.computed_at is not None and now - incoming.computed_at > self.timeout_s:
+                reason = (f"no complete KV from {incoming.address} within {self.timeout_s:g}s of the prompt "
+                          f"being computed (--kv-timeout)")
+            else:
+                continue
+            self.abort(incoming, "KV timed out on decode")
+            self._fail(incoming, reason)
 
     def _send_quietly(self, link: _PrefillLink, msg) -> None:
         """Never waits: a message for a prefill engine that is gone or not reading is dropped, so aborting

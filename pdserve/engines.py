@@ -50,7 +50,12 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
                                  "prefill for the same cores (measured in docs/BENCHMARKS.md)")
     else:
         parser.add_argument("--kv-timeout", type=float, default=30.0,
-                            help="seconds to wait for a prompt's KV from a prefill engine")
+                            help="seconds to wait for a prompt's KV once the prefill engine has computed the prompt "
+                                 "(its first token came through the router); then recompute or fail (--kv-failure)")
+        parser.add_argument("--kv-queue-timeout", type=float, default=600.0,
+                            help="seconds to wait, from asking for a prompt's KV, for the prefill engine to compute "
+                                 "the prompt: its time in that engine's queue (the router's --request-timeout bounds "
+                                 "a request anyway)")
         parser.add_argument("--kv-failure", choices=["recompute", "fail"], default="recompute",
                             help="when remote KV does not arrive: prefill locally, or end the request with an error")
         parser.add_argument("--kv-peer", action="append", default=[], metavar="ADDRESS",
@@ -104,7 +109,7 @@ def run_engine(args: argparse.Namespace, role: str) -> int:
 
         server = build_decode_server(*configs, DecodeOptions(
             args.control_address, args.engine_id, args.kv_timeout, args.kv_failure, args.device, curve_dir,
-            tuple(args.kv_peer)))
+            tuple(args.kv_peer), kv_queue_timeout_s=args.kv_queue_timeout))
         if not args.router_address and not args.kv_peer:
             logging.getLogger("pdserve.decode").warning(
                 "no --router-address and no --kv-peer: this engine trusts no prefill engine and prefills every "

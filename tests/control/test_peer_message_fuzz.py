@@ -34,7 +34,7 @@ from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS
 pytestmark = pytest.mark.fuzz
 
 REQUEST_IDS = ("a", "b", "c")
-SHORT_TIMEOUTS = {"prefill": ("--kv-want-timeout", "1", "--kv-lease", "1"), "decode": ("--kv-timeout", "1")}
+SHORT_TIMEOUTS = {"prefill": ("--kv-want-timeout", "1", "--kv-lease", "1"), "decode": ("--kv-timeout", "1", "--kv-queue-timeout", "1")}
 
 
 @pytest.fixture(scope="module")

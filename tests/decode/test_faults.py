@@ -17,7 +17,7 @@ from tests.decode.test_disaggregated import (
     colocated_tokens,
 )
 
-KV_TIMEOUT = ("--kv-timeout", "4")
+KV_TIMEOUT = ("--kv-timeout", "4", "--kv-queue-timeout", "4")  # no router: no FirstToken either
 
 
 @pytest.fixture(scope="module")

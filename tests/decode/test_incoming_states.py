@@ -86,16 +86,35 @@ def test_verified_kv_is_received_once_and_acked(pair):
     assert side.stats.num_kv_transfers == 1 and side.stats.kv_bytes_received == msg.nbytes
 
 
-def test_kv_that_never_completes_fails_after_the_timeout_and_aborts_the_prefill(pair):
-    scheduler_side, side, prefill, _ = pair
-    side.timeout_s = 0.1
-    time.sleep(0.2)
-    side.receive()
+def _fails_and_aborts_the_prefill(scheduler_side, side, prefill, says: str) -> None:
     assert side.transfers["r"].state is IncomingState.FAILED
     abort = prefill.recv(timeout=5).msg
     assert isinstance(abort, Abort) and abort.request_id == "r"
     events = scheduler_side.poll()
-    assert "within 0.1s" in events.failed["r"] and side.stats.num_kv_transfers_failed == 1 and not side.transfers
+    assert says in events.failed["r"] and side.stats.num_kv_transfers_failed == 1 and not side.transfers
+
+
+def test_kv_of_a_computed_prompt_that_never_completes_fails_after_the_timeout(pair):
+    scheduler_side, side, prefill, _ = pair
+    side.timeout_s = 0.3
+    time.sleep(0.4)  # longer than timeout_s since the KVWant: the prompt may still be in the prefill queue
+    side.receive()
+    assert side.transfers["r"].state is IncomingState.RECEIVING, "not computed yet: --kv-queue-timeout bounds it"
+    side.prompt_computed("r")  # the router relayed the prefill engine's first token
+    time.sleep(0.2)
+    side.receive()
+    assert side.transfers["r"].state is IncomingState.RECEIVING, "timeout_s counts from the prompt being computed"
+    time.sleep(0.2)
+    side.receive()
+    _fails_and_aborts_the_prefill(scheduler_side, side, prefill, "within 0.3s of the prompt being computed")
+
+
+def test_a_prompt_never_computed_fails_after_the_queue_timeout(pair):
+    scheduler_side, side, prefill, _ = pair
+    side.queue_timeout_s = 0.1
+    time.sleep(0.2)
+    side.receive()
+    _fails_and_aborts_the_prefill(scheduler_side, side, prefill, "did not compute the prompt within 0.1s")
 
 
 def _receive_for(side, seconds: float, until) -> None:

@@ -36,7 +36,7 @@ def test_a_prefill_step_that_fails_mid_stream_frees_both_engines(model_factory, 
     model_dir = model_factory("llama")
     prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", log_dir=tmp_path,
                             module="tests.decode.faulty_sampler")
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-timeout", "4", *prefill.kv_peer_args(),
+    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-timeout", "4", "--kv-queue-timeout", "4", *prefill.kv_peer_args(),
                            log_dir=tmp_path)
     driver = Driver(decode, prefill)
     try:

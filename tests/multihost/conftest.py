@@ -141,11 +141,13 @@ def cluster(model_dir, tmp_path_factory):
                             "--kv-want-timeout", str(KV_LEASE_S))
         started.append(prefill)
         decode = engine_on(hosts["d"], "decode", model_dir, log_dir, *registration, *keys,
-                           "--control-address", f"tcp://0.0.0.0:{CONTROL_PORT}", "--kv-timeout", str(KV_TIMEOUT_S))
+                           "--control-address", f"tcp://0.0.0.0:{CONTROL_PORT}", "--kv-timeout", str(KV_TIMEOUT_S),
+                           "--kv-queue-timeout", str(KV_TIMEOUT_S))  # the driver sends no FirstToken
         started.append(decode)
         decode_fail = engine_on(hosts["d"], "decode", model_dir, log_dir, *keys, "--engine-id", "decode-fail",
                                 "--control-address", f"tcp://0.0.0.0:{CONTROL_PORT + 1}",
-                                "--kv-timeout", str(KV_TIMEOUT_S), "--kv-failure", "fail",
+                                "--kv-timeout", str(KV_TIMEOUT_S), "--kv-queue-timeout", str(KV_TIMEOUT_S),
+                                "--kv-failure", "fail",
                                 "--kv-peer", f"tcp://{kv_addresses[0]}:{KV_PORT}")
         started.append(decode_fail)
         for router in routers:
