@@ -21,24 +21,18 @@ REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 120
 
 
-class EngineProcess:
-    """`python -m pdserve <role> ...` as a child process; waits for its PDSERVE_READY line. `module` runs
-    another entry point with the same command line (tests: one that injects faults first); `launcher`
-    goes before it (tests: `ip netns exec NS`, another host). Without --curve-dir in args it runs
-    --insecure: plaintext on loopback, as tests and benchmarks here need."""
+class ChildProcess:
+    """A pdserve component run as a child process (stderr to log_path) whose start waits for its
+    PDSERVE_READY line."""
 
-    def __init__(self, role: str, model_dir: str, *args: str, env: dict | None = None, log_dir: Path,
-                 module: str = "pdserve", launcher: tuple[str, ...] = ()) -> None:
-        self.role = role
-        self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
-        trust = () if "--curve-dir" in args or "--insecure" in args else ("--insecure",)
-        command = [*launcher, sys.executable, "-m", module, role, "--model", model_dir, "--dtype", "float32", *args, *trust]
+    process: subprocess.Popen
+    log_path: Path
+
+    def launch(self, command: list[str], what: str, env: dict | None = None) -> dict[str, str]:
+        """Start `command`; the key=value pairs of its PDSERVE_READY line (RuntimeError with its log if none)."""
         self.process = subprocess.Popen(
             command, cwd=REPO, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True,
             env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
-        self.addresses = self._wait_ready()
-
-    def _wait_ready(self) -> dict[str, str]:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             ready, _, _ = select.select([self.process.stdout], [], [], 1.0)
@@ -49,12 +43,7 @@ class EngineProcess:
             if self.process.poll() is not None:
                 break
         self.stop()
-        raise RuntimeError(f"{self.role} engine did not start:\n{self.log_path.read_text()[-3000:]}")
-
-    def kv_peer_args(self) -> tuple[str, ...]:
-        """A prefill engine's KV address as a decode engine's `--kv-peer` arguments: a decode engine
-        without a router pulls KV only from prefill engines it was given."""
-        return ("--kv-peer", self.addresses["kv"])
+        raise RuntimeError(f"{what} did not start:\n{self.log_path.read_text()[-3000:]}")
 
     def kill(self) -> None:
         self.process.send_signal(signal.SIGKILL)
@@ -70,6 +59,27 @@ class EngineProcess:
 
     def log(self) -> str:
         return self.log_path.read_text()
+
+
+class EngineProcess(ChildProcess):
+    """`python -m pdserve <role> ...` as a child process; waits for its PDSERVE_READY line. `module` runs
+    another entry point with the same command line (tests: one that injects faults first); `launcher`
+    goes before it (tests: `ip netns exec NS`, another host). Without --curve-dir in args it runs
+    --insecure: plaintext on loopback, as tests and benchmarks here need."""
+
+    def __init__(self, role: str, model_dir: str, *args: str, env: dict | None = None, log_dir: Path,
+                 module: str = "pdserve", launcher: tuple[str, ...] = ()) -> None:
+        self.role = role
+        self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
+        trust = () if "--curve-dir" in args or "--insecure" in args else ("--insecure",)
+        command = [*launcher, sys.executable, "-m", module, role, "--model", model_dir, "--dtype", "float32",
+                   *args, *trust]
+        self.addresses = self.launch(command, f"{role} engine", env)
+
+    def kv_peer_args(self) -> tuple[str, ...]:
+        """A prefill engine's KV address as a decode engine's `--kv-peer` arguments: a decode engine
+        without a router pulls KV only from prefill engines it was given."""
+        return ("--kv-peer", self.addresses["kv"])
 
 
 @dataclass

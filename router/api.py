@@ -119,7 +119,8 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
             raise Unauthorized("invalid API key: use the key the server was started with (--api-key)")
 
     # without a key there is nothing to check, and no dependency for FastAPI to solve per request
-    key_checked = [Depends(check_api_key)] if config.api_key is not None else []
+    key_check = check_api_key if config.api_key is not None else None
+    key_checked = [Depends(key_check)] if key_check is not None else []
 
     def check_model(model: str | None) -> None:
         if model is not None and model not in (config.served_model_name, config.model):
@@ -178,6 +179,5 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
         return await respond(gateway, request, specs, formatter, body.stream)
 
     if fast_path:  # the same two handlers, ahead of FastAPI's per-request machinery (router/fast_path.py)
-        key_check = check_api_key if config.api_key is not None else None
         app.fast_routes["/v1/completions"] = lean_endpoint(CompletionRequest, completions, key_check)
         app.fast_routes["/v1/chat/completions"] = lean_endpoint(ChatCompletionRequest, chat_completions, key_check)

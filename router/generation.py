@@ -44,7 +44,6 @@ log = logging.getLogger("pdserve.router.generation")
 _DEADLINE = "deadline"  # the source of the item an attempt's timer puts in its queue
 
 
-
 @dataclass(frozen=True)
 class ChoiceSpec:
     index: int
@@ -244,7 +243,6 @@ class ChoiceRunner:
         text = detokenizer.take_new_text(finished=finish_reason is not None)
         return ChoiceDelta(self.spec.index, text, new_ids, list(delta.logprobs[:len(new_ids)]),
                            finish_reason, stop_reason, delta.num_cached_tokens)
-
 
 
 async def _next(queue: asyncio.Queue) -> tuple[str, Any]:

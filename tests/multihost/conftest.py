@@ -4,10 +4,6 @@ plus a direct P <-> D link that carries only KV. Every process and namespace goe
 
 from __future__ import annotations
 
-import os
-import select
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -16,10 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.local_cluster import Driver, EngineProcess
+from pdserve.local_cluster import ChildProcess, Driver, EngineProcess
 from tests.multihost.netns import Host, Network, netns_refusal
 
-REPO = Path(__file__).resolve().parents[2]
 KV_DEVICE = "kv0"  # the direct P <-> D link's device on both hosts
 ROUTER_PORT, REGISTRATION_PORT, CONTROL_PORT, KV_PORT = 8000, 7000, 5600, 5700
 # Small blocks and chunks; 8 layers so a 200-token prompt's KV is ~400 KB, slow enough to shape.
@@ -28,7 +23,7 @@ KV_TIMEOUT_S, KV_LEASE_S = 4.0, 6.0
 LAYERS = 8
 
 
-class RouterProcess:
+class RouterProcess(ChildProcess):
     """`pdserve router` on a host; waits for its PDSERVE_READY line."""
 
     def __init__(self, host: Host, model_dir: str, curve_dir: str, log_dir: Path) -> None:
@@ -37,29 +32,9 @@ class RouterProcess:
                    "--served-model-name", "tiny", "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
                    "--registration-address", f"tcp://0.0.0.0:{REGISTRATION_PORT}", "--curve-dir", curve_dir,
                    "--log-level", "warning"]
-        self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"),
-                                        text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
         self.url = f"http://{host.address}:{ROUTER_PORT}"
         self.registration = f"tcp://{host.address}:{REGISTRATION_PORT}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and self.process.poll() is None:
-            ready = select.select([self.process.stdout], [], [], 1.0)[0]
-            if ready and self.process.stdout.readline().startswith("PDSERVE_READY"):
-                return
-        self.stop()
-        raise RuntimeError(f"router on {host.namespace} did not start:\n{self.log_path.read_text()[-3000:]}")
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        self.launch(command, f"router on {host.namespace}")
 
 
 @dataclass
