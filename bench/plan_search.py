@@ -16,7 +16,7 @@ from pdserve.bench.plan_simulator import BudgetExceeded
 RATE_STEPS = 32  # grid rates per doubling: a goodput is within 2 ** (1 / 32) - 1 = 2.2% of the next rate, which missed
 HIGHEST_INDEX = round(math.log2(1e6) * RATE_STEPS)  # above ~1e6 req/s a split is called unbounded
 LOWEST_DROP = 12 * RATE_STEPS  # below start / 4096 a split is called unable to meet the SLOs at any rate
-NUM_CHAINS = 2  # the splits are searched as this many chains, whatever the number of workers
+DECODE_WORK = 3.0  # a simulated decode request's work against a prefill request's (cProfile, docs/BENCHMARKS.md)
 
 
 def grid_rate(index: int) -> float:
@@ -87,15 +87,25 @@ def find_goodput(settings: PlanSettings, num_prefill: int, num_decode: int, star
     return Goodput(grid_rate(low), low, passed[low], probes)
 
 
-def next_start(found: list[tuple[int, int, int]], num_prefill: int, num_decode: int) -> int:
-    """Where a split's search starts, from its chain's goodputs so far, (x, y, grid index) each: the last one, scaled
-    as the tier that bounds it scales (a goodput that rose with x is bound by the prefill engines, one that fell by
-    the decode engines), by the power the last two splits showed (1 with only one)."""
-    x1, y1, last = found[-1]
+def ttft_binds(metrics: dict, slos_ms: dict[str, float]) -> bool:
+    """Whether at a split's goodput its p90 TTFT is nearer its limit than its p90 TPOT (the prefill side binds)."""
+    def share(name: str) -> float:
+        value = metrics.get(f"p90_{name}_ms")
+        return value / slos_ms[name] if value is not None and name in slos_ms else 0.0
+
+    return share("ttft") > share("tpot")
+
+
+def next_start(found: list[tuple[int, int, int, bool]], num_prefill: int, num_decode: int) -> int:
+    """Where a split's search starts, from its chain's goodputs so far, (x, y, grid index, TTFT binds) each: the last
+    one, scaled as the tier that bounds it scales (after two: a goodput that rose with x is bound by the prefill
+    engines, one that fell by the decode engines; after one: the prefill engines when TTFT binds), by the power
+    the last two splits showed (1 with only one)."""
+    x1, y1, last, ttft_bound = found[-1]
     if len(found) < 2:
-        prefill_bound, power = num_prefill < num_decode, 1.0
+        prefill_bound, power = ttft_bound, 1.0
     else:
-        x0, y0, before = found[-2]
+        x0, y0, before, _ = found[-2]
         prefill_bound = last > before
         span = math.log2(x1 / x0) if prefill_bound else math.log2(y1 / y0)
         power = min(2.0, max(0.5, (last - before) / (RATE_STEPS * span)))
@@ -113,18 +123,29 @@ def search_chain(settings: PlanSettings, num_engines: int, splits: list[tuple[in
         else:
             goodput = find_goodput(settings, x, y, start, first_step=RATE_STEPS)
         if goodput.index is not None and x > 0:
-            found.append((x, y, goodput.index))
+            found.append((x, y, goodput.index, ttft_binds(goodput.metrics, settings.slos_ms)))
         row = split_row(x, y, num_engines, goodput.rate, goodput.rate, goodput.metrics)
         row["probes"] = goodput.probes
         rows.append(row)
     return rows
 
 
+def split_work(num_prefill: int, num_decode: int) -> float:
+    """A split's share of the search's work: requests per simulated engine of each tier (simulate_tiers), a
+    decode engine's about 3x a prefill engine's (BENCHMARKS.md)."""
+    return (1 / num_prefill if num_prefill else 0.0) + DECODE_WORK / num_decode
+
+
 def chains_of(num_engines: int) -> list[list[tuple[int, int]]]:
-    """The splits in NUM_CHAINS runs of neighbours (fewer when there are fewer splits)."""
+    """The splits as two runs of neighbours with about the same work (one when there is one split)."""
     splits = splits_of(num_engines)
-    size = math.ceil(len(splits) / NUM_CHAINS)
-    return [splits[i:i + size] for i in range(0, len(splits), size)]
+    works = [split_work(x, y) for x, y in splits]
+    total, before, cut = sum(works), 0.0, 1
+    for cut in range(1, len(splits)):
+        before += works[cut - 1]
+        if before + works[cut] / 2 >= total / 2:
+            break
+    return [chain for chain in (splits[:cut], splits[cut:]) if chain]
 
 
 def search_splits(settings: PlanSettings, num_engines: int, jobs: int = 1) -> list[dict]:

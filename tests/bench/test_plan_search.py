@@ -61,9 +61,10 @@ def test_the_grid_search_reports_no_rate_and_every_rate():
 
 
 def test_the_next_start_scales_with_the_tier_that_bounds_the_goodput():
-    assert next_start([(1, 9, 0), (2, 8, 32)], 4, 6) == 64  # rose with x: prefill-bound, goodput ~ x
-    assert next_start([(6, 4, 10), (7, 3, 0)], 8, 2) == -14  # fell: decode-bound, ~ y ** 0.75 as the last step
-    assert next_start([(32, 32, 93)], 33, 31) == 92  # one neighbour, fewer decode engines: ~ y
+    assert next_start([(1, 9, 0, True), (2, 8, 32, True)], 4, 6) == 64  # rose with x: prefill-bound, ~ x
+    assert next_start([(6, 4, 10, False), (7, 3, 0, False)], 8, 2) == -14  # fell: decode-bound, ~ y ** 0.75
+    assert next_start([(32, 32, 93, False)], 33, 31) == 92  # one neighbour whose TPOT binds: ~ y
+    assert next_start([(1, 63, 28, True)], 2, 62) == 60  # one neighbour whose TTFT binds: ~ x
 
 
 def exhaustive_goodput(plan: PlanSettings, num_prefill: int, num_decode: int, lowest: int) -> int:
