@@ -16,7 +16,7 @@ from pdserve.bench.plan_simulator import BudgetExceeded
 RATE_STEPS = 32  # grid rates per doubling: a goodput is within 2 ** (1 / 32) - 1 = 2.2% of the next rate, which missed
 HIGHEST_INDEX = round(math.log2(1e6) * RATE_STEPS)  # above ~1e6 req/s a split is called unbounded
 LOWEST_DROP = 12 * RATE_STEPS  # below start / 4096 a split is called unable to meet the SLOs at any rate
-DECODE_WORK = 3.0  # a simulated decode request's work against a prefill request's (cProfile, docs/BENCHMARKS.md)
+DECODE_WORK = 3.0  # a simulated decode request's CPU against a prefill request's (per split, docs/BENCHMARKS.md)
 
 
 def grid_rate(index: int) -> float:
