@@ -680,7 +680,9 @@ def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], p
     """A large cluster by one engine of each tier: the prefill engine takes every x-th request and the
     decode engine every y-th (round robin), the decode side's prompts done after the prefill delay the
     prefill engine gave the request at the same position of its own stream. Work ~ requests / x +
-    requests / y instead of all requests through all engines; exact for one engine per tier."""
+    requests / y instead of all requests through all engines. Exact for one engine per tier while the decode
+    engine wants each prompt before it is computed; the prefill tier alone does not see late wants (a full decode
+    pool) holding its blocks."""
     check_requests(spec, prompt_lens, output_lens)
     x, y = spec.num_prefill, spec.num_decode
     threshold = spec.local_prefill_threshold
