@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
 
 from pdserve.bench.plan_fit import Profile, load_profile, model_identity
 from pdserve.bench.plan_recommend import PlanSettings, plan_splits, recommend, run_split, smallest_engines
+from pdserve.bench.plan_search import search_splits
 from pdserve.bench.plan_simulator import ClusterSpec, StepModel
 from pdserve.bench.plan_workload import Workload, workload_from_args
 from pdserve.bench.sweep_results import parse_slos
@@ -58,6 +60,12 @@ def check_slos_reachable(settings: PlanSettings) -> None:
                              f"rate; raise it above {best[name]:.0f} ms")
 
 
+def cpu_seconds() -> float:
+    """This process's CPU time and that of its finished children (the goodput search's workers)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
 def format_table(rows: list[dict], columns=PLAN_COLUMNS) -> str:
     def cell(row: dict, key: str, fmt: str) -> str:
         value = row.get(key)
@@ -81,14 +89,19 @@ def run_plan(args: argparse.Namespace) -> int:
     slos = parse_slos(args.slo)
     if not slos:
         raise ValueError("pass --slo, e.g. --slo ttft:2000 tpot:150: a split is judged by its goodput under SLOs")
-    started, started_cpu = time.perf_counter(), time.process_time()
+    if args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs}: give at least 1 process for the goodput search")
+    started, started_cpu = time.perf_counter(), cpu_seconds()
     settings = PlanSettings(step_model(args, profile), workload_from_args(args), slos,
                             cluster_spec(args, profile), args.burstiness, args.seed, args.exact_up_to)
     check_slos_reachable(settings)
-    rows = plan_splits(settings, args.engines, args.request_rate)
+    if args.request_rate is None:
+        rows = search_splits(settings, args.engines, args.jobs)
+    else:
+        rows = plan_splits(settings, args.engines, args.request_rate)
     best = recommend(rows)
     smallest = smallest_engines(settings, args.target_rate, args.engines) if args.target_rate else None
-    elapsed, cpu = time.perf_counter() - started, time.process_time() - started_cpu
+    elapsed, cpu = time.perf_counter() - started, cpu_seconds() - started_cpu
     print(format_table(rows))
     print(f"\nrecommended: {best['config']} ({best['goodput_per_engine']:.3g} req/s per engine under "
           f"{' '.join(args.slo)}); {len(rows)} splits of {len(settings.workload)} requests simulated in {elapsed:.1f} s "
@@ -97,18 +110,20 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"smallest cluster for {args.target_rate:g} req/s: " + (
             f"{smallest['num_engines']} engines as {smallest['config']}" if smallest else
             f"none up to {args.engines} engines; give more --engines"))
-    write_outputs(args, profile, rows, best, smallest, elapsed)
+    write_outputs(args, profile, rows, best, smallest, elapsed, cpu)
     return 0
 
 
-def write_outputs(args, profile: Profile, rows: list[dict], best: dict, smallest: dict | None, elapsed: float) -> None:
+def write_outputs(args, profile: Profile, rows: list[dict], best: dict, smallest: dict | None, elapsed: float,
+                  cpu: float) -> None:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"profile": str(args.profile), "model": profile.model.model_dump(), "machine": profile.machine,
               "engines": args.engines, "slos_ms": parse_slos(args.slo), "request_rate": args.request_rate,
               "dataset": {k: getattr(args, k) for k in ("dataset", "dataset_path", "num_prompts", "input_len",
                                                          "output_len", "range_ratio", "burstiness", "seed")},
-              "step_scale": list(args.step_scale), "splits": rows, "recommended": best, "smallest": smallest, "seconds": elapsed}
+              "step_scale": list(args.step_scale), "splits": rows, "recommended": best, "smallest": smallest,
+              "seconds": elapsed, "cpu_seconds": cpu}
     (out / "plan.json").write_text(json.dumps(result, indent=1, default=str))
     if not args.no_plots:
         from pdserve.bench.plan_plots import plot_goodput

@@ -1,18 +1,14 @@
-"""Every xPyD split of N engines simulated at one rate, or searched for its goodput (the highest rate at
-which >= 90% of requests meet every SLO, DistServe's definition); the best split per engine, and the
-smallest number of engines whose best split meets a target rate."""
+"""Every xPyD split of N engines simulated at one rate (plan_search.py searches their goodputs); the best split
+per engine, and the smallest number of engines whose best split meets a target rate."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from pdserve.bench.plan_metrics import meets_target, predicted_metrics
-from pdserve.bench.plan_simulator import BudgetExceeded, ClusterSpec, StepModel, simulate, simulate_tiers
+from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate, simulate_tiers
 from pdserve.bench.plan_workload import Workload
 from pdserve.bench.sweep_results import ATTAINMENT_TARGET
-
-SEARCH_STEPS = 5  # bisection steps after bracketing: the goodput to within 1/32 of the bracket
 
 
 @dataclass(frozen=True)
@@ -45,41 +41,6 @@ def run_split(settings: PlanSettings, num_prefill: int, num_decode: int, rate: f
     return metrics
 
 
-def find_goodput(settings: PlanSettings, num_prefill: int, num_decode: int, start_rate: float
-                 ) -> tuple[float, dict]:
-    """The highest rate meeting the target, and the split's metrics there ({} when none or unbounded):
-    bracket by doubling or halving from start_rate, then bisect. A probe that meets the target ran in full,
-    so the metrics at the rate found are that probe's, not a run of their own."""
-    passed: dict[float, dict] = {}
-
-    def meets(rate: float) -> bool:
-        try:
-            metrics = run_split(settings, num_prefill, num_decode, rate, stop_below_target=True)
-        except BudgetExceeded:
-            return False
-        if meets_target(metrics):
-            passed[rate] = metrics
-            return True
-        return False
-
-    if meets(start_rate):
-        low, high = start_rate, start_rate * 2
-        while meets(high):
-            low, high = high, high * 2
-            if high > 1e6:
-                return math.inf, {}
-    else:
-        low, high = start_rate / 2, start_rate
-        while not meets(low):
-            low, high = low / 2, low
-            if low < start_rate / 4096:
-                return 0.0, {}
-    for _ in range(SEARCH_STEPS):
-        middle = (low + high) / 2
-        low, high = (middle, high) if meets(middle) else (low, middle)
-    return low, passed[low]
-
-
 def splits_of(num_engines: int) -> list[tuple[int, int]]:
     """(x, y) for every xPyD with x + y = N and at least one decode engine; 0P = colocated."""
     return [(x, num_engines - x) for x in range(num_engines)]
@@ -95,25 +56,22 @@ def capacity_guess(settings: PlanSettings, num_engines: int) -> float:
     return num_engines / max(prefill + decode, 1e-9)
 
 
-def plan_splits(settings: PlanSettings, num_engines: int, rate: float | None) -> list[dict]:
-    """One row per split: its metrics at `rate`, or its searched goodput (rate None)."""
+def split_row(num_prefill: int, num_decode: int, num_engines: int, rate: float, goodput: float, metrics: dict) -> dict:
+    """A split's line of the plan: its layout, the rate it was judged at, its goodput and metrics there."""
+    row = {"config": f"{num_prefill}P{num_decode}D", "num_prefill": num_prefill, "num_decode": num_decode,
+           "num_engines": num_engines, "request_rate": rate, "goodput": goodput,
+           "goodput_per_engine": goodput / num_engines}
+    row.update({k: metrics.get(k) for k in ("slo_attainment", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms",
+                                            "p90_tpot_ms", "preemptions")})
+    return row
+
+
+def plan_splits(settings: PlanSettings, num_engines: int, rate: float) -> list[dict]:
+    """One row per split: its metrics at `rate` (plan_search.search_splits searches goodputs instead)."""
     rows = []
-    start = capacity_guess(settings, num_engines)
-    for x, y in splits_of(num_engines):  # each search starts from the previous split's goodput
-        row = {"config": f"{x}P{y}D", "num_prefill": x, "num_decode": y, "num_engines": num_engines}
-        if rate is None:
-            goodput, metrics = find_goodput(settings, x, y, start)
-            start = goodput if 0 < goodput < math.inf else start
-            row["goodput"] = goodput
-            row["request_rate"] = goodput
-        else:
-            metrics = run_split(settings, x, y, rate)
-            row["request_rate"] = rate
-            row["goodput"] = metrics["request_goodput"] or 0.0
-        row["goodput_per_engine"] = row["goodput"] / num_engines
-        row.update({k: metrics.get(k) for k in ("slo_attainment", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms",
-                                                "p90_tpot_ms", "preemptions")})
-        rows.append(row)
+    for x, y in splits_of(num_engines):
+        metrics = run_split(settings, x, y, rate)
+        rows.append(split_row(x, y, num_engines, rate, metrics["request_goodput"] or 0.0, metrics))
     return rows
 
 

@@ -21,7 +21,8 @@ What it models (docs/planning.md says why each choice):
 Events run on simpy's queue (a plain heapq loop was 1.4x faster, 2.5 against 3.6 CPU-seconds for 64 splits
 of 64 engines and 10,000 requests: both well within the 10 s goal, see docs/BENCHMARKS.md). Decode-only
 stretches of an engine run as one event of k steps (until the next request finishes), cut at the next step
-boundary when a new arrival or KV lands there.
+boundary when a new arrival or KV lands there; one engine per tier admits a remote arrival after the fact, where
+that changes no time (the run goes on to its KV's landing), so that a request cuts its engine's run once, not twice.
 """
 
 from __future__ import annotations
@@ -245,6 +246,7 @@ class SimEngine:
         self._transfers: list[tuple[float, int, SimRequest, int]] = []  # heap: (end, number, request, bytes)
         self._num_transfers = 0
         self._due_at: float | None = None  # when the next expected arrival wakes this engine from idle
+        self._admitted_at: dict[int, float] = {}  # remote arrivals a run went past: index -> when admission was due
         self.num_preemptions = 0
 
     # ---- load figures the router reads ----
@@ -305,7 +307,12 @@ class SimEngine:
     def _take_expected(self) -> None:
         expected, transfers, now = self.expected, self._transfers, self.env.now
         while expected and expected[0].arrival <= now:
-            self._enqueue(expected.popleft())
+            request = expected.popleft()
+            want_time = self._admitted_at.pop(request.index, None)
+            if want_time is None:
+                self._enqueue(request)
+            else:
+                self._admit_after_the_fact(request, want_time)
         while transfers and transfers[0][0] <= now:
             _, _, request, num_bytes = heapq.heappop(transfers)
             if self.role == "decode":
@@ -492,11 +499,47 @@ class SimEngine:
         num_steps = max(1, min(self._finishes[0][0] - self.clock, room))
         first = self.model.step_seconds(batch, self.context_tokens(), 0, 0.0)
         growth = self.model.decode_per_context * batch  # each step attends to one more token per request
-        next_input = self._next_input() if self.knows_ahead else math.inf
-        if next_input < now + _run_seconds(num_steps, first, growth):
-            num_steps = min(num_steps, _steps_done_by(next_input - now, first, growth) + 1)
+        if self.knows_ahead:
+            num_steps = self._steps_before_input(now, num_steps, first, growth)
         self._run = (now, num_steps, first, growth)
         self._run_event = self.sim.at(now + _run_seconds(num_steps, first, growth), self._run_done)
+
+    def _steps_before_input(self, now: float, num_steps: int, first: float, growth: float) -> int:
+        """How far a run of an engine fed ahead goes before the loop must take an input: to the step boundary after
+        the next transfer's end or arrival, as their wake would cut it. A remote arrival whose admission at the next
+        boundary would come before its prompt is computed (its transfer then starts when the prompt is done) is
+        admitted after the fact instead, and the run goes on to the boundary after its KV lands: one cut, not two,
+        while nothing waits and the pool and max_num_seqs hold it from that boundary on."""
+        if self._transfers and self._transfers[0][0] < now + _run_seconds(num_steps, first, growth):
+            num_steps = min(num_steps, _steps_done_by(self._transfers[0][0] - now, first, growth) + 1)
+        free, seats, batch = self.capacity - self.used_tokens(), self.max_num_seqs - self.num_inflight(), len(self.decoding)
+        in_order = not self.waiting  # admitted after the fact only behind requests admitted after the fact
+        for request in self.expected:  # in arrival order; none before now
+            if request.arrival >= now + _run_seconds(num_steps, first, growth):
+                break
+            steps = _steps_done_by(request.arrival - now, first, growth) + 1
+            admitted = now + _run_seconds(steps, first, growth)
+            free -= -(-request.recompute_len // self.block_size) * self.block_size
+            seats -= 1
+            if in_order and request.remote and request.prompt_done is not None and admitted <= request.prompt_done:
+                landed = request.prompt_done + self.cluster.wire_seconds(request, admitted)
+                landed_steps = _steps_done_by(landed - now, first, growth) + 1
+                in_order = seats >= 0 and 0 <= landed_steps < free // batch  # the pool holds it and one more step
+            else:
+                in_order = False
+            if in_order:
+                self._admitted_at[request.index] = admitted
+                steps = landed_steps
+            num_steps = min(num_steps, steps)
+        return num_steps
+
+    def _admit_after_the_fact(self, request: SimRequest, want_time: float) -> None:
+        """A remote request a run went past (_steps_before_input): admitted as at want_time, its transfer started."""
+        request.kv_tokens = -(-request.recompute_len // self.block_size) * self.block_size
+        self.fixed_tokens += request.kv_tokens
+        self.num_waiting_for_kv += 1
+        request.want_time = want_time
+        self.cluster.start_transfer(request)
 
     def _cut_run(self) -> None:
         start, num_steps, first, growth = self._run
@@ -574,15 +617,20 @@ class SimCluster:
     def start_transfer(self, request: SimRequest) -> None:
         num_bytes = request.prompt_len * self.spec.kv_bytes_per_token
         start = max(request.prompt_done, request.want_time)
-        wire = self.model.transfer_latency
-        if not (self.spec.kv_streaming and request.want_time <= request.prompt_done):
-            wire += num_bytes * self.model.transfer_per_byte
+        wire = self.wire_seconds(request, request.want_time)
         alone = request.decode_engine if request.prefill_engine is None else request.prefill_engine
         if (request.prefill_engine is None or request.decode_engine is None) and alone.knows_ahead:
             now = self.sim.now  # the time an event at start + wire would fire (simpy adds a delay to now)
             alone.expect_transfer(now + max(0.0, start + wire - now), request, num_bytes)
             return
         self.sim.at(start + wire, self._transfer_done, request, num_bytes)
+
+    def wire_seconds(self, request: SimRequest, want_time: float) -> float:
+        """A transfer's time on the link once both its prompt and its want are there (streamed: the latency)."""
+        wire = self.model.transfer_latency
+        if not (self.spec.kv_streaming and want_time <= request.prompt_done):
+            wire += request.prompt_len * self.spec.kv_bytes_per_token * self.model.transfer_per_byte
+        return wire
 
     def _transfer_done(self, request: SimRequest, num_bytes: int) -> None:
         if request.prefill_engine is not None:  # None: a decode tier simulated alone (simulate_tiers)
@@ -632,7 +680,9 @@ def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], p
     """A large cluster by one engine of each tier: the prefill engine takes every x-th request and the
     decode engine every y-th (round robin), the decode side's prompts done after the prefill delay the
     prefill engine gave the request at the same position of its own stream. Work ~ requests / x +
-    requests / y instead of all requests through all engines; exact for one engine per tier."""
+    requests / y instead of all requests through all engines. Exact for one engine per tier while the decode
+    engine wants each prompt before it is computed; the prefill tier alone does not see late wants (a full decode
+    pool) holding its blocks."""
     check_requests(spec, prompt_lens, output_lens)
     x, y = spec.num_prefill, spec.num_decode
     threshold = spec.local_prefill_threshold

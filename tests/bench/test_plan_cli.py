@@ -57,6 +57,7 @@ def test_find_goodput_and_the_smallest_cluster_for_a_target(profile_path, tmp_pa
     (["--engines", "2", "--slo", "ttft:1", "--request-rate", "1"], "below the unloaded TTFT"),
     (["--engines", "2", "--slo", "ttft:1000", "--request-rate", "1", "--num-prompts", "0"], "no requests"),
     (["--engines", "2", "--request-rate", "1"], "pass --slo"),
+    (["--engines", "2", "--slo", "ttft:1000", "--jobs", "0"], "--jobs 0"),
 ])
 def test_bad_input_gets_a_clear_error(profile_path, tmp_path, capsys, extra, message):
     assert plan(profile_path, tmp_path / "plan", *extra) == 2

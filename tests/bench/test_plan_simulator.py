@@ -104,6 +104,36 @@ def test_one_engine_per_tier_matches_the_whole_cluster_for_1p1d(streaming):
     assert [r.finish for r in exact] == pytest.approx([r.finish for r in tiers])
 
 
+@pytest.mark.parametrize("num_prefill, num_decode, rate, num_kv_blocks", [(3, 2, 12.0, 4096), (1, 1, 4.0, 90)])
+def test_admitting_remote_arrivals_after_the_fact_changes_no_time(monkeypatch, num_prefill, num_decode, rate,
+                                                                  num_kv_blocks):  # 90 blocks: a pool that preempts
+    from pdserve.bench import plan_simulator
+
+    def cut_at_every_input(engine, now, num_steps, first, growth):  # the rule without admission after the fact
+        next_input = engine._next_input()
+        if next_input < now + plan_simulator._run_seconds(num_steps, first, growth):
+            num_steps = min(num_steps, plan_simulator._steps_done_by(next_input - now, first, growth) + 1)
+        return num_steps
+
+    workload = random_workload(300, 300, 40, range_ratio=0.5, seed=6)
+    cost = model(prefill_intercept=0.01, prefill_per_token=1e-4, decode_intercept=0.02, decode_per_seq=1e-3,
+                 decode_per_context=1e-6, transfer_latency=0.005, transfer_per_byte=1e-9, receiver_cpu_per_byte=1e-10)
+    spec = ClusterSpec(num_prefill, num_decode, EngineSettings(num_kv_blocks=num_kv_blocks))
+    args = (spec, cost, workload.arrivals(rate, seed=6), workload.prompt_lens, workload.output_lens)
+    admitted = []
+    admit = plan_simulator.SimEngine._admit_after_the_fact
+    monkeypatch.setattr(plan_simulator.SimEngine, "_admit_after_the_fact",
+                        lambda engine, request, when: admitted.append(request) or admit(engine, request, when))
+    fast = simulate_tiers(*args)
+    monkeypatch.setattr(plan_simulator.SimEngine, "_steps_before_input", cut_at_every_input)
+    plain = simulate_tiers(*args)
+    assert admitted  # the runs did go past arrivals
+    assert [r.first_token for r in fast] == pytest.approx([r.first_token for r in plain], rel=1e-12)
+    assert [r.finish for r in fast] == pytest.approx([r.finish for r in plain], rel=1e-12)
+    assert [r.num_preemptions for r in fast] == [r.num_preemptions for r in plain]
+    assert (sum(r.num_preemptions for r in plain) > 0) == (num_kv_blocks < 100)
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="no requests"):
         Workload([], [])
