@@ -46,6 +46,43 @@ def read_runs(sweep_dir: Path) -> list[dict]:
     return runs
 
 
+def read_unloaded(sweep_dir: Path) -> list[dict]:
+    """The sweep's unloaded passes (one request at a time per layout): how fast the machine was in the sweep's
+    window, to hold against the profile's own figures."""
+    runs = [json.loads(path.read_text()) for path in sorted((sweep_dir / "runs").glob("*.json"))]
+    return [run for run in runs if run.get("phase") == "unloaded" and run.get("ttfts")]
+
+
+def unloaded_drift(runs: list[dict], model) -> list[dict]:
+    """Per unloaded pass: its median TTFT against the profile's prefill step for its mean prompt, and its median
+    TPOT against the profile's decode step at batch 1 (context: the prompt and half the output). Their ratio is
+    the machine's drift between the profile and the sweep, which every prediction inherits."""
+    rows = []
+    for run in runs:
+        errors = run.get("errors") or [""] * len(run["ttfts"])
+        latencies = [request_latencies_ms(run, i) for i, error in enumerate(errors) if not error]
+        if not latencies:
+            continue
+        prompt, output = float(np.mean(run["input_lens"])), float(np.mean(run["output_lens"]))
+        rows.append({"config": run["config"],
+                     "measured_ttft_ms": float(np.median([lat["ttft"] for lat in latencies])),
+                     "profile_prefill_ms": 1000 * model.step_seconds(0, 0, int(prompt), prompt * prompt),
+                     "measured_tpot_ms": float(np.median([lat["tpot"] for lat in latencies])),
+                     "profile_decode_step_ms": 1000 * model.step_seconds(1, int(prompt + output / 2), 0, 0.0)})
+    return rows
+
+
+def print_drift(rows: list[dict]) -> None:
+    if rows:
+        print("\nthe sweep's unloaded passes against the profile (the machine's drift between the two):")
+    for row in rows:
+        ttft, prefill = row["measured_ttft_ms"], row["profile_prefill_ms"]
+        tpot, step = row["measured_tpot_ms"], row["profile_decode_step_ms"]
+        print(f"  {row['config']}: TTFT {ttft:.0f} ms measured, prefill {prefill:.0f} ms in the profile "
+              f"({ttft / prefill - 1:+.0%}); TPOT {tpot:.1f} ms measured, decode step {step:.1f} ms "
+              f"({tpot / step - 1:+.0%})")
+
+
 def check_run_model(profile: Profile, run: dict) -> None:
     model_dir = Path(run.get("model_id") or "")
     if (model_dir / "config.json").is_file():
@@ -123,8 +160,10 @@ def run_validate(args: argparse.Namespace, profile: Profile) -> int:
         check_run_model(profile, run)
     rows = [replay(run, profile, args) for run in runs]
     summary = summarize_errors(rows)
+    summary["unloaded"] = unloaded_drift(read_unloaded(sweep_dir), step_model(args, profile))
     print(format_table(rows, COLUMNS))
     print_summary(summary)
+    print_drift(summary["unloaded"])
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "validation.json").write_text(json.dumps({"sweep_dir": str(sweep_dir), "profile": str(args.profile),

@@ -110,12 +110,31 @@ def test_validate_reports_the_error_of_a_sweep_that_ran_slower(profile_path, tmp
     from pdserve.bench.plan_fit import load_profile
 
     sweep_dir = tmp_path / "sweep"
-    write_sweep(sweep_dir, tiny_model, load_profile(profile_path), shift=0.5)
+    profile = load_profile(profile_path)
+    write_sweep(sweep_dir, tiny_model, profile, shift=0.5)
+    write_unloaded(sweep_dir, profile, slower=1.5)
     out = tmp_path / "validation"
     assert main(["plan", "--profile", profile_path, "--validate", str(sweep_dir), "--output-dir", str(out),
                  "--no-plots"]) == 0
     summary = json.loads((out / "validation.json").read_text())["summary"]
     assert summary["median_ttft_ms_mean_relative_error"] == pytest.approx(1 / 3, rel=1e-6)  # predicted / measured = 1 / 1.5
+    [drift] = summary["unloaded"]  # the machine's drift, from the unloaded pass: 50% slower than the profile
+    assert drift["measured_ttft_ms"] / drift["profile_prefill_ms"] == pytest.approx(1.5)
+    assert drift["measured_tpot_ms"] / drift["profile_decode_step_ms"] == pytest.approx(1.5)
+
+
+def write_unloaded(sweep_dir, profile, slower: float) -> None:
+    """An unloaded pass (one request at a time) whose TTFT is the profile's prefill step and whose TPOT is its
+    batch-1 decode step, both times `slower`."""
+    model = StepModel.from_profile(profile)
+    prompt, output = 100, 11
+    prefill = model.step_seconds(0, 0, prompt, prompt * prompt) * slower
+    step = model.step_seconds(1, prompt + output // 2, 0, 0.0) * slower
+    run = {"config": "1P1D", "phase": "unloaded", "request_rate": "inf", "max_concurrency": 1,
+           "sweep": {"config": "1P1D", "phase": "unloaded", "num_prefill": 1, "num_decode": 1, "num_engines": 2},
+           "input_lens": [prompt] * 3, "output_lens": [output] * 3, "ttfts": [prefill] * 3,
+           "e2els": [prefill + (output - 1) * step] * 3, "itls": [[]] * 3, "errors": [""] * 3}
+    (sweep_dir / "runs" / "1P1D_rateinf_conc1_unloaded.json").write_text(json.dumps(run))
 
 
 def test_validate_refuses_a_sweep_of_another_model(tmp_path, model_factory, capsys):
