@@ -27,14 +27,19 @@ COLUMNS = (("config", "config", "{}"), ("request_rate", "rate", "{:g}"),
               "{:.0f}" if "ttft" in key else "{:.1f}") for key in COMPARED for side in ("measured", "predicted")])
 
 
-def read_runs(sweep_dir: Path) -> list[dict]:
+def load_runs(sweep_dir: Path) -> list[dict]:
+    """Every run JSON of a sweep directory."""
     runs_dir = sweep_dir / "runs"
     files = sorted(runs_dir.glob("*.json")) if runs_dir.is_dir() else []
     if not files:
         raise ValueError(f"{sweep_dir} has no runs/*.json: pass the output directory of a `pdserve sweep`")
+    return [json.loads(path.read_text()) for path in files]
+
+
+def read_runs(all_runs: list[dict], sweep_dir: Path) -> list[dict]:
+    """The runs to replay: pdserve layouts at a finite request rate."""
     runs = []
-    for path in files:
-        run = json.loads(path.read_text())
+    for run in all_runs:
         sweep = run.get("sweep") or {}
         if sweep.get("num_decode") is None or not run.get("ttfts"):
             continue  # an external server's run, or one that failed before any request
@@ -46,11 +51,10 @@ def read_runs(sweep_dir: Path) -> list[dict]:
     return runs
 
 
-def read_unloaded(sweep_dir: Path) -> list[dict]:
+def read_unloaded(all_runs: list[dict]) -> list[dict]:
     """The sweep's unloaded passes (one request at a time per layout): how fast the machine was in the sweep's
     window, to hold against the profile's own figures."""
-    runs = [json.loads(path.read_text()) for path in sorted((sweep_dir / "runs").glob("*.json"))]
-    return [run for run in runs if run.get("phase") == "unloaded" and run.get("ttfts")]
+    return [run for run in all_runs if run.get("phase") == "unloaded" and run.get("ttfts")]
 
 
 def unloaded_drift(runs: list[dict], model) -> list[dict]:
@@ -155,12 +159,13 @@ def goodput_agreement(rows: list[dict]) -> list[dict]:
 
 def run_validate(args: argparse.Namespace, profile: Profile) -> int:
     sweep_dir = Path(args.validate)
-    runs = read_runs(sweep_dir)
+    all_runs = load_runs(sweep_dir)
+    runs = read_runs(all_runs, sweep_dir)
     for run in runs:
         check_run_model(profile, run)
     rows = [replay(run, profile, args) for run in runs]
     summary = summarize_errors(rows)
-    summary["unloaded"] = unloaded_drift(read_unloaded(sweep_dir), step_model(args, profile))
+    summary["unloaded"] = unloaded_drift(read_unloaded(all_runs), step_model(args, profile))
     print(format_table(rows, COLUMNS))
     print_summary(summary)
     print_drift(summary["unloaded"])

@@ -17,7 +17,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.control.gc_freeze import freeze_startup_heap
-from pdserve.router.body_limit import BodyLimit
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, Unauthorized
 from pdserve.router.fast_path import RouterApp
@@ -49,7 +48,6 @@ def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started:
 
     app = RouterApp(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                     max_body_bytes=config.max_request_bytes)
-    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.state.gateway = gateway
     _install_error_handlers(app, gateway)
     _install_routes(app, gateway, fast_path)

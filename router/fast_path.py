@@ -13,7 +13,6 @@ up as Starlette looks them up. Every other request goes through the whole stack.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,9 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.router.body_limit import counting_receive, refuse_declared
-
-log = logging.getLogger("pdserve.router.fast_path")
+from pdserve.router.body_limit import BodyLimit, counting_receive, refuse_declared
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -69,12 +66,14 @@ class FastPath:
 
 
 class RouterApp(FastAPI):
-    """FastAPI, with `fast_routes` (path -> endpoint) served by FastPath in front of the middleware stack."""
+    """FastAPI, with `fast_routes` (path -> endpoint) served by FastPath in front of the middleware stack;
+    both paths cap request bodies at max_body_bytes (BodyLimit on the stack's)."""
 
     def __init__(self, *args: Any, max_body_bytes: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fast_routes: dict[str, Endpoint] = {}
         self.max_body_bytes = max_body_bytes
+        self.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     def build_middleware_stack(self) -> ASGIApp:
         stack = super().build_middleware_stack()
