@@ -79,32 +79,44 @@ class SamplingParams(WireModel):
 
     @model_validator(mode="after")
     def _check_ranges(self) -> SamplingParams:
-        max_tokens, min_tokens = self.max_tokens, self.min_tokens
-        checks = [
-            (self.n == 1, f"n={self.n}: only n=1 is supported; send several requests instead"),
-            (self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 is greedy)"),
-            (self.temperature <= MAX_TEMPERATURE,
-             f"temperature={self.temperature} must be at most {MAX_TEMPERATURE:g}: lower it (1 is neutral)"),
-            (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]"),
-            (-1 <= self.top_k <= MAX_TOKEN_ID,
-             f"top_k={self.top_k} must be -1 or 0 (disabled) or a positive count up to {MAX_TOKEN_ID}"),
-            (0 <= self.min_p <= 1, f"min_p={self.min_p} must be in [0, 1]"),
-            (MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
-             (f"repetition_penalty={self.repetition_penalty} must be in [{MIN_REPETITION_PENALTY:g}, "
-              f"{MAX_REPETITION_PENALTY:g}] (1 disables it)")),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty={self.presence_penalty} must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]"),
-            (max_tokens is None or 0 < max_tokens <= MAX_TOKENS,
-             f"max_tokens={max_tokens} must be a positive number of tokens to generate, at most {MAX_TOKENS}"),
-            (0 <= min_tokens <= MAX_TOKENS, f"min_tokens={min_tokens} must be in [0, {MAX_TOKENS}]"),
-            (max_tokens is None or min_tokens <= max_tokens,
-             f"min_tokens={min_tokens} must not exceed max_tokens={max_tokens}"),
-            (all(0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
-             f"stop_token_ids={self.stop_token_ids} must be token ids in [0, {MAX_TOKEN_ID}]"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
-             f"logprobs={self.logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise InvalidSamplingParams(message)
+        problem = _range_problem(self)
+        if problem is not None:
+            raise InvalidSamplingParams(problem)
         return self
+
+
+def _range_problem(p: SamplingParams) -> str | None:
+    """The first value out of its range, as a message naming the fix; None when all are in range. Each
+    message is formatted only when its check fails: this runs for every request, on the router and again
+    on each engine that receives it."""
+    max_tokens, min_tokens = p.max_tokens, p.min_tokens
+    if not p.n == 1:
+        return f"n={p.n}: only n=1 is supported; send several requests instead"
+    if not p.temperature >= 0:
+        return f"temperature={p.temperature} must be >= 0 (0 is greedy)"
+    if not p.temperature <= MAX_TEMPERATURE:
+        return f"temperature={p.temperature} must be at most {MAX_TEMPERATURE:g}: lower it (1 is neutral)"
+    if not 0 < p.top_p <= 1:
+        return f"top_p={p.top_p} must be in (0, 1]"
+    if not -1 <= p.top_k <= MAX_TOKEN_ID:
+        return f"top_k={p.top_k} must be -1 or 0 (disabled) or a positive count up to {MAX_TOKEN_ID}"
+    if not 0 <= p.min_p <= 1:
+        return f"min_p={p.min_p} must be in [0, 1]"
+    if not MIN_REPETITION_PENALTY <= p.repetition_penalty <= MAX_REPETITION_PENALTY:
+        return (f"repetition_penalty={p.repetition_penalty} must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1 disables it)")
+    if not -2 <= p.presence_penalty <= 2:
+        return f"presence_penalty={p.presence_penalty} must be in [-2, 2]"
+    if not -2 <= p.frequency_penalty <= 2:
+        return f"frequency_penalty={p.frequency_penalty} must be in [-2, 2]"
+    if not (max_tokens is None or 0 < max_tokens <= MAX_TOKENS):
+        return f"max_tokens={max_tokens} must be a positive number of tokens to generate, at most {MAX_TOKENS}"
+    if not 0 <= min_tokens <= MAX_TOKENS:
+        return f"min_tokens={min_tokens} must be in [0, {MAX_TOKENS}]"
+    if not (max_tokens is None or min_tokens <= max_tokens):
+        return f"min_tokens={min_tokens} must not exceed max_tokens={max_tokens}"
+    if not all(0 <= t <= MAX_TOKEN_ID for t in p.stop_token_ids):
+        return f"stop_token_ids={p.stop_token_ids} must be token ids in [0, {MAX_TOKEN_ID}]"
+    if not (p.logprobs is None or 0 <= p.logprobs <= MAX_TOP_LOGPROBS):
+        return f"logprobs={p.logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"
+    return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 
 from pdserve.engine.hub import is_hub_id
@@ -29,12 +30,16 @@ class GenerationDefaults:
     repetition_penalty: float | None = None
 
     def as_kwargs(self) -> dict[str, float | int]:
-        """Only the values the model set, as SamplingParams keyword arguments."""
+        """Only the values the model set, as SamplingParams keyword arguments (a copy)."""
+        return dict(self._set_values)
+
+    @cached_property
+    def _set_values(self) -> dict[str, float | int]:  # once: fill() runs for every request
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     def fill(self, requested: dict[str, object], fields_set: set[str]) -> dict[str, object]:
         """`requested` with each of its fields the request did not set replaced by the model's default."""
-        return {**requested, **{k: v for k, v in self.as_kwargs().items() if k in requested and k not in fields_set}}
+        return {**requested, **{k: v for k, v in self._set_values.items() if k in requested and k not in fields_set}}
 
     @classmethod
     def from_dict(cls, generation: dict) -> GenerationDefaults:

@@ -8,6 +8,7 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -158,9 +159,10 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
         prompts = [Prompt(text, ids) for text, ids in tokenized]
         specs = completion_specs(body, [p.token_ids for p in prompts], max_model_len, vocab_size, config.max_n,
                                  gateway.generation_defaults)
-        formatter = CompletionFormatter(
-            config.served_model_name, gateway.tokenization, prompts, body.n, num_logprobs=body.logprobs,
-            return_token_ids=body.return_token_ids, include_usage=body.include_usage_in_stream, echo=body.echo)
+        formatter = partial(  # built by respond() once the engines have the request
+            CompletionFormatter, model=config.served_model_name, tokenization=gateway.tokenization, prompts=prompts,
+            n=body.n, num_logprobs=body.logprobs, return_token_ids=body.return_token_ids,
+            include_usage=body.include_usage_in_stream, echo=body.echo)
         return await respond(gateway, request, specs, formatter, body.stream)
 
     @app.post("/v1/chat/completions", dependencies=key_checked)
@@ -170,8 +172,9 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
         text, token_ids = await gateway.preprocessor.run(gateway.tokenization.chat_prompt, body,
                                                          config.allow_request_chat_template)
         specs = chat_specs(body, token_ids, max_model_len, config.max_n, gateway.generation_defaults)
-        formatter = ChatFormatter(
-            config.served_model_name, gateway.tokenization, [Prompt(text, token_ids)], body.n,
+        formatter = partial(  # built by respond() once the engines have the request
+            ChatFormatter, model=config.served_model_name, tokenization=gateway.tokenization,
+            prompts=[Prompt(text, token_ids)], n=body.n,
             num_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             return_token_ids=body.return_token_ids, include_usage=body.include_usage_in_stream)
         return await respond(gateway, request, specs, formatter, body.stream)

@@ -2,6 +2,7 @@
 tokens as text, apply stop strings, and clean up.
 
     ChoiceRunner(gateway, spec, request_id).events()  ->  ChoiceDelta ... (the last has finish_reason)
+    runner.start() sends the first attempt at once; events() then relays it (abandon() if it never will)
 
 The first token comes from the prefill engine as soon as it is sampled (before its KV moves) and is
 streamed at once; the decode engine is told it (FirstToken) and its stream goes on from the second
@@ -154,6 +155,39 @@ class ChoiceRunner:
         self.deadline = deadline  # loop time
         self.restartable = restartable
         self.token_ids: list[int] = []
+        self._started: Submission | _Retry | None = None  # the first attempt, once start() sent it
+
+    def start(self) -> None:
+        """Send the first attempt to the engines now, so that they work while the caller builds its
+        response; `events()` relays it. Raises what routing raises (no engine: a 503). If `events()` is
+        never iterated, `abandon()` aborts what was sent."""
+        try:
+            self._started = self._submit(0, set(), False)
+        except _Retry as exc:  # events() retries it
+            self._started = exc
+
+    def abandon(self) -> None:
+        """Abort the attempt `start()` sent if `events()` never took it over (the caller gave up first)."""
+        started, self._started = self._started, None
+        if isinstance(started, Submission):
+            started.close()
+
+    def _submit(self, attempt: int, excluded: set[str], force_local: bool) -> Submission:
+        route = self.gateway.route(self.spec.prompt_token_ids, excluded, force_local)
+        submission = Submission(route, f"{self.request_id}-{self.spec.index}.{attempt}", self.deadline)
+        try:
+            submission.submit(self.spec)
+        except BaseException:
+            submission.close()
+            raise
+        return submission
+
+    def _first_submission(self) -> Submission:
+        """The attempt `start()` sent (or its failure, raised here), or a new one."""
+        started, self._started = self._started, None
+        if isinstance(started, _Retry):
+            raise started
+        return started or self._submit(0, set(), False)
 
     async def events(self) -> AsyncIterator[ChoiceDelta | Restarted]:
         attempt, force_local, excluded = 0, False, set()
@@ -161,9 +195,8 @@ class ChoiceRunner:
             emitted, retry = False, None
             submission: Submission | None = None
             try:
-                route = self.gateway.route(self.spec.prompt_token_ids, excluded, force_local)
-                submission = Submission(route, f"{self.request_id}-{self.spec.index}.{attempt}", self.deadline)
-                submission.submit(self.spec)
+                submission = (self._first_submission() if attempt == 0
+                              else self._submit(attempt, excluded, force_local))
                 async for delta in self._relay(submission):
                     emitted = True
                     yield delta

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,9 +57,9 @@ class Formatter:
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, model: str, tokenization: Tokenization, prompts: list[Prompt], n: int, *,
+    def __init__(self, response_id: str, model: str, tokenization: Tokenization, prompts: list[Prompt], n: int, *,
                  num_logprobs: int | None, return_token_ids: bool, include_usage: bool) -> None:
-        self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
+        self.id = f"{self.id_prefix}{response_id}"
         self.created = int(time.time())
         self.model = model
         self.tokenization = tokenization

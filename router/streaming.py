@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -114,20 +115,30 @@ async def _until_disconnect(request: Request, awaitable: Awaitable) -> Any:
         watch.stop()
 
 
-async def respond(gateway: Gateway, request: Request, specs: list, formatter: Formatter, stream: bool) -> Response:
+FormatterOf = Callable[[str], Formatter]  # the response id -> the request's formatter
+
+
+async def respond(gateway: Gateway, request: Request, specs: list, formatter_of: FormatterOf,
+                  stream: bool) -> Response:
+    """Admit the request, send its choices to the engines, then build what answers it (the formatter and
+    the response object, while the engines work) and answer, whole or streamed."""
     gateway.admit()
     handed_over = False
+    runners: list[ChoiceRunner] = []
     try:
+        response_id = uuid.uuid4().hex
         deadline = asyncio.get_running_loop().time() + gateway.config.request_timeout_s
-        runners = [ChoiceRunner(gateway, spec, formatter.id, deadline=deadline, restartable=not stream)
-                   for spec in specs]
+        for spec in specs:
+            runners.append(ChoiceRunner(gateway, spec, response_id, deadline=deadline, restartable=not stream))
+            runners[-1].start()
+        formatter = formatter_of(response_id)
         events = merge([runner.events() for runner in runners])
         timing = _Timing()
         if not stream:
             return await _respond_whole(gateway, request, events, formatter, timing)
         watch = _DisconnectWatch(request)  # handed over with the stream, or stopped here
-        outcome = _StreamOutcome(gateway, endpoint_label(request), events, formatter, timing)
-        response = _EventStream(outcome, watch)  # built while the engines work: not after the first token
+        outcome = _StreamOutcome(gateway, endpoint_label(request), events, formatter, timing, runners)
+        response = _EventStream(outcome, watch)
         try:
             first = await anext(events)
         except BaseException as exc:
@@ -145,7 +156,14 @@ async def respond(gateway: Gateway, request: Request, specs: list, formatter: Fo
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
         if not handed_over:
+            _abandon(runners)
             gateway.release()
+
+
+def _abandon(runners: list[ChoiceRunner]) -> None:
+    """Abort the attempts sent but never relayed: an error, or the client leaving, before events() ran."""
+    for runner in runners:
+        runner.abandon()
 
 
 async def _respond_whole(gateway: Gateway, request: Request, events: AsyncIterator, formatter: Formatter,
@@ -171,15 +189,17 @@ class _StreamOutcome:
     the engines' work aborted, the admission released, the metrics recorded."""
 
     def __init__(self, gateway: Gateway, endpoint: str, events: AsyncIterator, formatter: Formatter,
-                 timing: _Timing) -> None:
+                 timing: _Timing, runners: list[ChoiceRunner]) -> None:
         self.gateway, self.endpoint, self.events, self.formatter, self.timing = \
             gateway, endpoint, events, formatter, timing
+        self.runners = runners
         self.status = str(CLIENT_CLOSED_REQUEST)  # until the stream says otherwise
 
     async def close(self) -> None:
         try:
             await self.events.aclose()
         finally:
+            _abandon(self.runners)
             self.gateway.release()
             self.timing.record(self.gateway, self.formatter)
             self.gateway.metrics.requests.labels(self.endpoint, self.status).inc()

@@ -130,6 +130,33 @@ def test_stop_string_aborts_the_decode_engine(tiny_model, tokenization):
     run(scenario())
 
 
+def test_a_request_that_fails_after_the_engine_has_it_is_aborted_there(tiny_model, tokenization, monkeypatch):
+    """The router sends a request to the engines before it builds its response; a failure in between
+    (here the response formatter, made to raise) must abort the request on the engine and release it."""
+    from pdserve.router import responses
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("formatter broken on purpose")
+
+    async def scenario():
+        async with router_app(tiny_model, tokenization) as (gateway, client):
+            engine, = await _engines(gateway, {"engine_id": "d0", "token_delay_s": 0.5})
+            try:
+                monkeypatch.setattr(responses.Formatter, "__init__", broken)
+                for stream in (False, True):
+                    response = await client.post("/v1/completions", json=completion(stream=stream))
+                    assert "formatter broken on purpose" in assert_openai_error(response, 500)["message"]
+                sent = [request.request_id for request in engine.generate_requests()]
+                assert len(sent) == 2, "the engine had both requests before the failure"
+                await wait_until(lambda: sorted(engine.aborted) == sorted(sent), what="both aborted at the engine")
+                assert not engine.active and gateway.num_in_flight == 0
+                link, = gateway.registry.links.values()
+                assert not link.streams, "no delta queue left open in the router"
+            finally:
+                _close([engine])
+    run(scenario())
+
+
 def test_over_the_concurrency_limit_is_429(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization, max_concurrent_requests=1) as (gateway, client):
