@@ -1,8 +1,8 @@
 """The router's ASGI app: FastAPI, with the two generation endpoints served ahead of its middleware.
 
-A POST to /v1/completions or /v1/chat/completions skips Starlette's middleware stack (server errors,
-telemetry, body limits, exception handling, an exit stack) and its router, and goes straight to the
-endpoint (router/lean_routes.py). On this shared 2-core machine those layers cost ~0.3 ms between the
+A POST to /v1/completions or /v1/chat/completions skips FastAPI's telemetry check, Starlette's middleware
+stack (server errors, telemetry, body limits, exception handling, an exit stack) and its router, and goes
+straight to the endpoint (router/lean_routes.py). On this shared 2-core machine those layers cost ~0.3 ms between the
 request's bytes and the endpoint: code run once per request is slow here because every request finds
 the caches cold (docs/BENCHMARKS.md, issue #17). What the layers did for these routes is done here:
 the body cap (router/body_limit.py), and errors answered by the app's own exception handlers, looked
@@ -74,6 +74,20 @@ class RouterApp(FastAPI):
         self.fast_routes: dict[str, Endpoint] = {}
         self.max_body_bytes = max_body_bytes
         self.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A fast route goes to the stack's front (FastPath) directly: FastAPI's own __call__ asks OpenTelemetry for
+        its tracer, meter and logger providers on every request (native telemetry), which pdserve, whose metrics
+        are Prometheus', never configures. Everything else goes through FastAPI's __call__."""
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.fast_routes:
+            if self.root_path:
+                scope["root_path"] = self.root_path
+            scope["app"] = self
+            if self.middleware_stack is None:
+                self.middleware_stack = self.build_middleware_stack()
+            await self.middleware_stack(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
     def build_middleware_stack(self) -> ASGIApp:
         stack = super().build_middleware_stack()

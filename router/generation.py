@@ -243,9 +243,9 @@ class ChoiceRunner:
             delta = self._consume(item, detokenizer)
             if delta.token_ids and delta.finish_reason is None:  # a choice over at once aborts both engines
                 submission.release_prefill()
-            if delta.finish_reason is not None:
-                self.gateway.policy.record_output(submission.route.decode,
-                                                  self.spec.prompt_token_ids + self.token_ids)
+            if delta.finish_reason is not None:  # the prefix index learns the output after the answer is written
+                asyncio.get_running_loop().call_soon(self.gateway.policy.record_output, submission.route.decode,
+                                                     self.spec.prompt_token_ids + self.token_ids)
                 yield delta
                 return
             if delta.token_ids or delta.text:

@@ -113,8 +113,10 @@ class RoutingPolicy:
         return index
 
     def record_output(self, link: EngineLink, token_ids: Sequence[int]) -> None:
-        """A finished sequence (prompt + output) is cached on its decode engine: the next chat turn hits it."""
-        self.index(link).add(compute_block_hashes(token_ids, _block_size(link)))
+        """A finished sequence (prompt + output) is cached on its decode engine: the next chat turn hits it.
+        Nothing for an engine that left meanwhile (its index is forgotten)."""
+        if link.up:
+            self.index(link).add(compute_block_hashes(token_ids, _block_size(link)))
 
     def forget(self, link: EngineLink) -> None:
         """An engine left (or restarted): what it cached is gone."""

@@ -25,6 +25,7 @@ class Link:
     queued_prefill_tokens: int = 0
     num_inflight: int = 0
     pending_tokens: int = 0
+    up: bool = True
     info: Register = field(init=False)
 
     def __post_init__(self) -> None:
@@ -110,3 +111,18 @@ def test_prefix_index_is_lru_bounded():
     index.add(hashes[3:5])  # evicts the two oldest
     assert len(index) == 3 and index.num_matched_blocks(hashes) == 0
     assert index.num_matched_blocks(hashes[2:]) == 3
+
+
+def test_a_finished_sequence_is_learnt_unless_its_engine_left():
+    """The next chat turn (prompt + output + a new message) counts the whole finished sequence as cached on
+    the decode engine that generated it, and prefills locally; a sequence finished on an engine that has left
+    since teaches nothing."""
+    learnt = policy(local_prefill_threshold=8)
+    prefills, decode = [Link("p", "prefill")], Link("d")
+    prompt, output = list(range(100, 120)), list(range(300, 320))
+    learnt.record_output(decode, prompt + output)
+    follow_up = learnt.route(prompt + output + [7] * 4, prefills, [decode])
+    assert follow_up.num_uncached_tokens == 4 and follow_up.prefill is None
+    left = Link("gone", up=False)
+    learnt.record_output(left, prompt + output)
+    assert learnt.index(left).num_matched_blocks(compute_block_hashes(prompt + output, BLOCK)) == 0
