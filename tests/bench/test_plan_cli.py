@@ -86,8 +86,15 @@ def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0) -> None:
                    "sweep": {"config": config, "num_prefill": x, "num_decode": y, "num_engines": x + y},
                    "input_lens": workload.prompt_lens, "output_lens": workload.output_lens,
                    "ttfts": [r.ttft * (1 + shift) for r in done], "e2els": [r.e2el * (1 + shift) for r in done],
-                   "itls": [[] for _ in done], "errors": [""] * len(done)}
+                   "itls": [[itl * (1 + shift) for itl in simulated_itls(r)] for r in done], "errors": [""] * len(done)}
             (runs / f"{config}_rate{rate}.json").write_text(json.dumps(run))
+
+
+def simulated_itls(request) -> list[float]:
+    """A simulated request's ITLs as bench writes them: its first ITL, then the rest of its decode evenly."""
+    rest = request.output_len - 2
+    later = [(request.finish - request.second_token) / rest] * rest if rest > 0 else []
+    return [request.first_itl, *later] if request.first_itl is not None else []
 
 
 def test_validate_replays_a_sweep_and_finds_its_own_predictions(profile_path, tmp_path, tiny_model):
@@ -102,6 +109,7 @@ def test_validate_replays_a_sweep_and_finds_its_own_predictions(profile_path, tm
     assert summary["num_points"] == 4
     assert summary["attainment_mae_pp"] == pytest.approx(0.0, abs=1e-9)
     assert summary["median_ttft_ms_mean_relative_error"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["median_first_itl_ms_mean_relative_error"] == pytest.approx(0.0, abs=1e-9)
     assert all(group["agrees"] for group in summary["goodput"])
     assert (out / "validation.png").stat().st_size > 0
 
@@ -118,22 +126,33 @@ def test_validate_reports_the_error_of_a_sweep_that_ran_slower(profile_path, tmp
                  "--no-plots"]) == 0
     summary = json.loads((out / "validation.json").read_text())["summary"]
     assert summary["median_ttft_ms_mean_relative_error"] == pytest.approx(1 / 3, rel=1e-6)  # predicted / measured = 1 / 1.5
+    assert summary["median_first_itl_ms_mean_relative_error"] == pytest.approx(1 / 3, rel=1e-6)
     [drift] = summary["unloaded"]  # the machine's drift, from the unloaded pass: 50% slower than the profile
     assert drift["measured_ttft_ms"] / drift["profile_prefill_ms"] == pytest.approx(1.5)
-    assert drift["measured_tpot_ms"] / drift["profile_decode_step_ms"] == pytest.approx(1.5)
+    # 1P1D's TPOT holds the first ITL (the KV transfer): set against the simulator's TPOT alone, not a plain step
+    # (rel: the simulated steps grow with the context, the pass's later ITLs are the step at its middle)
+    assert drift["measured_tpot_ms"] / drift["simulated_tpot_ms"] == pytest.approx(1.5, rel=1e-3)
+    assert drift["measured_first_itl_ms"] / drift["simulated_first_itl_ms"] == pytest.approx(1.5)
+    assert drift["measured_later_itl_ms"] / drift["profile_decode_step_ms"] == pytest.approx(1.5)
+    assert drift["simulated_first_itl_ms"] > drift["profile_decode_step_ms"]  # the transfer is in it
 
 
 def write_unloaded(sweep_dir, profile, slower: float) -> None:
-    """An unloaded pass (one request at a time) whose TTFT is the profile's prefill step and whose TPOT is its
-    batch-1 decode step, both times `slower`."""
+    """An unloaded pass (one request at a time) whose TTFT is the profile's prefill step, whose first ITL is the
+    simulator's for that request alone on 1P1D (transfer, then a step) and whose later ITLs are the profile's
+    batch-1 decode step, all times `slower`."""
     model = StepModel.from_profile(profile)
     prompt, output = 100, 11
     prefill = model.step_seconds(0, 0, prompt, prompt * prompt) * slower
     step = model.step_seconds(1, prompt + output // 2, 0, 0.0) * slower
+    alone, = simulate(ClusterSpec(1, 1, profile.engine, profile.model.kv_bytes_per_token), model, [0.0], [prompt],
+                      [output])
+    first_itl = alone.first_itl * slower
+    itls = [first_itl] + [step] * (output - 2)
     run = {"config": "1P1D", "phase": "unloaded", "request_rate": "inf", "max_concurrency": 1,
            "sweep": {"config": "1P1D", "phase": "unloaded", "num_prefill": 1, "num_decode": 1, "num_engines": 2},
            "input_lens": [prompt] * 3, "output_lens": [output] * 3, "ttfts": [prefill] * 3,
-           "e2els": [prefill + (output - 1) * step] * 3, "itls": [[]] * 3, "errors": [""] * 3}
+           "e2els": [prefill + sum(itls)] * 3, "itls": [itls] * 3, "errors": [""] * 3}
     (sweep_dir / "runs" / "1P1D_rateinf_conc1_unloaded.json").write_text(json.dumps(run))
 
 
