@@ -15,8 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.bench.plan_cli import cluster_spec, format_table, step_model
+from pdserve.bench.plan_error_pieces import PIECES, attainment_with_measured
 from pdserve.bench.plan_fit import Profile, model_identity
-from pdserve.bench.plan_recommend import PlanSettings, run_split
+from pdserve.bench.plan_metrics import predicted_metrics
+from pdserve.bench.plan_recommend import PlanSettings, simulate_split
 from pdserve.bench.plan_simulator import ClusterSpec, SimRequest, StepModel, simulate
 from pdserve.bench.plan_workload import Workload
 from pdserve.bench.sweep_results import ATTAINMENT_TARGET, request_latencies_ms, slo_attainment
@@ -158,12 +160,14 @@ def replay(run: dict, profile: Profile, args: argparse.Namespace) -> dict:
     workload = Workload([int(n) for n in run["input_lens"]], [int(n) for n in run["output_lens"]])
     settings = PlanSettings(step_model(args, profile), workload, slos, cluster_spec(args, profile),
                             float(run.get("burstiness") or 1.0), int(run.get("seed") or 0), exact_up_to=1 << 30)
-    predicted = run_split(settings, int(sweep["num_prefill"]), int(sweep["num_decode"]), float(run["request_rate"]))
+    requests = simulate_split(settings, int(sweep["num_prefill"]), int(sweep["num_decode"]), float(run["request_rate"]))
+    predicted = predicted_metrics(requests, slos)
     measured = measured_metrics(run, slos)
     row = {"config": run["config"], "request_rate": float(run["request_rate"]), "slos_ms": slos,
            "num_requests": len(workload), "num_engines": int(sweep["num_engines"])}
     for key in ("slo_attainment", *COMPARED, FIRST_ITL):
         row[f"measured_{key}"], row[f"predicted_{key}"] = measured[key], predicted[key]
+    row["slo_attainment_with_measured"] = attainment_with_measured(run, requests, slos)
     return row
 
 
@@ -183,8 +187,20 @@ def summarize_errors(rows: list[dict]) -> dict:
     summary = {"num_points": len(rows), "attainment_mae_pp": mae,
                **{f"{key}_mean_relative_error": float(np.mean(v)) for key, v in relative.items() if v},
                **{f"{key}_within_15pct": sum(e <= GOAL_P50_RELATIVE for e in v) for key, v in relative.items() if v}}
+    summary["attainment_mae_pp_with_measured"] = mae_with_measured(with_slo)
     summary["goodput"] = goodput_agreement(rows)
     return summary
+
+
+def mae_with_measured(rows: list[dict]) -> dict[str, float]:
+    """Per piece (plan_error_pieces.py): the attainment MAE over the points with that piece measured."""
+    result = {}
+    for piece in PIECES:
+        errors = [abs(r["slo_attainment_with_measured"][piece] - r["measured_slo_attainment"]) for r in rows
+                  if piece in r["slo_attainment_with_measured"]]
+        if errors:
+            result[piece] = 100 * float(np.mean(errors))
+    return result
 
 
 def goodput_agreement(rows: list[dict]) -> list[dict]:
@@ -236,6 +252,10 @@ def print_summary(summary: dict) -> None:
     mae = summary["attainment_mae_pp"]
     print(f"\n{summary['num_points']} points; SLO attainment MAE "
           + ("-" if mae is None else f"{mae:.1f} pp (goal <= {GOAL_ATTAINMENT_MAE_PP:g})"))
+    pieces = summary["attainment_mae_pp_with_measured"]
+    if pieces:
+        print("  attainment MAE with one piece of every request measured instead of predicted: "
+              + ", ".join(f"{piece.replace('_', ' ')} {mae:.1f} pp" for piece, mae in pieces.items()))
     for key in (*COMPARED, FIRST_ITL):
         if f"{key}_mean_relative_error" in summary:
             print(f"  {key}: mean |error| {summary[f'{key}_mean_relative_error']:.0%}, "

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from pdserve.bench.plan_error_pieces import PIECES
 from pdserve.bench.plan_fit import model_identity
 from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate
 from pdserve.bench.plan_workload import random_workload
@@ -70,9 +71,10 @@ def test_a_profile_of_another_model_is_refused(profile_path, tmp_path, capsys, m
     assert "another model" in capsys.readouterr().err
 
 
-def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0) -> None:
+def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0, later_shift: float = 0.0) -> None:
     """A sweep directory in `pdserve sweep`'s run format whose 'measured' arrays are the simulator's own
-    prediction (times 1 + shift), so a replay must find them again."""
+    prediction (times 1 + shift; the ITLs after the first also times 1 + later_shift), so a replay must find
+    them again."""
     runs = sweep_dir / "runs"
     runs.mkdir(parents=True)
     workload = random_workload(30, 200, 20, range_ratio=0.3, seed=0)
@@ -85,8 +87,10 @@ def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0) -> None:
                    "max_concurrency": None, "goodput": {"ttft": 300.0, "tpot": 40.0},
                    "sweep": {"config": config, "num_prefill": x, "num_decode": y, "num_engines": x + y},
                    "input_lens": workload.prompt_lens, "output_lens": workload.output_lens,
-                   "ttfts": [r.ttft * (1 + shift) for r in done], "e2els": [r.e2el * (1 + shift) for r in done],
-                   "itls": [[itl * (1 + shift) for itl in simulated_itls(r)] for r in done], "errors": [""] * len(done)}
+                   "ttfts": [r.ttft * (1 + shift) for r in done], "errors": [""] * len(done),
+                   "itls": [[itl * (1 + shift) * (1 + later_shift * (k > 0)) for k, itl in enumerate(simulated_itls(r))]
+                            for r in done]}
+            run["e2els"] = [ttft + sum(itls) for ttft, itls in zip(run["ttfts"], run["itls"])]
             (runs / f"{config}_rate{rate}.json").write_text(json.dumps(run))
 
 
@@ -110,6 +114,7 @@ def test_validate_replays_a_sweep_and_finds_its_own_predictions(profile_path, tm
     assert summary["attainment_mae_pp"] == pytest.approx(0.0, abs=1e-9)
     assert summary["median_ttft_ms_mean_relative_error"] == pytest.approx(0.0, abs=1e-9)
     assert summary["median_first_itl_ms_mean_relative_error"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["attainment_mae_pp_with_measured"] == pytest.approx(dict.fromkeys(PIECES, 0.0), abs=1e-9)
     assert all(group["agrees"] for group in summary["goodput"])
     assert (out / "validation.png").stat().st_size > 0
 
@@ -135,6 +140,23 @@ def test_validate_reports_the_error_of_a_sweep_that_ran_slower(profile_path, tmp
     assert drift["measured_first_itl_ms"] / drift["simulated_first_itl_ms"] == pytest.approx(1.5)
     assert drift["measured_later_itl_ms"] / drift["profile_decode_step_ms"] == pytest.approx(1.5)
     assert drift["simulated_first_itl_ms"] > drift["profile_decode_step_ms"]  # the transfer is in it
+
+
+def test_validate_finds_the_piece_that_carries_the_attainment_error(profile_path, tmp_path, tiny_model):
+    from pdserve.bench.plan_fit import load_profile
+
+    sweep_dir = tmp_path / "sweep"
+    write_sweep(sweep_dir, tiny_model, load_profile(profile_path), later_shift=0.5)  # decode steps 50% slower
+    out = tmp_path / "validation"
+    assert main(["plan", "--profile", profile_path, "--validate", str(sweep_dir), "--output-dir", str(out),
+                 "--no-plots"]) == 0
+    summary = json.loads((out / "validation.json").read_text())["summary"]
+    assert summary["attainment_mae_pp"] > 5  # the slower steps cross the TPOT SLO
+    assert summary["median_ttft_ms_mean_relative_error"] == pytest.approx(0.0, abs=1e-9)
+    pieces = summary["attainment_mae_pp_with_measured"]
+    assert pieces["later_itls"] == pytest.approx(0.0, abs=1e-9)  # the measured decode steps explain it all
+    assert pieces["ttft"] == pytest.approx(summary["attainment_mae_pp"])
+    assert pieces["first_itl"] == pytest.approx(summary["attainment_mae_pp"])
 
 
 def write_unloaded(sweep_dir, profile, slower: float) -> None:
