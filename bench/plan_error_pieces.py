@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pdserve.bench.plan_simulator import SimRequest
 
 PIECES = ("ttft", "first_itl", "later_itls")
+PIECE_TITLES = {"ttft": "TTFT", "first_itl": "first ITL", "later_itls": "later ITLs"}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.bench.plan_cli import cluster_spec, format_table, step_model
-from pdserve.bench.plan_error_pieces import PIECES, attainment_with_measured
+from pdserve.bench.plan_error_pieces import PIECE_TITLES, PIECES, attainment_with_measured
 from pdserve.bench.plan_fit import Profile, model_identity
 from pdserve.bench.plan_metrics import predicted_metrics
 from pdserve.bench.plan_recommend import PlanSettings, simulate_split
@@ -255,7 +255,7 @@ def print_summary(summary: dict) -> None:
     pieces = summary["attainment_mae_pp_with_measured"]
     if pieces:
         print("  attainment MAE with one piece of every request measured instead of predicted: "
-              + ", ".join(f"{piece.replace('_', ' ')} {mae:.1f} pp" for piece, mae in pieces.items()))
+              + ", ".join(f"{PIECE_TITLES[piece]} {mae:.1f} pp" for piece, mae in pieces.items()))
     for key in (*COMPARED, FIRST_ITL):
         if f"{key}_mean_relative_error" in summary:
             print(f"  {key}: mean |error| {summary[f'{key}_mean_relative_error']:.0%}, "
