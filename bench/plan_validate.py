@@ -79,21 +79,22 @@ def unloaded_drift(runs: list[dict], model: StepModel, cluster: ClusterSpec) -> 
         if not latencies:
             continue
         prompt, output = float(np.mean(run["input_lens"])), float(np.mean(run["output_lens"]))
-        alone = alone_on_layout(run, model, cluster, round(prompt), round(output))
+        alone = alone_on_layout(run, model, cluster, round(prompt), round(output)) if run.get("sweep") else None
         rows.append({"config": run["config"],
                      "measured_ttft_ms": float(np.median([lat["ttft"] for lat in latencies])),
                      "profile_prefill_ms": 1000 * model.step_seconds(0, 0, int(prompt), prompt * prompt),
                      "measured_tpot_ms": float(np.median([lat["tpot"] for lat in latencies])),
-                     "simulated_tpot_ms": 1000 * alone.tpot,
+                     "simulated_tpot_ms": None if alone is None else 1000 * alone.tpot,
                      "measured_first_itl_ms": median_or_none(first_itls_ms(run, done)),
-                     "simulated_first_itl_ms": None if alone.first_itl is None else 1000 * alone.first_itl,
+                     "simulated_first_itl_ms": None if alone is None or alone.first_itl is None
+                     else 1000 * alone.first_itl,
                      "measured_later_itl_ms": median_or_none(later_itls_ms(run, done)),
                      "profile_decode_step_ms": 1000 * model.step_seconds(1, int(prompt + output / 2), 0, 0.0)})
     return rows
 
 
 def alone_on_layout(run: dict, model: StepModel, cluster: ClusterSpec, prompt_len: int, output_len: int) -> SimRequest:
-    """One request of these lengths simulated alone on the run's layout."""
+    """One request of these lengths simulated alone on the run's layout (its `sweep` record)."""
     sweep = run["sweep"]
     spec = replace(cluster, num_prefill=int(sweep["num_prefill"]), num_decode=int(sweep["num_decode"]))
     request, = simulate(spec, model, [0.0], [prompt_len], [max(output_len, 1)])
