@@ -137,6 +137,7 @@ def test_one_engine_per_tier_matches_the_whole_cluster_for_1p1d(streaming):
     exact = simulate(spec, cost, arrivals, workload.prompt_lens, workload.output_lens)
     tiers = simulate_tiers(spec, cost, arrivals, workload.prompt_lens, workload.output_lens)
     assert [r.first_token for r in exact] == pytest.approx([r.first_token for r in tiers])
+    assert [r.second_token for r in exact] == pytest.approx([r.second_token for r in tiers])
     assert [r.finish for r in exact] == pytest.approx([r.finish for r in tiers])
 
 
