@@ -1,5 +1,6 @@
-"""What a simulated run predicts, in `pdserve bench`'s terms: latency statistics (serve_metrics.summarize),
-SLO attainment (serve_metrics' rule: a single-token request's TPOT counts as 0) and goodput."""
+"""What a simulated run predicts, in `pdserve bench`'s terms: latency statistics (serve_metrics.summarize), the
+first ITL (the wait for the second token), SLO attainment (serve_metrics' rule: a single-token request's TPOT
+counts as 0) and goodput."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def predicted_metrics(requests: list[SimRequest], slos_ms: dict[str, float]) -> 
     for name, values in series.items():
         metrics.update(summarize(name, values.tolist()))
     metrics["mean_itl_ms"] = metrics["mean_tpot_ms"]  # steps of one engine: the ITLs average to the TPOT
+    metrics.update(summarize("first_itl", [r.first_itl for r in requests if r.first_itl is not None]))
     met = np.ones(len(series["ttft"]), dtype=bool)
     for name, limit_ms in slos_ms.items():
         met &= series[name] * 1000.0 <= limit_ms

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pdserve.bench.plan_metrics import meets_target, predicted_metrics
-from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate, simulate_tiers
+from pdserve.bench.plan_simulator import ClusterSpec, SimRequest, StepModel, simulate, simulate_tiers
 from pdserve.bench.plan_workload import Workload
 from pdserve.bench.sweep_results import ATTAINMENT_TARGET
 
@@ -22,17 +22,25 @@ class PlanSettings:
     exact_up_to: int = 8  # whole-cluster simulation up to this many engines, one engine per tier above
 
 
-def run_split(settings: PlanSettings, num_prefill: int, num_decode: int, rate: float,
-              stop_below_target: bool = False) -> dict:
-    """The split's predicted metrics at `rate`; with stop_below_target, BudgetExceeded as soon as the run
-    cannot reach the attainment target (a goodput probe needs no more)."""
+def simulate_split(settings: PlanSettings, num_prefill: int, num_decode: int, rate: float,
+                   stop_below_target: bool = False) -> list[SimRequest]:
+    """The split's simulated requests at `rate` (above exact_up_to engines: one decode engine's share); with
+    stop_below_target, BudgetExceeded as soon as the run cannot reach the attainment target."""
     spec = replace(settings.cluster, num_prefill=num_prefill, num_decode=num_decode)
     workload = settings.workload
     arrivals = workload.arrivals(rate, settings.burstiness, settings.seed)
     exact = num_prefill + num_decode <= settings.exact_up_to
     run = simulate if exact else simulate_tiers
     stop_below = (settings.slos_ms, ATTAINMENT_TARGET) if stop_below_target else None
-    requests = run(spec, settings.model, arrivals, workload.prompt_lens, workload.output_lens, stop_below)
+    return run(spec, settings.model, arrivals, workload.prompt_lens, workload.output_lens, stop_below)
+
+
+def run_split(settings: PlanSettings, num_prefill: int, num_decode: int, rate: float,
+              stop_below_target: bool = False) -> dict:
+    """The split's predicted metrics at `rate`; with stop_below_target, BudgetExceeded as soon as the run
+    cannot reach the attainment target (a goodput probe needs no more)."""
+    workload = settings.workload
+    requests = simulate_split(settings, num_prefill, num_decode, rate, stop_below_target)
     metrics = predicted_metrics(requests, settings.slos_ms)
     sampled = len(workload) / len(requests)  # one decode engine's share stands for all of them (simulate_tiers)
     for key in ("request_throughput", "request_goodput"):

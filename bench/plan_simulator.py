@@ -114,6 +114,7 @@ class SimRequest:
     want_time: float | None = None  # the decode engine allocated its blocks
     prompt_done: float | None = None  # the prefill engine computed it
     first_token: float | None = None
+    second_token: float | None = None  # the decode engine's first step with the request (remote: after its KV)
     finish: float | None = None
     num_preemptions: int = 0
     prefill_engine: SimEngine | None = field(default=None, repr=False)
@@ -135,6 +136,11 @@ class SimRequest:
     @property
     def e2el(self) -> float:
         return self.finish - self.arrival
+
+    @property
+    def first_itl(self) -> float | None:
+        """The wait for the second token: a remote request's KV transfer and admission, then a decode step."""
+        return None if self.second_token is None else self.second_token - self.first_token
 
 
 DEADLINE_MARGIN = 1e-9  # relative and absolute slack on a deadline, so that float rounding never counts a miss early
@@ -237,6 +243,7 @@ class SimEngine:
         self.num_waiting_for_kv = 0
         self.landed: list[SimRequest] = []  # KV arrived, not yet taken in by the loop
         self._announce: list[SimRequest] = []  # KV taken in: first token published after the next step
+        self._second_pending: list[SimRequest] = []  # joined decoding with one token: the next step makes the second
         self.cpu_debt = 0.0  # transfer CPU taken from this engine's core, paid before its next step
         self.busy = False
         self._run: tuple | None = None  # a decode run: (start, num_steps, first step s, growth s/step)
@@ -366,6 +373,8 @@ class SimEngine:
         tokens = sum(n for _, n in chunks)
         attention = sum(n * (n + 2 * r.num_computed) for r, n in chunks)
         seconds = self.model.step_seconds(num_decodes, self.context_tokens(), tokens, attention)
+        if self._second_pending:
+            self._second_token_at(now + seconds)
         self.sim.at(now + seconds, self._step_done, chunks)
 
     def _admit(self) -> list[tuple[SimRequest, int]]:
@@ -402,6 +411,14 @@ class SimEngine:
         request.want_time = self.env.now
         if request.prompt_done is not None:
             self.cluster.start_transfer(request)
+
+    def _second_token_at(self, at: float) -> None:
+        """The step starting now ends at `at` with the second token of each request that joined with one (one
+        preempted before it gets the step after its recompute)."""
+        for request in self._second_pending:
+            if request.index in self.decoding:
+                request.second_token = at
+        self._second_pending.clear()
 
     def _announce_first_tokens(self, at: float) -> None:
         for request in self._announce:
@@ -450,6 +467,8 @@ class SimEngine:
             return
         request.join_clock = self.clock
         self.decoding[request.index] = request
+        if request.second_token is None:
+            self._second_pending.append(request)
         self._context_base += request.prompt_len + num_generated - self.clock
         heapq.heappush(self._finishes, (self.clock + request.output_len - num_generated, request.index, request))
 
@@ -501,6 +520,8 @@ class SimEngine:
         growth = self.model.decode_per_context * batch  # each step attends to one more token per request
         if self.knows_ahead:
             num_steps = self._steps_before_input(now, num_steps, first, growth)
+        if self._second_pending:
+            self._second_token_at(now + first)
         self._run = (now, num_steps, first, growth)
         self._run_event = self.sim.at(now + _run_seconds(num_steps, first, growth), self._run_done)
 

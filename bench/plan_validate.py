@@ -1,30 +1,39 @@
 """`pdserve plan --validate SWEEP_DIR`: every run of a `pdserve sweep` directory replayed in the simulator
 with its own lengths, rate, burstiness and seed, and the prediction set against what the run measured:
-SLO attainment, p50/p90 TTFT and TPOT per (config, rate), goodput per config, and the issue's goals."""
+SLO attainment, p50/p90 TTFT and TPOT, and the p50 first ITL (the wait for the second token, where a 1P1D
+request's KV transfer sits) per (config, rate), goodput per config, and the issue's goals. The sweep's unloaded
+passes are set against the simulator's prediction for one request alone on their layout."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from pdserve.bench.plan_cli import cluster_spec, format_table, step_model
+from pdserve.bench.plan_error_pieces import PIECE_TITLES, PIECES, attainment_with_measured
 from pdserve.bench.plan_fit import Profile, model_identity
-from pdserve.bench.plan_recommend import PlanSettings, run_split
+from pdserve.bench.plan_metrics import predicted_metrics
+from pdserve.bench.plan_recommend import PlanSettings, simulate_split
+from pdserve.bench.plan_simulator import ClusterSpec, SimRequest, StepModel, simulate
 from pdserve.bench.plan_workload import Workload
 from pdserve.bench.sweep_results import ATTAINMENT_TARGET, request_latencies_ms, slo_attainment
 
-COMPARED = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms")
+COMPARED = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms")  # the issue's goals
+FIRST_ITL = "median_first_itl_ms"  # compared too, outside the goals: the KV's path to the second token
 GOAL_ATTAINMENT_MAE_PP = 5.0
 GOAL_P50_RELATIVE = 0.15
 GOAL_GOODPUT_MARGIN = 0.10
 COLUMNS = (("config", "config", "{}"), ("request_rate", "rate", "{:g}"),
            ("measured_slo_attainment", "attain meas", "{:.0%}"), ("predicted_slo_attainment", "pred", "{:.0%}"),
            *[(f"{side}_{key}", f"{key.replace('_ms', '').replace('median', 'p50')} {'meas' if side == 'measured' else 'pred'}",
-              "{:.0f}" if "ttft" in key else "{:.1f}") for key in COMPARED for side in ("measured", "predicted")])
+              "{:.0f}" if "ttft" in key else "{:.1f}") for key in COMPARED for side in ("measured", "predicted")],
+           *[(f"{side}_{FIRST_ITL}", f"p50_itl1 {'meas' if side == 'measured' else 'pred'}", "{:.0f}")
+             for side in ("measured", "predicted")])
 
 
 def load_runs(sweep_dir: Path) -> list[dict]:
@@ -57,34 +66,55 @@ def read_unloaded(all_runs: list[dict]) -> list[dict]:
     return [run for run in all_runs if run.get("phase") == "unloaded" and run.get("ttfts")]
 
 
-def unloaded_drift(runs: list[dict], model) -> list[dict]:
-    """Per unloaded pass: its median TTFT against the profile's prefill step for its mean prompt, and its median
-    TPOT against the profile's decode step at batch 1 (context: the prompt and half the output). Their ratio is
-    the machine's drift between the profile and the sweep, which every prediction inherits."""
+def unloaded_drift(runs: list[dict], model: StepModel, cluster: ClusterSpec) -> list[dict]:
+    """Per unloaded pass: its median TTFT against the profile's prefill step for its mean prompt; its median TPOT
+    against the simulator's TPOT for that request alone on the pass's layout, which holds the first ITL (1P1D: the
+    KV transfer); its median first ITL against the simulator's; its later ITLs against the profile's decode step at
+    batch 1 (context: the prompt and half the output). Their ratios are the machine's drift between the profile
+    and the sweep, which every prediction inherits; a first ITL off by more than that is the model's error."""
     rows = []
     for run in runs:
-        errors = run.get("errors") or [""] * len(run["ttfts"])
-        latencies = [request_latencies_ms(run, i) for i, error in enumerate(errors) if not error]
+        done = completed(run)
+        latencies = [request_latencies_ms(run, i) for i in done]
         if not latencies:
             continue
         prompt, output = float(np.mean(run["input_lens"])), float(np.mean(run["output_lens"]))
+        alone = alone_on_layout(run, model, cluster, round(prompt), round(output)) if run.get("sweep") else None
         rows.append({"config": run["config"],
                      "measured_ttft_ms": float(np.median([lat["ttft"] for lat in latencies])),
                      "profile_prefill_ms": 1000 * model.step_seconds(0, 0, int(prompt), prompt * prompt),
                      "measured_tpot_ms": float(np.median([lat["tpot"] for lat in latencies])),
+                     "simulated_tpot_ms": None if alone is None else 1000 * alone.tpot,
+                     "measured_first_itl_ms": median_or_none(first_itls_ms(run, done)),
+                     "simulated_first_itl_ms": None if alone is None or alone.first_itl is None
+                     else 1000 * alone.first_itl,
+                     "measured_later_itl_ms": median_or_none(later_itls_ms(run, done)),
                      "profile_decode_step_ms": 1000 * model.step_seconds(1, int(prompt + output / 2), 0, 0.0)})
     return rows
+
+
+def alone_on_layout(run: dict, model: StepModel, cluster: ClusterSpec, prompt_len: int, output_len: int) -> SimRequest:
+    """One request of these lengths simulated alone on the run's layout (its `sweep` record)."""
+    sweep = run["sweep"]
+    spec = replace(cluster, num_prefill=int(sweep["num_prefill"]), num_decode=int(sweep["num_decode"]))
+    request, = simulate(spec, model, [0.0], [prompt_len], [max(output_len, 1)])
+    return request
 
 
 def print_drift(rows: list[dict]) -> None:
     if rows:
         print("\nthe sweep's unloaded passes against the profile (the machine's drift between the two):")
     for row in rows:
-        ttft, prefill = row["measured_ttft_ms"], row["profile_prefill_ms"]
-        tpot, step = row["measured_tpot_ms"], row["profile_decode_step_ms"]
-        print(f"  {row['config']}: TTFT {ttft:.0f} ms measured, prefill {prefill:.0f} ms in the profile "
-              f"({ttft / prefill - 1:+.0%}); TPOT {tpot:.1f} ms measured, decode step {step:.1f} ms "
-              f"({tpot / step - 1:+.0%})")
+        print(f"  {row['config']}: TTFT {_against(row['measured_ttft_ms'], row['profile_prefill_ms'], 'prefill step')}; "
+              f"TPOT {_against(row['measured_tpot_ms'], row['simulated_tpot_ms'], 'simulated alone')}; first ITL "
+              f"{_against(row['measured_first_itl_ms'], row['simulated_first_itl_ms'], 'simulated')}; later ITLs "
+              f"{_against(row['measured_later_itl_ms'], row['profile_decode_step_ms'], 'decode step')}")
+
+
+def _against(measured: float | None, predicted: float | None, what: str) -> str:
+    if measured is None or not predicted:
+        return "-"
+    return f"{measured:.1f} ms measured, {what} {predicted:.1f} ms ({measured / predicted - 1:+.0%})"
 
 
 def check_run_model(profile: Profile, run: dict) -> None:
@@ -93,14 +123,35 @@ def check_run_model(profile: Profile, run: dict) -> None:
         profile.check_model(model_identity(model_dir), f"the sweep's model {model_dir}")
 
 
+def completed(run: dict) -> list[int]:
+    return [i for i, error in enumerate(run.get("errors") or [""] * len(run["ttfts"])) if not error]
+
+
+def first_itls_ms(run: dict, done: list[int]) -> list[float]:
+    """Each completed request's first ITL (bench writes ITLs in seconds): its second token's wait."""
+    itls = run.get("itls") or []
+    return [1000.0 * itls[i][0] for i in done if i < len(itls) and itls[i]]
+
+
+def later_itls_ms(run: dict, done: list[int]) -> list[float]:
+    """Each completed request's median ITL after the first: its decode steps once it is in the batch."""
+    itls = run.get("itls") or []
+    return [1000.0 * float(np.median(itls[i][1:])) for i in done if i < len(itls) and len(itls[i]) > 1]
+
+
+def median_or_none(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
 def measured_metrics(run: dict, slos: dict[str, float]) -> dict:
-    done = [i for i, error in enumerate(run.get("errors") or [""] * len(run["ttfts"])) if not error]
+    done = completed(run)
     latencies = [request_latencies_ms(run, i) for i in done]
     metrics = {"slo_attainment": slo_attainment(run, slos)}
     for name in ("ttft", "tpot"):
         values = [lat[name] for lat in latencies]
-        metrics[f"median_{name}_ms"] = float(np.median(values)) if values else None
+        metrics[f"median_{name}_ms"] = median_or_none(values)
         metrics[f"p90_{name}_ms"] = float(np.percentile(values, 90)) if values else None
+    metrics[FIRST_ITL] = median_or_none(first_itls_ms(run, done))
     return metrics
 
 
@@ -110,12 +161,14 @@ def replay(run: dict, profile: Profile, args: argparse.Namespace) -> dict:
     workload = Workload([int(n) for n in run["input_lens"]], [int(n) for n in run["output_lens"]])
     settings = PlanSettings(step_model(args, profile), workload, slos, cluster_spec(args, profile),
                             float(run.get("burstiness") or 1.0), int(run.get("seed") or 0), exact_up_to=1 << 30)
-    predicted = run_split(settings, int(sweep["num_prefill"]), int(sweep["num_decode"]), float(run["request_rate"]))
+    requests = simulate_split(settings, int(sweep["num_prefill"]), int(sweep["num_decode"]), float(run["request_rate"]))
+    predicted = predicted_metrics(requests, slos)
     measured = measured_metrics(run, slos)
     row = {"config": run["config"], "request_rate": float(run["request_rate"]), "slos_ms": slos,
            "num_requests": len(workload), "num_engines": int(sweep["num_engines"])}
-    for key in ("slo_attainment", *COMPARED):
+    for key in ("slo_attainment", *COMPARED, FIRST_ITL):
         row[f"measured_{key}"], row[f"predicted_{key}"] = measured[key], predicted[key]
+    row["slo_attainment_with_measured"] = attainment_with_measured(run, requests, slos)
     return row
 
 
@@ -129,13 +182,26 @@ def summarize_errors(rows: list[dict]) -> dict:
     with_slo = [r for r in rows if r["measured_slo_attainment"] is not None]
     mae = 100 * float(np.mean([abs(r["predicted_slo_attainment"] - r["measured_slo_attainment"]) for r in with_slo])) \
         if with_slo else None
-    relative = {key: [abs(r[f"predicted_{key}"] / r[f"measured_{key}"] - 1) for r in rows if r[f"measured_{key}"]]
-                for key in COMPARED}
+    relative = {key: [abs(r[f"predicted_{key}"] / r[f"measured_{key}"] - 1) for r in rows
+                      if r[f"measured_{key}"] and r[f"predicted_{key}"]]
+                for key in (*COMPARED, FIRST_ITL)}
     summary = {"num_points": len(rows), "attainment_mae_pp": mae,
                **{f"{key}_mean_relative_error": float(np.mean(v)) for key, v in relative.items() if v},
                **{f"{key}_within_15pct": sum(e <= GOAL_P50_RELATIVE for e in v) for key, v in relative.items() if v}}
+    summary["attainment_mae_pp_with_measured"] = mae_with_measured(with_slo)
     summary["goodput"] = goodput_agreement(rows)
     return summary
+
+
+def mae_with_measured(rows: list[dict]) -> dict[str, float]:
+    """Per piece (plan_error_pieces.py): the attainment MAE over the points with that piece measured."""
+    result = {}
+    for piece in PIECES:
+        errors = [abs(r["slo_attainment_with_measured"][piece] - r["measured_slo_attainment"]) for r in rows
+                  if piece in r["slo_attainment_with_measured"]]
+        if errors:
+            result[piece] = 100 * float(np.mean(errors))
+    return result
 
 
 def goodput_agreement(rows: list[dict]) -> list[dict]:
@@ -165,7 +231,7 @@ def run_validate(args: argparse.Namespace, profile: Profile) -> int:
         check_run_model(profile, run)
     rows = [replay(run, profile, args) for run in runs]
     summary = summarize_errors(rows)
-    summary["unloaded"] = unloaded_drift(read_unloaded(all_runs), step_model(args, profile))
+    summary["unloaded"] = unloaded_drift(read_unloaded(all_runs), step_model(args, profile), cluster_spec(args, profile))
     print(format_table(rows, COLUMNS))
     print_summary(summary)
     print_drift(summary["unloaded"])
@@ -187,7 +253,11 @@ def print_summary(summary: dict) -> None:
     mae = summary["attainment_mae_pp"]
     print(f"\n{summary['num_points']} points; SLO attainment MAE "
           + ("-" if mae is None else f"{mae:.1f} pp (goal <= {GOAL_ATTAINMENT_MAE_PP:g})"))
-    for key in COMPARED:
+    pieces = summary["attainment_mae_pp_with_measured"]
+    if pieces:
+        print("  attainment MAE with one piece of every request measured instead of predicted: "
+              + ", ".join(f"{PIECE_TITLES[piece]} {mae:.1f} pp" for piece, mae in pieces.items()))
+    for key in (*COMPARED, FIRST_ITL):
         if f"{key}_mean_relative_error" in summary:
             print(f"  {key}: mean |error| {summary[f'{key}_mean_relative_error']:.0%}, "
                   f"{summary[f'{key}_within_15pct']}/{summary['num_points']} within 15%")

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from pdserve.bench.plan_error_pieces import PIECES
 from pdserve.bench.plan_fit import model_identity
 from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate
 from pdserve.bench.plan_workload import random_workload
@@ -70,9 +71,10 @@ def test_a_profile_of_another_model_is_refused(profile_path, tmp_path, capsys, m
     assert "another model" in capsys.readouterr().err
 
 
-def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0) -> None:
+def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0, later_shift: float = 0.0) -> None:
     """A sweep directory in `pdserve sweep`'s run format whose 'measured' arrays are the simulator's own
-    prediction (times 1 + shift), so a replay must find them again."""
+    prediction (times 1 + shift; the ITLs after the first also times 1 + later_shift), so a replay must find
+    them again."""
     runs = sweep_dir / "runs"
     runs.mkdir(parents=True)
     workload = random_workload(30, 200, 20, range_ratio=0.3, seed=0)
@@ -85,9 +87,18 @@ def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0) -> None:
                    "max_concurrency": None, "goodput": {"ttft": 300.0, "tpot": 40.0},
                    "sweep": {"config": config, "num_prefill": x, "num_decode": y, "num_engines": x + y},
                    "input_lens": workload.prompt_lens, "output_lens": workload.output_lens,
-                   "ttfts": [r.ttft * (1 + shift) for r in done], "e2els": [r.e2el * (1 + shift) for r in done],
-                   "itls": [[] for _ in done], "errors": [""] * len(done)}
+                   "ttfts": [r.ttft * (1 + shift) for r in done], "errors": [""] * len(done),
+                   "itls": [[itl * (1 + shift) * (1 + later_shift * (k > 0)) for k, itl in enumerate(simulated_itls(r))]
+                            for r in done]}
+            run["e2els"] = [ttft + sum(itls) for ttft, itls in zip(run["ttfts"], run["itls"])]
             (runs / f"{config}_rate{rate}.json").write_text(json.dumps(run))
+
+
+def simulated_itls(request) -> list[float]:
+    """A simulated request's ITLs as bench writes them: its first ITL, then the rest of its decode evenly."""
+    rest = request.output_len - 2
+    later = [(request.finish - request.second_token) / rest] * rest if rest > 0 else []
+    return [request.first_itl, *later] if request.first_itl is not None else []
 
 
 def test_validate_replays_a_sweep_and_finds_its_own_predictions(profile_path, tmp_path, tiny_model):
@@ -102,6 +113,8 @@ def test_validate_replays_a_sweep_and_finds_its_own_predictions(profile_path, tm
     assert summary["num_points"] == 4
     assert summary["attainment_mae_pp"] == pytest.approx(0.0, abs=1e-9)
     assert summary["median_ttft_ms_mean_relative_error"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["median_first_itl_ms_mean_relative_error"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["attainment_mae_pp_with_measured"] == pytest.approx(dict.fromkeys(PIECES, 0.0), abs=1e-9)
     assert all(group["agrees"] for group in summary["goodput"])
     assert (out / "validation.png").stat().st_size > 0
 
@@ -118,22 +131,50 @@ def test_validate_reports_the_error_of_a_sweep_that_ran_slower(profile_path, tmp
                  "--no-plots"]) == 0
     summary = json.loads((out / "validation.json").read_text())["summary"]
     assert summary["median_ttft_ms_mean_relative_error"] == pytest.approx(1 / 3, rel=1e-6)  # predicted / measured = 1 / 1.5
+    assert summary["median_first_itl_ms_mean_relative_error"] == pytest.approx(1 / 3, rel=1e-6)
     [drift] = summary["unloaded"]  # the machine's drift, from the unloaded pass: 50% slower than the profile
     assert drift["measured_ttft_ms"] / drift["profile_prefill_ms"] == pytest.approx(1.5)
-    assert drift["measured_tpot_ms"] / drift["profile_decode_step_ms"] == pytest.approx(1.5)
+    # 1P1D's TPOT holds the first ITL (the KV transfer): set against the simulator's TPOT alone, not a plain step
+    # (rel: the simulated steps grow with the context, the pass's later ITLs are the step at its middle)
+    assert drift["measured_tpot_ms"] / drift["simulated_tpot_ms"] == pytest.approx(1.5, rel=1e-3)
+    assert drift["measured_first_itl_ms"] / drift["simulated_first_itl_ms"] == pytest.approx(1.5)
+    assert drift["measured_later_itl_ms"] / drift["profile_decode_step_ms"] == pytest.approx(1.5)
+    assert drift["simulated_first_itl_ms"] > drift["profile_decode_step_ms"]  # the transfer is in it
+
+
+def test_validate_finds_the_piece_that_carries_the_attainment_error(profile_path, tmp_path, tiny_model):
+    from pdserve.bench.plan_fit import load_profile
+
+    sweep_dir = tmp_path / "sweep"
+    write_sweep(sweep_dir, tiny_model, load_profile(profile_path), later_shift=0.5)  # decode steps 50% slower
+    out = tmp_path / "validation"
+    assert main(["plan", "--profile", profile_path, "--validate", str(sweep_dir), "--output-dir", str(out),
+                 "--no-plots"]) == 0
+    summary = json.loads((out / "validation.json").read_text())["summary"]
+    assert summary["attainment_mae_pp"] > 5  # the slower steps cross the TPOT SLO
+    assert summary["median_ttft_ms_mean_relative_error"] == pytest.approx(0.0, abs=1e-9)
+    pieces = summary["attainment_mae_pp_with_measured"]
+    assert pieces["later_itls"] == pytest.approx(0.0, abs=1e-9)  # the measured decode steps explain it all
+    assert pieces["ttft"] == pytest.approx(summary["attainment_mae_pp"])
+    assert pieces["first_itl"] == pytest.approx(summary["attainment_mae_pp"])
 
 
 def write_unloaded(sweep_dir, profile, slower: float) -> None:
-    """An unloaded pass (one request at a time) whose TTFT is the profile's prefill step and whose TPOT is its
-    batch-1 decode step, both times `slower`."""
+    """An unloaded pass (one request at a time) whose TTFT is the profile's prefill step, whose first ITL is the
+    simulator's for that request alone on 1P1D (transfer, then a step) and whose later ITLs are the profile's
+    batch-1 decode step, all times `slower`."""
     model = StepModel.from_profile(profile)
     prompt, output = 100, 11
     prefill = model.step_seconds(0, 0, prompt, prompt * prompt) * slower
     step = model.step_seconds(1, prompt + output // 2, 0, 0.0) * slower
+    alone, = simulate(ClusterSpec(1, 1, profile.engine, profile.model.kv_bytes_per_token), model, [0.0], [prompt],
+                      [output])
+    first_itl = alone.first_itl * slower
+    itls = [first_itl] + [step] * (output - 2)
     run = {"config": "1P1D", "phase": "unloaded", "request_rate": "inf", "max_concurrency": 1,
            "sweep": {"config": "1P1D", "phase": "unloaded", "num_prefill": 1, "num_decode": 1, "num_engines": 2},
            "input_lens": [prompt] * 3, "output_lens": [output] * 3, "ttfts": [prefill] * 3,
-           "e2els": [prefill + (output - 1) * step] * 3, "itls": [[]] * 3, "errors": [""] * 3}
+           "e2els": [prefill + sum(itls)] * 3, "itls": [itls] * 3, "errors": [""] * 3}
     (sweep_dir / "runs" / "1P1D_rateinf_conc1_unloaded.json").write_text(json.dumps(run))
 
 

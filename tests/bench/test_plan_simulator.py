@@ -89,6 +89,42 @@ def test_the_first_token_leaves_the_prefill_engine_and_the_transfer_delays_the_s
     assert streamed.finish == pytest.approx(0.2 + 0.01 + 2 * 0.05)
 
 
+def test_a_remote_request_alone_carries_its_kv_transfer_in_the_first_itl():
+    # 1P1D at batch 1, constant steps: the prompt's step p on the prefill engine ends TTFT; the KV then takes
+    # x = latency + bytes * s/B on the link and r = bytes * receiver CPU on the decode engine's core, before the
+    # decode engine's first step s makes the second token; every later token takes one step s
+    prefill, step, latency, per_byte, receiver, prompt, output, kv_bytes = 0.3, 0.05, 0.01, 1e-8, 4e-9, 500, 6, 1000
+    cost = model(prefill_intercept=prefill, decode_intercept=step, transfer_latency=latency, transfer_per_byte=per_byte,
+                 receiver_cpu_per_byte=receiver, sender_cpu_per_byte=7e-9)  # the sender's CPU delays its next step only
+    request, = simulate(ClusterSpec(1, 1, kv_bytes_per_token=kv_bytes), cost, [0.0], [prompt], [output])
+    transfer = latency + prompt * kv_bytes * per_byte
+    admission = prompt * kv_bytes * receiver
+    assert request.ttft == pytest.approx(prefill)
+    assert request.first_itl == pytest.approx(transfer + admission + step)
+    assert request.tpot == pytest.approx((transfer + admission + step + (output - 2) * step) / (output - 1))
+    colocated, = simulate(ClusterSpec(0, 1, kv_bytes_per_token=kv_bytes), cost, [0.0], [prompt], [output])
+    assert colocated.ttft == pytest.approx(prefill)
+    assert colocated.first_itl == pytest.approx(step)  # no transfer: the next step
+
+
+def test_kv_landing_mid_step_waits_for_the_step_boundary_then_pays_its_receive():
+    # B's KV lands while the decode engine is in one of A's steps: B joins at that step's end, after the
+    # receive r, and its second token comes one step s later
+    step, receiver, kv_bytes = 0.05, 4e-9, 1000
+    cost = model(prefill_intercept=0.3, decode_intercept=step, transfer_latency=0.012, receiver_cpu_per_byte=receiver)
+    first, second = simulate(ClusterSpec(1, 1, kv_bytes_per_token=kv_bytes), cost, [0.0, 0.0], [500, 500], [40, 5])
+    # one prefill step computes both prompts (0.3); A's KV lands at 0.312, B's too: both pay 2 * r at 0.312
+    both = 0.3 + 0.012 + 2 * 500 * kv_bytes * receiver
+    assert first.first_itl == pytest.approx(both + step - 0.3)
+    assert second.first_itl == pytest.approx(both + step - 0.3)
+    late, = [r for r in simulate(ClusterSpec(1, 1, kv_bytes_per_token=kv_bytes), cost, [0.0, 0.33], [500, 500],
+                                 [40, 5]) if r.index == 1]
+    a_decodes_from = 0.3 + 0.012 + 500 * kv_bytes * receiver  # A alone: its KV in, then steps of s
+    lands = 0.33 + 0.3 + 0.012  # B's prompt is computed in the prefill engine's next step, then its transfer
+    boundary = a_decodes_from + step * (int((lands - a_decodes_from) / step) + 1)
+    assert late.second_token == pytest.approx(boundary + 500 * kv_bytes * receiver + step)
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 def test_one_engine_per_tier_matches_the_whole_cluster_for_1p1d(streaming):
     # the tiers take arrivals and transfer ends from queues known ahead; the whole cluster, from events
@@ -101,6 +137,7 @@ def test_one_engine_per_tier_matches_the_whole_cluster_for_1p1d(streaming):
     exact = simulate(spec, cost, arrivals, workload.prompt_lens, workload.output_lens)
     tiers = simulate_tiers(spec, cost, arrivals, workload.prompt_lens, workload.output_lens)
     assert [r.first_token for r in exact] == pytest.approx([r.first_token for r in tiers])
+    assert [r.second_token for r in exact] == pytest.approx([r.second_token for r in tiers])
     assert [r.finish for r in exact] == pytest.approx([r.finish for r in tiers])
 
 
