@@ -1,7 +1,7 @@
 """Router overhead: what one pdserve router process adds on top of the engine it routes to.
 
     python -m pdserve.bench.router_overhead [--model DIR] [--num-requests 60] [--max-tokens 8] [--prompt-len 32]
-                                    [--streams 32 128] [--stream-tokens 256]
+                                    [--streams 32 128] [--stream-tokens 256] [--baseline-python PY]
 
 1. Latency. One decode engine (colocated, the tiny demo model unless --model) and one router given
    its address. The same greedy request (prompt token ids, ignore_eos) is sent alternately
@@ -10,7 +10,9 @@
              keep-alive connection of the standard library's http.client (--client httpx for httpx),
    --num-requests times each, one at a time. Overhead = router - direct, median and p99 of the
    end-to-end latency and of the time to first token; and the router process's CPU time per request
-   (which other load on the machine changes far less than latencies).
+   (which other load on the machine changes far less than latencies). --baseline-python PY adds the
+   router of another checkout (PY = its venv's python) to the same rounds: an A/B in which both routers
+   see the same machine state, with the median of router - baseline per round.
 2. Relay throughput. A synthetic engine process answers GenerateRequest by streaming --stream-tokens
    tokens per request as fast as it can (one TokenDelta per token; no model), so the router is the
    bottleneck. N concurrent streaming HTTP clients (raw asyncio connections, one process) read
@@ -34,7 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import closing
+from contextlib import ExitStack, closing
 from pathlib import Path
 
 try:
@@ -60,10 +62,11 @@ READY_TIMEOUT_S = 300
 
 # ---- processes ----
 
-def start(command: list[str], log_path: Path, cpus: set[int] | None = None) -> tuple[subprocess.Popen, dict[str, str]]:
+def start(command: list[str], log_path: Path, cpus: set[int] | None = None,
+          this_checkout: bool = True) -> tuple[subprocess.Popen, dict[str, str]]:
     """Start a pdserve component (on `cpus` with as many torch threads, as `pdserve up --pin-cpus` does)
-    and wait for its PDSERVE_READY line."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    and wait for its PDSERVE_READY line. this_checkout=False: the interpreter's own pdserve (another checkout)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)} if this_checkout else dict(os.environ)
     if cpus:
         env["OMP_NUM_THREADS"] = str(len(cpus))
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True,
@@ -106,12 +109,14 @@ def start_bare_relay(decode_address: str, log_dir: Path) -> tuple[subprocess.Pop
     return process, ready["url"]
 
 
-def start_router(model: str, decode_address: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
-    process, ready = start([sys.executable, "-m", "pdserve", "router", "--model", model, "--port", "0",
+def start_router(model: str, decode_address: str, log_dir: Path,
+                 python: str | None = None) -> tuple[subprocess.Popen, str]:
+    """pdserve's router on this checkout, or on `python`'s own pdserve (another checkout, for an A/B)."""
+    process, ready = start([python or sys.executable, "-m", "pdserve", "router", "--model", model, "--port", "0",
                             "--registration-address", "none", "--decode-address", decode_address,
                             "--log-level", "warning",
                             "--insecure"],  # loopback only; the direct calls measured against it are plaintext too
-                           log_dir / "router.log")
+                           log_dir / ("baseline-router.log" if python else "router.log"), this_checkout=python is None)
     wait_routable(ready["url"])
     return process, ready["url"]
 
@@ -228,34 +233,64 @@ def engine_cpus(args: argparse.Namespace) -> set[int] | None:
 
 
 def measure_latency(model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, dict[str, float]]:
+    """Requests sent one at a time, in rounds: direct, then each front end (whole, then streamed). With
+    --baseline-python, a second router from another checkout is measured in the same rounds, so that both
+    see the same machine: on a shared VM the overhead moves with the machine's state more than with the code."""
     engine, ready = start([sys.executable, "-m", "pdserve", "decode", "--model", model, "--dtype", "float32",
                            "--log-level", "WARNING", "--insecure"], log_dir / "decode.log", engine_cpus(args))
-    if args.router == "bare":
-        router, url = start_bare_relay(ready["control"], log_dir)
-    else:
-        router, url = start_router(model, ready["control"], log_dir)
-    prompt = [(7 * i) % 900 + 10 for i in range(args.prompt_len)]
-    samples = {name: [] for name in ("direct_e2e", "router_e2e", "direct_ttft", "router_ttft")}
-    router_cpu = cpu_seconds(router.pid)
+    front_ends: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
-        with ClientSocket(ready["control"]) as client, closing(CLIENTS[args.client](url)) as http:
-            ids = (f"bench-{i}" for i in itertools.count())
-            for i in range(args.num_requests + args.warmup):
-                ttft, e2e = direct_request(client, next(ids), prompt, args.max_tokens)
-                router_e2e = router_request(http, prompt, args.max_tokens)
-                router_ttft = router_first_token(http, prompt, args.max_tokens)
-                if i >= args.warmup:
-                    for name, value in (("direct_e2e", e2e), ("router_e2e", router_e2e),
-                                        ("direct_ttft", ttft), ("router_ttft", router_ttft)):
-                        samples[name].append(value * 1000)
-        router_cpu = cpu_seconds(router.pid) - router_cpu
+        if args.router == "bare":
+            front_ends["router"] = start_bare_relay(ready["control"], log_dir)
+        else:
+            front_ends["router"] = start_router(model, ready["control"], log_dir)
+        if args.baseline_python:
+            front_ends["baseline"] = start_router(model, ready["control"], log_dir, args.baseline_python)
+        samples = _latency_rounds(ready["control"], front_ends, args)
     finally:
-        stop(router)
+        for process, _ in front_ends.values():
+            stop(process)
         stop(engine)
+    return _latency_summary(samples, list(front_ends), args)
+
+
+def _latency_rounds(engine_address: str, front_ends: dict[str, tuple[subprocess.Popen, str]],
+                    args: argparse.Namespace) -> dict[str, list[float]]:
+    prompt = [(7 * i) % 900 + 10 for i in range(args.prompt_len)]
+    samples: dict[str, list[float]] = {"direct_e2e": [], "direct_ttft": []}
+    cpu_before = {name: cpu_seconds(process.pid) for name, (process, _) in front_ends.items()}
+    with ClientSocket(engine_address) as client, ExitStack() as clients:
+        http = {name: clients.enter_context(closing(CLIENTS[args.client](url)))
+                for name, (_, url) in front_ends.items()}
+        ids = (f"bench-{i}" for i in itertools.count())
+        for i in range(args.num_requests + args.warmup):
+            ttft, e2e = direct_request(client, next(ids), prompt, args.max_tokens)
+            measured = {"direct_ttft": ttft, "direct_e2e": e2e}
+            for name in list(http)[::-1 if i % 2 else 1]:  # alternate which front end goes first
+                connection = http[name]
+                measured[f"{name}_e2e"] = router_request(connection, prompt, args.max_tokens)
+                measured[f"{name}_ttft"] = router_first_token(connection, prompt, args.max_tokens)
+            if i >= args.warmup:
+                for key, value in measured.items():
+                    samples.setdefault(key, []).append(value * 1000)
     num_routed = 2 * (args.num_requests + args.warmup)  # one whole and one streamed request per round
-    samples["router_cpu_per_request"] = [router_cpu * 1000 / num_routed]
-    for kind in ("e2e", "ttft"):  # per request pair, sent back to back: shared machine noise cancels more
-        samples[f"overhead_{kind}"] = [r - d for r, d in zip(samples[f"router_{kind}"], samples[f"direct_{kind}"])]
+    for name, (process, _) in front_ends.items():
+        samples[f"{name}_cpu_per_request"] = [(cpu_seconds(process.pid) - cpu_before[name]) * 1000 / num_routed]
+    return samples
+
+
+def _latency_summary(samples: dict[str, list[float]], names: list[str],
+                     args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Median and p99 of each series; overhead = front end - direct of each round (back to back, so shared
+    machine noise cancels more), and with a baseline, router - baseline of each round."""
+    for name in names:
+        for kind in ("e2e", "ttft"):
+            samples[f"overhead_{kind}" if name == "router" else f"{name}_overhead_{kind}"] = [
+                r - d for r, d in zip(samples[f"{name}_{kind}"], samples[f"direct_{kind}"])]
+    if "baseline" in names:
+        for kind in ("e2e", "ttft"):
+            samples[f"router_minus_baseline_{kind}"] = [
+                r - b for r, b in zip(samples[f"router_{kind}"], samples[f"baseline_{kind}"])]
     return {name: {"median": statistics.median(values), "p99": percentile(values, 0.99)}
             for name, values in samples.items()}
 
@@ -378,6 +413,8 @@ def report(latency: dict | None, relay: list | None, args: argparse.Namespace) -
         print("(overhead = router - direct of each back-to-back pair)")
         print(f"router CPU time per request (user + system, whole and streamed alike): "
               f"{latency['router_cpu_per_request']['median']:.2f} ms")
+        if "baseline_e2e" in latency:
+            _report_baseline(latency, args)
     if relay:
         print(f"\nrelay throughput (synthetic engine, {args.stream_tokens} tokens per stream)")
         print("| concurrent streams | failed | tokens | seconds | streamed tokens/s | router CPU s | "
@@ -386,6 +423,16 @@ def report(latency: dict | None, relay: list | None, args: argparse.Namespace) -
         for row in relay:
             print(f"| {row['streams']} | {row['failed']} | {row['tokens']} | {row['seconds']:.2f} | {row['tokens_per_s']:.0f} | "
                   f"{row['router_cpu_s']:.2f} | {row['tokens_per_cpu_s']:.0f} |")
+
+
+def _report_baseline(latency: dict, args: argparse.Namespace) -> None:
+    print(f"\nbaseline: the router of {args.baseline_python}'s pdserve, in the same rounds (ms)")
+    print("| measure | baseline overhead median | baseline overhead p99 | router - baseline median |")
+    print("|---|---|---|---|")
+    for kind, label in (("e2e", "end to end"), ("ttft", "first token")):
+        added, diff = latency[f"baseline_overhead_{kind}"], latency[f"router_minus_baseline_{kind}"]
+        print(f"| {label} | {added['median']:.2f} | {added['p99']:.2f} | {diff['median']:+.2f} |")
+    print(f"baseline router CPU time per request: {latency['baseline_cpu_per_request']['median']:.2f} ms")
 
 
 def _where(cpus: set[int] | None) -> str:
@@ -409,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router", choices=("pdserve", "bare"), default="pdserve",
                         help="what the latency part measures: pdserve's router, or bench/bare_relay.py, the fewest "
                              "steps a Python relay can take (the floor; no relay part then)")
+    parser.add_argument("--baseline-python", default=None,
+                        help="the python of another checkout (e.g. its venv's bin/python): its router is measured in "
+                             "the same rounds as this one's, for an A/B that both see the same machine state")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-relay", action="store_true")
     parser.add_argument("--synthetic-engine", action="store_true", help=argparse.SUPPRESS)
