@@ -30,3 +30,11 @@ def test_router_overhead_against_the_bare_relay():
     out = run_bench("--num-requests", "2", "--router", "bare")
     assert "front end: bare" in out and "| first token |" in out, out
     assert "relay throughput" not in out  # the bare relay has no usage chunk to count
+
+
+def test_router_overhead_measures_a_baseline_router_in_the_same_rounds():
+    """--baseline-python: a second router (here the same interpreter's pdserve) in the same rounds, its
+    overhead and the per-round difference reported."""
+    out = run_bench("--num-requests", "2", "--skip-relay", "--baseline-python", sys.executable)
+    table = out.split("baseline: the router of", 1)[1]
+    assert "| first token |" in table and "| end to end |" in table and "baseline router CPU time" in table, out
