@@ -1,7 +1,7 @@
 """Router overhead: what one pdserve router process adds on top of the engine it routes to.
 
     python -m pdserve.bench.router_overhead [--model DIR] [--num-requests 60] [--max-tokens 8] [--prompt-len 32]
-                                    [--streams 32 128] [--stream-tokens 256] [--baseline-python PY]
+                                    [--streams 32 128] [--stream-tokens 256] [--baseline-python PY] [--with-floor]
 
 1. Latency. One decode engine (colocated, the tiny demo model unless --model) and one router given
    its address. The same greedy request (prompt token ids, ignore_eos) is sent alternately
@@ -12,7 +12,8 @@
    end-to-end latency and of the time to first token; and the router process's CPU time per request
    (which other load on the machine changes far less than latencies). --baseline-python PY adds the
    router of another checkout (PY = its venv's python) to the same rounds: an A/B in which both routers
-   see the same machine state, with the median of router - baseline per round.
+   see the same machine state, with the median of router - baseline per round. --with-floor does the same
+   with the bare relay (the floor, below): router - floor per round is what pdserve's own request path costs.
 2. Relay throughput. A synthetic engine process answers GenerateRequest by streaming --stream-tokens
    tokens per request as fast as it can (one TokenDelta per token; no model), so the router is the
    bottleneck. N concurrent streaming HTTP clients (raw asyncio connections, one process) read
@@ -246,6 +247,8 @@ def measure_latency(model: str, args: argparse.Namespace, log_dir: Path) -> dict
             front_ends["router"] = start_router(model, ready["control"], log_dir)
         if args.baseline_python:
             front_ends["baseline"] = start_router(model, ready["control"], log_dir, args.baseline_python)
+        if args.with_floor and args.router != "bare":
+            front_ends["floor"] = start_bare_relay(ready["control"], log_dir)
         samples = _latency_rounds(ready["control"], front_ends, args)
     finally:
         for process, _ in front_ends.values():
@@ -282,15 +285,16 @@ def _latency_rounds(engine_address: str, front_ends: dict[str, tuple[subprocess.
 def _latency_summary(samples: dict[str, list[float]], names: list[str],
                      args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Median and p99 of each series; overhead = front end - direct of each round (back to back, so shared
-    machine noise cancels more), and with a baseline, router - baseline of each round."""
+    machine noise cancels more), and router - baseline and router - floor of each round."""
     for name in names:
         for kind in ("e2e", "ttft"):
             samples[f"overhead_{kind}" if name == "router" else f"{name}_overhead_{kind}"] = [
                 r - d for r, d in zip(samples[f"{name}_{kind}"], samples[f"direct_{kind}"])]
-    if "baseline" in names:
-        for kind in ("e2e", "ttft"):
-            samples[f"router_minus_baseline_{kind}"] = [
-                r - b for r, b in zip(samples[f"router_{kind}"], samples[f"baseline_{kind}"])]
+    for other in ("baseline", "floor"):
+        if other in names:
+            for kind in ("e2e", "ttft"):
+                samples[f"router_minus_{other}_{kind}"] = [
+                    r - b for r, b in zip(samples[f"router_{kind}"], samples[f"{other}_{kind}"])]
     return {name: {"median": statistics.median(values), "p99": percentile(values, 0.99)}
             for name, values in samples.items()}
 
@@ -413,8 +417,10 @@ def report(latency: dict | None, relay: list | None, args: argparse.Namespace) -
         print("(overhead = router - direct of each back-to-back pair)")
         print(f"router CPU time per request (user + system, whole and streamed alike): "
               f"{latency['router_cpu_per_request']['median']:.2f} ms")
-        if "baseline_e2e" in latency:
-            _report_baseline(latency, args)
+        for other, title in (("baseline", f"the router of {args.baseline_python}'s pdserve"),
+                             ("floor", "the bare relay (bench/bare_relay.py, the floor)")):
+            if f"{other}_e2e" in latency:
+                _report_same_rounds(latency, other, title)
     if relay:
         print(f"\nrelay throughput (synthetic engine, {args.stream_tokens} tokens per stream)")
         print("| concurrent streams | failed | tokens | seconds | streamed tokens/s | router CPU s | "
@@ -425,14 +431,14 @@ def report(latency: dict | None, relay: list | None, args: argparse.Namespace) -
                   f"{row['router_cpu_s']:.2f} | {row['tokens_per_cpu_s']:.0f} |")
 
 
-def _report_baseline(latency: dict, args: argparse.Namespace) -> None:
-    print(f"\nbaseline: the router of {args.baseline_python}'s pdserve, in the same rounds (ms)")
-    print("| measure | baseline overhead median | baseline overhead p99 | router - baseline median |")
+def _report_same_rounds(latency: dict, other: str, title: str) -> None:
+    print(f"\n{other}: {title}, in the same rounds (ms)")
+    print(f"| measure | {other} overhead median | {other} overhead p99 | router - {other} median |")
     print("|---|---|---|---|")
     for kind, label in (("e2e", "end to end"), ("ttft", "first token")):
-        added, diff = latency[f"baseline_overhead_{kind}"], latency[f"router_minus_baseline_{kind}"]
+        added, diff = latency[f"{other}_overhead_{kind}"], latency[f"router_minus_{other}_{kind}"]
         print(f"| {label} | {added['median']:.2f} | {added['p99']:.2f} | {diff['median']:+.2f} |")
-    print(f"baseline router CPU time per request: {latency['baseline_cpu_per_request']['median']:.2f} ms")
+    print(f"{other} CPU time per request: {latency[f'{other}_cpu_per_request']['median']:.2f} ms")
 
 
 def _where(cpus: set[int] | None) -> str:
@@ -459,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-python", default=None,
                         help="the python of another checkout (e.g. its venv's bin/python): its router is measured in "
                              "the same rounds as this one's, for an A/B that both see the same machine state")
+    parser.add_argument("--with-floor", action="store_true",
+                        help="also measure the bare relay (the floor) in the same rounds: router - floor per round")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-relay", action="store_true")
     parser.add_argument("--synthetic-engine", action="store_true", help=argparse.SUPPRESS)

@@ -33,8 +33,9 @@ def test_router_overhead_against_the_bare_relay():
 
 
 def test_router_overhead_measures_a_baseline_router_in_the_same_rounds():
-    """--baseline-python: a second router (here the same interpreter's pdserve) in the same rounds, its
-    overhead and the per-round difference reported."""
-    out = run_bench("--num-requests", "2", "--skip-relay", "--baseline-python", sys.executable)
-    table = out.split("baseline: the router of", 1)[1]
-    assert "| first token |" in table and "| end to end |" in table and "baseline router CPU time" in table, out
+    """--baseline-python: a second router (here the same interpreter's pdserve), and --with-floor: the bare
+    relay, in the same rounds; each one's overhead and its per-round difference to the router reported."""
+    out = run_bench("--num-requests", "2", "--skip-relay", "--baseline-python", sys.executable, "--with-floor")
+    for title in ("baseline: the router of", "floor: the bare relay"):
+        table = out.split(title, 1)[1]
+        assert "| first token |" in table and "| end to end |" in table and "CPU time per request" in table, out
