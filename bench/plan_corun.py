@@ -44,10 +44,10 @@ def measure_decode_corun(session: tuple, model: str, core: int, max_num_batched_
                 for point in served_decode_points(session, shapes, warm_up=False):
                     side[point.batch].append(point)
     batches = {}
-    for batch in alone:
+    for batch, alone_points in alone.items():
         row = {}
         for clock, field in (("cpu", "cpu_seconds"), ("wall", "seconds")):
-            alone_s = statistics.median(getattr(p, field) for p in alone[batch])
+            alone_s = statistics.median(getattr(p, field) for p in alone_points)
             corun_s = statistics.median(getattr(p, field) for p in corun[batch])
             row |= {f"alone_{clock}_s": alone_s, f"corun_{clock}_s": corun_s, f"{clock}_ratio": corun_s / alone_s}
         batches[str(batch)] = row
