@@ -165,11 +165,11 @@ def measure_served(args, model: str, core: int, machine: dict, max_len: int) -> 
             machine["decode_points"] = "served: a pdserve decode process with CURVE, its CPU time per step"
         prompt_len = min(QUICK_REFERENCE_LEN if args.quick else REFERENCE_PROMPT_LEN, max_len - 1)
         machine["reference"] = served_prefill_reference(session, prompt_len)
-        machine["decode_corun"] = measure_corun(args, model, core, session, prompt_len)
+        machine["decode_corun"] = measure_corun(args, model, core, session, prompt_len, args.max_num_batched_tokens)
     return decode
 
 
-def measure_corun(args, model: str, core: int, session: tuple, prompt_len: int) -> dict:
+def measure_corun(args, model: str, core: int, session: tuple, prompt_len: int, max_num_batched_tokens: int) -> dict:
     """The served engine's decode steps alone and beside prompts computed on another core (plan_corun.py); on
     one core, or with --no-corun, factor 1.0 and why."""
     from pdserve.bench.plan_corun import (
@@ -187,7 +187,7 @@ def measure_corun(args, model: str, core: int, session: tuple, prompt_len: int) 
         print("  co-run factor skipped: one core, no other engine can share this host (factor 1.0)")
         return {"factor": 1.0, "skipped": "one core: no second core to compute prompts on"}
     shapes, repeats = (QUICK_CORUN_SHAPES, 1) if args.quick else (CORUN_SHAPES, CORUN_REPEATS)
-    return measure_decode_corun(session, model, second, args.max_num_batched_tokens, prompt_len, shapes, repeats)
+    return measure_decode_corun(session, model, second, max_num_batched_tokens, prompt_len, shapes, repeats)
 
 
 def measure_transfer(sizes_mib: list[int], num_requests: int) -> list[TransferPoint]:
@@ -261,8 +261,9 @@ def add_corun(args: argparse.Namespace, model: str, identity) -> int:
     started = time.perf_counter()
     core = args.core if args.core is not None else min(os.sched_getaffinity(0))
     prompt_len = (profile.machine.get("reference") or {}).get("prompt_len", REFERENCE_PROMPT_LEN)
-    with served_engine(model, core, args.max_num_batched_tokens) as session:
-        corun = measure_corun(args, model, core, session, prompt_len)
+    budget = profile.engine.max_num_batched_tokens  # the profiled engine's, not the flag's default
+    with served_engine(model, core, budget) as session:
+        corun = measure_corun(args, model, core, session, prompt_len, budget)
     machine = {**profile.machine, "decode_corun": {**corun, "pinned_core": core}}
     profile = profile.model_copy(update={"machine": machine})
     Path(args.out).write_text(profile.model_dump_json(indent=1))
