@@ -61,7 +61,6 @@ class StepModel:
     receiver_cpu_per_byte: float = 0.0
     decode_corun_factor: float = 1.0  # a decode step's slow-down while another engine on the host computes a prefill
 
-
     @classmethod
     def from_profile(cls, profile: Profile, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> StepModel:
         """The profile's fits; the scales multiply its prefill and decode step times (a profile taken on a
