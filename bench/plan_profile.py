@@ -24,10 +24,12 @@ import numpy as np
 from pdserve.bench.plan_fit import (
     DecodePoint,
     EngineSettings,
+    ModelIdentity,
     PrefillPoint,
     Profile,
     TransferPoint,
     build_profile,
+    load_profile,
     model_identity,
 )
 
@@ -246,9 +248,8 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_corun(args: argparse.Namespace, model: str, identity) -> int:
+def add_corun(args: argparse.Namespace, model: str, identity: ModelIdentity) -> int:
     """--add-corun-to P.json: only the co-run step, written into a copy of P (at --out)."""
-    from pdserve.bench.plan_fit import load_profile
     from pdserve.bench.plan_served import REFERENCE_PROMPT_LEN, served_engine
 
     if args.device != "cpu":
