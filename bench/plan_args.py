@@ -19,6 +19,12 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-decode", action="store_true",
                         help="time decode steps through a served engine process (CURVE control socket, all its "
                              "threads' CPU) instead of in-process steps; CPU only")
+    parser.add_argument("--no-corun", action="store_true",
+                        help="skip the co-run step (CPU, two cores or more: decode steps timed while another core "
+                             "computes prompts); the profile's decode_corun_factor is then 1.0")
+    parser.add_argument("--add-corun-to", default=None, metavar="P.json",
+                        help="measure only the co-run step and write P.json with it to --out (a profile taken "
+                             "before the step existed)")
     parser.add_argument("--clock", default=None, choices=["wall", "cpu"],
                         help="time the fits use: cpu (the default on CPU) counts only the engine thread's own CPU "
                              "time, what a step takes on a core of its own even on a shared machine; wall on GPUs")

@@ -117,6 +117,12 @@ class Profile(BaseModel):
     transfer_sender_cpu_per_byte: float
     transfer_receiver_cpu_per_byte: float
 
+    @property
+    def decode_corun_factor(self) -> float:
+        """A decode step's time while another engine of the host computes prefills, over its time alone
+        (machine["decode_corun"], measured by `pdserve profile` on CPU); 1.0 for a profile without it."""
+        return float((self.machine.get("decode_corun") or {}).get("factor", 1.0))
+
     def check_model(self, identity: ModelIdentity, where: str) -> None:
         differences = self.model.differences(identity)
         if differences:

@@ -5,7 +5,8 @@ On CPU the engine runs pinned to one core with one thread, as each engine of `pd
 Prefill points: prompts of several lengths, alone and batched (chunked at the token budget). Decode
 points: batches of several sizes over several prompt lengths, a few decode steps each. Transfer points:
 KV messages of several sizes over loopback tcp with CURVE, sender and receiver on a core each
-(bench/connector_throughput.py's processes).
+(bench/connector_throughput.py's processes). With two cores or more on CPU, the co-run factor of decode steps
+(bench/plan_corun.py).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import numpy as np
 from pdserve.bench.plan_fit import (
     DecodePoint,
     EngineSettings,
+    ModelIdentity,
     PrefillPoint,
     Profile,
     TransferPoint,
     build_profile,
+    load_profile,
     model_identity,
 )
 
@@ -164,7 +167,29 @@ def measure_served(args, model: str, core: int, machine: dict, max_len: int) -> 
             machine["decode_points"] = "served: a pdserve decode process with CURVE, its CPU time per step"
         prompt_len = min(QUICK_REFERENCE_LEN if args.quick else REFERENCE_PROMPT_LEN, max_len - 1)
         machine["reference"] = served_prefill_reference(session, prompt_len)
+        machine["decode_corun"] = measure_corun(args, model, core, session, prompt_len, args.max_num_batched_tokens)
     return decode
+
+
+def measure_corun(args, model: str, core: int, session: tuple, prompt_len: int, max_num_batched_tokens: int) -> dict:
+    """The served engine's decode steps alone and beside prompts computed on another core (plan_corun.py); on
+    one core, or with --no-corun, factor 1.0 and why."""
+    from pdserve.bench.plan_corun import (
+        CORUN_REPEATS,
+        CORUN_SHAPES,
+        QUICK_CORUN_SHAPES,
+        measure_decode_corun,
+        other_core,
+    )
+
+    if args.no_corun:
+        return {"factor": 1.0, "skipped": "--no-corun"}
+    second = other_core(core, os.sched_getaffinity(0))
+    if second is None:
+        print("  co-run factor skipped: one core, no other engine can share this host (factor 1.0)")
+        return {"factor": 1.0, "skipped": "one core: no second core to compute prompts on"}
+    shapes, repeats = (QUICK_CORUN_SHAPES, 1) if args.quick else (CORUN_SHAPES, CORUN_REPEATS)
+    return measure_decode_corun(session, model, second, max_num_batched_tokens, prompt_len, shapes, repeats)
 
 
 def measure_transfer(sizes_mib: list[int], num_requests: int) -> list[TransferPoint]:
@@ -199,6 +224,8 @@ def run_profile(args: argparse.Namespace) -> int:
 
     model = args.model or str(default_demo_model())
     identity = model_identity(model)
+    if args.add_corun_to:
+        return add_corun(args, model, identity)
     started = time.perf_counter()
     pinned = one_core(args.core) if args.device == "cpu" else contextlib.nullcontext(None)
     with pinned as core:
@@ -206,6 +233,8 @@ def run_profile(args: argparse.Namespace) -> int:
         prefill, decode, settings, max_len = measure_engine(args, model)
     if args.device == "cpu":
         decode = measure_served(args, model, core, machine, max_len) or decode
+    else:  # a host CPU effect: engines on GPUs of their own do not slow each other's steps through it
+        machine["decode_corun"] = {"factor": 1.0, "skipped": f"device {args.device}"}
     transfer = measure_transfer(QUICK_TRANSFER_MIB if args.quick else TRANSFER_MIB, TRANSFER_REQUESTS)
     clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
     profile = build_profile(identity, machine, settings, prefill, decode, transfer, clock)
@@ -216,6 +245,31 @@ def run_profile(args: argparse.Namespace) -> int:
             {"intercept": 1.0, "tokens": length, "attention": float(length * length)})
     Path(args.out).write_text(profile.model_dump_json(indent=1))
     print_fits(profile, time.perf_counter() - started, args.out)
+    return 0
+
+
+def add_corun(args: argparse.Namespace, model: str, identity: ModelIdentity) -> int:
+    """--add-corun-to P.json: only the co-run step, written into a copy of P (at --out)."""
+    from pdserve.bench.plan_served import REFERENCE_PROMPT_LEN, served_engine
+
+    if args.device != "cpu":
+        raise ValueError(f"--add-corun-to measures CPU engines sharing a host, not --device {args.device}: "
+                         "a GPU profile keeps factor 1.0")
+    if Path(args.out).resolve() == Path(args.add_corun_to).resolve():
+        raise ValueError(f"--out {args.out} is the profile --add-corun-to reads: write the copy elsewhere")
+    profile = load_profile(args.add_corun_to)
+    profile.check_model(identity, model)
+    started = time.perf_counter()
+    core = args.core if args.core is not None else min(os.sched_getaffinity(0))
+    prompt_len = (profile.machine.get("reference") or {}).get("prompt_len", REFERENCE_PROMPT_LEN)
+    budget = profile.engine.max_num_batched_tokens  # the profiled engine's, not the flag's default
+    with served_engine(model, core, budget) as session:
+        corun = measure_corun(args, model, core, session, prompt_len, budget)
+    machine = {**profile.machine, "decode_corun": {**corun, "pinned_core": core}}
+    profile = profile.model_copy(update={"machine": machine})
+    Path(args.out).write_text(profile.model_dump_json(indent=1))
+    print(f"co-run step in {time.perf_counter() - started:.0f} s: {args.add_corun_to} with decode_corun_factor "
+          f"{profile.decode_corun_factor:.3f} -> {args.out}")
     return 0
 
 
@@ -233,6 +287,11 @@ def print_fits(profile: Profile, seconds: float, out: str) -> None:
         print(f"  reference: a {reference['prompt_len']}-token prompt alone through a served engine took "
               f"{reference['served_prefill_wall_s']:.3f} s ({reference['served_prefill_cpu_s']:.3f} s CPU); "
               f"the prefill fit says {reference['profile_prefill_s']:.3f} s")
+    corun = profile.machine.get("decode_corun")
+    if corun is not None and "skipped" not in corun:
+        ratios = ", ".join(f"batch {batch} x{row['cpu_ratio']:.2f}" for batch, row in corun["batches"].items())
+        print(f"  co-run: decode steps beside prompts on core {corun['prefill_core']}: {ratios}; factor "
+              f"{corun['factor']:.2f}")
     print(f"  KV link CPU: sender {profile.transfer_sender_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB, receiver "
           f"{profile.transfer_receiver_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB")
 

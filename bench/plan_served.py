@@ -58,11 +58,14 @@ def served_engine(model: str, core: int, max_num_batched_tokens: int) -> Iterato
         engine.stop()
 
 
-def served_decode_points(session: tuple, shapes: list[tuple[int, int]]) -> list[DecodePoint]:
-    """One point per (batch, prompt length): CPU and wall time per decode step of the served engine."""
+def served_decode_points(session: tuple, shapes: list[tuple[int, int]], warm_up: bool = True) -> list[DecodePoint]:
+    """One point per (batch, prompt length): CPU and wall time per decode step of the served engine (after a
+    warm-up point, not returned, unless warm_up is False)."""
     driver, pid, prompts = session
-    return [_point(driver, pid, batch, prompt_len, prompts, f"{batch}x{prompt_len}-{n}")
-            for n, (batch, prompt_len) in enumerate([(1, 16), *shapes])][1:]  # the first warms up
+    warm = [(1, 16)] if warm_up else []
+    points = [_point(driver, pid, batch, prompt_len, prompts, f"{batch}x{prompt_len}-{next(_tags)}")
+              for batch, prompt_len in [*warm, *shapes]]
+    return points[len(warm):]
 
 
 def served_prefill_reference(session: tuple, prompt_len: int, repeats: int = REFERENCE_REPEATS) -> dict:
@@ -78,6 +81,9 @@ def served_prefill_reference(session: tuple, prompt_len: int, repeats: int = REF
         cpu.append(process_cpu_s(pid) - before_cpu)
     return {"prompt_len": prompt_len, "served_prefill_cpu_s": statistics.median(cpu),
             "served_prefill_wall_s": statistics.median(wall), "repeats": repeats}
+
+
+_tags = itertools.count()  # request ids unique across calls on one engine
 
 
 class _Prompts:

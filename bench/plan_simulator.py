@@ -9,7 +9,9 @@ What it models (docs/planning.md says why each choice):
   budget (running chunks first, then waiting prompts in arrival order), admitting only what the KV pool
   holds; a decode that cannot grow preempts the newest request, which is recomputed later;
 - step time from the profile's fits: prefill-only steps by the prefill fit, steps with decodes by the
-  decode fit plus the prefill fit's per-token and attention terms for the chunks in them;
+  decode fit plus the prefill fit's per-token and attention terms for the chunks in them; the decode fit's
+  part times the profile's co-run factor while another engine of the cluster computes a step with prompt
+  tokens (the engines share one host: simulate(), not simulate_tiers());
 - disaggregation: the decode engine allocates the prompt's blocks when it admits the request (KVWant);
   the transfer starts when both the prompt is computed and the want is there, lasts latency + bytes /
   bandwidth (streamed: only latency after the prefill), and takes the sending and receiving CPU time of
@@ -31,7 +33,7 @@ import heapq
 import math
 import operator
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 try:
     import simpy
@@ -57,6 +59,7 @@ class StepModel:
     transfer_per_byte: float
     sender_cpu_per_byte: float = 0.0
     receiver_cpu_per_byte: float = 0.0
+    decode_corun_factor: float = 1.0  # a decode step's slow-down while another engine on the host computes a prefill
 
     @classmethod
     def from_profile(cls, profile: Profile, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> StepModel:
@@ -67,12 +70,16 @@ class StepModel:
         return cls(p["intercept"] * prefill_scale, p["tokens"] * prefill_scale, p["attention"] * prefill_scale,
                    d["intercept"] * decode_scale, d["batch"] * decode_scale, d["context"] * decode_scale,
                    max(t["intercept"], 0.0), t["bytes"], profile.transfer_sender_cpu_per_byte,
-                   profile.transfer_receiver_cpu_per_byte)
+                   profile.transfer_receiver_cpu_per_byte, profile.decode_corun_factor)
 
-    def step_seconds(self, num_decodes: int, context: int, prefill_tokens: int, attention: float) -> float:
+    def step_seconds(self, num_decodes: int, context: int, prefill_tokens: int, attention: float,
+                     slowed: bool = False) -> float:
+        """slowed: another engine of the host computes a prefill, the decode part takes decode_corun_factor times
+        as long (the prompt chunks' part does not change)."""
         chunks = self.prefill_per_token * prefill_tokens + self.prefill_per_attention * attention
         if num_decodes:
-            return self.decode_intercept + self.decode_per_seq * num_decodes + self.decode_per_context * context + chunks
+            decode = self.decode_intercept + self.decode_per_seq * num_decodes + self.decode_per_context * context
+            return (decode * self.decode_corun_factor if slowed else decode) + chunks
         return self.prefill_intercept + chunks
 
 
@@ -246,6 +253,7 @@ class SimEngine:
         self._second_pending: list[SimRequest] = []  # joined decoding with one token: the next step makes the second
         self.cpu_debt = 0.0  # transfer CPU taken from this engine's core, paid before its next step
         self.busy = False
+        self.computing_prefill = False  # its step under way has prompt tokens (the co-run factor's cause)
         self._run: tuple | None = None  # a decode run: (start, num_steps, first step s, growth s/step)
         self._run_event: simpy.Timeout | None = None  # its end; a cut run's is cancelled
         self.expected: deque[SimRequest] = deque()  # arrivals known ahead (expect), in arrival order
@@ -362,6 +370,8 @@ class SimEngine:
         self._preempt_to_fit()
         chunks = self._admit()
         num_decodes = len(self.decoding)
+        if self.cluster.corun:
+            self.cluster.set_computing_prefill(self, bool(chunks))
         if not num_decodes and not chunks:
             self._announce_first_tokens(now)
             self.busy = False
@@ -372,7 +382,8 @@ class SimEngine:
             return
         tokens = sum(n for _, n in chunks)
         attention = sum(n * (n + 2 * r.num_computed) for r, n in chunks)
-        seconds = self.model.step_seconds(num_decodes, self.context_tokens(), tokens, attention)
+        seconds = self.model.step_seconds(num_decodes, self.context_tokens(), tokens, attention,
+                                          self.cluster.corun and self.cluster.others_prefilling(self))
         if self._second_pending:
             self._second_token_at(now + seconds)
         self.sim.at(now + seconds, self._step_done, chunks)
@@ -516,8 +527,11 @@ class SimEngine:
         batch = len(self.decoding)
         room = (self.capacity - self.used_tokens()) // batch
         num_steps = max(1, min(self._finishes[0][0] - self.clock, room))
-        first = self.model.step_seconds(batch, self.context_tokens(), 0, 0.0)
+        slowed = self.cluster.corun and self.cluster.others_prefilling(self)  # a change cuts the run (SimCluster)
+        first = self.model.step_seconds(batch, self.context_tokens(), 0, 0.0, slowed)
         growth = self.model.decode_per_context * batch  # each step attends to one more token per request
+        if slowed:
+            growth *= self.model.decode_corun_factor
         if self.knows_ahead:
             num_steps = self._steps_before_input(now, num_steps, first, growth)
         if self._second_pending:
@@ -553,6 +567,11 @@ class SimEngine:
                 steps = landed_steps
             num_steps = min(num_steps, steps)
         return num_steps
+
+    def speed_changed(self) -> None:
+        """Another engine started or ended prompt steps: a decode run ends at its next step boundary."""
+        if self._run is not None:
+            self._cut_run()
 
     def _admit_after_the_fact(self, request: SimRequest, want_time: float) -> None:
         """A remote request a run went past (_steps_before_input): admitted as at want_time, its transfer started."""
@@ -596,12 +615,35 @@ def _steps_done_by(elapsed: float, first: float, growth: float) -> int:
 
 
 class SimCluster:
+    """The engines of one host behind the router. While any engine computes a step with prompt tokens, every other
+    engine's decode steps take the profile's decode_corun_factor times as long (CPU engines on cores of one host
+    share its caches and memory bandwidth); a step is timed when it starts, and a decode run is cut at its next
+    step boundary when that changes."""
+
     def __init__(self, spec: ClusterSpec, model: StepModel, budget: MissBudget | None = None) -> None:
         self.spec, self.model, self.budget = spec, model, budget
         self.sim = Simulation()
         self.prefills = [SimEngine(self.sim, self, i, "prefill") for i in range(spec.num_prefill)]
         self.decodes = [SimEngine(self.sim, self, i, "decode") for i in range(spec.num_decode)]
         self._next = {"prefill": 0, "decode": 0}
+        self.corun = model.decode_corun_factor != 1.0 and spec.num_prefill + spec.num_decode > 1
+        self.num_computing_prefill = 0  # engines whose step under way has prompt tokens
+
+    def others_prefilling(self, engine: SimEngine) -> bool:
+        return self.num_computing_prefill > engine.computing_prefill
+
+    def set_computing_prefill(self, engine: SimEngine, computing: bool) -> None:
+        """engine starts (or ends) steps with prompt tokens; the others' decode runs end at their next step
+        boundary when whether some engine prefills changes for them."""
+        if engine.computing_prefill == computing:
+            return
+        engine.computing_prefill = computing
+        before = self.num_computing_prefill
+        self.num_computing_prefill += 1 if computing else -1
+        if min(before, self.num_computing_prefill) == 0:  # 0 -> 1 or 1 -> 0: every other engine sees the change
+            for other in (*self.prefills, *self.decodes):
+                if other is not engine:
+                    other.speed_changed()
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
         for request in requests:
@@ -705,6 +747,7 @@ def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], p
     engine wants each prompt before it is computed; the prefill tier alone does not see late wants (a full decode
     pool) holding its blocks."""
     check_requests(spec, prompt_lens, output_lens)
+    model = replace(model, decode_corun_factor=1.0)  # which engines of a large cluster share a host is not known
     x, y = spec.num_prefill, spec.num_decode
     threshold = spec.local_prefill_threshold
     decode_stream = [SimRequest(i, float(arrivals[i]), int(prompt_lens[i]), int(output_lens[i]))

@@ -5,8 +5,24 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from pdserve.bench.plan_fit import load_profile, model_identity
 from pdserve.cli import main
+from tests.bench.plan_helpers import synthetic_profile
+
+
+def check_corun(corun: dict, batches: set[str]) -> None:
+    """With two cores the co-run step timed each batch alone and beside the other core's prompts; else 1.0."""
+    if len(os.sched_getaffinity(0)) < 2:
+        assert corun == {"factor": 1.0, "skipped": "one core: no second core to compute prompts on"}
+        return
+    assert set(corun["batches"]) == batches
+    for row in corun["batches"].values():
+        assert row["alone_cpu_s"] > 0 and row["corun_cpu_s"] > 0
+        assert row["cpu_ratio"] == pytest.approx(row["corun_cpu_s"] / row["alone_cpu_s"])
+    assert corun["factor"] == pytest.approx(sum(r["cpu_ratio"] for r in corun["batches"].values()) / len(batches))
+    assert corun["prefill_core"] != corun.get("pinned_core", -1)
 
 
 def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_path, capsys):
@@ -25,6 +41,7 @@ def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_pat
     reference = profile.machine["reference"]  # a served engine's prompt, to judge the machine's drift by
     assert reference["prompt_len"] > 1 and reference["served_prefill_wall_s"] > 0
     assert reference["profile_prefill_s"] > 0
+    check_corun(profile.machine["decode_corun"], batches={"1", "2"})
     for fit in (profile.prefill_fit, profile.decode_fit, profile.transfer_fit):
         assert all(value >= 0 for value in fit.coefficients.values())
     assert "R^2" in capsys.readouterr().out
@@ -42,3 +59,18 @@ def test_served_decode_points_time_a_real_engine_process(model_factory):
         points = served_decode_points(session, [(1, 8), (3, 8)])
     assert [(p.batch, p.context) for p in points] == [(1, 8 + SERVED_TOKENS // 2), (3, 3 * (8 + SERVED_TOKENS // 2))]
     assert all(p.seconds > 0 and p.cpu_seconds >= 0 for p in points)
+
+
+def test_the_co_run_step_alone_goes_into_a_copy_of_an_older_profile(model_factory, tmp_path, capsys):
+    model = model_factory()
+    older, copy = tmp_path / "older.json", tmp_path / "copy.json"
+    older.write_text(synthetic_profile(model_identity(model)).model_dump_json())
+    assert main(["profile", "--model", model, "--quick", "--add-corun-to", str(older), "--out", str(older)]) == 2
+    assert "write the copy elsewhere" in capsys.readouterr().err
+    assert main(["profile", "--model", model, "--quick", "--add-corun-to", str(older), "--out", str(copy)]) == 0
+    before, after = load_profile(older), load_profile(copy)
+    assert before.decode_corun_factor == 1.0
+    check_corun(after.machine["decode_corun"], batches={"1", "2"})
+    assert after.decode_corun_factor == after.machine["decode_corun"]["factor"]
+    assert after.model_copy(update={"machine": before.machine}) == before  # nothing else changed
+    assert "decode_corun_factor" in capsys.readouterr().out

@@ -1,0 +1,110 @@
+"""`pdserve profile`'s co-run step (CPU, two cores or more): the served engine's decode steps timed alone, then
+while a second process pinned to another core computes prompts of the same model in a loop, alternated a few
+times. The ratio of the medians is the profile's decode_corun_factor (machine["decode_corun"]): how much slower a
+decode step is while another engine of the host computes a prefill (docs/planning.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import statistics
+import time
+from collections.abc import Iterator
+
+from pdserve.bench.plan_served import served_decode_points
+
+CORUN_SHAPES = [(1, 16), (8, 16)]  # (batch, prompt length) of the decode steps timed: batch 1 and a mid batch
+CORUN_REPEATS = 3  # alone / co-run alternations
+QUICK_CORUN_SHAPES = [(1, 16), (2, 16)]
+LOOP_START_S = 120.0  # the prefill process's start (torch import, model load) and its first prompt
+PAUSE_S = 30.0  # the longest a prompt under way may take to finish when the loop is paused
+
+
+def other_core(core: int, allowed: set[int]) -> int | None:
+    """A core for the prefill loop other than the served engine's, or None (one core: nothing to co-run)."""
+    others = sorted(set(allowed) - {core})
+    return others[0] if others else None
+
+
+def measure_decode_corun(session: tuple, model: str, core: int, max_num_batched_tokens: int, prompt_len: int,
+                         shapes: list[tuple[int, int]], repeats: int) -> dict:
+    """The served engine's decode steps per batch, alone and with prompts computed on `core` meanwhile: each
+    side's median CPU and wall seconds per step, their ratio, and the factor (the mean of the batches' CPU ratios:
+    the profile's clock on CPU)."""
+    started = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               "load_average": list(os.getloadavg())}
+    alone: dict[int, list] = {batch: [] for batch, _ in shapes}
+    corun: dict[int, list] = {batch: [] for batch, _ in shapes}
+    with prefill_loop(model, core, max_num_batched_tokens, prompt_len) as loop:
+        for _ in range(repeats):
+            for side, running in ((alone, False), (corun, True)):
+                loop.run(running)
+                for point in served_decode_points(session, shapes, warm_up=False):
+                    side[point.batch].append(point)
+    batches = {}
+    for batch, alone_points in alone.items():
+        row = {}
+        for clock, field in (("cpu", "cpu_seconds"), ("wall", "seconds")):
+            alone_s = statistics.median(getattr(p, field) for p in alone_points)
+            corun_s = statistics.median(getattr(p, field) for p in corun[batch])
+            row |= {f"alone_{clock}_s": alone_s, f"corun_{clock}_s": corun_s, f"{clock}_ratio": corun_s / alone_s}
+        batches[str(batch)] = row
+    factor = statistics.fmean(row["cpu_ratio"] for row in batches.values())
+    return {"factor": factor, "clock": "cpu", "batches": batches, "prefill_prompt_len": prompt_len,
+            "prefill_core": core, "repeats": repeats, **started}
+
+
+class PrefillLoop:
+    """The other process's switch: run(True) returns once it computes prompts, run(False) once it is idle."""
+
+    def __init__(self, go, busy, process) -> None:
+        self.go, self.busy, self.process = go, busy, process
+
+    def run(self, running: bool) -> None:
+        (self.go.set if running else self.go.clear)()
+        deadline = time.monotonic() + (LOOP_START_S if running else PAUSE_S)
+        while self.busy.is_set() != running:
+            if not self.process.is_alive():
+                raise RuntimeError(f"the co-run prefill process exited ({self.process.exitcode}); its error is above")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the co-run prefill process did not answer in time: run `pdserve profile` on a "
+                                   "quieter machine, or skip the step with --no-corun")
+            time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def prefill_loop(model: str, core: int, max_num_batched_tokens: int, prompt_len: int) -> Iterator[PrefillLoop]:
+    ctx = mp.get_context("spawn")
+    go, busy, stop = ctx.Event(), ctx.Event(), ctx.Event()
+    process = ctx.Process(target=_compute_prompts, args=(model, core, max_num_batched_tokens, prompt_len, go, busy,
+                                                         stop), name="corun-prefill", daemon=True)
+    process.start()
+    try:
+        yield PrefillLoop(go, busy, process)
+    finally:
+        stop.set()
+        go.set()  # wakes it if idle
+        process.join(PAUSE_S)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _compute_prompts(model: str, core: int, max_num_batched_tokens: int, prompt_len: int, go, busy, stop) -> None:
+    """In the other process, pinned to `core` with one thread: fresh prompts of prompt_len, one after another,
+    while `go` is set; `busy` says whether it computes."""
+    from pdserve.bench.plan_profile import EngineProbe, one_core
+
+    with one_core(core):
+        probe = EngineProbe(model, "cpu", max_num_batched_tokens)
+        prompt_len = min(prompt_len, probe.llm.model_config.max_model_len - 1)
+        probe.prefill_points(16, 1)  # warm-up
+        while not stop.is_set():
+            if go.is_set():
+                busy.set()
+                probe.prefill_points(prompt_len, 1)
+            else:
+                busy.clear()
+                go.wait(0.05)

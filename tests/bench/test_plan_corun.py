@@ -1,0 +1,82 @@
+"""The co-run factor: decode steps that start while another engine of the cluster computes a prompt are slower by
+the profile's factor, in closed form; nothing changes without such overlap; profiles without it read as 1.0."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pdserve.bench.plan_fit import model_identity
+from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate, simulate_tiers
+from tests.bench.plan_helpers import synthetic_profile
+from tests.bench.test_plan_simulator import model
+
+
+def test_decode_steps_beside_another_engines_prefill_are_slower_by_the_factor():
+    # 1P1D, constant steps: s per decode step, P per prefill step, no transfer time. A's prompt is done at P and
+    # it decodes from there. B arrives at 1.55: the prefill engine computes it over [1.55, 2.55]. A's step under
+    # way at 1.55 (from 1.5) keeps its time; the steps starting at 1.6 .. 2.5 take f * s; from 2.65 on s again.
+    s, prefill, factor = 0.1, 1.0, 1.5
+    cost = model(prefill_intercept=prefill, decode_intercept=s, decode_corun_factor=factor)
+    a, b = simulate(ClusterSpec(1, 1), cost, [0.0, 1.55], [16, 16], [40, 3])
+    normal_steps, slowed_steps = 6 + 26, 7  # 39 steps make A's 40 tokens after its first
+    assert a.first_token == pytest.approx(prefill)
+    assert a.finish == pytest.approx(prefill + normal_steps * s + slowed_steps * factor * s)
+    assert b.first_token == pytest.approx(1.55 + prefill)  # a prefill step is not slowed by decodes
+    assert b.second_token == pytest.approx(prefill + 6 * s + 7 * factor * s + s)  # joins at 2.65, after A's step
+    alone_a, _ = simulate(ClusterSpec(1, 1), replace(cost, decode_corun_factor=1.0), [0.0, 1.55], [16, 16],
+                                [40, 3])
+    assert alone_a.finish == pytest.approx(prefill + 39 * s)
+
+
+def test_a_decode_run_is_retimed_when_an_engine_it_does_not_serve_starts_or_ends_a_prefill():
+    # 1P2D, round robin: A decodes on the first decode engine, B goes to the second. Only the prefill engine's
+    # start (1.55) and end (2.55) of B's prompt reach A's engine, and its run changes speed at the next boundary.
+    s, prefill, factor = 0.1, 1.0, 1.5
+    cost = model(prefill_intercept=prefill, decode_intercept=s, decode_corun_factor=factor)
+    a, b = simulate(ClusterSpec(1, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3])
+    assert a.decode_engine is not b.decode_engine
+    assert a.finish == pytest.approx(prefill + (6 + 26) * s + 7 * factor * s)
+
+
+def test_the_factor_slows_only_the_decode_part_of_a_mixed_step():
+    cost = model(decode_intercept=0.05, decode_per_seq=0.01, decode_per_context=1e-5, prefill_per_token=1e-3,
+                 decode_corun_factor=1.4)
+    decode = 0.05 + 0.01 * 3 + 1e-5 * 600
+    chunks = 1e-3 * 128
+    assert cost.step_seconds(3, 600, 128, 0.0) == pytest.approx(decode + chunks)
+    assert cost.step_seconds(3, 600, 128, 0.0, slowed=True) == pytest.approx(1.4 * decode + chunks)
+    assert cost.step_seconds(0, 0, 128, 0.0, slowed=True) == cost.step_seconds(0, 0, 128, 0.0)  # prefill-only step
+
+
+@pytest.mark.parametrize("spec, arrivals", [
+    (ClusterSpec(1, 1), [0.0, 10.0, 20.0]),  # each request decodes after its prompt, alone on the host
+    (ClusterSpec(0, 1), [0.0, 0.05, 0.3]),  # one engine: no other engine beside it
+])
+def test_without_overlap_the_factor_changes_nothing(spec, arrivals):
+    cost = model(prefill_intercept=0.3, prefill_per_token=1e-4, decode_intercept=0.05, decode_per_seq=1e-3,
+                 transfer_latency=0.01, transfer_per_byte=1e-9)
+    plain = simulate(spec, cost, arrivals, [200, 100, 300], [20, 30, 10])
+    slowed = simulate(spec, replace(cost, decode_corun_factor=2.0), arrivals, [200, 100, 300], [20, 30, 10])
+    assert [(r.first_token, r.second_token, r.finish) for r in slowed] == \
+        [(r.first_token, r.second_token, r.finish) for r in plain]
+
+
+def test_one_engine_per_tier_leaves_the_factor_out():
+    cost = model(prefill_intercept=0.3, decode_intercept=0.05, decode_corun_factor=1.5)
+    args = ([0.0, 0.1, 0.2, 0.4], [100] * 4, [30] * 4)
+    overlapped = simulate(ClusterSpec(1, 1), cost, *args)
+    tiers = simulate_tiers(ClusterSpec(1, 1), cost, *args)
+    plain = simulate(ClusterSpec(1, 1), replace(cost, decode_corun_factor=1.0), *args)
+    assert [r.finish for r in tiers] == pytest.approx([r.finish for r in plain])
+    assert overlapped[0].finish > plain[0].finish  # the whole cluster charges it
+
+
+def test_a_profile_without_the_factor_reads_as_one(model_factory):
+    profile = synthetic_profile(model_identity(model_factory()))
+    assert "decode_corun" not in profile.machine
+    assert profile.decode_corun_factor == 1.0
+    assert StepModel.from_profile(profile).decode_corun_factor == 1.0
+    measured = profile.model_copy(update={"machine": {**profile.machine, "decode_corun": {"factor": 1.25}}})
+    assert StepModel.from_profile(measured, decode_scale=2.0).decode_corun_factor == 1.25
