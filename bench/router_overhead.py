@@ -471,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-relay", action="store_true")
     parser.add_argument("--synthetic-engine", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.baseline_python and not os.access(args.baseline_python, os.X_OK):
+        parser.error(f"--baseline-python {args.baseline_python} is not an executable python: give the other "
+                     "checkout's interpreter, e.g. /path/to/checkout/.venv/bin/python")
     if args.synthetic_engine:
         synthetic_engine(text_tokens(args.model))
         return 0

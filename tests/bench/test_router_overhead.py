@@ -39,3 +39,10 @@ def test_router_overhead_measures_a_baseline_router_in_the_same_rounds():
     for title in ("baseline: the router of", "floor: the bare relay"):
         table = out.split(title, 1)[1]
         assert "| first token |" in table and "| end to end |" in table and "CPU time per request" in table, out
+
+
+def test_router_overhead_names_a_baseline_python_that_is_not_there():
+    result = subprocess.run([sys.executable, "-m", "pdserve.bench.router_overhead", "--baseline-python",
+                             "/nonexistent/python"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "is not an executable python" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
