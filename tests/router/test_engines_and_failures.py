@@ -146,8 +146,9 @@ def test_a_request_that_fails_after_the_engine_has_it_is_aborted_there(tiny_mode
                 for stream in (False, True):
                     response = await client.post("/v1/completions", json=completion(stream=stream))
                     assert "formatter broken on purpose" in assert_openai_error(response, 500)["message"]
+                # the engine's thread takes its messages on its own clock: wait for both requests, then both aborts
+                await wait_until(lambda: len(engine.generate_requests()) == 2, what="both requests at the engine")
                 sent = [request.request_id for request in engine.generate_requests()]
-                assert len(sent) == 2, "the engine had both requests before the failure"
                 await wait_until(lambda: sorted(engine.aborted) == sorted(sent), what="both aborted at the engine")
                 assert not engine.active and gateway.num_in_flight == 0
                 link, = gateway.registry.links.values()
