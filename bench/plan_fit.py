@@ -2,11 +2,12 @@
 machine, the raw points, and three least-squares fits with their errors.
 
     prefill step  = p0 + p_token * tokens + p_attention * sum(n * (n + 2 * cached))   (quadratic in length)
-    decode step   = d0 + d_seq * batch + d_context * total context tokens               (linear)
+    decode step   = d0 + d_seq * batch + d_context * context tokens attended            (linear)
     KV transfer   = latency + bytes * seconds_per_byte                                  (over the KV link)
 
 A chunk of n new tokens after `cached` computed ones attends to n * (n + 2 * cached) / 2 earlier pairs, so
-a single prompt of length L has the feature L^2: the papers' quadratic prefill.
+a single prompt of length L has the feature L^2: the papers' quadratic prefill. The context a decode step
+attends is the sum of its sequences' contexts, or batch x the longest where the backend pads (the CPU one).
 """
 
 from __future__ import annotations
@@ -81,7 +82,14 @@ class PrefillPoint(BaseModel):
 
 class DecodePoint(BaseModel):
     batch: int
-    context: int  # total tokens the batch attends to
+    context: int  # the sum of the batch's contexts
+    longest: int | None = None  # the longest context in the batch (None: all alike, context / batch)
+
+    def attended(self, pads_to_longest: bool) -> float:
+        """The context tokens the step's attention reads: batch x longest where the backend pads, else the sum."""
+        if pads_to_longest and self.longest is not None:
+            return float(self.batch * self.longest)
+        return float(self.context)
     seconds: float
     cpu_seconds: float
 
@@ -99,6 +107,10 @@ class EngineSettings(BaseModel):
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     num_kv_blocks: int = 23301  # 1 GiB of fp32 KV of the demo model: the CPU default
+    # The attention backend's decode reads every sequence padded to the step's longest context (the CPU
+    # backend), so a step's context term is batch x longest; else the sum of the contexts. Profiles written
+    # before this field were all taken on the CPU backend.
+    decode_pads_to_longest: bool = True
 
 
 class Profile(BaseModel):
@@ -187,8 +199,8 @@ def fit_prefill(points: list[PrefillPoint], clock: str = "wall") -> Fit:
     return least_squares(rows, [step_time(p, clock) for p in points], ["intercept", "tokens", "attention"])
 
 
-def fit_decode(points: list[DecodePoint], clock: str = "wall") -> Fit:
-    rows = [{"intercept": 1.0, "batch": p.batch, "context": p.context} for p in points]
+def fit_decode(points: list[DecodePoint], clock: str = "wall", pads_to_longest: bool = True) -> Fit:
+    rows = [{"intercept": 1.0, "batch": p.batch, "context": p.attended(pads_to_longest)} for p in points]
     return least_squares(rows, [step_time(p, clock) for p in points], ["intercept", "batch", "context"])
 
 
@@ -208,7 +220,8 @@ def build_profile(model: ModelIdentity, machine: dict, engine: EngineSettings, p
     if clock not in CLOCKS:
         raise ProfileError(f"clock {clock!r} is unknown: use one of {', '.join(CLOCKS)}")
     return Profile(model=model, machine=machine, engine=engine, prefill_points=prefill, decode_points=decode,
-                   transfer_points=transfer, prefill_fit=fit_prefill(prefill, clock), decode_fit=fit_decode(decode, clock),
+                   transfer_points=transfer, prefill_fit=fit_prefill(prefill, clock),
+                   decode_fit=fit_decode(decode, clock, engine.decode_pads_to_longest),
                    transfer_fit=fit_transfer(transfer, clock), clock=clock,
                    transfer_sender_cpu_per_byte=cpu_per_byte(transfer, "sender"),
                    transfer_receiver_cpu_per_byte=cpu_per_byte(transfer, "receiver"))

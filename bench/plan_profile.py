@@ -121,7 +121,8 @@ class EngineProbe:
         while self.engine.has_work():
             seconds, cpu_seconds, shapes = timed_step(self.engine)
             if shapes and all(n == 1 for n, _ in shapes) and len(shapes) == batch:
-                points.append(DecodePoint(batch=batch, context=sum(c + 1 for _, c in shapes), seconds=seconds,
+                points.append(DecodePoint(batch=batch, context=sum(c + 1 for _, c in shapes),
+                                          longest=max(c + 1 for _, c in shapes), seconds=seconds,
                                           cpu_seconds=cpu_seconds))
         return points
 
@@ -145,7 +146,8 @@ def measure_engine(args, model: str) -> tuple[list[PrefillPoint], list[DecodePoi
     runner = probe.engine.runner
     settings = EngineSettings(block_size=probe.engine.cache_config.block_size,
                               max_num_batched_tokens=args.max_num_batched_tokens,
-                              max_num_seqs=probe.engine.scheduler.config.max_num_seqs, num_kv_blocks=runner.num_blocks)
+                              max_num_seqs=probe.engine.scheduler.config.max_num_seqs, num_kv_blocks=runner.num_blocks,
+                              decode_pads_to_longest=runner.attn_backend.decode_pads_to_longest)
     return prefill, decode, settings, max_len
 
 

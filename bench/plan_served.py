@@ -118,5 +118,6 @@ def _point(driver, pid: int, batch: int, prompt_len: int, prompts: _Prompts, tag
     num_steps = SERVED_TOKENS - 1
     cpu_per_step = (process_cpu_s(pid) - cpu_at_first) / num_steps
     gaps = [b - a for stamps in times.values() for a, b in itertools.pairwise(stamps[1:])]  # after the first token
-    context = batch * (prompt_len + SERVED_TOKENS // 2)
-    return DecodePoint(batch=batch, context=context, seconds=statistics.median(gaps), cpu_seconds=cpu_per_step)
+    context = prompt_len + SERVED_TOKENS // 2  # each sequence's, mid-way through the timed steps
+    return DecodePoint(batch=batch, context=batch * context, longest=context, seconds=statistics.median(gaps),
+                       cpu_seconds=cpu_per_step)

@@ -60,6 +60,7 @@ class StepModel:
     sender_cpu_per_byte: float = 0.0
     receiver_cpu_per_byte: float = 0.0
     decode_corun_factor: float = 1.0  # a decode step's slow-down while another engine on the host computes a prefill
+    decode_pads_to_longest: bool = False  # the decode context term counts batch x the longest context (CPU backend)
 
     @classmethod
     def from_profile(cls, profile: Profile, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> StepModel:
@@ -70,7 +71,8 @@ class StepModel:
         return cls(p["intercept"] * prefill_scale, p["tokens"] * prefill_scale, p["attention"] * prefill_scale,
                    d["intercept"] * decode_scale, d["batch"] * decode_scale, d["context"] * decode_scale,
                    max(t["intercept"], 0.0), t["bytes"], profile.transfer_sender_cpu_per_byte,
-                   profile.transfer_receiver_cpu_per_byte, profile.decode_corun_factor)
+                   profile.transfer_receiver_cpu_per_byte, profile.decode_corun_factor,
+                   profile.engine.decode_pads_to_longest)
 
     def step_seconds(self, num_decodes: int, context: int, prefill_tokens: int, attention: float,
                      slowed: bool = False) -> float:
@@ -244,6 +246,7 @@ class SimEngine:
         self._finishes: list[tuple[int, int, SimRequest]] = []  # (finish clock, index, request)
         self.clock = 0
         self._context_base = 0  # sum over decoding of (tokens at join - clock at join)
+        self._longest: list[tuple[int, int]] = []  # max-heap of (-(tokens at join - clock at join), index), lazy
         self.fixed_tokens = 0  # KV of prefilling requests, requests waiting for KV, prompts held for a transfer
         self.waiting_tokens = 0  # prompt tokens not yet admitted (the router counts them as pending)
         self.queued_tokens = 0  # prompt tokens not yet computed (waiting and prefilling)
@@ -274,6 +277,16 @@ class SimEngine:
 
     def context_tokens(self) -> int:
         return self._context_base + len(self.decoding) * self.clock
+
+    def attended_tokens(self) -> int:
+        """The context the next decode step's attention reads: the sum of the contexts, or batch x the longest
+        where the backend pads (StepModel.decode_pads_to_longest). Both grow by the batch size per step."""
+        if not self.model.decode_pads_to_longest or not self.decoding:
+            return self.context_tokens()
+        longest = self._longest
+        while self.decoding.get(longest[0][1]) is None or _join_key(self.decoding[longest[0][1]]) != -longest[0][0]:
+            heapq.heappop(longest)  # left decoding (or rejoined under another key) since it was pushed
+        return len(self.decoding) * (self.clock - longest[0][0])
 
     def used_tokens(self) -> int:
         return self.fixed_tokens + self.context_tokens()
@@ -382,7 +395,7 @@ class SimEngine:
             return
         tokens = sum(n for _, n in chunks)
         attention = sum(n * (n + 2 * r.num_computed) for r, n in chunks)
-        seconds = self.model.step_seconds(num_decodes, self.context_tokens(), tokens, attention,
+        seconds = self.model.step_seconds(num_decodes, self.attended_tokens(), tokens, attention,
                                           self.cluster.corun and self.cluster.others_prefilling(self))
         if self._second_pending:
             self._second_token_at(now + seconds)
@@ -481,6 +494,8 @@ class SimEngine:
         if request.second_token is None:
             self._second_pending.append(request)
         self._context_base += request.prompt_len + num_generated - self.clock
+        if self.model.decode_pads_to_longest:
+            heapq.heappush(self._longest, (-_join_key(request), request.index))
         heapq.heappush(self._finishes, (self.clock + request.output_len - num_generated, request.index, request))
 
     def _leave_decoding(self, request: SimRequest) -> None:
@@ -528,7 +543,7 @@ class SimEngine:
         room = (self.capacity - self.used_tokens()) // batch
         num_steps = max(1, min(self._finishes[0][0] - self.clock, room))
         slowed = self.cluster.corun and self.cluster.others_prefilling(self)  # a change cuts the run (SimCluster)
-        first = self.model.step_seconds(batch, self.context_tokens(), 0, 0.0, slowed)
+        first = self.model.step_seconds(batch, self.attended_tokens(), 0, 0.0, slowed)
         growth = self.model.decode_per_context * batch  # each step attends to one more token per request
         if slowed:
             growth *= self.model.decode_corun_factor
@@ -597,6 +612,11 @@ class SimEngine:
         self.clock += num_steps
         self._finish_due(self.env.now)
         self.iterate()
+
+
+def _join_key(request: SimRequest) -> int:
+    """A decoding request's context minus its engine's clock: constant while it decodes."""
+    return request.prompt_len + request.num_generated - request.join_clock
 
 
 def _run_seconds(num_steps: int, first: float, growth: float) -> float:

@@ -22,6 +22,9 @@ class AttentionBackend(ABC, Generic[MetadataT]):
 
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool]  # a captured decode step replays correctly
+    # A decode step reads every sequence's KV padded to the step's longest context: its attention costs
+    # batch x longest, not the sum of the contexts (what `pdserve profile` records for the planner).
+    decode_pads_to_longest: ClassVar[bool] = False
 
     @abstractmethod
     def prepare(self, context: ForwardContext) -> MetadataT:

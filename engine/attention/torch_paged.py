@@ -22,6 +22,7 @@ class TorchPagedMetadata:
 class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
     name = "torch-paged"
     supports_cuda_graphs = False  # the plans read sequence lengths on the host
+    decode_pads_to_longest = True  # one SDPA over [S, kv_heads, longest, head_dim] (kernels.torch_paged)
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size

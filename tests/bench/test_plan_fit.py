@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.plan_fit import ProfileError, fit_decode, load_profile, model_identity
+from pdserve.bench.plan_fit import DecodePoint, ProfileError, fit_decode, load_profile, model_identity
 from tests.bench.plan_helpers import DECODE, PREFILL, TRANSFER, synthetic_profile
 
 
@@ -34,6 +34,19 @@ def test_a_term_that_fits_below_zero_is_dropped(identity):
     fit = fit_decode(flat)
     assert fit.coefficients["context"] == 0.0
     assert all(value >= 0 for value in fit.coefficients.values())
+
+
+def test_the_decode_fit_reads_the_context_the_backend_attends():
+    """Steps of mixed lengths timed on a padding backend (batch x longest): the padded feature recovers the
+    coefficients exactly; the sum of the contexts cannot."""
+    shapes = [(1, 20, 20), (4, 100, 40), (8, 1200, 400), (16, 3000, 500), (2, 600, 550), (32, 4000, 300)]
+    points = [DecodePoint(batch=b, context=total, longest=longest, seconds=DECODE["intercept"] + DECODE["batch"] * b
+                          + DECODE["context"] * b * longest, cpu_seconds=0.0) for b, total, longest in shapes]
+    padded, summed = fit_decode(points, pads_to_longest=True), fit_decode(points, pads_to_longest=False)
+    assert padded.coefficients == pytest.approx(DECODE, rel=1e-6)
+    assert summed.coefficients != pytest.approx(DECODE, rel=0.1) and summed.mean_relative_error > 0.005
+    uniform = DecodePoint(batch=4, context=400, seconds=1.0, cpu_seconds=1.0)  # no longest: all alike
+    assert uniform.attended(True) == uniform.attended(False) == 400
 
 
 def test_a_profile_of_another_model_is_refused(identity, model_factory):

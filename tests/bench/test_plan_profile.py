@@ -35,6 +35,8 @@ def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_pat
     assert profile.model == model_identity(model)
     assert profile.machine["pinned_core"] is not None and profile.machine["torch"]
     assert {p.batch for p in profile.decode_points} >= {1, 4}
+    assert profile.engine.decode_pads_to_longest  # the CPU backend's decode reads batch x the longest context
+    assert all(p.longest * p.batch == p.context for p in profile.decode_points)  # uniform batches
     assert any(p.batch > 1 for p in profile.prefill_points)
     assert all(p.seconds > 0 and p.cpu_seconds > 0 for p in profile.prefill_points + profile.decode_points)
     assert [p.bytes for p in profile.transfer_points] == [1 << 20, 2 << 20]
@@ -57,7 +59,8 @@ def test_served_decode_points_time_a_real_engine_process(model_factory):
 
     with served_engine(model_factory(), min(os.sched_getaffinity(0)), max_num_batched_tokens=64) as session:
         points = served_decode_points(session, [(1, 8), (3, 8)])
-    assert [(p.batch, p.context) for p in points] == [(1, 8 + SERVED_TOKENS // 2), (3, 3 * (8 + SERVED_TOKENS // 2))]
+    assert [(p.batch, p.context, p.longest) for p in points] == [(1, 8 + SERVED_TOKENS // 2, 8 + SERVED_TOKENS // 2),
+                                                                 (3, 3 * (8 + SERVED_TOKENS // 2), 8 + SERVED_TOKENS // 2)]
     assert all(p.seconds > 0 and p.cpu_seconds >= 0 for p in points)
 
 

@@ -46,6 +46,21 @@ def test_decode_steps_grow_with_the_context_in_closed_form():
     assert requests[0].finish == pytest.approx(expected, rel=1e-9)
 
 
+@pytest.mark.parametrize("pads", [True, False])
+def test_a_padding_backend_pays_for_the_longest_context_until_it_leaves(pads):
+    """Prompts of 300 and 100 tokens decode together for 9 steps; then the long one is done. A padding backend's
+    steps read 2 x the longest context while both decode, and the short one's own once the long one left."""
+    d0, per_seq, per_context = 0.02, 0.001, 1e-5
+    step_model = model(decode_intercept=d0, decode_per_seq=per_seq, decode_per_context=per_context,
+                       decode_pads_to_longest=pads)
+    long_request, short_request = simulate(ClusterSpec(0, 1), step_model, [0.0, 0.0], [300, 100], [10, 30])
+    together = [2 * (301 + j) if pads else (301 + j) + (101 + j) for j in range(9)]
+    alone = [101 + j for j in range(9, 29)]
+    assert long_request.finish == pytest.approx(sum(d0 + 2 * per_seq + per_context * c for c in together), rel=1e-9)
+    assert short_request.finish == pytest.approx(long_request.finish + sum(d0 + per_seq + per_context * c
+                                                                            for c in alone), rel=1e-9)
+
+
 def test_an_arrival_in_a_decode_run_joins_at_the_next_step_boundary():
     step = 0.05
     requests = simulate(ClusterSpec(0, 1), model(decode_intercept=step), [0.0, 0.123], [16, 16], [20, 5])
