@@ -19,6 +19,7 @@ from pdserve.bench.plan_error_pieces import PIECE_TITLES, PIECES, attainment_wit
 from pdserve.bench.plan_fit import Profile, model_identity
 from pdserve.bench.plan_metrics import predicted_metrics
 from pdserve.bench.plan_recommend import PlanSettings, simulate_split
+from pdserve.bench.plan_sampling import sampling_floor_pp
 from pdserve.bench.plan_simulator import ClusterSpec, SimRequest, StepModel, simulate
 from pdserve.bench.plan_workload import Workload
 from pdserve.bench.sweep_results import ATTAINMENT_TARGET, request_latencies_ms, slo_attainment
@@ -186,6 +187,7 @@ def summarize_errors(rows: list[dict]) -> dict:
                       if r[f"measured_{key}"] and r[f"predicted_{key}"]]
                 for key in (*COMPARED, FIRST_ITL)}
     summary = {"num_points": len(rows), "attainment_mae_pp": mae,
+               "attainment_sampling_floor_pp": sampling_floor_pp(rows),
                **{f"{key}_mean_relative_error": float(np.mean(v)) for key, v in relative.items() if v},
                **{f"{key}_within_15pct": sum(e <= GOAL_P50_RELATIVE for e in v) for key, v in relative.items() if v}}
     summary["attainment_mae_pp_with_measured"] = mae_with_measured(with_slo)
@@ -253,6 +255,9 @@ def print_summary(summary: dict) -> None:
     mae = summary["attainment_mae_pp"]
     print(f"\n{summary['num_points']} points; SLO attainment MAE "
           + ("-" if mae is None else f"{mae:.1f} pp (goal <= {GOAL_ATTAINMENT_MAE_PP:g})"))
+    if summary["attainment_sampling_floor_pp"] is not None:
+        print(f"  an exact simulator would still be {summary['attainment_sampling_floor_pp']:.1f} pp off on average: "
+              "each point's attainment is a sample of its requests (binomial)")
     pieces = summary["attainment_mae_pp_with_measured"]
     if pieces:
         print("  attainment MAE with one piece of every request measured instead of predicted: "

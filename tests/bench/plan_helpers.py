@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pdserve.bench.plan_fit import (
     DecodePoint,
     EngineSettings,
@@ -11,6 +13,8 @@ from pdserve.bench.plan_fit import (
     TransferPoint,
     build_profile,
 )
+from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate
+from pdserve.bench.plan_workload import random_workload
 
 PREFILL = {"intercept": 0.01, "tokens": 2e-4, "attention": 3e-8}
 DECODE = {"intercept": 0.02, "batch": 1e-3, "context": 2e-6}
@@ -39,3 +43,33 @@ def synthetic_profile(identity: ModelIdentity, noise: float = 0.0) -> Profile:
                                       receiver_cpu_s=seconds / 3))
     machine = {"cpu": "synthetic", "cores": 1, "device": "cpu"}
     return build_profile(identity, machine, EngineSettings(num_kv_blocks=4096), prefill, decode, transfer)
+
+
+def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0, later_shift: float = 0.0) -> None:
+    """A sweep directory in `pdserve sweep`'s run format whose 'measured' arrays are the simulator's own
+    prediction (times 1 + shift; the ITLs after the first also times 1 + later_shift), so a replay must find
+    them again."""
+    runs = sweep_dir / "runs"
+    runs.mkdir(parents=True)
+    workload = random_workload(30, 200, 20, range_ratio=0.3, seed=0)
+    for config, (x, y) in (("1P1D", (1, 1)), ("0P2D", (0, 2))):
+        for rate in (2.0, 6.0):
+            spec = ClusterSpec(x, y, profile.engine, profile.model.kv_bytes_per_token)
+            done = simulate(spec, StepModel.from_profile(profile), workload.arrivals(rate, seed=0),
+                            workload.prompt_lens, workload.output_lens)
+            run = {"model_id": str(model_dir), "config": config, "request_rate": rate, "burstiness": 1.0, "seed": 0,
+                   "max_concurrency": None, "goodput": {"ttft": 300.0, "tpot": 40.0},
+                   "sweep": {"config": config, "num_prefill": x, "num_decode": y, "num_engines": x + y},
+                   "input_lens": workload.prompt_lens, "output_lens": workload.output_lens,
+                   "ttfts": [r.ttft * (1 + shift) for r in done], "errors": [""] * len(done),
+                   "itls": [[itl * (1 + shift) * (1 + later_shift * (k > 0)) for k, itl in enumerate(simulated_itls(r))]
+                            for r in done]}
+            run["e2els"] = [ttft + sum(itls) for ttft, itls in zip(run["ttfts"], run["itls"])]
+            (runs / f"{config}_rate{rate}.json").write_text(json.dumps(run))
+
+
+def simulated_itls(request) -> list[float]:
+    """A simulated request's ITLs as bench writes them: its first ITL, then the rest of its decode evenly."""
+    rest = request.output_len - 2
+    later = [(request.finish - request.second_token) / rest] * rest if rest > 0 else []
+    return [request.first_itl, *later] if request.first_itl is not None else []

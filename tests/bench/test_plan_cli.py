@@ -8,10 +8,10 @@ import pytest
 
 from pdserve.bench.plan_error_pieces import PIECES
 from pdserve.bench.plan_fit import model_identity
+from pdserve.bench.plan_sampling import expected_sampling_error
 from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate
-from pdserve.bench.plan_workload import random_workload
 from pdserve.cli import main
-from tests.bench.plan_helpers import synthetic_profile
+from tests.bench.plan_helpers import synthetic_profile, write_sweep
 
 
 @pytest.fixture
@@ -71,36 +71,6 @@ def test_a_profile_of_another_model_is_refused(profile_path, tmp_path, capsys, m
     assert "another model" in capsys.readouterr().err
 
 
-def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0, later_shift: float = 0.0) -> None:
-    """A sweep directory in `pdserve sweep`'s run format whose 'measured' arrays are the simulator's own
-    prediction (times 1 + shift; the ITLs after the first also times 1 + later_shift), so a replay must find
-    them again."""
-    runs = sweep_dir / "runs"
-    runs.mkdir(parents=True)
-    workload = random_workload(30, 200, 20, range_ratio=0.3, seed=0)
-    for config, (x, y) in (("1P1D", (1, 1)), ("0P2D", (0, 2))):
-        for rate in (2.0, 6.0):
-            spec = ClusterSpec(x, y, profile.engine, profile.model.kv_bytes_per_token)
-            done = simulate(spec, StepModel.from_profile(profile), workload.arrivals(rate, seed=0),
-                            workload.prompt_lens, workload.output_lens)
-            run = {"model_id": str(model_dir), "config": config, "request_rate": rate, "burstiness": 1.0, "seed": 0,
-                   "max_concurrency": None, "goodput": {"ttft": 300.0, "tpot": 40.0},
-                   "sweep": {"config": config, "num_prefill": x, "num_decode": y, "num_engines": x + y},
-                   "input_lens": workload.prompt_lens, "output_lens": workload.output_lens,
-                   "ttfts": [r.ttft * (1 + shift) for r in done], "errors": [""] * len(done),
-                   "itls": [[itl * (1 + shift) * (1 + later_shift * (k > 0)) for k, itl in enumerate(simulated_itls(r))]
-                            for r in done]}
-            run["e2els"] = [ttft + sum(itls) for ttft, itls in zip(run["ttfts"], run["itls"])]
-            (runs / f"{config}_rate{rate}.json").write_text(json.dumps(run))
-
-
-def simulated_itls(request) -> list[float]:
-    """A simulated request's ITLs as bench writes them: its first ITL, then the rest of its decode evenly."""
-    rest = request.output_len - 2
-    later = [(request.finish - request.second_token) / rest] * rest if rest > 0 else []
-    return [request.first_itl, *later] if request.first_itl is not None else []
-
-
 def test_validate_replays_a_sweep_and_finds_its_own_predictions(profile_path, tmp_path, tiny_model):
     from pdserve.bench.plan_fit import load_profile
 
@@ -115,6 +85,8 @@ def test_validate_replays_a_sweep_and_finds_its_own_predictions(profile_path, tm
     assert summary["median_ttft_ms_mean_relative_error"] == pytest.approx(0.0, abs=1e-9)
     assert summary["median_first_itl_ms_mean_relative_error"] == pytest.approx(0.0, abs=1e-9)
     assert summary["attainment_mae_pp_with_measured"] == pytest.approx(dict.fromkeys(PIECES, 0.0), abs=1e-9)
+    floors = [expected_sampling_error(p["num_requests"], p["predicted_slo_attainment"]) for p in result["points"]]
+    assert summary["attainment_sampling_floor_pp"] == pytest.approx(100 * sum(floors) / len(floors))
     assert all(group["agrees"] for group in summary["goodput"])
     assert (out / "validation.png").stat().st_size > 0
 
