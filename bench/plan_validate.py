@@ -21,6 +21,7 @@ from pdserve.bench.plan_metrics import predicted_metrics
 from pdserve.bench.plan_recommend import PlanSettings, simulate_split
 from pdserve.bench.plan_sampling import sampling_floor_pp
 from pdserve.bench.plan_simulator import ClusterSpec, SimRequest, StepModel, simulate
+from pdserve.bench.plan_step_check import step_ratio
 from pdserve.bench.plan_workload import Workload
 from pdserve.bench.sweep_results import ATTAINMENT_TARGET, request_latencies_ms, slo_attainment
 
@@ -34,7 +35,8 @@ COLUMNS = (("config", "config", "{}"), ("request_rate", "rate", "{:g}"),
            *[(f"{side}_{key}", f"{key.replace('_ms', '').replace('median', 'p50')} {'meas' if side == 'measured' else 'pred'}",
               "{:.0f}" if "ttft" in key else "{:.1f}") for key in COMPARED for side in ("measured", "predicted")],
            *[(f"{side}_{FIRST_ITL}", f"p50_itl1 {'meas' if side == 'measured' else 'pred'}", "{:.0f}")
-             for side in ("measured", "predicted")])
+             for side in ("measured", "predicted")],
+           ("measured_step_ratio", "step meas/prof", "{:.2f}"))
 
 
 def load_runs(sweep_dir: Path) -> list[dict]:
@@ -170,6 +172,8 @@ def replay(run: dict, profile: Profile, args: argparse.Namespace) -> dict:
     for key in ("slo_attainment", *COMPARED, FIRST_ITL):
         row[f"measured_{key}"], row[f"predicted_{key}"] = measured[key], predicted[key]
     row["slo_attainment_with_measured"] = attainment_with_measured(run, requests, slos)
+    row["measured_step_ratio"] = step_ratio(run, settings.model, int(sweep["num_decode"]) if sweep["num_prefill"]
+                                            else int(sweep["num_engines"]))
     return row
 
 
@@ -191,6 +195,8 @@ def summarize_errors(rows: list[dict]) -> dict:
                **{f"{key}_mean_relative_error": float(np.mean(v)) for key, v in relative.items() if v},
                **{f"{key}_within_15pct": sum(e <= GOAL_P50_RELATIVE for e in v) for key, v in relative.items() if v}}
     summary["attainment_mae_pp_with_measured"] = mae_with_measured(with_slo)
+    ratios = [r["measured_step_ratio"] for r in rows if r["measured_step_ratio"] is not None]
+    summary["step_ratio_range"] = [min(ratios), max(ratios)] if ratios else None
     summary["goodput"] = goodput_agreement(rows)
     return summary
 
@@ -266,6 +272,10 @@ def print_summary(summary: dict) -> None:
         if f"{key}_mean_relative_error" in summary:
             print(f"  {key}: mean |error| {summary[f'{key}_mean_relative_error']:.0%}, "
                   f"{summary[f'{key}_within_15pct']}/{summary['num_points']} within 15%")
+    if summary["step_ratio_range"]:
+        low, high = summary["step_ratio_range"]
+        print(f"  decode steps under load against the profile's step for their batch (plan_step_check.py): "
+              f"x{low:.2f} to x{high:.2f} (the machine's drift and the step model's error)")
     for group in summary["goodput"]:
         print(f"  goodput measured {group['measured']} predicted {group['predicted']}: best "
               f"{group['measured_best']} vs {group['predicted_best']}"
