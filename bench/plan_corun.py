@@ -1,7 +1,9 @@
 """`pdserve profile`'s co-run step (CPU, two cores or more): the served engine's decode steps timed alone, then
-while a second process pinned to another core computes prompts of the same model in a loop, alternated a few
-times. The ratio of the medians is the profile's decode_corun_factor (machine["decode_corun"]): how much slower a
-decode step is while another engine of the host computes a prefill (docs/planning.md)."""
+while a second process pinned to another core works with the same model in a loop, alternated a few times. The
+second process either computes prompts, or runs decode steps of a batch that keeps going. The ratios of the
+medians are the profile's decode_corun_factor (machine["decode_corun"]["factor"]) and its
+decode_beside_decode_factor (machine["decode_corun"]["beside_decode"]["factor"]): how much slower a decode step
+is while another engine of the host computes a prefill, or decodes (docs/planning.md)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ from pdserve.bench.plan_served import served_decode_points
 CORUN_SHAPES = [(1, 16), (8, 16)]  # (batch, prompt length) of the decode steps timed: batch 1 and a mid batch
 CORUN_REPEATS = 3  # alone / co-run alternations
 QUICK_CORUN_SHAPES = [(1, 16), (2, 16)]
-LOOP_START_S = 120.0  # the prefill process's start (torch import, model load) and its first prompt
+LOOP_START_S = 120.0  # the other process's start (torch import, model load) and its first prompt
 PAUSE_S = 30.0  # the longest a prompt under way may take to finish when the loop is paused
+PREFILL, DECODE = "prefill", "decode"  # what the other process does in its loop
+DECODE_LOOP_BATCH, DECODE_LOOP_PROMPT, DECODE_LOOP_TOKENS = 8, 64, 256  # its batch, renewed as it finishes
 
 
 def other_core(core: int, allowed: set[int]) -> int | None:
@@ -29,15 +33,15 @@ def other_core(core: int, allowed: set[int]) -> int | None:
 
 
 def measure_decode_corun(session: tuple, model: str, core: int, max_num_batched_tokens: int, prompt_len: int,
-                         shapes: list[tuple[int, int]], repeats: int) -> dict:
-    """The served engine's decode steps per batch, alone and with prompts computed on `core` meanwhile: each
-    side's median CPU and wall seconds per step, their ratio, and the factor (the mean of the batches' CPU ratios:
-    the profile's clock on CPU)."""
+                         shapes: list[tuple[int, int]], repeats: int, kind: str = PREFILL) -> dict:
+    """The served engine's decode steps per batch, alone and with prompts computed (kind PREFILL) or decode steps
+    run (DECODE) on `core` meanwhile: each side's median CPU and wall seconds per step, their ratio, and the factor
+    (the mean of the batches' CPU ratios: the profile's clock on CPU)."""
     started = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                "load_average": list(os.getloadavg())}
     alone: dict[int, list] = {batch: [] for batch, _ in shapes}
     corun: dict[int, list] = {batch: [] for batch, _ in shapes}
-    with prefill_loop(model, core, max_num_batched_tokens, prompt_len) as loop:
+    with busy_loop(kind, model, core, max_num_batched_tokens, prompt_len) as loop:
         for _ in range(repeats):
             for side, running in ((alone, False), (corun, True)):
                 loop.run(running)
@@ -52,12 +56,15 @@ def measure_decode_corun(session: tuple, model: str, core: int, max_num_batched_
             row |= {f"alone_{clock}_s": alone_s, f"corun_{clock}_s": corun_s, f"{clock}_ratio": corun_s / alone_s}
         batches[str(batch)] = row
     factor = statistics.fmean(row["cpu_ratio"] for row in batches.values())
-    return {"factor": factor, "clock": "cpu", "batches": batches, "prefill_prompt_len": prompt_len,
-            "prefill_core": core, "repeats": repeats, **started}
+    loop_shape = ({"prefill_prompt_len": prompt_len} if kind == PREFILL else
+                  {"decode_batch": DECODE_LOOP_BATCH, "decode_prompt_len": DECODE_LOOP_PROMPT,
+                   "decode_tokens": DECODE_LOOP_TOKENS})
+    return {"factor": factor, "clock": "cpu", "batches": batches, **loop_shape, f"{kind}_core": core,
+            "repeats": repeats, **started}
 
 
-class PrefillLoop:
-    """The other process's switch: run(True) returns once it computes prompts, run(False) once it is idle."""
+class BusyLoop:
+    """The other process's switch: run(True) returns once it works, run(False) once it is idle."""
 
     def __init__(self, go, busy, process) -> None:
         self.go, self.busy, self.process = go, busy, process
@@ -67,22 +74,22 @@ class PrefillLoop:
         deadline = time.monotonic() + (LOOP_START_S if running else PAUSE_S)
         while self.busy.is_set() != running:
             if not self.process.is_alive():
-                raise RuntimeError(f"the co-run prefill process exited ({self.process.exitcode}); its error is above")
+                raise RuntimeError(f"the co-run process exited ({self.process.exitcode}); its error is above")
             if time.monotonic() > deadline:
-                raise RuntimeError("the co-run prefill process did not answer in time: run `pdserve profile` on a "
+                raise RuntimeError("the co-run process did not answer in time: run `pdserve profile` on a "
                                    "quieter machine, or skip the step with --no-corun")
             time.sleep(0.02)
 
 
 @contextlib.contextmanager
-def prefill_loop(model: str, core: int, max_num_batched_tokens: int, prompt_len: int) -> Iterator[PrefillLoop]:
+def busy_loop(kind: str, model: str, core: int, max_num_batched_tokens: int, prompt_len: int) -> Iterator[BusyLoop]:
     ctx = mp.get_context("spawn")
     go, busy, stop = ctx.Event(), ctx.Event(), ctx.Event()
-    process = ctx.Process(target=_compute_prompts, args=(model, core, max_num_batched_tokens, prompt_len, go, busy,
-                                                         stop), name="corun-prefill", daemon=True)
+    process = ctx.Process(target=_work, args=(kind, model, core, max_num_batched_tokens, prompt_len, go, busy, stop),
+                          name=f"corun-{kind}", daemon=True)
     process.start()
     try:
-        yield PrefillLoop(go, busy, process)
+        yield BusyLoop(go, busy, process)
     finally:
         stop.set()
         go.set()  # wakes it if idle
@@ -92,9 +99,10 @@ def prefill_loop(model: str, core: int, max_num_batched_tokens: int, prompt_len:
             process.join()
 
 
-def _compute_prompts(model: str, core: int, max_num_batched_tokens: int, prompt_len: int, go, busy, stop) -> None:
-    """In the other process, pinned to `core` with one thread: fresh prompts of prompt_len, one after another,
-    while `go` is set; `busy` says whether it computes."""
+def _work(kind: str, model: str, core: int, max_num_batched_tokens: int, prompt_len: int, go, busy, stop) -> None:
+    """In the other process, pinned to `core` with one thread, while `go` is set: PREFILL, fresh prompts of
+    prompt_len one after another; DECODE, steps of a batch of DECODE_LOOP_BATCH requests, each one replaced by a
+    fresh one when it finishes (its prompt takes a step of its own). `busy` says whether it works."""
     from pdserve.bench.plan_profile import EngineProbe, one_core
 
     with one_core(core):
@@ -102,9 +110,15 @@ def _compute_prompts(model: str, core: int, max_num_batched_tokens: int, prompt_
         prompt_len = min(prompt_len, probe.llm.model_config.max_model_len - 1)
         probe.prefill_points(16, 1)  # warm-up
         while not stop.is_set():
-            if go.is_set():
-                busy.set()
-                probe.prefill_points(prompt_len, 1)
-            else:
+            if not go.is_set():
                 busy.clear()
                 go.wait(0.05)
+                continue
+            busy.set()
+            if kind == PREFILL:
+                probe.prefill_points(prompt_len, 1)
+                continue
+            for _ in range(DECODE_LOOP_BATCH - probe.engine.scheduler.num_unfinished()):
+                probe.add(DECODE_LOOP_PROMPT, DECODE_LOOP_TOKENS)
+            probe.engine.step()
+        probe.drain()

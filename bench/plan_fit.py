@@ -135,6 +135,13 @@ class Profile(BaseModel):
         (machine["decode_corun"], measured by `pdserve profile` on CPU); 1.0 for a profile without it."""
         return float((self.machine.get("decode_corun") or {}).get("factor", 1.0))
 
+    @property
+    def decode_beside_decode_factor(self) -> float:
+        """A decode step's time while another engine of the host runs decode steps, over its time alone
+        (machine["decode_corun"]["beside_decode"]); 1.0 for a profile without it."""
+        beside = (self.machine.get("decode_corun") or {}).get("beside_decode") or {}
+        return float(beside.get("factor", 1.0))
+
     def check_model(self, identity: ModelIdentity, where: str) -> None:
         differences = self.model.differences(identity)
         if differences:

@@ -174,11 +174,13 @@ def measure_served(args, model: str, core: int, machine: dict, max_len: int) -> 
 
 
 def measure_corun(args, model: str, core: int, session: tuple, prompt_len: int, max_num_batched_tokens: int) -> dict:
-    """The served engine's decode steps alone and beside prompts computed on another core (plan_corun.py); on
-    one core, or with --no-corun, factor 1.0 and why."""
+    """The served engine's decode steps alone, beside prompts computed on another core, and beside decode steps
+    run there (plan_corun.py); on one core, or with --no-corun, factor 1.0 and why."""
     from pdserve.bench.plan_corun import (
         CORUN_REPEATS,
         CORUN_SHAPES,
+        DECODE,
+        PREFILL,
         QUICK_CORUN_SHAPES,
         measure_decode_corun,
         other_core,
@@ -191,7 +193,10 @@ def measure_corun(args, model: str, core: int, session: tuple, prompt_len: int, 
         print("  co-run factor skipped: one core, no other engine can share this host (factor 1.0)")
         return {"factor": 1.0, "skipped": "one core: no second core to compute prompts on"}
     shapes, repeats = (QUICK_CORUN_SHAPES, 1) if args.quick else (CORUN_SHAPES, CORUN_REPEATS)
-    return measure_decode_corun(session, model, second, max_num_batched_tokens, prompt_len, shapes, repeats)
+    corun = measure_decode_corun(session, model, second, max_num_batched_tokens, prompt_len, shapes, repeats, PREFILL)
+    corun["beside_decode"] = measure_decode_corun(session, model, second, max_num_batched_tokens, prompt_len, shapes,
+                                                  repeats, DECODE)
+    return corun
 
 
 def measure_transfer(sizes_mib: list[int], num_requests: int) -> list[TransferPoint]:
@@ -271,7 +276,8 @@ def add_corun(args: argparse.Namespace, model: str, identity: ModelIdentity) -> 
     profile = profile.model_copy(update={"machine": machine})
     Path(args.out).write_text(profile.model_dump_json(indent=1))
     print(f"co-run step in {time.perf_counter() - started:.0f} s: {args.add_corun_to} with decode_corun_factor "
-          f"{profile.decode_corun_factor:.3f} -> {args.out}")
+          f"{profile.decode_corun_factor:.3f}, decode_beside_decode_factor {profile.decode_beside_decode_factor:.3f} "
+          f"-> {args.out}")
     return 0
 
 
@@ -294,6 +300,11 @@ def print_fits(profile: Profile, seconds: float, out: str) -> None:
         ratios = ", ".join(f"batch {batch} x{row['cpu_ratio']:.2f}" for batch, row in corun["batches"].items())
         print(f"  co-run: decode steps beside prompts on core {corun['prefill_core']}: {ratios}; factor "
               f"{corun['factor']:.2f}")
+        beside = corun.get("beside_decode")
+        if beside is not None:
+            ratios = ", ".join(f"batch {batch} x{row['cpu_ratio']:.2f}" for batch, row in beside["batches"].items())
+            print(f"  co-run: decode steps beside decode steps on core {beside['decode_core']}: {ratios}; factor "
+                  f"{beside['factor']:.2f}")
     print(f"  KV link CPU: sender {profile.transfer_sender_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB, receiver "
           f"{profile.transfer_receiver_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB")
 

@@ -43,6 +43,7 @@ except ImportError as exc:  # an extra of the bench tools
 from pdserve.bench.plan_fit import EngineSettings, Profile
 
 PREFILL_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+IDLE, DECODING, PREFILLING = "idle", "decoding", "prefilling"  # an engine's step under way (the co-run factors)
 DECODE_POLICIES = ("round_robin", "least_kv")
 
 
@@ -60,6 +61,7 @@ class StepModel:
     sender_cpu_per_byte: float = 0.0
     receiver_cpu_per_byte: float = 0.0
     decode_corun_factor: float = 1.0  # a decode step's slow-down while another engine on the host computes a prefill
+    decode_beside_decode_factor: float = 1.0  # ... while another engine on the host runs decode steps
     decode_pads_to_longest: bool = False  # the decode context term counts batch x the longest context (CPU backend)
 
     @classmethod
@@ -72,16 +74,16 @@ class StepModel:
                    d["intercept"] * decode_scale, d["batch"] * decode_scale, d["context"] * decode_scale,
                    max(t["intercept"], 0.0), t["bytes"], profile.transfer_sender_cpu_per_byte,
                    profile.transfer_receiver_cpu_per_byte, profile.decode_corun_factor,
-                   profile.engine.decode_pads_to_longest)
+                   profile.decode_beside_decode_factor, profile.engine.decode_pads_to_longest)
 
     def step_seconds(self, num_decodes: int, context: int, prefill_tokens: int, attention: float,
-                     slowed: bool = False) -> float:
-        """slowed: another engine of the host computes a prefill, the decode part takes decode_corun_factor times
-        as long (the prompt chunks' part does not change)."""
+                     slowdown: float = 1.0) -> float:
+        """slowdown: the decode part takes that many times as long (other engines of the host at work beside it:
+        SimCluster.slowdown); the prompt chunks' part does not change."""
         chunks = self.prefill_per_token * prefill_tokens + self.prefill_per_attention * attention
         if num_decodes:
             decode = self.decode_intercept + self.decode_per_seq * num_decodes + self.decode_per_context * context
-            return (decode * self.decode_corun_factor if slowed else decode) + chunks
+            return decode * slowdown + chunks
         return self.prefill_intercept + chunks
 
 
@@ -256,7 +258,7 @@ class SimEngine:
         self._second_pending: list[SimRequest] = []  # joined decoding with one token: the next step makes the second
         self.cpu_debt = 0.0  # transfer CPU taken from this engine's core, paid before its next step
         self.busy = False
-        self.computing_prefill = False  # its step under way has prompt tokens (the co-run factor's cause)
+        self.activity = IDLE  # of its step under way: PREFILLING (it has prompt tokens), DECODING or IDLE
         self._run: tuple | None = None  # a decode run: (start, num_steps, first step s, growth s/step)
         self._run_event: simpy.Timeout | None = None  # its end; a cut run's is cancelled
         self.expected: deque[SimRequest] = deque()  # arrivals known ahead (expect), in arrival order
@@ -384,7 +386,7 @@ class SimEngine:
         chunks = self._admit()
         num_decodes = len(self.decoding)
         if self.cluster.corun:
-            self.cluster.set_computing_prefill(self, bool(chunks))
+            self.cluster.set_activity(self, PREFILLING if chunks else DECODING if num_decodes else IDLE)
         if not num_decodes and not chunks:
             self._announce_first_tokens(now)
             self.busy = False
@@ -396,7 +398,7 @@ class SimEngine:
         tokens = sum(n for _, n in chunks)
         attention = sum(n * (n + 2 * r.num_computed) for r, n in chunks)
         seconds = self.model.step_seconds(num_decodes, self.attended_tokens(), tokens, attention,
-                                          self.cluster.corun and self.cluster.others_prefilling(self))
+                                          self.cluster.slowdown(self))
         if self._second_pending:
             self._second_token_at(now + seconds)
         self.sim.at(now + seconds, self._step_done, chunks)
@@ -542,11 +544,9 @@ class SimEngine:
         batch = len(self.decoding)
         room = (self.capacity - self.used_tokens()) // batch
         num_steps = max(1, min(self._finishes[0][0] - self.clock, room))
-        slowed = self.cluster.corun and self.cluster.others_prefilling(self)  # a change cuts the run (SimCluster)
-        first = self.model.step_seconds(batch, self.attended_tokens(), 0, 0.0, slowed)
-        growth = self.model.decode_per_context * batch  # each step attends to one more token per request
-        if slowed:
-            growth *= self.model.decode_corun_factor
+        slowdown = self.cluster.slowdown(self)  # a change cuts the run (SimCluster.set_activity)
+        first = self.model.step_seconds(batch, self.attended_tokens(), 0, 0.0, slowdown)
+        growth = self.model.decode_per_context * batch * slowdown  # each step attends to one more token per request
         if self.knows_ahead:
             num_steps = self._steps_before_input(now, num_steps, first, growth)
         if self._second_pending:
@@ -584,7 +584,7 @@ class SimEngine:
         return num_steps
 
     def speed_changed(self) -> None:
-        """Another engine started or ended prompt steps: a decode run ends at its next step boundary."""
+        """Another engine started or ended prompt (or decode) steps: a decode run ends at its next step boundary."""
         if self._run is not None:
             self._cut_run()
 
@@ -635,10 +635,11 @@ def _steps_done_by(elapsed: float, first: float, growth: float) -> int:
 
 
 class SimCluster:
-    """The engines of one host behind the router. While any engine computes a step with prompt tokens, every other
-    engine's decode steps take the profile's decode_corun_factor times as long (CPU engines on cores of one host
-    share its caches and memory bandwidth); a step is timed when it starts, and a decode run is cut at its next
-    step boundary when that changes."""
+    """The engines of one host behind the router. While another engine computes a step with prompt tokens, an
+    engine's decode steps take the profile's decode_corun_factor times as long; while another runs decode steps,
+    decode_beside_decode_factor times (CPU engines on cores of one host share its caches and memory bandwidth; the
+    larger factor where both apply). A step is timed when it starts, and a decode run is cut at its next step
+    boundary when what the others do changes."""
 
     def __init__(self, spec: ClusterSpec, model: StepModel, budget: MissBudget | None = None) -> None:
         self.spec, self.model, self.budget = spec, model, budget
@@ -646,24 +647,38 @@ class SimCluster:
         self.prefills = [SimEngine(self.sim, self, i, "prefill") for i in range(spec.num_prefill)]
         self.decodes = [SimEngine(self.sim, self, i, "decode") for i in range(spec.num_decode)]
         self._next = {"prefill": 0, "decode": 0}
-        self.corun = model.decode_corun_factor != 1.0 and spec.num_prefill + spec.num_decode > 1
-        self.num_computing_prefill = 0  # engines whose step under way has prompt tokens
+        self.factors = {PREFILLING: model.decode_corun_factor, DECODING: model.decode_beside_decode_factor}
+        self.corun = spec.num_prefill + spec.num_decode > 1 and any(f != 1.0 for f in self.factors.values())
+        self.num_at = {PREFILLING: 0, DECODING: 0, IDLE: spec.num_prefill + spec.num_decode}  # engines by activity
 
-    def others_prefilling(self, engine: SimEngine) -> bool:
-        return self.num_computing_prefill > engine.computing_prefill
+    def slowdown(self, engine: SimEngine) -> float:
+        """How many times as long engine's decode part takes with what the other engines do now."""
+        if not self.corun:
+            return 1.0
+        return max([1.0, *(factor for activity, factor in self.factors.items()
+                           if self.num_at[activity] > (engine.activity == activity))])
 
-    def set_computing_prefill(self, engine: SimEngine, computing: bool) -> None:
-        """engine starts (or ends) steps with prompt tokens; the others' decode runs end at their next step
-        boundary when whether some engine prefills changes for them."""
-        if engine.computing_prefill == computing:
+    def set_activity(self, engine: SimEngine, activity: str) -> None:
+        """engine starts a step (or a run) of this activity; the others' decode runs end at their next step
+        boundary when another engine starts or stops doing something that slows them."""
+        before = engine.activity
+        if before == activity:
             return
-        engine.computing_prefill = computing
-        before = self.num_computing_prefill
-        self.num_computing_prefill += 1 if computing else -1
-        if min(before, self.num_computing_prefill) == 0:  # 0 -> 1 or 1 -> 0: every other engine sees the change
+        engine.activity = activity
+        self.num_at[before] -= 1
+        self.num_at[activity] += 1
+        if self._others_see_a_change(before, self.num_at[before] + 1, self.num_at[before]) or \
+                self._others_see_a_change(activity, self.num_at[activity] - 1, self.num_at[activity]):
             for other in (*self.prefills, *self.decodes):
                 if other is not engine:
                     other.speed_changed()
+
+    def _others_see_a_change(self, activity: str, count_before: int, count_after: int) -> bool:
+        """Whether the engines with decode runs (DECODING ones) see "another engine does this" flip: a count
+        moving 0 <-> 1 for what they do not do, 1 <-> 2 for decoding, which they do (their own step counts)."""
+        if self.factors.get(activity, 1.0) == 1.0:
+            return False
+        return min(count_before, count_after) == (1 if activity == DECODING else 0)
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
         for request in requests:
@@ -767,7 +782,8 @@ def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], p
     engine wants each prompt before it is computed; the prefill tier alone does not see late wants (a full decode
     pool) holding its blocks."""
     check_requests(spec, prompt_lens, output_lens)
-    model = replace(model, decode_corun_factor=1.0)  # which engines of a large cluster share a host is not known
+    # which engines of a large cluster share a host is not known
+    model = replace(model, decode_corun_factor=1.0, decode_beside_decode_factor=1.0)
     x, y = spec.num_prefill, spec.num_decode
     threshold = spec.local_prefill_threshold
     decode_stream = [SimRequest(i, float(arrivals[i]), int(prompt_lens[i]), int(output_lens[i]))

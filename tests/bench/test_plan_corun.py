@@ -40,14 +40,32 @@ def test_a_decode_run_is_retimed_when_an_engine_it_does_not_serve_starts_or_ends
     assert a.finish == pytest.approx(prefill + (6 + 26) * s + 7 * factor * s)
 
 
+def test_decode_steps_beside_another_engines_decode_steps_are_slower_by_that_factor():
+    # 0P2D, round robin, constant steps: A decodes on engine 0 from 1.0 (steps of s). B's prompt runs on engine 1
+    # over [1.55, 2.55] (no factor for prompts here); B then decodes two steps beside A, each f * s: 2.55-2.70-2.85.
+    # A's step under way at 2.55 (from 2.5) keeps its time; the two starting at 2.6 and 2.75 (B decodes then) take
+    # f * s; B is done at 2.85, so from A's next boundary (2.9) on, s again.
+    s, prefill, factor = 0.1, 1.0, 1.5
+    cost = model(prefill_intercept=prefill, decode_intercept=s, decode_beside_decode_factor=factor)
+    a, b = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3])
+    assert a.decode_engine is not b.decode_engine
+    assert b.first_token == pytest.approx(2.55)
+    assert b.finish == pytest.approx(2.55 + 2 * factor * s)
+    assert a.finish == pytest.approx(prefill + 37 * s + 2 * factor * s)
+    # B's prompt slows A too, by the other factor: 8 steps of 1.2 s from 1.6 to 2.56, then 2 of f * s to 2.86
+    both = replace(cost, decode_corun_factor=1.2)
+    a_both, _ = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), both, [0.0, 1.55], [16, 16], [40, 3])
+    assert a_both.finish == pytest.approx(prefill + 29 * s + 8 * 1.2 * s + 2 * factor * s)
+
+
 def test_the_factor_slows_only_the_decode_part_of_a_mixed_step():
     cost = model(decode_intercept=0.05, decode_per_seq=0.01, decode_per_context=1e-5, prefill_per_token=1e-3,
                  decode_corun_factor=1.4)
     decode = 0.05 + 0.01 * 3 + 1e-5 * 600
     chunks = 1e-3 * 128
     assert cost.step_seconds(3, 600, 128, 0.0) == pytest.approx(decode + chunks)
-    assert cost.step_seconds(3, 600, 128, 0.0, slowed=True) == pytest.approx(1.4 * decode + chunks)
-    assert cost.step_seconds(0, 0, 128, 0.0, slowed=True) == cost.step_seconds(0, 0, 128, 0.0)  # prefill-only step
+    assert cost.step_seconds(3, 600, 128, 0.0, slowdown=1.4) == pytest.approx(1.4 * decode + chunks)
+    assert cost.step_seconds(0, 0, 128, 0.0, slowdown=1.4) == cost.step_seconds(0, 0, 128, 0.0)  # prefill-only step
 
 
 @pytest.mark.parametrize("spec, arrivals", [
@@ -78,5 +96,9 @@ def test_a_profile_without_the_factor_reads_as_one(model_factory):
     assert "decode_corun" not in profile.machine
     assert profile.decode_corun_factor == 1.0
     assert StepModel.from_profile(profile).decode_corun_factor == 1.0
+    assert profile.decode_beside_decode_factor == StepModel.from_profile(profile).decode_beside_decode_factor == 1.0
+    measured = profile.model_copy(update={"machine": {**profile.machine, "decode_corun": {
+        "factor": 1.1, "beside_decode": {"factor": 1.25}}}})
+    assert StepModel.from_profile(measured).decode_beside_decode_factor == 1.25
     measured = profile.model_copy(update={"machine": {**profile.machine, "decode_corun": {"factor": 1.25}}})
     assert StepModel.from_profile(measured, decode_scale=2.0).decode_corun_factor == 1.25

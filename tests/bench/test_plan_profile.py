@@ -13,16 +13,19 @@ from tests.bench.plan_helpers import synthetic_profile
 
 
 def check_corun(corun: dict, batches: set[str]) -> None:
-    """With two cores the co-run step timed each batch alone and beside the other core's prompts; else 1.0."""
+    """With two cores the co-run step timed each batch alone, beside the other core's prompts and beside its
+    decode steps; else 1.0."""
     if len(os.sched_getaffinity(0)) < 2:
         assert corun == {"factor": 1.0, "skipped": "one core: no second core to compute prompts on"}
         return
-    assert set(corun["batches"]) == batches
-    for row in corun["batches"].values():
-        assert row["alone_cpu_s"] > 0 and row["corun_cpu_s"] > 0
-        assert row["cpu_ratio"] == pytest.approx(row["corun_cpu_s"] / row["alone_cpu_s"])
-    assert corun["factor"] == pytest.approx(sum(r["cpu_ratio"] for r in corun["batches"].values()) / len(batches))
-    assert corun["prefill_core"] != corun.get("pinned_core", -1)
+    for measured, kind in ((corun, "prefill"), (corun["beside_decode"], "decode")):
+        assert set(measured["batches"]) == batches
+        for row in measured["batches"].values():
+            assert row["alone_cpu_s"] > 0 and row["corun_cpu_s"] > 0
+            assert row["cpu_ratio"] == pytest.approx(row["corun_cpu_s"] / row["alone_cpu_s"])
+        assert measured["factor"] == pytest.approx(sum(r["cpu_ratio"] for r in measured["batches"].values())
+                                                   / len(batches))
+        assert measured[f"{kind}_core"] != corun.get("pinned_core", -1)
 
 
 def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_path, capsys):
@@ -44,6 +47,8 @@ def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_pat
     assert reference["prompt_len"] > 1 and reference["served_prefill_wall_s"] > 0
     assert reference["profile_prefill_s"] > 0
     check_corun(profile.machine["decode_corun"], batches={"1", "2"})
+    assert profile.decode_beside_decode_factor == (profile.machine["decode_corun"].get("beside_decode") or {}).get(
+        "factor", 1.0)
     for fit in (profile.prefill_fit, profile.decode_fit, profile.transfer_fit):
         assert all(value >= 0 for value in fit.coefficients.values())
     assert "R^2" in capsys.readouterr().out
