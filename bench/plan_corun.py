@@ -47,6 +47,7 @@ def measure_decode_corun(session: tuple, model: str, core: int, max_num_batched_
                 loop.run(running)
                 for point in served_decode_points(session, shapes, warm_up=False):
                     side[point.batch].append(point)
+                loop.check_working(running)  # all along: a loop that died after it started measured nothing
     batches = {}
     for batch, alone_points in alone.items():
         row = {}
@@ -73,12 +74,16 @@ class BusyLoop:
         (self.go.set if running else self.go.clear)()
         deadline = time.monotonic() + (LOOP_START_S if running else PAUSE_S)
         while self.busy.is_set() != running:
-            if not self.process.is_alive():
-                raise RuntimeError(f"the co-run process exited ({self.process.exitcode}); its error is above")
+            self.check_working(False)
             if time.monotonic() > deadline:
                 raise RuntimeError("the co-run process did not answer in time: run `pdserve profile` on a "
                                    "quieter machine, or skip the step with --no-corun")
             time.sleep(0.02)
+
+    def check_working(self, running: bool) -> None:
+        """Raises if the process exited, or (running) if it stopped working."""
+        if not self.process.is_alive() or (running and not self.busy.is_set()):
+            raise RuntimeError(f"the co-run process stopped (exit code {self.process.exitcode}); its error is above")
 
 
 @contextlib.contextmanager
@@ -109,16 +114,22 @@ def _work(kind: str, model: str, core: int, max_num_batched_tokens: int, prompt_
         probe = EngineProbe(model, "cpu", max_num_batched_tokens)
         prompt_len = min(prompt_len, probe.llm.model_config.max_model_len - 1)
         probe.prefill_points(16, 1)  # warm-up
-        while not stop.is_set():
-            if not go.is_set():
-                busy.clear()
-                go.wait(0.05)
-                continue
-            busy.set()
-            if kind == PREFILL:
-                probe.prefill_points(prompt_len, 1)
-                continue
-            for _ in range(DECODE_LOOP_BATCH - probe.engine.scheduler.num_unfinished()):
-                probe.add(DECODE_LOOP_PROMPT, DECODE_LOOP_TOKENS)
-            probe.engine.step()
-        probe.drain()
+        try:
+            while not stop.is_set():
+                if not go.is_set():
+                    busy.clear()
+                    go.wait(0.05)
+                    continue
+                busy.set()
+                _work_once(kind, probe, prompt_len)
+        finally:
+            busy.clear()  # the parent's check_alive sees it stopped, before the process has finished exiting
+
+
+def _work_once(kind: str, probe, prompt_len: int) -> None:
+    if kind == PREFILL:
+        probe.prefill_points(prompt_len, 1)
+        return
+    for _ in range(DECODE_LOOP_BATCH - probe.engine.scheduler.num_unfinished):
+        probe.add(DECODE_LOOP_PROMPT, DECODE_LOOP_TOKENS)
+    probe.engine.step()
