@@ -3,6 +3,7 @@ sequence by sequence, slot by slot; and group_by_length keeps its rule."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -113,7 +114,7 @@ def test_grouping_covers_every_sequence_once_and_keeps_the_padding_bound(seed):
     bounded = filled if len(filled) < max_groups else filled[:-1]  # the cap's last group takes the rest
     for group in bounded:
         assert padding(lens, group) <= max(max_padding * sum(lens[i] for i in group), min_padding)
-    for longer, shorter in zip(groups, groups[1:]):  # longest first
+    for longer, shorter in itertools.pairwise(groups):  # longest first
         assert min(lens[i] for i in longer) >= max(lens[i] for i in shorter)
 
 
