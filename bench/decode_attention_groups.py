@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.attention.torch_paged import TorchPagedMetadata
 from pdserve.kernels import torch_paged
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -85,12 +86,17 @@ def layer_case(batch: int, lens: list[int], repeats: int, calls: int) -> tuple[f
             "new": lambda: torch_paged.decode_attention_planned(query, key_cache, value_cache, new_plan, 0.125)}
     torch.testing.assert_close(runs["new"](), runs["old"]())
     samples = {"old": [], "new": []}
-    for _ in range(repeats * calls):  # call by call, so both see the same neighbours on a shared machine
-        for name, run in runs.items():
+    for round_index in range(repeats * calls):  # call by call, so both see the same neighbours
+        for name in alternate(("old", "new"), round_index):
             start = time.perf_counter()
-            run()
+            runs[name]()
             samples[name].append(time.perf_counter() - start)
     return median_ms(samples["old"]), median_ms(samples["new"])
+
+
+def alternate(pair: tuple, round_index: int) -> tuple:
+    """A B, then B A: neither version always runs first (ABBA)."""
+    return pair if round_index % 2 == 0 else pair[::-1]
 
 
 class StepBench:
@@ -109,12 +115,11 @@ class StepBench:
         for name in ("prepare", "forward_decode"):
             self.backend.__dict__.pop(name, None)  # back to the class's (grouped) methods
         if padded:
-            prepare = self.backend.prepare
-
-            def padded_prepare(context):
-                metadata = prepare(context)
+            def padded_prepare(context):  # the backend's prepare with the former decode plan (decode steps)
+                if context.num_tokens != context.num_decode_tokens:
+                    raise RuntimeError("the padded plan is timed on decode-only steps")
                 decode = padded_plan(context.decode_block_tables, context.decode_seq_lens, BLOCK_SIZE)
-                return dataclasses.replace(metadata, decode=decode)
+                return TorchPagedMetadata(torch_paged.plan_store(context.slot_mapping), decode, None)
 
             self.backend.prepare = padded_prepare
             self.backend.forward_decode = lambda query, layer, metadata: padded_attention(
@@ -139,10 +144,10 @@ class StepBench:
 
     def case(self, lens: list[int], repeats: int) -> tuple[float, float]:
         """(padded ms, grouped ms) per decode step, medians of alternating steps."""
-        self.start(lens, 2 * repeats + 4)
+        self.start(lens, 4 * repeats + 4)
         samples = {True: [], False: []}
-        for _ in range(repeats):
-            for padded in (True, False):
+        for round_index in range(2 * repeats):
+            for padded in alternate((True, False), round_index):
                 self.use_padded(padded)
                 start = time.perf_counter()
                 scheduled = self.step()
