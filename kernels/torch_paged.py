@@ -3,8 +3,9 @@ per-layer run.
 
 Everything derived from the step's metadata alone (gather indices, masks, host-side lengths) is the
 same for every layer, so the engine's torch-paged attention backend builds each plan once per step
-(engine/attention/torch_paged.py) and every layer only runs it. kernels.reference composes plan +
-run into the plain kernel signatures that the Triton kernels are tested against.
+(engine/attention/torch_paged.py) and every layer only runs it. Decode groups the step's sequences by
+length (group_by_length), so padding to a group's longest context stays small. kernels.reference
+composes plan + run into the plain kernel signatures that the Triton kernels are tested against.
 
 Shapes as in kernels.reference: caches [N, B, num_kv_heads, head_dim], block tables [S, max_blocks].
 """
@@ -45,24 +46,106 @@ def store_kv_planned(
     value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, plan.slots, value.to(value_cache.dtype))
 
 
+# Decode groups: sequences of similar length share one gather and one SDPA, so a step's attention costs
+# about the sum of its contexts rather than batch x its longest context (docs/BENCHMARKS.md, "CPU decode
+# attention without padding", has the measurements behind these numbers).
+MAX_PADDING_FRACTION = 0.1  # a group's padding stays within this fraction of its real tokens,
+MIN_PADDING_TOKENS = 256  # or within this many tokens (a group costs ~ as much as this many padded tokens)
+MAX_DECODE_GROUPS = 6  # attention calls per layer at most (plus one for empty sequences, if any)
+
+
+def group_by_length(
+    seq_lens: list[int],
+    max_padding: float = MAX_PADDING_FRACTION,
+    max_groups: int = MAX_DECODE_GROUPS,
+    min_padding: int = MIN_PADDING_TOKENS,
+) -> list[list[int]]:
+    """Split a decode step's sequences (by index) into groups that each run as one attention call
+    padded to the group's longest context.
+
+    Rule: take the sequences longest first (equal lengths in step order). The next sequence joins the
+    current group unless that would make the group's padding, sum(longest - length), exceed both
+    max_padding x the group's real tokens, sum(length), and min_padding; then it opens a new group
+    (a group costs an attention call: a few hundred padded tokens are cheaper). Once max_groups
+    groups are open, the last one takes every remaining non-empty sequence (the shortest), whatever its
+    padding. Sequences of length 0 attend to nothing: they form one more group of their own, last.
+    Every index is in exactly one group; equal lengths make one group.
+    """
+    if max_groups < 1:
+        raise ValueError(f"max_groups must be at least 1, got {max_groups}")
+    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+    groups: list[list[int]] = []
+    longest = real = 0  # of the last group
+    for index in (i for i in order if seq_lens[i] > 0):
+        length = seq_lens[index]
+        padding = longest * (len(groups[-1]) + 1) - (real + length) if groups else 0
+        if groups and (len(groups) == max_groups or padding <= max(max_padding * (real + length), min_padding)):
+            groups[-1].append(index)
+            real += length
+        else:
+            groups.append([index])
+            longest = real = length
+    empty = [i for i in order if seq_lens[i] == 0]
+    return groups + [empty] if empty else groups
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    num_seqs: int
+    max_len: int  # the group's longest context; 0: sequences with no context (attend to nothing: zeros)
+    block_ids: torch.Tensor  # [num_seqs * ceil(max_len / B)] int64, the group's blocks, row by row
+    mask: torch.Tensor | None  # [num_seqs, 1, 1, max_len] float32, 0 or -inf; None: every context is max_len
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     num_seqs: int
-    max_len: int  # longest context of the step
-    block_ids: torch.Tensor  # [S * ceil(max_len / B)] int64, every sequence's blocks, row by row
-    mask: torch.Tensor | None  # [S, 1, 1, max_len] bool; None when every context is max_len long
-    any_empty: bool  # a padding sequence with no context (attends to nothing: zeros)
+    groups: tuple[DecodeGroup, ...]  # in the order of `order`
+    order: torch.Tensor | None  # [S] int64, the step's sequence indices group by group; None: step order
+    restore: torch.Tensor | None  # [S] int64, the inverse of order (group rows -> step rows)
+
+    @property
+    def any_empty(self) -> bool:  # a padding sequence with no context
+        return self.groups[-1].max_len == 0 if self.groups else False
 
 
-def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
-    """block_tables [S, max_blocks] int32, seq_lens [S] int32 (context including the new token)."""
-    max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+def plan_decode(
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    seq_lens: torch.Tensor,  # [S] int32, context including the new token
+    block_size: int,
+    groups: list[list[int]] | None = None,  # sequence indices per group; None: group_by_length's
+) -> DecodePlan:
+    """The step's sequences in groups (by default group_by_length's), each group's gather indices and
+    mask. One group keeps the step's order (nothing to reorder)."""
+    lens = seq_lens.tolist()
+    index_groups = group_by_length(lens) if groups is None else groups
+    if len(index_groups) == 1:
+        index_groups = [list(range(len(lens)))]
+    order_list = [index for group in index_groups for index in group]
+    if order_list == list(range(len(lens))):
+        order = restore = None
+    else:
+        order = torch.tensor(order_list, dtype=torch.int64, device=seq_lens.device)
+        restore = torch.empty_like(order)
+        restore[order] = torch.arange(len(order_list), device=seq_lens.device)
+    single = len(index_groups) == 1 and order is None  # the whole step as it is: no index tensors needed
+    groups = tuple(_plan_group(block_tables, seq_lens, None if single else group, [lens[i] for i in group],
+                               block_size) for group in index_groups)
+    return DecodePlan(len(lens), groups, order, restore)
+
+
+def _plan_group(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, indices: list[int] | None, lens: list[int], block_size: int
+) -> DecodeGroup:  # indices None: every sequence of the step, in step order
+    max_len = max(lens)
     num_blocks = (max_len + block_size - 1) // block_size
-    block_ids = block_tables[:, :num_blocks].reshape(-1).long()
+    rows = block_tables if indices is None else block_tables[torch.tensor(indices, device=block_tables.device)]
+    group_lens = seq_lens if indices is None else seq_lens[torch.tensor(indices, device=seq_lens.device)]
     mask = None
-    if bool((seq_lens != max_len).any()):  # shorter sequences must not see the padded tail
-        mask = (torch.arange(max_len, device=seq_lens.device)[None, :] < seq_lens[:, None])[:, None, None, :]
-    return DecodePlan(int(seq_lens.shape[0]), max_len, block_ids, mask, bool((seq_lens == 0).any()))
+    if min(lens) != max_len:  # shorter sequences must not see the padded tail (additive: SDPA needs no cast)
+        padded = torch.arange(max_len, device=seq_lens.device)[None, :] >= group_lens[:, None]
+        mask = torch.zeros(padded.shape, device=seq_lens.device).masked_fill_(padded, float("-inf"))[:, None, None]
+    return DecodeGroup(len(lens), max_len, rows[:, :num_blocks].reshape(-1).long(), mask)
 
 
 def decode_attention_planned(
@@ -73,18 +156,27 @@ def decode_attention_planned(
     scale: float,
 ) -> torch.Tensor:  # [S, num_heads, head_dim]
     num_seqs, num_heads, head_dim = query.shape
-    if plan.max_len == 0:
+    if not plan.groups:
         return torch.zeros_like(query)
-    # Whole blocks of every sequence in one gather, viewed [S, num_kv_heads, max_len, head_dim]; SDPA
-    # (4-D, so torch's fused CPU kernel) does the rest, GQA included.
-    keys = _gather_padded(key_cache, plan.block_ids, num_seqs, plan.max_len)
-    values = _gather_padded(value_cache, plan.block_ids, num_seqs, plan.max_len)
-    out = F.scaled_dot_product_attention(
-        query.float().view(num_seqs, num_heads, 1, head_dim), keys, values, attn_mask=plan.mask, scale=scale,
-        enable_gqa=num_heads != key_cache.shape[2],
-    )  # [S, num_heads, 1, head_dim]
-    if plan.any_empty:
-        out = torch.nan_to_num(out, nan=0.0)
+    gqa = num_heads != key_cache.shape[2]
+    rows = query if plan.order is None else query.index_select(0, plan.order)  # [S, num_heads, head_dim]
+    rows = rows.float().view(num_seqs, num_heads, 1, head_dim)
+    outs, begin = [], 0
+    for group in plan.groups:
+        q = rows.narrow(0, begin, group.num_seqs)
+        begin += group.num_seqs
+        if group.max_len == 0:
+            outs.append(torch.zeros_like(q))
+            continue
+        # Whole blocks of the group's sequences in one gather, viewed [s, num_kv_heads, max_len, head_dim];
+        # SDPA (4-D, so torch's fused CPU kernel) does the rest, GQA included.
+        keys = _gather_padded(key_cache, group.block_ids, group.num_seqs, group.max_len)
+        values = _gather_padded(value_cache, group.block_ids, group.num_seqs, group.max_len)
+        outs.append(F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=scale,
+                                                   enable_gqa=gqa))  # [s, num_heads, 1, head_dim]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if plan.restore is not None:
+        out = out.index_select(0, plan.restore)
     return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
 
 

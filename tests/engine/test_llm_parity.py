@@ -92,3 +92,17 @@ def test_preemption_by_tiny_kv_pool(model_factory):
     prompts = make_prompts(1024, seed=3)
     llm = run_parity(model_dir, prompts, max_num_batched_tokens=64, num_kv_blocks=24)
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_decode_batch_of_very_different_lengths(model_factory):
+    """Decode steps whose contexts differ by hundreds of tokens run as several length groups on CPU
+    (kernels/torch_paged.py), in an order other than the step's; the tokens still equal transformers'."""
+    from pdserve.kernels.torch_paged import group_by_length
+
+    model_dir = model_factory("llama", max_position_embeddings=1024)
+    rng = random.Random(4)
+    lengths = [3, 480, 40, 900, 250, 700]
+    groups = group_by_length([n + 1 for n in lengths])
+    assert len(groups) > 2 and [i for group in groups for i in group] != list(range(len(lengths)))
+    prompts = [[rng.randrange(5, 1024) for _ in range(n)] for n in lengths]
+    run_parity(model_dir, prompts, max_num_batched_tokens=1024)
