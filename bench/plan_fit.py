@@ -7,7 +7,7 @@ machine, the raw points, and three least-squares fits with their errors.
 
 A chunk of n new tokens after `cached` computed ones attends to n * (n + 2 * cached) / 2 earlier pairs, so
 a single prompt of length L has the feature L^2: the papers' quadratic prefill. The context a decode step
-attends is the sum of its sequences' contexts, or batch x the longest where the backend pads (the CPU one).
+attends is the sum of its sequences' contexts, or batch x the longest where the backend pads.
 """
 
 from __future__ import annotations
@@ -107,9 +107,9 @@ class EngineSettings(BaseModel):
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     num_kv_blocks: int = 23301  # 1 GiB of fp32 KV of the demo model: the CPU default
-    # The attention backend's decode reads every sequence padded to the step's longest context (the CPU
-    # backend), so a step's context term is batch x longest; else the sum of the contexts. Profiles written
-    # before this field were all taken on the CPU backend.
+    # The attention backend's decode reads every sequence padded to the step's longest context, so a step's
+    # context term is batch x longest; else the sum of the contexts. Profiles written before this field were
+    # all taken on the CPU backend when it still padded (before it grouped sequences by length).
     decode_pads_to_longest: bool = True
 
 

@@ -22,7 +22,9 @@ class TorchPagedMetadata:
 class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
     name = "torch-paged"
     supports_cuda_graphs = False  # the plans read sequence lengths on the host
-    decode_pads_to_longest = True  # one SDPA over [S, kv_heads, longest, head_dim] (kernels.torch_paged)
+    # Decode groups the step's sequences by length (kernels.torch_paged.group_by_length bounds each group's
+    # padding to 10% of its tokens or 256 tokens), so a step reads about the sum of its contexts.
+    decode_pads_to_longest = False
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
