@@ -9,9 +9,11 @@ What it models (docs/planning.md says why each choice):
   budget (running chunks first, then waiting prompts in arrival order), admitting only what the KV pool
   holds; a decode that cannot grow preempts the newest request, which is recomputed later;
 - step time from the profile's fits: prefill-only steps by the prefill fit, steps with decodes by the
-  decode fit plus the prefill fit's per-token and attention terms for the chunks in them; the decode fit's
-  part times the profile's co-run factor while another engine of the cluster computes a step with prompt
-  tokens (the engines share one host: simulate(), not simulate_tiers());
+  decode fit plus the prefill fit's per-token and attention terms for the chunks in them (its context term:
+  what the attention backend reads, the sum of the contexts or batch x the longest); the decode fit's part
+  times the profile's co-run factor while another engine of the cluster computes a step with prompt tokens,
+  or its decode co-run factor while another runs decode steps (the engines share one host: simulate(), not
+  simulate_tiers());
 - disaggregation: the decode engine allocates the prompt's blocks when it admits the request (KVWant);
   the transfer starts when both the prompt is computed and the want is there, lasts latency + bytes /
   bandwidth (streamed: only latency after the prefill), and takes the sending and receiving CPU time of
@@ -62,7 +64,7 @@ class StepModel:
     receiver_cpu_per_byte: float = 0.0
     decode_corun_factor: float = 1.0  # a decode step's slow-down while another engine on the host computes a prefill
     decode_beside_decode_factor: float = 1.0  # ... while another engine on the host runs decode steps
-    decode_pads_to_longest: bool = False  # the decode context term counts batch x the longest context (CPU backend)
+    decode_pads_to_longest: bool = False  # the decode context term counts batch x the longest (a padding backend)
 
     @classmethod
     def from_profile(cls, profile: Profile, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> StepModel:
