@@ -146,6 +146,11 @@ def median_or_none(values: list[float]) -> float | None:
     return float(np.median(values)) if values else None
 
 
+def run_slos(run: dict) -> dict[str, float]:
+    """The SLOs a run was judged by (bench's --goodput), in ms."""
+    return {name: float(value) for name, value in (run.get("goodput") or {}).items()}
+
+
 def measured_metrics(run: dict, slos: dict[str, float]) -> dict:
     done = completed(run)
     latencies = [request_latencies_ms(run, i) for i in done]
@@ -160,7 +165,7 @@ def measured_metrics(run: dict, slos: dict[str, float]) -> dict:
 
 def replay(run: dict, profile: Profile, args: argparse.Namespace) -> dict:
     sweep = run["sweep"]
-    slos = {name: float(value) for name, value in (run.get("goodput") or {}).items()}
+    slos = run_slos(run)
     workload = Workload([int(n) for n in run["input_lens"]], [int(n) for n in run["output_lens"]])
     settings = PlanSettings(step_model(args, profile), workload, slos, cluster_spec(args, profile),
                             float(run.get("burstiness") or 1.0), int(run.get("seed") or 0), exact_up_to=1 << 30)
@@ -172,8 +177,7 @@ def replay(run: dict, profile: Profile, args: argparse.Namespace) -> dict:
     for key in ("slo_attainment", *COMPARED, FIRST_ITL):
         row[f"measured_{key}"], row[f"predicted_{key}"] = measured[key], predicted[key]
     row["slo_attainment_with_measured"] = attainment_with_measured(run, requests, slos)
-    row["measured_step_ratio"] = step_ratio(run, settings.model, int(sweep["num_decode"]) if sweep["num_prefill"]
-                                            else int(sweep["num_engines"]))
+    row["measured_step_ratio"] = step_ratio(run, settings.model, int(sweep["num_decode"]))
     return row
 
 

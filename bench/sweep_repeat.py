@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.bench.plan_cli import format_table
-from pdserve.bench.plan_validate import load_runs, measured_metrics, read_runs
+from pdserve.bench.plan_validate import load_runs, measured_metrics, read_runs, run_slos
 
 COLUMNS = (("config", "config", "{}"), ("request_rate", "rate", "{:g}"),
            ("first_slo_attainment", "attain 1st", "{:.0%}"), ("second_slo_attainment", "2nd", "{:.0%}"),
@@ -33,7 +33,7 @@ def paired_points(first_dir: Path, second_dir: Path) -> list[dict]:
         other = second.get(point_key(run))
         if other is None:
             continue
-        slos = {name: float(value) for name, value in (run.get("goodput") or {}).items()}
+        slos = run_slos(run)
         row = {"config": run["config"], "request_rate": float(run["request_rate"]), "slos_ms": slos}
         for side, measured in (("first", measured_metrics(run, slos)), ("second", measured_metrics(other, slos))):
             row.update({f"{side}_{key}": value for key, value in measured.items()})
