@@ -25,6 +25,9 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--add-corun-to", default=None, metavar="P.json",
                         help="measure only the co-run step and write P.json with it to --out (a profile taken "
                              "before the step existed)")
+    parser.add_argument("--refit", default=None, metavar="P.json",
+                        help="measure nothing: fit P.json's points again with this pdserve's fitting and write the "
+                             "profile to --out (a profile taken before the fitting changed)")
     parser.add_argument("--clock", default=None, choices=["wall", "cpu"],
                         help="time the fits use: cpu (the default on CPU) counts only the engine thread's own CPU "
                              "time, what a step takes on a core of its own even on a shared machine; wall on GPUs")

@@ -43,11 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="HF model directory (default: the built-in demo model)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--core", type=int, default=None, help="the core to pin to (default: the first allowed)")
+    parser.add_argument("--shapes", nargs="+", metavar="K,N", help="(decodes, prompt tokens) pairs (default: "
+                        + " ".join(f"{k},{n}" for k, n in SHAPES) + ")")
     args = parser.parse_args(argv)
+    shapes = [tuple(int(x) for x in pair.split(",")) for pair in args.shapes] if args.shapes else SHAPES
     with one_core(args.core):
         probe = EngineProbe(args.model or str(default_demo_model()), "cpu", 2048)
         probe.prefill_points(16, 1)  # warm-up
-        for decodes, prompt_len in SHAPES:
+        for decodes, prompt_len in shapes:
             runs = [measure(probe, decodes, prompt_len) for _ in range(args.repeats)]
             decode, alone, mixed = (1000 * statistics.median(run[i] for run in runs) for i in range(3))
             print(f"k={decodes:2d} n={prompt_len:4d}: decode step {decode:6.1f} ms, prompt alone {alone:6.1f}, mixed "

@@ -229,6 +229,8 @@ def machine_info(device: str, core: int | None) -> dict:
 def run_profile(args: argparse.Namespace) -> int:
     from pdserve.demo_model import default_demo_model
 
+    if args.refit:
+        return refit(args)
     model = args.model or str(default_demo_model())
     identity = model_identity(model)
     if args.add_corun_to:
@@ -244,14 +246,33 @@ def run_profile(args: argparse.Namespace) -> int:
         machine["decode_corun"] = {"factor": 1.0, "skipped": f"device {args.device}"}
     transfer = measure_transfer(QUICK_TRANSFER_MIB if args.quick else TRANSFER_MIB, TRANSFER_REQUESTS)
     clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
-    profile = build_profile(identity, machine, settings, prefill, decode, transfer, clock)
+    profile = note_reference(build_profile(identity, machine, settings, prefill, decode, transfer, clock))
+    Path(args.out).write_text(profile.model_dump_json(indent=1))
+    print_fits(profile, f"profiled {profile.model.architecture} ({profile.model.num_layers} layers, hidden "
+               f"{profile.model.hidden_size}) on {profile.machine['device']} in {time.perf_counter() - started:.0f} s "
+               f"-> {args.out}")
+    return 0
+
+
+def note_reference(profile: Profile) -> Profile:
+    """What the prefill fit says for the served engine's reference prompt, beside that engine's time."""
     reference = profile.machine.get("reference")
-    if reference is not None:  # what the fit says for the same prompt, beside the served engine's time
+    if reference is not None:
         length = reference["prompt_len"]
         reference["profile_prefill_s"] = profile.prefill_fit.predict(
             {"intercept": 1.0, "tokens": length, "attention": float(length * length)})
+    return profile
+
+
+def refit(args: argparse.Namespace) -> int:
+    """--refit P.json: P's points fitted again (on P's clock unless --clock says otherwise), written to --out."""
+    if Path(args.out).resolve() == Path(args.refit).resolve():
+        raise ValueError(f"--out {args.out} is the profile --refit reads: write the new one elsewhere")
+    old = load_profile(args.refit)
+    profile = note_reference(build_profile(old.model, old.machine, old.engine, old.prefill_points, old.decode_points,
+                                           old.transfer_points, args.clock or old.clock))
     Path(args.out).write_text(profile.model_dump_json(indent=1))
-    print_fits(profile, time.perf_counter() - started, args.out)
+    print_fits(profile, f"refitted the points of {args.refit} -> {args.out}")
     return 0
 
 
@@ -281,10 +302,8 @@ def add_corun(args: argparse.Namespace, model: str, identity: ModelIdentity) -> 
     return 0
 
 
-def print_fits(profile: Profile, seconds: float, out: str) -> None:
-    print(f"profiled {profile.model.architecture} ({profile.model.num_layers} layers, hidden "
-          f"{profile.model.hidden_size}) on {profile.machine['device']} in {seconds:.0f} s -> {out}; fits on the "
-          f"{profile.clock} clock")
+def print_fits(profile: Profile, headline: str) -> None:
+    print(f"{headline}; fits on the {profile.clock} clock")
     for name in ("prefill", "decode", "transfer"):
         fit = getattr(profile, f"{name}_fit")
         terms = ", ".join(f"{k} {v:.3g}" for k, v in fit.coefficients.items())

@@ -84,9 +84,13 @@ class StepModel:
         SimCluster.slowdown); the prompt chunks' part does not change."""
         chunks = self.prefill_per_token * prefill_tokens + self.prefill_per_attention * attention
         if num_decodes:
-            decode = self.decode_intercept + self.decode_per_seq * num_decodes + self.decode_per_context * context
-            return decode * slowdown + chunks
+            return self.decode_seconds(num_decodes, context) * slowdown + chunks
         return self.prefill_intercept + chunks
+
+    def decode_seconds(self, batch, attended):
+        """A decode-only step of `batch` requests whose attention reads `attended` tokens (floats, or numpy arrays
+        of them: one step per element)."""
+        return self.decode_intercept + self.decode_per_seq * batch + self.decode_per_context * attended
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,7 @@ def step_ratio(run: dict, model: StepModel, num_decode: int) -> float | None:
     batch, summed, longest = _batch_at(times, run["input_lens"], middles_all)
     per_engine = np.maximum(batch / num_decode, 1.0)
     attended = per_engine * longest if model.decode_pads_to_longest else summed / num_decode
-    predicted = (model.decode_intercept + model.decode_per_seq * per_engine + model.decode_per_context * attended)
-    return float(np.median(measured_all / predicted))
+    return float(np.median(measured_all / model.decode_seconds(per_engine, attended)))
 
 
 def _batch_at(times: list[np.ndarray], prompt_lens: list[int], moments: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.plan_fit import DecodePoint, ProfileError, fit_decode, load_profile, model_identity
+from pdserve.bench.plan_fit import (
+    DecodePoint,
+    PrefillPoint,
+    ProfileError,
+    fit_decode,
+    fit_prefill,
+    load_profile,
+    model_identity,
+)
 from tests.bench.plan_helpers import DECODE, PREFILL, TRANSFER, synthetic_profile
 
 
@@ -34,6 +42,26 @@ def test_a_term_that_fits_below_zero_is_dropped(identity):
     fit = fit_decode(flat)
     assert fit.coefficients["context"] == 0.0
     assert all(value >= 0 for value in fit.coefficients.values())
+
+
+def test_short_prompts_keep_their_share_of_the_fit():
+    """Prompts from 16 to 2,048 tokens, each time 5% off a CPU-like truth (alternating): the fit weighs every
+    point by its relative error, so the intercept survives and the shortest prompt is priced within the noise.
+    In absolute seconds the long prompts' 5% (0.3 s) swamps the short ones' whole time."""
+    truth = {"intercept": 0.08, "tokens": 2.5e-3, "attention": 3e-7}
+    points = []
+    for i, (length, batch) in enumerate([(16, 1), (64, 1), (128, 1), (256, 1), (512, 1), (1024, 1), (1536, 1),
+                                         (2048, 1), (256, 4), (1000, 2)]):
+        tokens, attention = length * batch, float(batch * length * length)
+        exact = truth["intercept"] + truth["tokens"] * tokens + truth["attention"] * attention
+        seconds = exact * (1.05 if i % 2 else 0.95)
+        points.append(PrefillPoint(prompt_len=length, batch=batch, tokens=tokens, attention=attention,
+                                   seconds=seconds, cpu_seconds=seconds))
+    fit = fit_prefill(points)
+    assert fit.coefficients["intercept"] == pytest.approx(truth["intercept"], rel=0.3)
+    for point in points:
+        predicted = fit.predict({"intercept": 1.0, "tokens": point.tokens, "attention": point.attention})
+        assert predicted == pytest.approx(point.seconds, rel=0.11)
 
 
 def test_the_decode_fit_reads_the_context_the_backend_attends():

@@ -82,3 +82,16 @@ def test_the_co_run_step_alone_goes_into_a_copy_of_an_older_profile(model_factor
     assert after.decode_corun_factor == after.machine["decode_corun"]["factor"]
     assert after.model_copy(update={"machine": before.machine}) == before  # nothing else changed
     assert "decode_corun_factor" in capsys.readouterr().out
+
+
+def test_refit_fits_an_older_profiles_points_again(model_factory, tmp_path, capsys):
+    """--refit measures nothing: the same points, fits made by this pdserve, everything else carried over."""
+    older, refitted = tmp_path / "older.json", tmp_path / "refitted.json"
+    profile = synthetic_profile(model_identity(model_factory()))
+    stale = profile.prefill_fit.model_copy(update={"coefficients": {"intercept": 0.0, "tokens": 1.0, "attention": 0.0}})
+    older.write_text(profile.model_copy(update={"prefill_fit": stale}).model_dump_json())
+    assert main(["profile", "--refit", str(older), "--out", str(older)]) == 2
+    assert "write the new one elsewhere" in capsys.readouterr().err
+    assert main(["profile", "--refit", str(older), "--out", str(refitted)]) == 0
+    assert load_profile(refitted) == profile
+    assert f"refitted the points of {older}" in capsys.readouterr().out
