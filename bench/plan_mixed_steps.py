@@ -36,6 +36,17 @@ def measure(probe: EngineProbe, decodes: int, prompt_len: int, context: int = CO
     return decode, alone, mixed
 
 
+def shape(text: str) -> tuple[int, int]:
+    """--shapes K,N: k decodes beside a prompt of n tokens (both 1 or more)."""
+    try:
+        decodes, prompt_len = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not K,N (decodes, prompt tokens), e.g. 8,128") from None
+    if decodes < 1 or prompt_len < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: K and N must be 1 or more")
+    return decodes, prompt_len
+
+
 def main(argv: list[str] | None = None) -> int:
     from pdserve.demo_model import default_demo_model
 
@@ -43,10 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="HF model directory (default: the built-in demo model)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--core", type=int, default=None, help="the core to pin to (default: the first allowed)")
-    parser.add_argument("--shapes", nargs="+", metavar="K,N", help="(decodes, prompt tokens) pairs (default: "
+    parser.add_argument("--shapes", nargs="+", type=shape, metavar="K,N", help="(decodes, prompt tokens) pairs (default: "
                         + " ".join(f"{k},{n}" for k, n in SHAPES) + ")")
     args = parser.parse_args(argv)
-    shapes = [tuple(int(x) for x in pair.split(",")) for pair in args.shapes] if args.shapes else SHAPES
+    shapes = args.shapes or SHAPES
     with one_core(args.core):
         probe = EngineProbe(args.model or str(default_demo_model()), "cpu", 2048)
         probe.prefill_points(16, 1)  # warm-up
