@@ -32,12 +32,14 @@ configure_podman() {
 }
 
 [ "$(id -u)" = 0 ] || skip "needs root to install and run podman"
-if ! command -v podman >/dev/null || ! command -v debootstrap >/dev/null; then
+# netavark (podman's network backend) sets up container networks with iptables: without it every `podman run`
+# fails with "netavark: No such file or directory"
+if ! command -v podman >/dev/null || ! command -v debootstrap >/dev/null || ! command -v iptables >/dev/null; then
     command -v apt-get >/dev/null || skip "no podman and no apt-get to install it"
     export DEBIAN_FRONTEND=noninteractive
     apt-get -o DPkg::Lock::Timeout=300 update -qq >/dev/null 2>&1 || true
-    apt-get -o DPkg::Lock::Timeout=300 install -y -qq podman runc netavark aardvark-dns debootstrap >/dev/null \
-        || skip "apt-get could not install podman and debootstrap"
+    apt-get -o DPkg::Lock::Timeout=300 install -y -qq podman runc netavark aardvark-dns iptables debootstrap >/dev/null \
+        || skip "apt-get could not install podman, iptables and debootstrap"
 fi
 configure_podman
 podman info >/dev/null 2>&1 || skip "podman is installed but cannot run containers here: $(podman info 2>&1 | tail -n 1)"
