@@ -264,10 +264,15 @@ def note_reference(profile: Profile) -> Profile:
     return profile
 
 
+def refuse_overwrite(out: str, source: str, flag: str, what: str) -> None:
+    """--out must not be the profile that `flag` reads: the profile read is kept as it was measured."""
+    if Path(out).resolve() == Path(source).resolve():
+        raise ValueError(f"--out {out} is the profile {flag} reads: write {what} elsewhere")
+
+
 def refit(args: argparse.Namespace) -> int:
     """--refit P.json: P's points fitted again (on P's clock unless --clock says otherwise), written to --out."""
-    if Path(args.out).resolve() == Path(args.refit).resolve():
-        raise ValueError(f"--out {args.out} is the profile --refit reads: write the new one elsewhere")
+    refuse_overwrite(args.out, args.refit, "--refit", "the new one")
     old = load_profile(args.refit)
     profile = note_reference(build_profile(old.model, old.machine, old.engine, old.prefill_points, old.decode_points,
                                            old.transfer_points, args.clock or old.clock))
@@ -283,8 +288,7 @@ def add_corun(args: argparse.Namespace, model: str, identity: ModelIdentity) -> 
     if args.device != "cpu":
         raise ValueError(f"--add-corun-to measures CPU engines sharing a host, not --device {args.device}: "
                          "a GPU profile keeps factor 1.0")
-    if Path(args.out).resolve() == Path(args.add_corun_to).resolve():
-        raise ValueError(f"--out {args.out} is the profile --add-corun-to reads: write the copy elsewhere")
+    refuse_overwrite(args.out, args.add_corun_to, "--add-corun-to", "the copy")
     profile = load_profile(args.add_corun_to)
     profile.check_model(identity, model)
     started = time.perf_counter()
