@@ -15,15 +15,23 @@ import statistics
 import time
 from collections.abc import Iterator
 
-from pdserve.bench.plan_served import served_decode_points
+from pdserve.bench.plan_served import SERVED_TOKENS, served_decode_points
 
-CORUN_SHAPES = [(1, 16), (8, 16)]  # (batch, prompt length) of the decode steps timed: batch 1 and a mid batch
+# (batch, prompt length) of the decode steps timed: batch 1 and a mid batch over short contexts (mostly weights), and
+# a batch over long contexts (a third of its step reads KV): plan_corun_fit.py splits the factor between the two
+CORUN_SHAPES = [(1, 16), (8, 16), (2, 1000)]
 CORUN_REPEATS = 3  # alone / co-run alternations
 QUICK_CORUN_SHAPES = [(1, 16), (2, 16)]
 LOOP_START_S = 120.0  # the other process's start (torch import, model load) and its first prompt
 PAUSE_S = 30.0  # the longest a prompt under way may take to finish when the loop is paused
 PREFILL, DECODE = "prefill", "decode"  # what the other process does in its loop
 DECODE_LOOP_BATCH, DECODE_LOOP_PROMPT, DECODE_LOOP_TOKENS = 8, 64, 256  # its batch, renewed as it finishes
+
+
+def fitting_shapes(shapes: list[tuple[int, int]], max_len: int) -> list[tuple[int, int]]:
+    """The shapes with each prompt cut to what the model's context holds with the timed tokens after it."""
+    longest = max_len - SERVED_TOKENS - 1
+    return [(batch, min(prompt_len, longest)) for batch, prompt_len in shapes]
 
 
 def other_core(core: int, allowed: set[int]) -> int | None:
@@ -34,28 +42,30 @@ def other_core(core: int, allowed: set[int]) -> int | None:
 
 def measure_decode_corun(session: tuple, model: str, core: int, max_num_batched_tokens: int, prompt_len: int,
                          shapes: list[tuple[int, int]], repeats: int, kind: str = PREFILL) -> dict:
-    """The served engine's decode steps per batch, alone and with prompts computed (kind PREFILL) or decode steps
-    run (DECODE) on `core` meanwhile: each side's median CPU and wall seconds per step, their ratio, and the factor
-    (the mean of the batches' CPU ratios: the profile's clock on CPU)."""
+    """The served engine's decode steps per shape, alone and with prompts computed (kind PREFILL) or decode steps
+    run (DECODE) on `core` meanwhile: each side's median CPU and wall seconds per step, their ratio, the batch and
+    the context tokens it attends, and the factor (the mean of the shapes' CPU ratios: the profile's clock on CPU;
+    plan_corun_fit.py splits it between the step's weights part and its KV reads)."""
     started = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                "load_average": list(os.getloadavg())}
-    alone: dict[int, list] = {batch: [] for batch, _ in shapes}
-    corun: dict[int, list] = {batch: [] for batch, _ in shapes}
+    keys = [f"{batch}x{prompt}" for batch, prompt in shapes]
+    alone: dict[str, list] = {key: [] for key in keys}
+    corun: dict[str, list] = {key: [] for key in keys}
     with busy_loop(kind, model, core, max_num_batched_tokens, prompt_len) as loop:
         for _ in range(repeats):
             for side, running in ((alone, False), (corun, True)):
                 loop.run(running)
-                for point in served_decode_points(session, shapes, warm_up=False):
-                    side[point.batch].append(point)
+                for key, point in zip(keys, served_decode_points(session, shapes, warm_up=False), strict=True):
+                    side[key].append(point)
                 loop.check_working(running)  # all along: a loop that died after it started measured nothing
     batches = {}
-    for batch, alone_points in alone.items():
-        row = {}
+    for key, alone_points in alone.items():
+        row = {"batch": alone_points[0].batch, "context": alone_points[0].context}
         for clock, field in (("cpu", "cpu_seconds"), ("wall", "seconds")):
             alone_s = statistics.median(getattr(p, field) for p in alone_points)
-            corun_s = statistics.median(getattr(p, field) for p in corun[batch])
+            corun_s = statistics.median(getattr(p, field) for p in corun[key])
             row |= {f"alone_{clock}_s": alone_s, f"corun_{clock}_s": corun_s, f"{clock}_ratio": corun_s / alone_s}
-        batches[str(batch)] = row
+        batches[key] = row
     factor = statistics.fmean(row["cpu_ratio"] for row in batches.values())
     loop_shape = ({"prefill_prompt_len": prompt_len} if kind == PREFILL else
                   {"decode_batch": DECODE_LOOP_BATCH, "decode_prompt_len": DECODE_LOOP_PROMPT,

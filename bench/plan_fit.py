@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pdserve.bench.plan_corun_fit import CoRun, corun_terms
+
 PROFILE_VERSION = 1
 
 
@@ -130,17 +132,17 @@ class Profile(BaseModel):
     transfer_receiver_cpu_per_byte: float
 
     @property
-    def decode_corun_factor(self) -> float:
-        """A decode step's time while another engine of the host computes prefills, over its time alone
-        (machine["decode_corun"], measured by `pdserve profile` on CPU); 1.0 for a profile without it."""
-        return float((self.machine.get("decode_corun") or {}).get("factor", 1.0))
+    def decode_corun(self) -> CoRun:
+        """How much slower a decode step's weights part and KV reads run while another engine of the host computes
+        prefills (machine["decode_corun"], measured by `pdserve profile` on CPU; bench/plan_corun_fit.py); no
+        slow-down for a profile without it."""
+        return corun_terms(self.machine.get("decode_corun"), self.decode_fit.coefficients.get("context", 0.0))
 
     @property
-    def decode_beside_decode_factor(self) -> float:
-        """A decode step's time while another engine of the host runs decode steps, over its time alone
-        (machine["decode_corun"]["beside_decode"]); 1.0 for a profile without it."""
-        beside = (self.machine.get("decode_corun") or {}).get("beside_decode") or {}
-        return float(beside.get("factor", 1.0))
+    def decode_beside_decode(self) -> CoRun:
+        """The same while another engine of the host runs decode steps (machine["decode_corun"]["beside_decode"])."""
+        beside = (self.machine.get("decode_corun") or {}).get("beside_decode")
+        return corun_terms(beside, self.decode_fit.coefficients.get("context", 0.0))
 
     def check_model(self, identity: ModelIdentity, where: str) -> None:
         differences = self.model.differences(identity)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.bench.plan_corun_fit import CoRun
 from pdserve.bench.plan_fit import (
     DecodePoint,
     EngineSettings,
@@ -169,11 +170,13 @@ def measure_served(args, model: str, core: int, machine: dict, max_len: int) -> 
             machine["decode_points"] = "served: a pdserve decode process with CURVE, its CPU time per step"
         prompt_len = min(QUICK_REFERENCE_LEN if args.quick else REFERENCE_PROMPT_LEN, max_len - 1)
         machine["reference"] = served_prefill_reference(session, prompt_len)
-        machine["decode_corun"] = measure_corun(args, model, core, session, prompt_len, args.max_num_batched_tokens)
+        machine["decode_corun"] = measure_corun(args, model, core, session, prompt_len, args.max_num_batched_tokens,
+                                                max_len)
     return decode
 
 
-def measure_corun(args, model: str, core: int, session: tuple, prompt_len: int, max_num_batched_tokens: int) -> dict:
+def measure_corun(args, model: str, core: int, session: tuple, prompt_len: int, max_num_batched_tokens: int,
+                  max_len: int) -> dict:
     """The served engine's decode steps alone, beside prompts computed on another core, and beside decode steps
     run there (plan_corun.py); on one core, or with --no-corun, factor 1.0 and why."""
     from pdserve.bench.plan_corun import (
@@ -182,6 +185,7 @@ def measure_corun(args, model: str, core: int, session: tuple, prompt_len: int, 
         DECODE,
         PREFILL,
         QUICK_CORUN_SHAPES,
+        fitting_shapes,
         measure_decode_corun,
         other_core,
     )
@@ -193,6 +197,7 @@ def measure_corun(args, model: str, core: int, session: tuple, prompt_len: int, 
         print("  co-run factor skipped: one core, no other engine can share this host (factor 1.0)")
         return {"factor": 1.0, "skipped": "one core: no second core to compute prompts on"}
     shapes, repeats = (QUICK_CORUN_SHAPES, 1) if args.quick else (CORUN_SHAPES, CORUN_REPEATS)
+    shapes = fitting_shapes(shapes, max_len)
     corun = measure_decode_corun(session, model, second, max_num_batched_tokens, prompt_len, shapes, repeats, PREFILL)
     corun["beside_decode"] = measure_decode_corun(session, model, second, max_num_batched_tokens, prompt_len, shapes,
                                                   repeats, DECODE)
@@ -284,6 +289,7 @@ def refit(args: argparse.Namespace) -> int:
 def add_corun(args: argparse.Namespace, model: str, identity: ModelIdentity) -> int:
     """--add-corun-to P.json: only the co-run step, written into a copy of P (at --out)."""
     from pdserve.bench.plan_served import REFERENCE_PROMPT_LEN, served_engine
+    from pdserve.engine.config import ModelConfig
 
     if args.device != "cpu":
         raise ValueError(f"--add-corun-to measures CPU engines sharing a host, not --device {args.device}: "
@@ -295,14 +301,13 @@ def add_corun(args: argparse.Namespace, model: str, identity: ModelIdentity) -> 
     core = args.core if args.core is not None else min(os.sched_getaffinity(0))
     prompt_len = (profile.machine.get("reference") or {}).get("prompt_len", REFERENCE_PROMPT_LEN)
     budget = profile.engine.max_num_batched_tokens  # the profiled engine's, not the flag's default
+    max_len = ModelConfig.from_hf(model).max_model_len
     with served_engine(model, core, budget) as session:
-        corun = measure_corun(args, model, core, session, prompt_len, budget)
+        corun = measure_corun(args, model, core, session, prompt_len, budget, max_len)
     machine = {**profile.machine, "decode_corun": {**corun, "pinned_core": core}}
     profile = profile.model_copy(update={"machine": machine})
     Path(args.out).write_text(profile.model_dump_json(indent=1))
-    print(f"co-run step in {time.perf_counter() - started:.0f} s: {args.add_corun_to} with decode_corun_factor "
-          f"{profile.decode_corun_factor:.3f}, decode_beside_decode_factor {profile.decode_beside_decode_factor:.3f} "
-          f"-> {args.out}")
+    print_fits(profile, f"co-run step in {time.perf_counter() - started:.0f} s: {args.add_corun_to} -> {args.out}")
     return 0
 
 
@@ -320,14 +325,17 @@ def print_fits(profile: Profile, headline: str) -> None:
               f"the prefill fit says {reference['profile_prefill_s']:.3f} s")
     corun = profile.machine.get("decode_corun")
     if corun is not None and "skipped" not in corun:
-        ratios = ", ".join(f"batch {batch} x{row['cpu_ratio']:.2f}" for batch, row in corun["batches"].items())
-        print(f"  co-run: decode steps beside prompts on core {corun['prefill_core']}: {ratios}; factor "
-              f"{corun['factor']:.2f}")
+        print_corun(corun, f"prompts on core {corun['prefill_core']}", profile.decode_corun)
         beside = corun.get("beside_decode")
         if beside is not None:
-            ratios = ", ".join(f"batch {batch} x{row['cpu_ratio']:.2f}" for batch, row in beside["batches"].items())
-            print(f"  co-run: decode steps beside decode steps on core {beside['decode_core']}: {ratios}; factor "
-                  f"{beside['factor']:.2f}")
+            print_corun(beside, f"decode steps on core {beside['decode_core']}", profile.decode_beside_decode)
     print(f"  KV link CPU: sender {profile.transfer_sender_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB, receiver "
           f"{profile.transfer_receiver_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB")
+
+
+def print_corun(measured: dict, beside: str, factors: CoRun) -> None:
+    """One line per kind of neighbour: each shape's ratio, and the factors of the step's two parts."""
+    ratios = ", ".join(f"{shape} x{row['cpu_ratio']:.2f}" for shape, row in measured["batches"].items())
+    print(f"  co-run: decode steps beside {beside}: {ratios}; factors: weights x{factors.weights:.2f}, "
+          f"KV reads x{factors.kv_reads:.2f}")
 

@@ -10,10 +10,10 @@ What it models (docs/planning.md says why each choice):
   holds; a decode that cannot grow preempts the newest request, which is recomputed later;
 - step time from the profile's fits: prefill-only steps by the prefill fit, steps with decodes by the
   decode fit plus the prefill fit's per-token and attention terms for the chunks in them (its context term:
-  what the attention backend reads, the sum of the contexts or batch x the longest); the decode fit's part
-  times the profile's co-run factor while another engine of the cluster computes a step with prompt tokens,
-  or its decode co-run factor while another runs decode steps (the engines share one host: simulate(), not
-  simulate_tiers());
+  what the attention backend reads, the sum of the contexts or batch x the longest); the decode fit's weights
+  part (intercept, per sequence) and its KV reads (context) each times the profile's co-run factor for that term
+  while another engine of the cluster computes a step with prompt tokens, or its decode co-run factors while
+  another runs decode steps (the engines share one host: simulate(), not simulate_tiers());
 - disaggregation: the decode engine allocates the prompt's blocks when it admits the request (KVWant);
   the transfer starts when both the prompt is computed and the want is there, lasts latency + bytes /
   bandwidth (streamed: only latency after the prefill), and takes the sending and receiving CPU time of
@@ -42,6 +42,7 @@ try:
 except ImportError as exc:  # an extra of the bench tools
     raise ImportError('pdserve plan needs simpy: pip install "pdserve[bench]"') from exc
 
+from pdserve.bench.plan_corun_fit import NO_CORUN, CoRun
 from pdserve.bench.plan_fit import EngineSettings, Profile
 
 PREFILL_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
@@ -62,8 +63,8 @@ class StepModel:
     transfer_per_byte: float
     sender_cpu_per_byte: float = 0.0
     receiver_cpu_per_byte: float = 0.0
-    decode_corun_factor: float = 1.0  # a decode step's slow-down while another engine on the host computes a prefill
-    decode_beside_decode_factor: float = 1.0  # ... while another engine on the host runs decode steps
+    decode_corun: CoRun = NO_CORUN  # a decode step's slow-down while another engine on the host computes a prefill
+    decode_beside_decode: CoRun = NO_CORUN  # ... while another engine on the host runs decode steps
     decode_pads_to_longest: bool = False  # the decode context term counts batch x the longest (a padding backend)
 
     @classmethod
@@ -75,22 +76,23 @@ class StepModel:
         return cls(p["intercept"] * prefill_scale, p["tokens"] * prefill_scale, p["attention"] * prefill_scale,
                    d["intercept"] * decode_scale, d["batch"] * decode_scale, d["context"] * decode_scale,
                    max(t["intercept"], 0.0), t["bytes"], profile.transfer_sender_cpu_per_byte,
-                   profile.transfer_receiver_cpu_per_byte, profile.decode_corun_factor,
-                   profile.decode_beside_decode_factor, profile.engine.decode_pads_to_longest)
+                   profile.transfer_receiver_cpu_per_byte, profile.decode_corun,
+                   profile.decode_beside_decode, profile.engine.decode_pads_to_longest)
 
     def step_seconds(self, num_decodes: int, context: int, prefill_tokens: int, attention: float,
-                     slowdown: float = 1.0) -> float:
-        """slowdown: the decode part takes that many times as long (other engines of the host at work beside it:
-        SimCluster.slowdown); the prompt chunks' part does not change."""
+                     slowdown: CoRun = NO_CORUN) -> float:
+        """slowdown: how many times as long the decode part's weights and KV reads take (other engines of the host
+        at work beside it: SimCluster.slowdown); the prompt chunks' part does not change."""
         chunks = self.prefill_per_token * prefill_tokens + self.prefill_per_attention * attention
         if num_decodes:
-            return self.decode_seconds(num_decodes, context) * slowdown + chunks
+            return self.decode_seconds(num_decodes, context, slowdown) + chunks
         return self.prefill_intercept + chunks
 
-    def decode_seconds(self, batch, attended):
+    def decode_seconds(self, batch, attended, slowdown: CoRun = NO_CORUN):
         """A decode-only step of `batch` requests whose attention reads `attended` tokens (floats, or numpy arrays
-        of them: one step per element)."""
-        return self.decode_intercept + self.decode_per_seq * batch + self.decode_per_context * attended
+        of them: one step per element), its two parts slowed by `slowdown`."""
+        weights = self.decode_intercept + self.decode_per_seq * batch
+        return weights * slowdown.weights + self.decode_per_context * attended * slowdown.kv_reads
 
 
 @dataclass(frozen=True)
@@ -552,7 +554,7 @@ class SimEngine:
         num_steps = max(1, min(self._finishes[0][0] - self.clock, room))
         slowdown = self.cluster.slowdown(self)  # a change cuts the run (SimCluster.set_activity)
         first = self.model.step_seconds(batch, self.attended_tokens(), 0, 0.0, slowdown)
-        growth = self.model.decode_per_context * batch * slowdown  # each step attends to one more token per request
+        growth = self.model.decode_per_context * batch * slowdown.kv_reads  # each step reads one more token per request
         if self.knows_ahead:
             num_steps = self._steps_before_input(now, num_steps, first, growth)
         if self._second_pending:
@@ -642,10 +644,10 @@ def _steps_done_by(elapsed: float, first: float, growth: float) -> int:
 
 class SimCluster:
     """The engines of one host behind the router. While another engine computes a step with prompt tokens, an
-    engine's decode steps take the profile's decode_corun_factor times as long; while another runs decode steps,
-    decode_beside_decode_factor times (CPU engines on cores of one host share its caches and memory bandwidth; the
-    larger factor where both apply). A step is timed when it starts, and a decode run is cut at its next step
-    boundary when what the others do changes."""
+    engine's decode steps take the profile's decode_corun factors times as long (one for the weights part, one for
+    the KV reads); while another runs decode steps, its decode_beside_decode factors (CPU engines on cores of one
+    host share its caches and memory bandwidth; term by term the larger factor where both apply). A step is timed
+    when it starts, and a decode run is cut at its next step boundary when what the others do changes."""
 
     def __init__(self, spec: ClusterSpec, model: StepModel, budget: MissBudget | None = None) -> None:
         self.spec, self.model, self.budget = spec, model, budget
@@ -653,16 +655,19 @@ class SimCluster:
         self.prefills = [SimEngine(self.sim, self, i, "prefill") for i in range(spec.num_prefill)]
         self.decodes = [SimEngine(self.sim, self, i, "decode") for i in range(spec.num_decode)]
         self._next = {"prefill": 0, "decode": 0}
-        self.factors = {PREFILLING: model.decode_corun_factor, DECODING: model.decode_beside_decode_factor}
-        self.corun = spec.num_prefill + spec.num_decode > 1 and any(f != 1.0 for f in self.factors.values())
+        self.factors = {PREFILLING: model.decode_corun.at_least(NO_CORUN),  # a neighbour never speeds a step up
+                        DECODING: model.decode_beside_decode.at_least(NO_CORUN)}
+        self.corun = spec.num_prefill + spec.num_decode > 1 and any(f != NO_CORUN for f in self.factors.values())
         self.num_at = {PREFILLING: 0, DECODING: 0, IDLE: spec.num_prefill + spec.num_decode}  # engines by activity
 
-    def slowdown(self, engine: SimEngine) -> float:
-        """How many times as long engine's decode part takes with what the other engines do now."""
-        if not self.corun:
-            return 1.0
-        return max([1.0, *(factor for activity, factor in self.factors.items()
-                           if self.num_at[activity] > (engine.activity == activity))])
+    def slowdown(self, engine: SimEngine) -> CoRun:
+        """How many times as long engine's decode part takes, term by term, with what the other engines do now."""
+        slowdown = NO_CORUN
+        if self.corun:
+            for activity, factor in self.factors.items():
+                if self.num_at[activity] > (engine.activity == activity):
+                    slowdown = factor if slowdown is NO_CORUN else slowdown.at_least(factor)
+        return slowdown
 
     def set_activity(self, engine: SimEngine, activity: str) -> None:
         """engine starts a step (or a run) of this activity; the others' decode runs end at their next step
@@ -682,7 +687,7 @@ class SimCluster:
     def _others_see_a_change(self, activity: str, count_before: int, count_after: int) -> bool:
         """Whether the engines with decode runs (DECODING ones) see "another engine does this" flip: a count
         moving 0 <-> 1 for what they do not do, 1 <-> 2 for decoding, which they do (their own step counts)."""
-        if self.factors.get(activity, 1.0) == 1.0:
+        if self.factors.get(activity, NO_CORUN) == NO_CORUN:
             return False
         return min(count_before, count_after) == (1 if activity == DECODING else 0)
 
@@ -789,7 +794,7 @@ def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], p
     pool) holding its blocks."""
     check_requests(spec, prompt_lens, output_lens)
     # which engines of a large cluster share a host is not known
-    model = replace(model, decode_corun_factor=1.0, decode_beside_decode_factor=1.0)
+    model = replace(model, decode_corun=NO_CORUN, decode_beside_decode=NO_CORUN)
     x, y = spec.num_prefill, spec.num_decode
     threshold = spec.local_prefill_threshold
     decode_stream = [SimRequest(i, float(arrivals[i]), int(prompt_lens[i]), int(output_lens[i]))

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from pdserve.bench.plan_corun_fit import NO_CORUN, CoRun, corun_terms
 from pdserve.bench.plan_fit import model_identity
 from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate, simulate_tiers
 from tests.bench.plan_helpers import synthetic_profile
@@ -18,14 +19,14 @@ def test_decode_steps_beside_another_engines_prefill_are_slower_by_the_factor():
     # it decodes from there. B arrives at 1.55: the prefill engine computes it over [1.55, 2.55]. A's step under
     # way at 1.55 (from 1.5) keeps its time; the steps starting at 1.6 .. 2.5 take f * s; from 2.65 on s again.
     s, prefill, factor = 0.1, 1.0, 1.5
-    cost = model(prefill_intercept=prefill, decode_intercept=s, decode_corun_factor=factor)
+    cost = model(prefill_intercept=prefill, decode_intercept=s, decode_corun=CoRun.uniform(factor))
     a, b = simulate(ClusterSpec(1, 1), cost, [0.0, 1.55], [16, 16], [40, 3])
     normal_steps, slowed_steps = 6 + 26, 7  # 39 steps make A's 40 tokens after its first
     assert a.first_token == pytest.approx(prefill)
     assert a.finish == pytest.approx(prefill + normal_steps * s + slowed_steps * factor * s)
     assert b.first_token == pytest.approx(1.55 + prefill)  # a prefill step is not slowed by decodes
     assert b.second_token == pytest.approx(prefill + 6 * s + 7 * factor * s + s)  # joins at 2.65, after A's step
-    alone_a, _ = simulate(ClusterSpec(1, 1), replace(cost, decode_corun_factor=1.0), [0.0, 1.55], [16, 16],
+    alone_a, _ = simulate(ClusterSpec(1, 1), replace(cost, decode_corun=CoRun.uniform(1.0)), [0.0, 1.55], [16, 16],
                                 [40, 3])
     assert alone_a.finish == pytest.approx(prefill + 39 * s)
 
@@ -34,7 +35,7 @@ def test_a_decode_run_is_retimed_when_an_engine_it_does_not_serve_starts_or_ends
     # 1P2D, round robin: A decodes on the first decode engine, B goes to the second. Only the prefill engine's
     # start (1.55) and end (2.55) of B's prompt reach A's engine, and its run changes speed at the next boundary.
     s, prefill, factor = 0.1, 1.0, 1.5
-    cost = model(prefill_intercept=prefill, decode_intercept=s, decode_corun_factor=factor)
+    cost = model(prefill_intercept=prefill, decode_intercept=s, decode_corun=CoRun.uniform(factor))
     a, b = simulate(ClusterSpec(1, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3])
     assert a.decode_engine is not b.decode_engine
     assert a.finish == pytest.approx(prefill + (6 + 26) * s + 7 * factor * s)
@@ -46,26 +47,26 @@ def test_decode_steps_beside_another_engines_decode_steps_are_slower_by_that_fac
     # A's step under way at 2.55 (from 2.5) keeps its time; the two starting at 2.6 and 2.75 (B decodes then) take
     # f * s; B is done at 2.85, so from A's next boundary (2.9) on, s again.
     s, prefill, factor = 0.1, 1.0, 1.5
-    cost = model(prefill_intercept=prefill, decode_intercept=s, decode_beside_decode_factor=factor)
+    cost = model(prefill_intercept=prefill, decode_intercept=s, decode_beside_decode=CoRun.uniform(factor))
     a, b = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3])
     assert a.decode_engine is not b.decode_engine
     assert b.first_token == pytest.approx(2.55)
     assert b.finish == pytest.approx(2.55 + 2 * factor * s)
     assert a.finish == pytest.approx(prefill + 37 * s + 2 * factor * s)
     # B's prompt slows A too, by the other factor: 8 steps of 1.2 s from 1.6 to 2.56, then 2 of f * s to 2.86
-    both = replace(cost, decode_corun_factor=1.2)
+    both = replace(cost, decode_corun=CoRun.uniform(1.2))
     a_both, _ = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), both, [0.0, 1.55], [16, 16], [40, 3])
     assert a_both.finish == pytest.approx(prefill + 29 * s + 8 * 1.2 * s + 2 * factor * s)
 
 
 def test_the_factor_slows_only_the_decode_part_of_a_mixed_step():
     cost = model(decode_intercept=0.05, decode_per_seq=0.01, decode_per_context=1e-5, prefill_per_token=1e-3,
-                 decode_corun_factor=1.4)
+                 decode_corun=CoRun.uniform(1.4))
     decode = 0.05 + 0.01 * 3 + 1e-5 * 600
     chunks = 1e-3 * 128
     assert cost.step_seconds(3, 600, 128, 0.0) == pytest.approx(decode + chunks)
-    assert cost.step_seconds(3, 600, 128, 0.0, slowdown=1.4) == pytest.approx(1.4 * decode + chunks)
-    assert cost.step_seconds(0, 0, 128, 0.0, slowdown=1.4) == cost.step_seconds(0, 0, 128, 0.0)  # prefill-only step
+    assert cost.step_seconds(3, 600, 128, 0.0, slowdown=CoRun.uniform(1.4)) == pytest.approx(1.4 * decode + chunks)
+    assert cost.step_seconds(0, 0, 128, 0.0, slowdown=CoRun.uniform(1.4)) == cost.step_seconds(0, 0, 128, 0.0)  # prefill-only step
 
 
 @pytest.mark.parametrize("spec, arrivals", [
@@ -76,17 +77,17 @@ def test_without_overlap_the_factor_changes_nothing(spec, arrivals):
     cost = model(prefill_intercept=0.3, prefill_per_token=1e-4, decode_intercept=0.05, decode_per_seq=1e-3,
                  transfer_latency=0.01, transfer_per_byte=1e-9)
     plain = simulate(spec, cost, arrivals, [200, 100, 300], [20, 30, 10])
-    slowed = simulate(spec, replace(cost, decode_corun_factor=2.0), arrivals, [200, 100, 300], [20, 30, 10])
+    slowed = simulate(spec, replace(cost, decode_corun=CoRun.uniform(2.0)), arrivals, [200, 100, 300], [20, 30, 10])
     assert [(r.first_token, r.second_token, r.finish) for r in slowed] == \
         [(r.first_token, r.second_token, r.finish) for r in plain]
 
 
 def test_one_engine_per_tier_leaves_the_factor_out():
-    cost = model(prefill_intercept=0.3, decode_intercept=0.05, decode_corun_factor=1.5)
+    cost = model(prefill_intercept=0.3, decode_intercept=0.05, decode_corun=CoRun.uniform(1.5))
     args = ([0.0, 0.1, 0.2, 0.4], [100] * 4, [30] * 4)
     overlapped = simulate(ClusterSpec(1, 1), cost, *args)
     tiers = simulate_tiers(ClusterSpec(1, 1), cost, *args)
-    plain = simulate(ClusterSpec(1, 1), replace(cost, decode_corun_factor=1.0), *args)
+    plain = simulate(ClusterSpec(1, 1), replace(cost, decode_corun=CoRun.uniform(1.0)), *args)
     assert [r.finish for r in tiers] == pytest.approx([r.finish for r in plain])
     assert overlapped[0].finish > plain[0].finish  # the whole cluster charges it
 
@@ -94,11 +95,61 @@ def test_one_engine_per_tier_leaves_the_factor_out():
 def test_a_profile_without_the_factor_reads_as_one(model_factory):
     profile = synthetic_profile(model_identity(model_factory()))
     assert "decode_corun" not in profile.machine
-    assert profile.decode_corun_factor == 1.0
-    assert StepModel.from_profile(profile).decode_corun_factor == 1.0
-    assert profile.decode_beside_decode_factor == StepModel.from_profile(profile).decode_beside_decode_factor == 1.0
+    assert profile.decode_corun == profile.decode_beside_decode == NO_CORUN
+    assert StepModel.from_profile(profile).decode_corun == NO_CORUN
+    assert StepModel.from_profile(profile).decode_beside_decode == NO_CORUN
     measured = profile.model_copy(update={"machine": {**profile.machine, "decode_corun": {
-        "factor": 1.1, "beside_decode": {"factor": 1.25}}}})
-    assert StepModel.from_profile(measured).decode_beside_decode_factor == 1.25
+        "factor": 1.1, "beside_decode": {"factor": 1.25}}}})  # before the split: one factor for the whole step
+    assert StepModel.from_profile(measured).decode_corun == CoRun.uniform(1.1)
+    assert StepModel.from_profile(measured).decode_beside_decode == CoRun.uniform(1.25)
     measured = profile.model_copy(update={"machine": {**profile.machine, "decode_corun": {"factor": 1.25}}})
-    assert StepModel.from_profile(measured, decode_scale=2.0).decode_corun_factor == 1.25
+    assert StepModel.from_profile(measured, decode_scale=2.0).decode_corun == CoRun.uniform(1.25)
+
+
+def test_each_term_of_a_decode_step_takes_its_own_factor():
+    # weights part 0.05 + 0.01 * 3 = 0.08 s, KV reads 1e-5 * 600 = 0.006 s
+    cost = model(decode_intercept=0.05, decode_per_seq=0.01, decode_per_context=1e-5, prefill_per_token=1e-3)
+    slowdown = CoRun(weights=1.1, kv_reads=2.0)
+    assert cost.step_seconds(3, 600, 128, 0.0, slowdown) == pytest.approx(1.1 * 0.08 + 2.0 * 0.006 + 1e-3 * 128)
+    assert cost.decode_seconds(3, 600, slowdown) == pytest.approx(1.1 * 0.08 + 2.0 * 0.006)
+
+
+def test_a_decode_run_beside_a_prefill_grows_by_the_kv_factor():
+    # 1P1D, no weights part: each step of A costs c * context. B's prompt (1 s, [1.0, 2.0]) is computed on the
+    # prefill engine while A decodes alone on the other: with the KV factor k every step that starts then reads
+    # k times as slowly, and the factor for the weights part (none here) changes nothing.
+    c, k = 1e-3, 1.5
+    cost = model(prefill_intercept=1.0, decode_per_context=c, decode_corun=CoRun(weights=5.0, kv_reads=k))
+    plain = replace(cost, decode_corun=NO_CORUN)
+    a, _ = simulate(ClusterSpec(1, 1), cost, [0.0, 1.0], [100, 16], [6, 2])
+    a_plain, _ = simulate(ClusterSpec(1, 1), plain, [0.0, 1.0], [100, 16], [6, 2])
+    # A's prompt is done at 1.0, B's runs over [1.0, 2.0]: A's 5 steps over contexts 101..105 all start (and end,
+    # at 1.77) while B's prompt is computed, one run whose steps each read one more token
+    steps = [c * (101 + i) for i in range(5)]
+    assert a_plain.finish == pytest.approx(1.0 + sum(steps))
+    assert a.finish == pytest.approx(1.0 + k * sum(steps))
+
+
+@pytest.mark.parametrize("weights, kv_reads", [(1.0, 1.0), (1.05, 1.6), (0.97, 1.25), (1.3, 1.3)])
+def test_the_split_recovers_known_factors_from_short_and_long_contexts(weights, kv_reads):
+    # three shapes on a fit with 0.05 s + 0.003 s per sequence + 1.5e-5 s per context token (the demo model's)
+    per_context = 1.5e-5
+    rows = {}
+    for batch, prompt in ((1, 16), (8, 16), (2, 1000)):
+        context = batch * (prompt + 12)
+        kv = per_context * context
+        alone = 0.05 + 0.003 * batch + kv
+        corun = weights * (alone - kv) + kv_reads * kv
+        rows[f"{batch}x{prompt}"] = {"batch": batch, "context": context, "alone_cpu_s": alone, "corun_cpu_s": corun,
+                                     "cpu_ratio": corun / alone}
+    factors = corun_terms({"factor": 1.0, "batches": rows}, per_context)
+    assert factors.weights == pytest.approx(weights)
+    assert factors.kv_reads == pytest.approx(kv_reads)
+
+
+def test_without_a_long_context_the_split_is_the_mean_ratio():
+    rows = {f"{b}x16": {"batch": b, "context": b * 28, "alone_cpu_s": 0.06, "corun_cpu_s": 0.06 * r, "cpu_ratio": r}
+            for b, r in ((1, 1.1), (8, 1.3))}
+    assert corun_terms({"factor": 1.2, "batches": rows}, 1.5e-5) == CoRun.uniform(pytest.approx(1.2))
+    assert corun_terms(None, 1.5e-5) == NO_CORUN
+    assert corun_terms({"factor": 1.0, "skipped": "--no-corun"}, 1.5e-5) == NO_CORUN

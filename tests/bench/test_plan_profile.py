@@ -7,24 +7,28 @@ import os
 
 import pytest
 
+from pdserve.bench.plan_corun_fit import NO_CORUN, corun_terms
 from pdserve.bench.plan_fit import load_profile, model_identity
+from pdserve.bench.plan_served import SERVED_TOKENS
 from pdserve.cli import main
 from tests.bench.plan_helpers import synthetic_profile
 
 
-def check_corun(corun: dict, batches: set[str]) -> None:
+def check_corun(corun: dict, shapes: dict[str, tuple[int, int]]) -> None:
     """With two cores the co-run step timed each batch alone, beside the other core's prompts and beside its
     decode steps; else 1.0."""
     if len(os.sched_getaffinity(0)) < 2:
         assert corun == {"factor": 1.0, "skipped": "one core: no second core to compute prompts on"}
         return
     for measured, kind in ((corun, "prefill"), (corun["beside_decode"], "decode")):
-        assert set(measured["batches"]) == batches
-        for row in measured["batches"].values():
+        assert set(measured["batches"]) == set(shapes)
+        for key, row in measured["batches"].items():
+            batch, prompt_len = shapes[key]
+            assert (row["batch"], row["context"]) == (batch, batch * (prompt_len + SERVED_TOKENS // 2))
             assert row["alone_cpu_s"] > 0 and row["corun_cpu_s"] > 0
             assert row["cpu_ratio"] == pytest.approx(row["corun_cpu_s"] / row["alone_cpu_s"])
         assert measured["factor"] == pytest.approx(sum(r["cpu_ratio"] for r in measured["batches"].values())
-                                                   / len(batches))
+                                                   / len(shapes))
         assert measured[f"{kind}_core"] != corun.get("pinned_core", -1)
 
 
@@ -46,9 +50,9 @@ def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_pat
     reference = profile.machine["reference"]  # a served engine's prompt, to judge the machine's drift by
     assert reference["prompt_len"] > 1 and reference["served_prefill_wall_s"] > 0
     assert reference["profile_prefill_s"] > 0
-    check_corun(profile.machine["decode_corun"], batches={"1", "2"})
-    assert profile.decode_beside_decode_factor == (profile.machine["decode_corun"].get("beside_decode") or {}).get(
-        "factor", 1.0)
+    check_corun(profile.machine["decode_corun"], shapes={"1x16": (1, 16), "2x16": (2, 16)})
+    for factors in (profile.decode_corun, profile.decode_beside_decode):
+        assert 0 < factors.weights < 10 and 0 < factors.kv_reads < 10
     for fit in (profile.prefill_fit, profile.decode_fit, profile.transfer_fit):
         assert all(value >= 0 for value in fit.coefficients.values())
     assert "R^2" in capsys.readouterr().out
@@ -77,11 +81,11 @@ def test_the_co_run_step_alone_goes_into_a_copy_of_an_older_profile(model_factor
     assert "write the copy elsewhere" in capsys.readouterr().err
     assert main(["profile", "--model", model, "--quick", "--add-corun-to", str(older), "--out", str(copy)]) == 0
     before, after = load_profile(older), load_profile(copy)
-    assert before.decode_corun_factor == 1.0
-    check_corun(after.machine["decode_corun"], batches={"1", "2"})
-    assert after.decode_corun_factor == after.machine["decode_corun"]["factor"]
+    assert before.decode_corun == NO_CORUN
+    check_corun(after.machine["decode_corun"], shapes={"1x16": (1, 16), "2x16": (2, 16)})
+    assert after.decode_corun == corun_terms(after.machine["decode_corun"], after.decode_fit.coefficients["context"])
     assert after.model_copy(update={"machine": before.machine}) == before  # nothing else changed
-    assert "decode_corun_factor" in capsys.readouterr().out
+    assert "factors: weights x" in capsys.readouterr().out
 
 
 def test_refit_fits_an_older_profiles_points_again(model_factory, tmp_path, capsys):
