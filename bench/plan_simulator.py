@@ -280,7 +280,17 @@ class SimEngine:
     # ---- load figures the router reads ----
 
     def kv_usage(self) -> float:
-        return (self.used_tokens() + self.waiting_tokens) / self.capacity
+        """The fraction of the pool in use now, as the router reads it: with the KV written by the steps of a decode
+        run under way (the engine reports its blocks every heartbeat, not only where the simulator cuts a run)."""
+        live = self.used_tokens() + len(self.decoding) * self.steps_into_run()
+        return (live + self.waiting_tokens) / self.capacity
+
+    def steps_into_run(self) -> int:
+        """Steps of the decode run under way completed by now (0 outside a run)."""
+        if self._run is None:
+            return 0
+        start, num_steps, first, growth = self._run
+        return min(_steps_done_by(self.env.now - start, first, growth), num_steps)
 
     def num_inflight(self) -> int:
         return len(self.waiting) + len(self.prefilling) + len(self.decoding) + self.num_waiting_for_kv

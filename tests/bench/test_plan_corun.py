@@ -11,6 +11,7 @@ from pdserve.bench.plan_corun_fit import NO_CORUN, CoRun, corun_terms
 from pdserve.bench.plan_fit import model_identity
 from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate, simulate_tiers
 from tests.bench.plan_helpers import synthetic_profile
+from pdserve.bench.plan_workload import random_workload
 from tests.bench.test_plan_simulator import model
 
 
@@ -153,3 +154,21 @@ def test_without_a_long_context_the_split_is_the_mean_ratio():
     assert corun_terms({"factor": 1.2, "batches": rows}, 1.5e-5) == CoRun.uniform(pytest.approx(1.2))
     assert corun_terms(None, 1.5e-5) == NO_CORUN
     assert corun_terms({"factor": 1.0, "skipped": "--no-corun"}, 1.5e-5) == NO_CORUN
+
+
+@pytest.mark.parametrize("spec", [ClusterSpec(0, 2, decode_policy="least_kv"), ClusterSpec(1, 2, decode_policy="least_kv")])
+def test_cutting_decode_runs_changes_no_routing(spec):
+    """A factor of 1 + 1e-12 only makes the simulator cut decode runs wherever another engine starts or ends a kind
+    of step. The router's least_kv reads each engine's KV in use at the arrival, mid-run included, so the cuts
+    change nothing. (It read the KV as of the run's start, stale by up to a whole run, and sent requests
+    elsewhere depending on where runs happened to be cut.)"""
+    cost = model(prefill_intercept=0.02, prefill_per_token=2.5e-3, decode_intercept=0.05, decode_per_seq=3e-3,
+                 decode_per_context=1.5e-5)
+    workload = random_workload(60, 128, 256, range_ratio=0.5, seed=7)
+    arrivals = workload.arrivals(0.5, seed=7)
+    plain = simulate(spec, cost, arrivals, workload.prompt_lens, workload.output_lens)
+    cut = simulate(spec, replace(cost, decode_corun=CoRun.uniform(1 + 1e-12),
+                                 decode_beside_decode=CoRun.uniform(1 + 1e-12)),
+                   arrivals, workload.prompt_lens, workload.output_lens)
+    assert [r.decode_engine.index for r in cut] == [r.decode_engine.index for r in plain]
+    assert [r.finish for r in cut] == pytest.approx([r.finish for r in plain], rel=1e-9)
