@@ -58,7 +58,7 @@ def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started:
 # ---- errors ----
 
 def _error_response(gateway: Gateway, request: Request, error: APIError) -> JSONResponse:
-    gateway.metrics.requests.labels(endpoint_label(request), str(error.status_code)).inc()
+    gateway.metrics.count_request(endpoint_label(request), str(error.status_code))
     return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
 
 

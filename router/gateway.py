@@ -50,11 +50,11 @@ class Gateway:
 
     def context_limits(self) -> tuple[int, int | None]:
         """(max_model_len, vocab_size) the routable decode engines accept, or 503 when there are none."""
-        max_model_len = self.registry.max_model_len()
-        if max_model_len is None:
+        limits = self.registry.decode_limits()
+        if limits is None:
             raise NoEngineAvailable("no decode engine is available: start one (`pdserve decode --router-address "
                                     f"{self.registry.registration_address}`) or wait until one answers")
-        return max_model_len, self.registry.vocab_size()
+        return limits
 
     def route(self, token_ids: list[int], excluded: set[str], force_local: bool) -> Route:
         """Engines for one attempt; engines that failed this request are avoided while others exist

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from pdserve.router.policies import Route
 
 log = logging.getLogger("pdserve.router.generation")
 
-_DEADLINE = "deadline"  # the source of the item an attempt's timer puts in its queue
+_DEADLINE = "deadline"  # the source of the item an attempt's timer puts in its inbox
 
 
 @dataclass(frozen=True)
@@ -79,16 +80,41 @@ class _Retry(Exception):
         self.force_local = force_local
 
 
+class _Inbox:
+    """An attempt's incoming (source, item) pairs, for its one reader: a deque and the reader's waiter. Every
+    streamed token passes through it, and an asyncio.Queue there cost twice the Python calls (issue #17)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[str, Any]] = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, source: str, item: Any) -> None:
+        self._items.append((source, item))
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> tuple[str, Any]:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 class _Sink:
-    """What an EngineLink puts deltas into: the request's queue, each item tagged with its source."""
+    """What an EngineLink puts deltas into: the attempt's inbox, each item tagged with the link's side."""
 
-    __slots__ = ("queue", "source")
+    __slots__ = ("inbox", "source")
 
-    def __init__(self, queue: asyncio.Queue, source: str) -> None:
-        self.queue, self.source = queue, source
+    def __init__(self, inbox: _Inbox, source: str) -> None:
+        self.inbox, self.source = inbox, source
 
     def put_nowait(self, item: Any) -> None:
-        self.queue.put_nowait((self.source, item))
+        self.inbox.put(self.source, item)
 
 
 class Submission:
@@ -97,14 +123,14 @@ class Submission:
     def __init__(self, route: Route, request_id: str, deadline: float) -> None:
         self.route = route
         self.request_id = request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.inbox = _Inbox()
         self.finished = False  # the decode engine ended the request itself: nothing to abort
-        # at the deadline (loop time) a timer puts (_DEADLINE, None) in the queue: one timer per attempt
+        # at the deadline (loop time) a timer puts (_DEADLINE, None) in the inbox: one timer per attempt
         # rather than a timeout scope around every wait for a token
-        self._timer = asyncio.get_running_loop().call_at(deadline, self.queue.put_nowait, (_DEADLINE, None))
-        route.decode.open_stream(request_id, _Sink(self.queue, "decode"))
+        self._timer = asyncio.get_running_loop().call_at(deadline, self.inbox.put, _DEADLINE, None)
+        route.decode.open_stream(request_id, _Sink(self.inbox, "decode"))
         if route.prefill is not None:
-            route.prefill.open_stream(request_id, _Sink(self.queue, "prefill"))
+            route.prefill.open_stream(request_id, _Sink(self.inbox, "prefill"))
 
     def submit(self, spec: ChoiceSpec) -> None:
         """Send the prompt to the prefill and the decode engine at once (EngineUnreachable -> _Retry)."""
@@ -136,7 +162,7 @@ class Submission:
         is over for the router, whatever becomes of its KV (that is between the two engines)."""
         if self.route.prefill is not None:
             self.route.prefill.close_stream(self.request_id)
-            self.route = Route(self.route.decode, None, self.route.num_uncached_tokens)
+            self.route = Route(self.route.decode, None, self.route.num_uncached_tokens, self.route.prompt_hashes)
 
     def close(self) -> None:
         self._timer.cancel()
@@ -223,7 +249,7 @@ class ChoiceRunner:
         self.token_ids = []
         first_token: int | None = None  # streamed from the prefill engine: the decode engine's first again
         while True:
-            source, item = await _next(submission.queue)
+            source, item = await _next(submission.inbox)
             if source == "prefill" and self.token_ids:
                 continue  # the decode engine's tokens came first: the prefill engine's part is over
             if isinstance(item, EngineGone):
@@ -245,7 +271,8 @@ class ChoiceRunner:
                 submission.release_prefill()
             if delta.finish_reason is not None:  # the prefix index learns the output after the answer is written
                 asyncio.get_running_loop().call_soon(self.gateway.policy.record_output, submission.route.decode,
-                                                     self.spec.prompt_token_ids + self.token_ids)
+                                                     self.spec.prompt_token_ids + self.token_ids,
+                                                     submission.route.prompt_hashes)
                 yield delta
                 return
             if delta.token_ids or delta.text:
@@ -278,9 +305,9 @@ class ChoiceRunner:
                            finish_reason, stop_reason, delta.num_cached_tokens)
 
 
-async def _next(queue: asyncio.Queue) -> tuple[str, Any]:
-    """The next (source, item) of an attempt's queue; RequestTimeout once its deadline timer fired."""
-    source, item = queue.get_nowait() if not queue.empty() else await queue.get()
+async def _next(inbox: _Inbox) -> tuple[str, Any]:
+    """The next (source, item) of an attempt's inbox; RequestTimeout once its deadline timer fired."""
+    source, item = await inbox.get()
     if source is _DEADLINE:
         raise RequestTimeout("the request took longer than the router's request timeout: raise "
                              "--request-timeout or lower max_tokens")

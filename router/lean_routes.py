@@ -18,8 +18,9 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -31,14 +32,36 @@ def _is_json(content_type: str | None) -> bool:
     return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
+def _content_type(scope: Scope) -> str | None:
+    """The Content-Type header, as Starlette's request.headers.get("content-type") reads it (the first one)."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            return value.decode("latin-1")
+    return None
+
+
+async def read_body(receive: Receive) -> bytes:
+    """The whole body, read as Starlette's Request.body() reads it (ClientDisconnect if the client leaves
+    first), without its stream generator and the per-request Headers object around it."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.request":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+        elif message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+
+
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     """The request body as `model`, refused as FastAPI refuses it: bad JSON and invalid fields as a
     RequestValidationError (locations under "body"), an unreadable body as HTTPException(400)."""
-    body: Any = await request.body()
+    body: Any = await read_body(request.receive)
     if not body:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:
-        if body and _is_json(request.headers.get("content-type")):
+        if body and _is_json(_content_type(request.scope)):
             body = json.loads(body)
     except json.JSONDecodeError as exc:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",

@@ -2,8 +2,8 @@
 
 A reader callback on the socket's file descriptor (not a task awaiting pyzmq's asyncio futures: that
 machinery cost more router CPU per streamed token than decoding it, docs/BENCHMARKS.md issue #17) decodes
-what the engine sends and routes each TokenDelta by request id to the asyncio.Queue of the request
-waiting for it. Sends never wait: a message the engine cannot take
+what the engine sends and routes each TokenDelta by request id to the request waiting for it (the
+sink given to open_stream). Sends never wait: a message the engine cannot take
 right now (not connected, or its queue is full) raises EngineUnreachable at once, so a request can
 go elsewhere instead of hanging on a dead peer. A socket monitor marks the link broken the moment its
 connection drops (the engine process died), so the registry need not wait for missed heartbeats.
@@ -31,6 +31,9 @@ log = logging.getLogger("pdserve.router.link")
 
 LINK_HWM = 100_000  # messages queued per link; beyond it the engine is treated as unreachable
 DRAIN_LIMIT = 256  # messages read per call of a link's reader, so other callbacks get their turn
+# plain ints: pyzmq's constants are enums, and `int & enum` builds a new enum member (Python calls) on
+# every check of the reader, which runs once per streamed token
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 class EngineUnreachable(Exception):
@@ -161,9 +164,9 @@ class EngineLink:
         self._read_scheduled = False
         for _ in range(DRAIN_LIMIT):
             try:
-                if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if not self.socket.getsockopt(_EVENTS) & _POLLIN:
                     return
-                parts = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts = self.socket.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:  # the socket was closed under the reader

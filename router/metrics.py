@@ -100,6 +100,23 @@ class RouterMetrics:
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(EngineCollector(links))
+        # labelled series, each looked up once: labels() checks its arguments and takes a lock on every call
+        self._requests_of: dict[tuple[str, str], Counter] = {}
+        self._finished_of: dict[str, Counter] = {}
+
+    def count_request(self, endpoint: str, status: str) -> None:
+        """One answered API request (a handful of endpoints x status codes: a bounded set of series)."""
+        series = self._requests_of.get((endpoint, status))
+        if series is None:
+            series = self._requests_of[(endpoint, status)] = self.requests.labels(endpoint, status)
+        series.inc()
+
+    def count_finished(self, finish_reason: str) -> None:
+        """One finished choice (stop, length, ...)."""
+        series = self._finished_of.get(finish_reason)
+        if series is None:
+            series = self._finished_of[finish_reason] = self.finished.labels(finish_reason)
+        series.inc()
 
     def observe_request(self, *, ttft: float | None, e2e: float, num_prompt_tokens: int,
                         num_generated_tokens: int, itls: list[float] = ()) -> None:

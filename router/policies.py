@@ -72,6 +72,7 @@ class Route:
     decode: EngineLink
     prefill: EngineLink | None  # None: the decode engine prefills the prompt itself
     num_uncached_tokens: int  # prompt tokens the decode engine's cache (as the router knows it) lacks
+    prompt_hashes: PromptHashes  # the prompt's block hashes: a finished sequence's continue them (record_output)
 
 
 def _block_size(link: EngineLink) -> int:
@@ -103,7 +104,7 @@ class RoutingPolicy:
             prefill.pending_tokens += num_uncached
         self.index(decode).add(decode_hashes)
         decode.pending_tokens += len(token_ids)
-        return Route(decode, prefill, num_uncached)
+        return Route(decode, prefill, num_uncached, hashes)
 
     def index(self, link: EngineLink) -> PrefixIndex:
         index = self._indexes.get(link.control_address)
@@ -112,11 +113,15 @@ class RoutingPolicy:
             index = self._indexes[link.control_address] = PrefixIndex(max(capacity, 1))
         return index
 
-    def record_output(self, link: EngineLink, token_ids: Sequence[int]) -> None:
+    def record_output(self, link: EngineLink, token_ids: Sequence[int], prompt_hashes: PromptHashes | None = None
+                      ) -> None:
         """A finished sequence (prompt + output) is cached on its decode engine: the next chat turn hits it.
-        Nothing for an engine that left meanwhile (its index is forgotten)."""
+        Nothing for an engine that left meanwhile (its index is forgotten). prompt_hashes: those of the prompt
+        that token_ids start with (Route.prompt_hashes), so that only the output's blocks are hashed here."""
         if link.up:
-            self.index(link).add(compute_block_hashes(token_ids, _block_size(link)))
+            block_size = _block_size(link)
+            known = prompt_hashes.for_block_size(block_size) if prompt_hashes is not None else ()
+            self.index(link).add(compute_block_hashes(token_ids, block_size, known))
 
     def forget(self, link: EngineLink) -> None:
         """An engine left (or restarted): what it cached is gone."""

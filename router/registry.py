@@ -101,12 +101,16 @@ class EngineRegistry:
 
     def max_model_len(self) -> int | None:
         """The context length every routable decode engine accepts (None when there is none)."""
-        lengths = [link.info.max_model_len for link in self.engines("decode")]
-        return min(lengths) if lengths else None
+        limits = self.decode_limits()
+        return None if limits is None else limits[0]
 
-    def vocab_size(self) -> int | None:
-        sizes = [link.info.vocab_size for link in self.engines("decode")]
-        return min(sizes) if sizes else None
+    def decode_limits(self) -> tuple[int, int] | None:
+        """(context length, vocabulary size) every routable decode engine accepts, from one pass over the
+        engines (None when there is none)."""
+        infos = [link.info for link in self.engines("decode")]
+        if not infos:
+            return None
+        return min([info.max_model_len for info in infos]), min([info.vocab_size for info in infos])
 
     async def refresh_stats(self, timeout: float = 0.5) -> None:
         """Ask every routable engine for its stats now (for /metrics), waiting at most `timeout`."""

@@ -19,8 +19,12 @@ from pdserve.router.tokenization import Tokenization
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
+# json.dumps(obj, ensure_ascii=False, separators=(",", ":")), without building an encoder per call
+_encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_encode_json(obj)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

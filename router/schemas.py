@@ -30,7 +30,7 @@ def unencodable_path(value: Any, path: str = "body") -> str | None:
     else:
         return None
     for key, item in items:
-        if isinstance(key, str) and not _encodable(key):
+        if isinstance(key, str) and not (key.isascii() or _encodable(key)):
             return path
         if isinstance(item, (str, dict, list)):
             found = unencodable_path(item, f"{path}.{key}")
@@ -108,8 +108,10 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = Field(None, ge=1)
 
     def has_text_prompt(self) -> bool:
-        """A prompt to tokenize (a string, or a batch with one), rather than token ids only."""
-        return isinstance(self.prompt, str) or any(isinstance(p, str) for p in self.prompt)
+        """A prompt to tokenize (a string, or a batch of strings), rather than token ids only. A validated
+        list holds one kind of item (the union's members), so its first item tells (no walk over every id)."""
+        prompt = self.prompt
+        return isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], str))
 
 
 class ContentPart(BaseModel):

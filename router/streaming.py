@@ -70,7 +70,7 @@ class _Timing:
             num_generated_tokens=usage["completion_tokens"], itls=self.itls)
         for total in formatter.totals:
             if total.finish_reason is not None:
-                gateway.metrics.finished.labels(total.finish_reason).inc()
+                gateway.metrics.count_finished(total.finish_reason)
 
 
 class _DisconnectWatch:
@@ -152,7 +152,7 @@ async def respond(gateway: Gateway, request: Request, specs: list, formatter_of:
         response.body_iterator = _stream(first, events, formatter, timing, outcome)
         return response
     except ClientGone:
-        gateway.metrics.requests.labels(endpoint_label(request), str(CLIENT_CLOSED_REQUEST)).inc()
+        gateway.metrics.count_request(endpoint_label(request), str(CLIENT_CLOSED_REQUEST))
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
         if not handed_over:
@@ -180,7 +180,7 @@ async def _respond_whole(gateway: Gateway, request: Request, events: AsyncIterat
 
     await _until_disconnect(request, gather())
     timing.record(gateway, formatter)
-    gateway.metrics.requests.labels(endpoint_label(request), "200").inc()
+    gateway.metrics.count_request(endpoint_label(request), "200")
     return JSONResponse(formatter.body())
 
 
@@ -202,7 +202,12 @@ class _StreamOutcome:
             _abandon(self.runners)
             self.gateway.release()
             self.timing.record(self.gateway, self.formatter)
-            self.gateway.metrics.requests.labels(self.endpoint, self.status).inc()
+            self.gateway.metrics.count_request(self.endpoint, self.status)
+
+
+# the headers Starlette's init_headers({"Cache-Control": "no-cache"}) gives a text/event-stream response,
+# written once rather than computed for every response
+_EVENT_STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"content-type", b"text/event-stream; charset=utf-8"))
 
 
 class _EventStream(StreamingResponse):
@@ -217,7 +222,7 @@ class _EventStream(StreamingResponse):
         self.status_code = 200
         self.media_type = "text/event-stream"
         self.background = None
-        self.init_headers({"Cache-Control": "no-cache"})
+        self.raw_headers = list(_EVENT_STREAM_HEADERS)  # its own list: Starlette's `headers` can change it
         self.outcome = outcome
         self.watch = watch
 

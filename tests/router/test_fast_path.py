@@ -80,6 +80,8 @@ def test_fast_path_answers_as_fastapi_does(tiny_model, tokenization, with_engine
         assert fast_answer == full_answer
     statuses = {answer[1] for answer in fast}
     assert statuses >= ({200, 400, 401, 404, 413} if with_engine else {503, 401, 413})
+    if with_engine:  # the streamed answer's headers (router/streaming.py writes them once, as Starlette would)
+        assert fast[1][2] == "text/event-stream; charset=utf-8"
 
 
 def test_an_unexpected_error_is_a_500_in_openai_shape(tiny_model, tokenization, monkeypatch):

@@ -126,3 +126,17 @@ def test_a_finished_sequence_is_learnt_unless_its_engine_left():
     left = Link("gone", up=False)
     learnt.record_output(left, prompt + output)
     assert learnt.index(left).num_matched_blocks(compute_block_hashes(prompt + output, BLOCK)) == 0
+
+
+def test_a_finished_sequence_continues_the_hashes_its_route_computed():
+    """record_output hashes only the output's blocks when given the route's prompt hashes, and learns the same
+    blocks as hashing the whole sequence again."""
+    prompt, output = list(range(100, 121)), list(range(300, 320))  # the prompt ends inside a block
+    whole, continued = policy(), policy()
+    whole_decode, continued_decode = Link("d"), Link("d")
+    whole.record_output(whole_decode, prompt + output)
+    route = continued.route(prompt, [], [continued_decode])
+    continued.record_output(continued_decode, prompt + output, route.prompt_hashes)
+    expected = compute_block_hashes(prompt + output, BLOCK)
+    assert whole.index(whole_decode).num_matched_blocks(expected) == len(expected) == 10
+    assert continued.index(continued_decode).num_matched_blocks(expected) == len(expected)
