@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -36,13 +37,19 @@ DRAIN_LIMIT = 256  # messages read per call of a link's reader, so other callbac
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
+class StreamSink(Protocol):
+    """Where a request's messages from this engine go (the router's per-attempt sink, or a test's queue)."""
+
+    def put_nowait(self, item: Any) -> None: ...
+
+
 class EngineUnreachable(Exception):
     """A message could not be handed to an engine's socket."""
 
 
 @dataclass(frozen=True)
 class EngineGone:
-    """Put in a request's queue when its engine left routing (missed heartbeats, deregistered, closed)."""
+    """Put in a request's sink when its engine left routing (missed heartbeats, deregistered, closed)."""
 
     engine_id: str
     reason: str
@@ -63,7 +70,7 @@ class EngineLink:
         self.owner: bytes | None = None  # the registration connection that registered it: only it may change it
         self.owner_heard = 0.0  # when that connection last sent something
         self.pending_tokens = 0  # prompt tokens sent since the last stats (load not yet reported)
-        self.streams: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, StreamSink] = {}
         self._stats_waiters: list[asyncio.Future] = []
         # a plain (synchronous) socket on the registry's context: sends never wait, and reading is the
         # loop's reader callback on its file descriptor
@@ -110,8 +117,8 @@ class EngineLink:
 
     # ---- streams ----
 
-    def open_stream(self, request_id: str, queue: asyncio.Queue) -> None:
-        self.streams[request_id] = queue
+    def open_stream(self, request_id: str, sink: StreamSink) -> None:
+        self.streams[request_id] = sink
         self.num_inflight += 1
 
     def close_stream(self, request_id: str) -> None:
@@ -120,8 +127,8 @@ class EngineLink:
 
     def fail_streams(self, reason: str) -> None:
         gone = EngineGone(self.engine_id, reason)
-        for queue in self.streams.values():
-            queue.put_nowait(gone)
+        for sink in self.streams.values():
+            sink.put_nowait(gone)
 
     # ---- stats ----
 
@@ -204,9 +211,9 @@ class EngineLink:
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, TokenDelta):
-            queue = self.streams.get(msg.request_id)
-            if queue is not None:
-                queue.put_nowait(msg)
+            sink = self.streams.get(msg.request_id)
+            if sink is not None:
+                sink.put_nowait(msg)
         elif isinstance(msg, EngineStats):
             self.set_stats(msg)
         elif isinstance(msg, Register):
@@ -216,10 +223,10 @@ class EngineLink:
 
     def _on_error(self, msg: Error) -> None:
         log.warning("engine %s answered with an error (%s): %s", self.engine_id, msg.code, msg.message)
-        queue = self.streams.get(msg.request_id) if msg.request_id else None
-        if queue is not None:
+        sink = self.streams.get(msg.request_id) if msg.request_id else None
+        if sink is not None:
             code = "invalid_request" if msg.code == "invalid_request" else "internal_error"
-            queue.put_nowait(TokenDelta(request_id=msg.request_id, finish_reason="error", error=msg.message,
+            sink.put_nowait(TokenDelta(request_id=msg.request_id, finish_reason="error", error=msg.message,
                                         error_code=code))
 
     async def close(self) -> None:

@@ -220,7 +220,10 @@ def test_every_client_disconnect_is_counted_as_499(tiny_model, tokenization):
     async def scenario():
         async with router_server(tiny_model, tokenization) as (gateway, url):
             async with serving(gateway, engine_id="d0", token_delay_s=0.2):
-                async with httpx.AsyncClient(base_url=url, timeout=0.1) as client:  # gone before any token
+                # gone 0.1 s into the wait for its first token (0.2 s away); connecting may take longer on a busy
+                # machine, and a connect timeout would leave the router nothing to count
+                quick_reader = httpx.Timeout(0.1, connect=10.0, pool=10.0)
+                async with httpx.AsyncClient(base_url=url, timeout=quick_reader) as client:
                     for stream in (False, True):
                         with contextlib.suppress(httpx.ReadTimeout):
                             await client.post("/v1/completions", json=completion(max_tokens=50, stream=stream))
