@@ -1,6 +1,7 @@
 """`pdserve profile`'s co-run step (CPU, two cores or more): the served engine's decode steps timed alone, then
-while a second process pinned to another core works with the same model in a loop, alternated a few times. The
-second process either computes prompts, or runs decode steps of a batch that keeps going. The ratios of the
+while a second process pinned to another core works with the same model in a loop, alternated a few times. That
+process either computes prompts, or runs decode steps of a batch that keeps going (one process of each kind, one
+working at a time). The ratios of the
 medians are the profile's decode_corun_factor (machine["decode_corun"]["factor"]) and its
 decode_beside_decode_factor (machine["decode_corun"]["beside_decode"]["factor"]): how much slower a decode step
 is while another engine of the host computes a prefill, or decodes (docs/planning.md)."""
@@ -41,23 +42,37 @@ def other_core(core: int, allowed: set[int]) -> int | None:
 
 
 def measure_decode_corun(session: tuple, model: str, core: int, max_num_batched_tokens: int, prompt_len: int,
-                         shapes: list[tuple[int, int]], repeats: int, kind: str = PREFILL) -> dict:
-    """The served engine's decode steps per shape, alone and with prompts computed (kind PREFILL) or decode steps
-    run (DECODE) on `core` meanwhile: each side's median CPU and wall seconds per step, their ratio, the batch and
-    the context tokens it attends, and the factor (the mean of the shapes' CPU ratios: the profile's clock on CPU;
-    plan_corun_fit.py splits it between the step's weights part and its KV reads)."""
+                         shapes: list[tuple[int, int]], repeats: int, kinds: tuple[str, ...] = (PREFILL, DECODE)
+                         ) -> dict[str, dict]:
+    """The served engine's decode steps per shape, alone and beside each kind of neighbour on `core` (PREFILL: prompts
+    computed there; DECODE: decode steps run there), per kind: each side's median CPU and wall seconds per step,
+    their ratio, the batch and the context tokens it attends, and the factor (the mean of the shapes' CPU ratios: the
+    profile's clock on CPU; plan_corun_fit.py splits it between the step's weights part and its KV reads).
+
+    One process per kind starts at once; each round times the steps alone, then beside each neighbour in turn (the
+    others idle), so every kind is compared with the same alone passes, taken between its own."""
     started = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                "load_average": list(os.getloadavg())}
     keys = [f"{batch}x{prompt}" for batch, prompt in shapes]
-    alone: dict[str, list] = {key: [] for key in keys}
-    corun: dict[str, list] = {key: [] for key in keys}
-    with busy_loop(kind, model, core, max_num_batched_tokens, prompt_len) as loop:
+    sides: dict[str | None, dict[str, list]] = {side: {key: [] for key in keys} for side in (None, *kinds)}
+    with contextlib.ExitStack() as stack:
+        loops = {kind: stack.enter_context(busy_loop(kind, model, core, max_num_batched_tokens, prompt_len))
+                 for kind in kinds}
+        for loop in loops.values():
+            loop.wait_ready()
         for _ in range(repeats):
-            for side, running in ((alone, False), (corun, True)):
-                loop.run(running)
+            for side, points in sides.items():
+                for kind, loop in loops.items():
+                    loop.run(kind == side)
                 for key, point in zip(keys, served_decode_points(session, shapes, warm_up=False), strict=True):
-                    side[key].append(point)
-                loop.check_working(running)  # all along: a loop that died after it started measured nothing
+                    points[key].append(point)
+                for kind, loop in loops.items():
+                    loop.check_working(kind == side)  # all along: a loop that died after it started measured nothing
+    return {kind: {**_ratios(sides[None], sides[kind]), **_loop_shape(kind, prompt_len), f"{kind}_core": core,
+                   "repeats": repeats, **started} for kind in kinds}
+
+
+def _ratios(alone: dict[str, list], corun: dict[str, list]) -> dict:
     batches = {}
     for key, alone_points in alone.items():
         row = {"batch": alone_points[0].batch, "context": alone_points[0].context}
@@ -66,19 +81,32 @@ def measure_decode_corun(session: tuple, model: str, core: int, max_num_batched_
             corun_s = statistics.median(getattr(p, field) for p in corun[key])
             row |= {f"alone_{clock}_s": alone_s, f"corun_{clock}_s": corun_s, f"{clock}_ratio": corun_s / alone_s}
         batches[key] = row
-    factor = statistics.fmean(row["cpu_ratio"] for row in batches.values())
-    loop_shape = ({"prefill_prompt_len": prompt_len} if kind == PREFILL else
-                  {"decode_batch": DECODE_LOOP_BATCH, "decode_prompt_len": DECODE_LOOP_PROMPT,
-                   "decode_tokens": DECODE_LOOP_TOKENS})
-    return {"factor": factor, "clock": "cpu", "batches": batches, **loop_shape, f"{kind}_core": core,
-            "repeats": repeats, **started}
+    return {"factor": statistics.fmean(row["cpu_ratio"] for row in batches.values()), "clock": "cpu",
+            "batches": batches}
+
+
+def _loop_shape(kind: str, prompt_len: int) -> dict:
+    if kind == PREFILL:
+        return {"prefill_prompt_len": prompt_len}
+    return {"decode_batch": DECODE_LOOP_BATCH, "decode_prompt_len": DECODE_LOOP_PROMPT,
+            "decode_tokens": DECODE_LOOP_TOKENS}
 
 
 class BusyLoop:
     """The other process's switch: run(True) returns once it works, run(False) once it is idle."""
 
-    def __init__(self, go, busy, process) -> None:
-        self.go, self.busy, self.process = go, busy, process
+    def __init__(self, go, busy, ready, process) -> None:
+        self.go, self.busy, self.ready, self.process = go, busy, ready, process
+
+    def wait_ready(self) -> None:
+        """Returns once the process has loaded the model and warmed up: until then it loads on its core, and steps
+        timed "alone" would not be."""
+        deadline = time.monotonic() + LOOP_START_S
+        while not self.ready.wait(0.1):
+            self.check_working(False)
+            if time.monotonic() > deadline:
+                raise RuntimeError("the co-run process did not load the model in time: run `pdserve profile` on a "
+                                   "quieter machine, or skip the step with --no-corun")
 
     def run(self, running: bool) -> None:
         (self.go.set if running else self.go.clear)()
@@ -99,12 +127,13 @@ class BusyLoop:
 @contextlib.contextmanager
 def busy_loop(kind: str, model: str, core: int, max_num_batched_tokens: int, prompt_len: int) -> Iterator[BusyLoop]:
     ctx = mp.get_context("spawn")
-    go, busy, stop = ctx.Event(), ctx.Event(), ctx.Event()
-    process = ctx.Process(target=_work, args=(kind, model, core, max_num_batched_tokens, prompt_len, go, busy, stop),
+    go, busy, ready, stop = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
+    process = ctx.Process(target=_work, args=(kind, model, core, max_num_batched_tokens, prompt_len, go, busy, ready,
+                                              stop),
                           name=f"corun-{kind}", daemon=True)
     process.start()
     try:
-        yield BusyLoop(go, busy, process)
+        yield BusyLoop(go, busy, ready, process)
     finally:
         stop.set()
         go.set()  # wakes it if idle
@@ -114,7 +143,8 @@ def busy_loop(kind: str, model: str, core: int, max_num_batched_tokens: int, pro
             process.join()
 
 
-def _work(kind: str, model: str, core: int, max_num_batched_tokens: int, prompt_len: int, go, busy, stop) -> None:
+def _work(kind: str, model: str, core: int, max_num_batched_tokens: int, prompt_len: int, go, busy, ready,
+          stop) -> None:
     """In the other process, pinned to `core` with one thread, while `go` is set: PREFILL, fresh prompts of
     prompt_len one after another; DECODE, steps of a batch of DECODE_LOOP_BATCH requests, each one replaced by a
     fresh one when it finishes (its prompt takes a step of its own). `busy` says whether it works."""
@@ -124,6 +154,7 @@ def _work(kind: str, model: str, core: int, max_num_batched_tokens: int, prompt_
         probe = EngineProbe(model, "cpu", max_num_batched_tokens)
         prompt_len = min(prompt_len, probe.llm.model_config.max_model_len - 1)
         probe.prefill_points(16, 1)  # warm-up
+        ready.set()
         try:
             while not stop.is_set():
                 if not go.is_set():

@@ -166,12 +166,15 @@ def measure_served(args, model: str, core: int, machine: dict, max_len: int) -> 
     with served_engine(model, core, args.max_num_batched_tokens) as session:
         if args.served_decode:
             shapes = QUICK_DECODE if args.quick else DECODE_SHAPES
-            decode = [point for _ in range(args.repeats) for point in served_decode_points(session, shapes)]
+            with timed_phase(machine, "served_decode"):
+                decode = [point for _ in range(args.repeats) for point in served_decode_points(session, shapes)]
             machine["decode_points"] = "served: a pdserve decode process with CURVE, its CPU time per step"
         prompt_len = min(QUICK_REFERENCE_LEN if args.quick else REFERENCE_PROMPT_LEN, max_len - 1)
-        machine["reference"] = served_prefill_reference(session, prompt_len)
-        machine["decode_corun"] = measure_corun(args, model, core, session, prompt_len, args.max_num_batched_tokens,
-                                                max_len)
+        with timed_phase(machine, "reference"):
+            machine["reference"] = served_prefill_reference(session, prompt_len)
+        with timed_phase(machine, "corun"):
+            machine["decode_corun"] = measure_corun(args, model, core, session, prompt_len,
+                                                    args.max_num_batched_tokens, max_len)
     return decode
 
 
@@ -198,10 +201,8 @@ def measure_corun(args, model: str, core: int, session: tuple, prompt_len: int, 
         return {"factor": 1.0, "skipped": "one core: no second core to compute prompts on"}
     shapes, repeats = (QUICK_CORUN_SHAPES, 1) if args.quick else (CORUN_SHAPES, CORUN_REPEATS)
     shapes = fitting_shapes(shapes, max_len)
-    corun = measure_decode_corun(session, model, second, max_num_batched_tokens, prompt_len, shapes, repeats, PREFILL)
-    corun["beside_decode"] = measure_decode_corun(session, model, second, max_num_batched_tokens, prompt_len, shapes,
-                                                  repeats, DECODE)
-    return corun
+    measured = measure_decode_corun(session, model, second, max_num_batched_tokens, prompt_len, shapes, repeats)
+    return {**measured[PREFILL], "beside_decode": measured[DECODE]}
 
 
 def measure_transfer(sizes_mib: list[int], num_requests: int) -> list[TransferPoint]:
@@ -216,6 +217,16 @@ def measure_transfer(sizes_mib: list[int], num_requests: int) -> list[TransferPo
     return [TransferPoint(bytes=size * MIB, seconds=wall[i] / num_requests,
                           sender_cpu_s=cpu[("send", i)] / num_requests, receiver_cpu_s=cpu[("recv", i)] / num_requests)
             for i, size in enumerate(sizes_mib)]
+
+
+@contextlib.contextmanager
+def timed_phase(machine: dict, name: str):
+    """The seconds a step of the profile took, kept in machine["phase_seconds"] (printed with the fits)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        machine.setdefault("phase_seconds", {})[name] = round(time.perf_counter() - started, 1)
 
 
 def machine_info(device: str, core: int | None) -> dict:
@@ -244,12 +255,15 @@ def run_profile(args: argparse.Namespace) -> int:
     pinned = one_core(args.core) if args.device == "cpu" else contextlib.nullcontext(None)
     with pinned as core:
         machine = machine_info(args.device, core)
-        prefill, decode, settings, max_len = measure_engine(args, model)
+        with timed_phase(machine, "engine"):
+            prefill, decode, settings, max_len = measure_engine(args, model)
     if args.device == "cpu":
-        decode = measure_served(args, model, core, machine, max_len) or decode
+        with timed_phase(machine, "served"):
+            decode = measure_served(args, model, core, machine, max_len) or decode
     else:  # a host CPU effect: engines on GPUs of their own do not slow each other's steps through it
         machine["decode_corun"] = {"factor": 1.0, "skipped": f"device {args.device}"}
-    transfer = measure_transfer(QUICK_TRANSFER_MIB if args.quick else TRANSFER_MIB, TRANSFER_REQUESTS)
+    with timed_phase(machine, "transfer"):
+        transfer = measure_transfer(QUICK_TRANSFER_MIB if args.quick else TRANSFER_MIB, TRANSFER_REQUESTS)
     clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
     profile = note_reference(build_profile(identity, machine, settings, prefill, decode, transfer, clock))
     Path(args.out).write_text(profile.model_dump_json(indent=1))
@@ -329,6 +343,9 @@ def print_fits(profile: Profile, headline: str) -> None:
         beside = corun.get("beside_decode")
         if beside is not None:
             print_corun(beside, f"decode steps on core {beside['decode_core']}", profile.decode_beside_decode)
+    phases = profile.machine.get("phase_seconds")
+    if phases:
+        print("  time: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in phases.items()))
     print(f"  KV link CPU: sender {profile.transfer_sender_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB, receiver "
           f"{profile.transfer_receiver_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB")
 

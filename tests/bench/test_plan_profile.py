@@ -30,6 +30,9 @@ def check_corun(corun: dict, shapes: dict[str, tuple[int, int]]) -> None:
         assert measured["factor"] == pytest.approx(sum(r["cpu_ratio"] for r in measured["batches"].values())
                                                    / len(shapes))
         assert measured[f"{kind}_core"] != corun.get("pinned_core", -1)
+    # one set of alone passes, taken between both neighbours' passes, serves both
+    assert ({key: row["alone_cpu_s"] for key, row in corun["batches"].items()}
+            == {key: row["alone_cpu_s"] for key, row in corun["beside_decode"]["batches"].items()})
 
 
 def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_path, capsys):
@@ -67,10 +70,19 @@ def test_served_decode_points_time_a_real_engine_process(model_factory):
     from pdserve.bench.plan_served import SERVED_TOKENS, served_decode_points, served_engine
 
     with served_engine(model_factory(), min(os.sched_getaffinity(0)), max_num_batched_tokens=64) as session:
-        points = served_decode_points(session, [(1, 8), (3, 8)])
-    assert [(p.batch, p.context, p.longest) for p in points] == [(1, 8 + SERVED_TOKENS // 2, 8 + SERVED_TOKENS // 2),
-                                                                 (3, 3 * (8 + SERVED_TOKENS // 2), 8 + SERVED_TOKENS // 2)]
-    assert all(p.seconds > 0 and p.cpu_seconds >= 0 for p in points)
+        points = served_decode_points(session, [(1, 40), (3, 40)])
+        prompts = session[2]
+        first_pass = prompts.cached_tokens
+        again = served_decode_points(session, [(3, 40)], warm_up=False)
+    context = 40 + SERVED_TOKENS // 2
+    assert [(p.batch, p.context, p.longest) for p in points + again] == [(1, context, context), (3, 3 * context, context),
+                                                                         (3, 3 * context, context)]
+    assert all(p.seconds > 0 and p.cpu_seconds >= 0 for p in points + again)
+    # a batch's sequences differ from their first token: only base 0's blocks (from the warm-up's 16 tokens and the
+    # batch of 1's 40) were found the first time; a repeat finds every prompt's two full blocks (block size 16)
+    assert len({tuple(prompts.prefix(i, 40)) for i in range(3)}) == 3
+    assert first_pass == 16 + 32
+    assert prompts.cached_tokens - first_pass == 3 * 32
 
 
 def test_the_co_run_step_alone_goes_into_a_copy_of_an_older_profile(model_factory, tmp_path, capsys):
@@ -99,3 +111,11 @@ def test_refit_fits_an_older_profiles_points_again(model_factory, tmp_path, caps
     assert main(["profile", "--refit", str(older), "--out", str(refitted)]) == 0
     assert load_profile(refitted) == profile
     assert f"refitted the points of {older}" in capsys.readouterr().out
+
+
+def test_a_co_run_process_that_dies_loading_stops_the_step_with_its_reason(tmp_path):
+    from pdserve.bench.plan_corun import PREFILL, busy_loop
+
+    with busy_loop(PREFILL, str(tmp_path / "no-model"), min(os.sched_getaffinity(0)), 64, 16) as loop:
+        with pytest.raises(RuntimeError, match="co-run process stopped"):
+            loop.wait_ready()  # and no step is timed "alone" while it would still be loading
