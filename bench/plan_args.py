@@ -16,9 +16,13 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
                         help="CPU core to pin the engine to (default: the first this process may use)")
     parser.add_argument("--repeats", type=int, default=2, help="measurements of each shape")
     parser.add_argument("--quick", action="store_true", help="a handful of small shapes (tests, smoke runs)")
-    parser.add_argument("--served-decode", action="store_true",
+    decode = parser.add_mutually_exclusive_group()
+    decode.add_argument("--served-decode", action="store_true",
                         help="time decode steps through a served engine process (CURVE control socket, all its "
-                             "threads' CPU) instead of in-process steps; CPU only")
+                             "threads' CPU, as sweeps and `pdserve up` run engines): the default on CPU; CPU only")
+    decode.add_argument("--in-process-decode", action="store_true",
+                        help="time decode steps in this process, the engine thread's own CPU (the default on GPUs; "
+                             "on CPU it misses the serving loop's share of each step)")
     parser.add_argument("--no-corun", action="store_true",
                         help="skip the co-run step (CPU, two cores or more: decode steps timed while another core "
                              "computes prompts); the profile's decode_corun_factor is then 1.0")

@@ -134,7 +134,7 @@ def measure_engine(args, model: str) -> tuple[list[PrefillPoint], list[DecodePoi
     probe.decode_points(2, 16)
     prefill, decode = [], []
     prefill_shapes, decode_shapes = (QUICK_PREFILL, QUICK_DECODE) if args.quick else (PREFILL_SHAPES, DECODE_SHAPES)
-    if args.served_decode:
+    if served_decode(args):
         decode_shapes = []  # timed through a served engine instead (plan_served.py)
     max_len = probe.llm.model_config.max_model_len
     for _ in range(args.repeats):
@@ -152,9 +152,20 @@ def measure_engine(args, model: str) -> tuple[list[PrefillPoint], list[DecodePoi
     return prefill, decode, settings, max_len
 
 
+def served_decode(args: argparse.Namespace) -> bool:
+    """Decode points from a served engine process: on CPU unless --in-process-decode (a served engine's step
+    includes its serving loop, ZeroMQ and CURVE, about 4% on the demo model, docs/BENCHMARKS.md); never on a GPU."""
+    if args.device != "cpu":
+        if args.served_decode:
+            raise ValueError(f"--served-decode times a served engine pinned to a CPU core; on --device {args.device} "
+                             "decode steps are timed in-process: drop the flag")
+        return False
+    return not args.in_process_decode
+
+
 def measure_served(args, model: str, core: int, machine: dict, max_len: int) -> list[DecodePoint]:
-    """Through a served engine on the same core: the reference prefill (into machine["reference"]) and, with
-    --served-decode, the decode points (else [])."""
+    """Through a served engine on the same core: the reference prefill (into machine["reference"]) and, unless
+    --in-process-decode, the decode points (else [])."""
     from pdserve.bench.plan_served import (
         REFERENCE_PROMPT_LEN,
         served_decode_points,
@@ -164,7 +175,7 @@ def measure_served(args, model: str, core: int, machine: dict, max_len: int) -> 
 
     decode = []
     with served_engine(model, core, args.max_num_batched_tokens) as session:
-        if args.served_decode:
+        if served_decode(args):
             shapes = QUICK_DECODE if args.quick else DECODE_SHAPES
             with timed_phase(machine, "served_decode"):
                 decode = [point for _ in range(args.repeats) for point in served_decode_points(session, shapes)]
@@ -247,6 +258,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
     if args.refit:
         return refit(args)
+    served_decode(args)  # refuses --served-decode on a GPU before anything is measured
     model = args.model or str(default_demo_model())
     identity = model_identity(model)
     if args.add_corun_to:

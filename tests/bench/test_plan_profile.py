@@ -35,11 +35,13 @@ def check_corun(corun: dict, shapes: dict[str, tuple[int, int]]) -> None:
             == {key: row["alone_cpu_s"] for key, row in corun["beside_decode"]["batches"].items()})
 
 
-def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_path, capsys):
+@pytest.mark.parametrize("decode_flags, served", [([], True), (["--in-process-decode"], False)])
+def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_path, capsys, decode_flags, served):
     model = model_factory()
     out = tmp_path / "profile.json"
     cores = os.sched_getaffinity(0)
-    assert main(["profile", "--model", model, "--quick", "--repeats", "1", "--out", str(out)]) == 0
+    assert main(["profile", "--model", model, "--quick", "--repeats", "1", "--out", str(out), *decode_flags]) == 0
+    assert profile_decode_source(out) == ("served" if served else "in-process")  # served: the default on CPU
     assert os.sched_getaffinity(0) == cores  # pinned to one core only while measuring
     profile = load_profile(out)
     assert profile.model == model_identity(model)
@@ -64,6 +66,16 @@ def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_pat
                  "--num-prompts", "20", "--input-len", "32", "--output-len", "8", "--request-rate", "1",
                  "--output-dir", str(plan_dir), "--no-plots"]) == 0
     assert len(json.loads((plan_dir / "plan.json").read_text())["splits"]) == 2
+
+
+def profile_decode_source(path) -> str:
+    return load_profile(path).machine.get("decode_points", "in-process").split(":")[0]
+
+
+def test_served_decode_is_refused_on_a_gpu_before_measuring(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--device", "cuda", "--served-decode", "--out", str(out)]) == 2
+    assert "drop the flag" in capsys.readouterr().err and not out.exists()
 
 
 def test_served_decode_points_time_a_real_engine_process(model_factory):
