@@ -21,7 +21,7 @@ import numpy as np
 
 from pdserve.bench.plan_fit import DecodePoint
 
-SERVED_TOKENS = 16  # tokens per request: the decode steps timed after the prompts are in (15 steps, 1-2 s of CPU)
+SERVED_TOKENS = 16  # tokens per request: the decode steps timed after the prompts are in (15 steps, 1-6 s of CPU)
 
 
 def process_cpu_s(pid: int) -> float:
