@@ -2,8 +2,9 @@
 while a second process pinned to another core works with the same model in a loop, alternated a few times. That
 process either computes prompts, or runs decode steps of a batch that keeps going (one process of each kind, one
 working at a time). The ratios of the medians are the profile's decode_corun_factor
-(machine["decode_corun"]["factor"]) and its decode_beside_decode_factor (machine["decode_corun"]["beside_decode"]["factor"]): how much slower a decode step
-is while another engine of the host computes a prefill, or decodes (docs/planning.md)."""
+(machine["decode_corun"]["factor"]) and its decode_beside_decode_factor
+(machine["decode_corun"]["beside_decode"]["factor"]): how much slower a decode step is while another engine of the
+host computes a prefill, or decodes (docs/planning.md)."""
 
 from __future__ import annotations
 
