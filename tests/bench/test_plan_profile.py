@@ -87,8 +87,8 @@ def test_served_decode_points_time_a_real_engine_process(model_factory):
         first_pass = prompts.cached_tokens
         again = served_decode_points(session, [(3, 40)], warm_up=False)
     context = 40 + SERVED_TOKENS // 2
-    assert [(p.batch, p.context, p.longest) for p in points + again] == [(1, context, context), (3, 3 * context, context),
-                                                                         (3, 3 * context, context)]
+    assert [(p.batch, p.context, p.longest) for p in points + again] == [
+        (1, context, context), (3, 3 * context, context), (3, 3 * context, context)]
     assert all(p.seconds > 0 and p.cpu_seconds >= 0 for p in points + again)
     # a batch's sequences differ from their first token: only base 0's blocks (from the warm-up's 16 tokens and the
     # batch of 1's 40) were found the first time; a repeat finds every prompt's two full blocks (block size 16)
