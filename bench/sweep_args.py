@@ -58,7 +58,9 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--up-args", default="", metavar="'ARGS'",
                         help="more `pdserve up` flags, one string (e.g. '--dtype float32 --insecure')")
     parser.add_argument("--api-key", default=None, help="the API key of the servers (pdserve up gets it too)")
-    parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests (at once) before each server's first run")
+    parser.add_argument("--warmup", type=int, default=4,
+                        help="unmeasured short requests (at once) when each server starts, followed by one "
+                             "unmeasured request per engine shaped like the runs' own. 0: neither")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a layout may take to start")
     parser.add_argument("--run-timeout", type=float, default=None, help="seconds one bench run may take")
     parser.add_argument("--metrics-interval", type=float, default=1.0, help="seconds between /metrics samples")

@@ -91,6 +91,12 @@ def test_sweep_two_layouts_two_rates(model_factory, tmp_path):
         assert len(result["itls"]) == len(result["ttfts"]) == NUM_PROMPTS
         assert result["server_metrics"]["kv_transfers"] == row["kv_transfers"]
 
+    # each layout was warmed with one request per engine shaped like its runs, outside every run's metrics
+    # window (the kv_transfers counts above): the 1P1D layout's two sent prompts would show in its first run
+    warmups = {path.name: json.loads(path.read_text()) for path in (out / "warmup").glob("*.json")}
+    assert {name: (w["completed"], w["input_lens"]) for name, w in warmups.items()} == {
+        "1P1D_rateinf_warmup_sweep.json": (2, [INPUT_LEN] * 2), "0P1D_rateinf_warmup_sweep.json": (1, [INPUT_LEN])}
+
     goodput = read_csv(out / "goodput.csv")
     assert [(g["config"], g["goodput"], g["goodput_per_engine"]) for g in goodput] == [
         ("1P1D", max(RATES), max(RATES) / 2), ("0P1D", max(RATES), max(RATES))]
@@ -143,6 +149,9 @@ def test_slos_come_from_the_unloaded_pass_of_the_same_sweep(model_factory, tmp_p
     assert basis["tpot"]["from_config"] == "0P1D"
     result = json.loads(Path(loaded["result_file"]).read_text())
     assert result["goodput"] == {"ttft": basis["ttft"]["slo_ms"], "tpot": basis["tpot"]["slo_ms"]}
+    # the layout started twice (unloaded pass, then the loads), and was warmed each time
+    assert sorted(path.name for path in (out / "warmup").iterdir()) == [
+        "0P1D_rateinf_warmup_sweep.json", "0P1D_rateinf_warmup_unloaded.json"]
     # TPOT SLO = the unloaded median (of two requests: their mean, rounded up to a whole ms): the faster
     # request meets it, the slower one only when it is within that rounding
     assert unloaded["slo_attainment"] in (0.5, 1.0) and loaded["slo_attainment"] is not None
