@@ -258,7 +258,7 @@ class SimEngine:
         self._context_base = 0  # sum over decoding of (tokens at join - clock at join)
         self._longest: list[tuple[int, int]] = []  # max-heap of (-(tokens at join - clock at join), index), lazy
         self.fixed_tokens = 0  # KV of prefilling requests, requests waiting for KV, prompts held for a transfer
-        self.waiting_tokens = 0  # prompt tokens not yet admitted (the router counts them as pending)
+        self.waiting_tokens = 0  # prompt tokens not yet admitted (the router counts them: queued or pending)
         self.queued_tokens = 0  # prompt tokens not yet computed (waiting and prefilling)
         self.num_waiting_for_kv = 0
         self.landed: list[SimRequest] = []  # KV arrived, not yet taken in by the loop

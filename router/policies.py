@@ -4,7 +4,7 @@ on the decode engine itself (no prefill engines = colocated mode, or a short unc
 Prefill side:  round_robin | least_loaded (queued prefill tokens) | prefix_aware (where the prompt's
                leading blocks were recently prefilled, among engines whose load is within
                PREFIX_BALANCE_TOKENS of the least loaded one).
-Decode side:   round_robin | least_kv (fraction of KV blocks used).
+Decode side:   round_robin | least_kv (fraction of KV blocks used, or claimed by prompts queued on it).
 
 Load figures come from the engines' heartbeats, plus what the router sent since the last one
 (`pending_tokens`), so a burst of requests does not all land on the engine that looked idle.
@@ -165,8 +165,10 @@ def prefill_load(link: EngineLink) -> int:
 
 
 def kv_usage(link: EngineLink) -> float:
-    """Fraction of the engine's KV blocks in use, counting prompts sent since its last report."""
+    """Fraction of the engine's KV blocks in use, counting the prompts it reported queued (they take blocks when
+    admitted) and those sent since its last report. Without the queued ones, a colocated engine whose report
+    came while a prompt waited for its current step looked as light as an idle one for a whole step."""
     if link.stats is None or link.stats.kv_blocks_total == 0:
         return 0.0
-    pending_blocks = math.ceil(link.pending_tokens / _block_size(link))
-    return (link.stats.kv_blocks_used + pending_blocks) / link.stats.kv_blocks_total
+    claimed_blocks = math.ceil((link.stats.queued_prefill_tokens + link.pending_tokens) / _block_size(link))
+    return (link.stats.kv_blocks_used + claimed_blocks) / link.stats.kv_blocks_total

@@ -66,6 +66,15 @@ def test_least_kv_counts_prompts_sent_since_the_last_report():
     assert least.route(list(range(8)), [], [busy, idle]).decode is busy
 
 
+def test_least_kv_counts_prompts_the_engine_reported_queued():
+    """A colocated engine reports while a prompt waits for its current step to end: the prompt holds no block
+    yet, but it will, so that engine is the busier one."""
+    least = policy(decode_policy="least_kv")
+    queued = Link("queued", kv_blocks_used=10, queued_prefill_tokens=45 * BLOCK)
+    steady = Link("steady", kv_blocks_used=20)
+    assert least.route(list(range(8)), [], [queued, steady]).decode is steady
+
+
 def test_no_prefill_engine_or_short_uncached_prompt_prefills_on_decode():
     colocated = policy().route(list(range(20)), [], [Link("d")])
     assert colocated.prefill is None and colocated.num_uncached_tokens == 20
