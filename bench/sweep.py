@@ -185,18 +185,18 @@ class Sweep:
 
     def run_unloaded(self, url: str, base: RunInfo, client_cores: list[int] | None = None) -> None:
         """A few requests one at a time (their own prompts: seeds past every load's), for the SLOs' base."""
-        self.warm_up(url, base, client_cores, before=UNLOADED_PHASE)
+        self.warm_up_server(url, base, client_cores, before=UNLOADED_PHASE)
         options = replace(self.plan.bench, num_prompts=self.plan.unloaded_prompts)
         info = replace(base, phase=UNLOADED_PHASE, request_rate=math.inf, max_concurrency=1)
         row, _ = run_bench(options, url, info, self.runs_dir, {}, UNLOADED_SEED_INDEX, client_cores)
         self.rows.append(row)
 
-    def warm_up(self, url: str, base: RunInfo, client_cores: list[int] | None, before: str) -> None:
+    def warm_up_server(self, url: str, base: RunInfo, client_cores: list[int] | None, before: str) -> None:
         """Before a freshly started server's first measured run: --warmup short requests at once, then one
         request per engine shaped like the runs' own (an unmeasured bench run, outside every run's /metrics
-        window, saved as warmup/<config>_rateinf_warmup_<phase of the run it precedes>.json). The short ones leave each engine's first long prompt cold (window 6: the
-        unloaded pass's three 1,000-token prompts took 5,175, 4,612 and 4,395 ms), and an unloaded median sets
-        the SLOs."""
+        window, saved as warmup/<config>_rateinf_warmup_<phase of the run it precedes>.json). The short ones
+        leave each engine's first long prompt cold (window 6: the unloaded pass's three 1,000-token prompts took
+        5,175, 4,612 and 4,395 ms), and an unloaded median sets the SLOs."""
         warm_up(self.plan.bench, url, self.plan.warmup)
         if not self.plan.warmup:
             return
@@ -224,7 +224,7 @@ class Sweep:
 
     def run_server(self, url: str, base: RunInfo, client_cores: list[int] | None = None) -> None:
         self.client_cores = client_cores
-        self.warm_up(url, base, client_cores, before=base.phase)
+        self.warm_up_server(url, base, client_cores, before=base.phase)
         for index, (rate, concurrency) in enumerate(self.plan.loads):
             self.run_one(url, replace(base, request_rate=rate, max_concurrency=concurrency), index)
         if self.plan.find_goodput:

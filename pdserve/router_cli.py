@@ -25,7 +25,8 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
                         help="how a prefill engine is picked: in turn, fewest tokens queued, or most of the prompt "
                              "already in its prefix cache")
     parser.add_argument("--decode-policy", default="least_kv", choices=["round_robin", "least_kv"],
-                        help="how a decode engine is picked: in turn, or most free KV blocks (queued prompts count as used)")
+                        help="how a decode engine is picked: in turn, or most free KV blocks (prompts queued on "
+                             "it count as used)")
     parser.add_argument("--local-prefill-threshold", type=int, default=0,
                         help="prefill on the decode engine when the prompt's uncached part is at most this "
                              "many tokens (conditional disaggregation)")
