@@ -259,7 +259,7 @@ class SimEngine:
         self._longest: list[tuple[int, int]] = []  # max-heap of (-(tokens at join - clock at join), index), lazy
         self.fixed_tokens = 0  # KV of prefilling requests, requests waiting for KV, prompts held for a transfer
         self.waiting_tokens = 0  # prompt tokens not yet admitted (the router counts them: queued or pending)
-        self.queued_tokens = 0  # prompt tokens not yet computed (waiting and prefilling)
+        self.queued_tokens = 0  # tokens of the prompts not yet computed in full (waiting and prefilling)
         self.num_waiting_for_kv = 0
         self.landed: list[SimRequest] = []  # KV arrived, not yet taken in by the loop
         self._announce: list[SimRequest] = []  # KV taken in: first token published after the next step
@@ -481,8 +481,8 @@ class SimEngine:
             self._finish_due(now)
         for request, num in chunks:
             request.num_computed += num
-            self.queued_tokens -= num
             if request.num_computed >= request.recompute_len:
+                self.queued_tokens -= request.recompute_len  # a whole prompt until its first token, as the router counts
                 self._prompt_computed(request, now)
         self.iterate()
 

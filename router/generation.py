@@ -128,9 +128,9 @@ class Submission:
         # at the deadline (loop time) a timer puts (_DEADLINE, None) in the inbox: one timer per attempt
         # rather than a timeout scope around every wait for a token
         self._timer = asyncio.get_running_loop().call_at(deadline, self.inbox.put, _DEADLINE, None)
-        route.decode.open_stream(request_id, _Sink(self.inbox, "decode"))
+        route.decode.open_stream(request_id, _Sink(self.inbox, "decode"), route.num_prompt_tokens)
         if route.prefill is not None:
-            route.prefill.open_stream(request_id, _Sink(self.inbox, "prefill"))
+            route.prefill.open_stream(request_id, _Sink(self.inbox, "prefill"), route.num_uncached_tokens)
 
     def submit(self, spec: ChoiceSpec) -> None:
         """Send the prompt to the prefill and the decode engine at once (EngineUnreachable -> _Retry)."""

@@ -69,8 +69,11 @@ class EngineLink:
         self.num_inflight = 0  # requests the router has open on this engine
         self.owner: bytes | None = None  # the registration connection that registered it: only it may change it
         self.owner_heard = 0.0  # when that connection last sent something
-        self.pending_tokens = 0  # prompt tokens sent since the last stats (load not yet reported)
         self.streams: dict[str, StreamSink] = {}
+        # the router's own ledger of what it has open on this engine: per request, the tokens sent (the prompt
+        # or its uncached part) plus those that came back; `open_tokens` is their sum (router.policies)
+        self.stream_tokens: dict[str, int] = {}
+        self.open_tokens = 0
         self._stats_waiters: list[asyncio.Future] = []
         # a plain (synchronous) socket on the registry's context: sends never wait, and reading is the
         # loop's reader callback on its file descriptor
@@ -117,12 +120,17 @@ class EngineLink:
 
     # ---- streams ----
 
-    def open_stream(self, request_id: str, sink: StreamSink) -> None:
+    def open_stream(self, request_id: str, sink: StreamSink, num_tokens: int = 0) -> None:
+        """Deltas of request_id go to sink until close_stream; num_tokens: the prompt tokens it puts on this engine
+        (the load the policies read, grown by every token that comes back)."""
         self.streams[request_id] = sink
+        self.stream_tokens[request_id] = num_tokens
+        self.open_tokens += num_tokens
         self.num_inflight += 1
 
     def close_stream(self, request_id: str) -> None:
         if self.streams.pop(request_id, None) is not None:
+            self.open_tokens -= self.stream_tokens.pop(request_id)
             self.num_inflight -= 1
 
     def fail_streams(self, reason: str) -> None:
@@ -151,7 +159,6 @@ class EngineLink:
 
     def set_stats(self, stats: EngineStats) -> None:
         self.stats = stats
-        self.pending_tokens = 0
         self.last_seen = time.monotonic()
         for future in self._stats_waiters:
             if not future.done():
@@ -213,6 +220,9 @@ class EngineLink:
         if isinstance(msg, TokenDelta):
             sink = self.streams.get(msg.request_id)
             if sink is not None:
+                if msg.token_ids:
+                    self.stream_tokens[msg.request_id] += len(msg.token_ids)
+                    self.open_tokens += len(msg.token_ids)
                 sink.put_nowait(msg)
         elif isinstance(msg, EngineStats):
             self.set_stats(msg)

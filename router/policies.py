@@ -4,17 +4,21 @@ on the decode engine itself (no prefill engines = colocated mode, or a short unc
 Prefill side:  round_robin | least_loaded (queued prefill tokens) | prefix_aware (where the prompt's
                leading blocks were recently prefilled, among engines whose load is within
                PREFIX_BALANCE_TOKENS of the least loaded one).
-Decode side:   round_robin | least_kv (fraction of KV blocks used, or claimed by prompts queued on it).
+Decode side:   round_robin | least_kv (fraction of the engine's KV that the requests open on it fill).
 
-Load figures come from the engines' heartbeats, plus what the router sent since the last one
-(`pending_tokens`), so a burst of requests does not all land on the engine that looked idle.
+Load figures are the router's own ledger (EngineLink.open_tokens): the tokens of the requests it has open on each
+engine, counted when it sends a prompt, grown by every token that comes back, and dropped when the request ends.
+They are exact at the moment of each choice. The engines' heartbeats are not: an engine reports between steps,
+its heartbeat repeats the last report during a step (seconds, for a long prompt on CPU), and a report says
+nothing of the prompts sent or the requests ended since. Routing on reports put a burst of prompts on one
+colocated engine mid-step and kept counting requests that had ended (docs/BENCHMARKS.md, window 8). Reports
+still give each engine's KV capacity. Router replicas each balance the requests they route.
 The prefix index mirrors each engine's cache with the engines' own block hashes
 (engine.block_pool.compute_block_hashes), so router and engines agree on what a block is.
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,6 +78,10 @@ class Route:
     num_uncached_tokens: int  # prompt tokens the decode engine's cache (as the router knows it) lacks
     prompt_hashes: PromptHashes  # the prompt's block hashes: a finished sequence's continue them (record_output)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_hashes.token_ids)
+
 
 def _block_size(link: EngineLink) -> int:
     return link.info.block_size if link.info else 16
@@ -101,9 +109,7 @@ class RoutingPolicy:
         if prefills and not force_local and num_uncached > self.local_prefill_threshold:
             prefill = self._pick_prefill(prefills, hashes)
             self.index(prefill).add(hashes.for_block_size(_block_size(prefill)))
-            prefill.pending_tokens += num_uncached
         self.index(decode).add(decode_hashes)
-        decode.pending_tokens += len(token_ids)
         return Route(decode, prefill, num_uncached, hashes)
 
     def index(self, link: EngineLink) -> PrefixIndex:
@@ -159,16 +165,13 @@ class RoutingPolicy:
 
 
 def prefill_load(link: EngineLink) -> int:
-    """Prompt tokens waiting to be prefilled on the engine (reported + sent since)."""
-    queued = link.stats.queued_prefill_tokens if link.stats else 0
-    return queued + link.pending_tokens
+    """Prompt tokens sent to a prefill engine and not yet prefilled: a prefill stream stays open until the
+    prompt's first token (Submission.release_prefill)."""
+    return link.open_tokens
 
 
 def kv_usage(link: EngineLink) -> float:
-    """Fraction of the engine's KV blocks in use, counting the prompts it reported queued (they take blocks when
-    admitted) and those sent since its last report. Without the queued ones, a colocated engine whose report
-    came while a prompt waited for its current step looked as light as an idle one for a whole step."""
-    if link.stats is None or link.stats.kv_blocks_total == 0:
-        return 0.0
-    claimed_blocks = math.ceil((link.stats.queued_prefill_tokens + link.pending_tokens) / _block_size(link))
-    return (link.stats.kv_blocks_used + claimed_blocks) / link.stats.kv_blocks_total
+    """Fraction of the engine's KV that the requests open on it fill: their prompts (prefilled or queued) and the
+    tokens they have generated. Before its first report an engine counts as DEFAULT_INDEX_BLOCKS blocks."""
+    blocks_total = link.stats.kv_blocks_total if link.stats and link.stats.kv_blocks_total else DEFAULT_INDEX_BLOCKS
+    return link.open_tokens / (blocks_total * _block_size(link))

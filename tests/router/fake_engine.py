@@ -59,6 +59,7 @@ class FakeEngine:
     heartbeat_interval_s: float = 0.1
     beating: threading.Event = field(default_factory=threading.Event)  # set: send heartbeats
     answering: threading.Event = field(default_factory=threading.Event)  # set: handle control messages
+    reported: dict = field(default_factory=dict)  # EngineStats fields to report instead of the live ones (lagging)
     received: list = field(default_factory=list)  # every request message, in order
     aborted: list[str] = field(default_factory=list)
 
@@ -83,8 +84,9 @@ class FakeEngine:
                         vocab_size=VOCAB_SIZE, heartbeat_interval_s=self.heartbeat_interval_s)
 
     def stats_msg(self) -> EngineStats:
-        return EngineStats(engine_id=self.engine_id, role=self.role, num_waiting=0, num_running=len(self.active),
-                           kv_blocks_used=len(self.active), kv_blocks_total=100, queued_prefill_tokens=0)
+        live = {"num_waiting": 0, "num_running": len(self.active), "kv_blocks_used": len(self.active),
+                "kv_blocks_total": 100, "queued_prefill_tokens": 0}
+        return EngineStats(engine_id=self.engine_id, role=self.role, **{**live, **self.reported})
 
     def generate_requests(self) -> list[GenerateRequest]:
         return [msg for msg in self.received if isinstance(msg, GenerateRequest)]

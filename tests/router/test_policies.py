@@ -1,4 +1,4 @@
-"""Routing policies on engines described by what they reported (no sockets needed)."""
+"""Routing policies on engines described by the router's ledger of them (no sockets needed)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ class Link:
 
     control_address: str
     role: str = "decode"
-    kv_blocks_used: int = 0
+    open_tokens: int = 0  # the router's ledger: tokens of the requests open on the engine
+    kv_blocks_used: int = 0  # what the engine last reported (policies must not route by it)
     queued_prefill_tokens: int = 0
     num_inflight: int = 0
-    pending_tokens: int = 0
     up: bool = True
     info: Register = field(init=False)
 
@@ -33,10 +33,12 @@ class Link:
                              kv_address="tcp://127.0.0.1:9" if self.role == "prefill" else None,
                              block_size=BLOCK, max_model_len=512, vocab_size=1024)
 
+    kv_blocks_total: int = field(init=False, default=100)
+
     @property
     def stats(self) -> EngineStats:  # the latest report: the fields above
         return EngineStats(engine_id=self.control_address, role=self.role, num_waiting=0, num_running=0,
-                           kv_blocks_used=self.kv_blocks_used, kv_blocks_total=100,
+                           kv_blocks_used=self.kv_blocks_used, kv_blocks_total=self.kv_blocks_total,
                            queued_prefill_tokens=self.queued_prefill_tokens)
 
 
@@ -57,22 +59,22 @@ def test_round_robin_alternates_on_both_sides():
     assert [r.decode.control_address for r in routes] == ["d0", "d1", "d0", "d1"]
 
 
-def test_least_kv_counts_prompts_sent_since_the_last_report():
+def test_least_kv_routes_by_the_ledger_not_by_reports():
+    """Reports lag: one taken before a prompt came, repeated while the engine computes it, says the engine is idle;
+    one taken before requests ended still counts them. The ledger is the load now."""
     least = policy(decode_policy="least_kv")
-    busy, idle = Link("busy", kv_blocks_used=50), Link("idle", kv_blocks_used=10)
-    assert least.route(list(range(8)), [], [busy, idle]).decode is idle
-    assert idle.pending_tokens == 8
-    idle.pending_tokens = 45 * BLOCK  # a burst the heartbeat has not reported yet
-    assert least.route(list(range(8)), [], [busy, idle]).decode is busy
+    computing = Link("computing", open_tokens=45 * BLOCK, kv_blocks_used=0)
+    drained = Link("drained", open_tokens=10 * BLOCK, kv_blocks_used=80, queued_prefill_tokens=300)
+    assert least.route(list(range(8)), [], [computing, drained]).decode is drained
+    drained.open_tokens = 46 * BLOCK
+    assert least.route(list(range(8)), [], [computing, drained]).decode is computing
 
 
-def test_least_kv_counts_prompts_the_engine_reported_queued():
-    """A colocated engine reports while a prompt waits for its current step to end: the prompt holds no block
-    yet, but it will, so that engine is the busier one."""
+def test_least_kv_compares_fractions_of_each_engines_capacity():
     least = policy(decode_policy="least_kv")
-    queued = Link("queued", kv_blocks_used=10, queued_prefill_tokens=45 * BLOCK)
-    steady = Link("steady", kv_blocks_used=20)
-    assert least.route(list(range(8)), [], [queued, steady]).decode is steady
+    small, large = Link("small", open_tokens=30 * BLOCK), Link("large", open_tokens=40 * BLOCK)
+    large.kv_blocks_total = 200
+    assert least.route(list(range(8)), [], [small, large]).decode is large, "20% of 200 blocks < 30% of 100"
 
 
 def test_no_prefill_engine_or_short_uncached_prompt_prefills_on_decode():
@@ -90,21 +92,19 @@ def test_no_prefill_engine_or_short_uncached_prompt_prefills_on_decode():
 
 def test_prefix_aware_follows_the_cache_unless_that_engine_is_much_busier():
     aware = policy(prefill_policy="prefix_aware")
-    p0, p1 = Link("p0", "prefill"), Link("p1", "prefill", queued_prefill_tokens=10)
+    p0, p1 = Link("p0", "prefill", queued_prefill_tokens=900), Link("p1", "prefill", open_tokens=10)
     decodes = [Link("d")]
     shared = list(range(64))
-    assert aware.route(shared + [1], [p0, p1], decodes).prefill is p0, "no hit anywhere: least loaded"
-    p0.pending_tokens = p1.pending_tokens = 0
-    p0.queued_prefill_tokens = 500  # busier, but within the balance window
+    assert aware.route(shared + [1], [p0, p1], decodes).prefill is p0, "no hit anywhere: least loaded (ledger)"
+    p0.open_tokens = 500  # busier, but within the balance window
     assert aware.route(shared + [2], [p0, p1], decodes).prefill is p0, "the prefix lives on p0"
-    p0.pending_tokens = p1.pending_tokens = 0
-    p0.queued_prefill_tokens = 10 + PREFIX_BALANCE_TOKENS + 1
+    p0.open_tokens = 10 + PREFIX_BALANCE_TOKENS + 1
     assert aware.route(shared + [3], [p0, p1], decodes).prefill is p1, "too busy: load wins"
 
 
 def test_least_loaded_prefill_and_forgetting_an_engine():
     least = policy(prefill_policy="least_loaded")
-    p0, p1 = Link("p0", "prefill", queued_prefill_tokens=300), Link("p1", "prefill")
+    p0, p1 = Link("p0", "prefill", open_tokens=300), Link("p1", "prefill", queued_prefill_tokens=900)
     assert least.route(list(range(10)), [p0, p1], [Link("d")]).prefill is p1
     index = least.index(p1)
     assert index.num_matched_blocks(compute_block_hashes(list(range(10)), BLOCK)) == 2
