@@ -14,7 +14,9 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the engine's step token budget")
     parser.add_argument("--core", type=int, default=None,
                         help="CPU core to pin the engine to (default: the first this process may use)")
-    parser.add_argument("--repeats", type=int, default=2, help="measurements of each shape")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measurements of each shape (a second gave no better predictions: docs/BENCHMARKS.md, "
+                             "window 8)")
     parser.add_argument("--quick", action="store_true", help="a handful of small shapes (tests, smoke runs)")
     decode = parser.add_mutually_exclusive_group()
     decode.add_argument("--served-decode", action="store_true",

@@ -21,7 +21,7 @@ from pdserve.bench.plan_served import SERVED_TOKENS, served_decode_points
 # (batch, prompt length) of the decode steps timed: batch 1 and a mid batch over short contexts (mostly weights), and
 # a batch over long contexts (a third of its step reads KV): plan_corun_fit.py splits the factor between the two
 CORUN_SHAPES = [(1, 16), (8, 16), (2, 1000)]
-CORUN_REPEATS = 3  # alone / co-run alternations
+CORUN_REPEATS = 2  # alone / co-run alternations (3 until window 8: the factors moved as much between profiles)
 QUICK_CORUN_SHAPES = [(1, 16), (2, 16)]
 LOOP_START_S = 120.0  # the other process's start (torch import, model load) and its first prompt
 PAUSE_S = 30.0  # the longest a prompt under way may take to finish when the loop is paused
