@@ -1,7 +1,7 @@
 """Which engines serve a prompt: a decode engine, and a prefill engine unless the prompt is prefilled
 on the decode engine itself (no prefill engines = colocated mode, or a short uncached prompt).
 
-Prefill side:  round_robin | least_loaded (queued prefill tokens) | prefix_aware (where the prompt's
+Prefill side:  round_robin | least_loaded (prompt tokens not yet prefilled) | prefix_aware (where the prompt's
                leading blocks were recently prefilled, among engines whose load is within
                PREFIX_BALANCE_TOKENS of the least loaded one).
 Decode side:   round_robin | least_kv (fraction of the engine's KV that the requests open on it fill).
