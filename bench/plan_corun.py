@@ -1,8 +1,8 @@
 """`pdserve profile`'s co-run step (CPU, two cores or more): the served engine's decode steps timed alone, then
 while a second process pinned to another core works with the same model in a loop, alternated a few times. That
 process either computes prompts, or runs decode steps of a batch that keeps going (one process of each kind, one
-working at a time). The ratios of the medians are the profile's decode_corun_factor
-(machine["decode_corun"]["factor"]) and its decode_beside_decode_factor
+working at a time). The medians of each round's ratios (co-run over alone, seconds apart) give the profile's
+decode_corun_factor (machine["decode_corun"]["factor"]) and its decode_beside_decode_factor
 (machine["decode_corun"]["beside_decode"]["factor"]): how much slower a decode step is while another engine of the
 host computes a prefill, or decodes (docs/planning.md)."""
 
@@ -21,7 +21,7 @@ from pdserve.bench.plan_served import SERVED_TOKENS, served_decode_points
 # (batch, prompt length) of the decode steps timed: batch 1 and a mid batch over short contexts (mostly weights), and
 # a batch over long contexts (a third of its step reads KV): plan_corun_fit.py splits the factor between the two
 CORUN_SHAPES = [(1, 16), (8, 16), (2, 1000)]
-CORUN_REPEATS = 2  # alone / co-run alternations (3 until window 8: the factors moved as much between profiles)
+CORUN_REPEATS = 4  # alone / co-run rounds, paired (2 until window 9, unpaired; the factors were then mostly noise)
 QUICK_CORUN_SHAPES = [(1, 16), (2, 16)]
 LOOP_START_S = 120.0  # the other process's start (torch import, model load) and its first prompt
 PAUSE_S = 30.0  # the longest a prompt under way may take to finish when the loop is paused
@@ -46,11 +46,12 @@ def measure_decode_corun(session: tuple, model: str, core: int, max_num_batched_
                          ) -> dict[str, dict]:
     """The served engine's decode steps per shape, alone and beside each kind of neighbour on `core` (PREFILL: prompts
     computed there; DECODE: decode steps run there), per kind: each side's median CPU and wall seconds per step,
-    their ratio, the batch and the context tokens it attends, and the factor (the mean of the shapes' CPU ratios: the
-    profile's clock on CPU; plan_corun_fit.py splits it between the step's weights part and its KV reads).
+    the median of the rounds' paired ratios, the batch and the context tokens it attends, and the factor (the mean of
+    the shapes' CPU ratios: the profile's clock on CPU; plan_corun_fit.py splits it between the step's weights part
+    and its KV reads).
 
-    One process per kind starts at once; each round times the steps alone, then beside each neighbour in turn (the
-    others idle), so every kind is compared with the same alone passes, taken between its own."""
+    One process per kind starts at once; each round times the steps alone and beside each neighbour in turn (the
+    others idle; the order reversed every other round), so every kind is compared with the same alone passes."""
     started = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                "load_average": list(os.getloadavg())}
     keys = [f"{batch}x{prompt}" for batch, prompt in shapes]
@@ -60,26 +61,38 @@ def measure_decode_corun(session: tuple, model: str, core: int, max_num_batched_
                  for kind in kinds}
         for loop in loops.values():
             loop.wait_ready()
-        for _ in range(repeats):
-            for side, points in sides.items():
+        for round_index in range(repeats):
+            for side in round_order([None, *kinds], round_index):
                 for kind, loop in loops.items():
                     loop.run(kind == side)
                 for key, point in zip(keys, served_decode_points(session, shapes, warm_up=False), strict=True):
-                    points[key].append(point)
+                    sides[side][key].append(point)
                 for kind, loop in loops.items():
                     loop.check_working(kind == side)  # all along: a loop that died after it started measured nothing
-    return {kind: {**_ratios(sides[None], sides[kind]), **_loop_shape(kind, prompt_len), f"{kind}_core": core,
+    return {kind: {**paired_ratios(sides[None], sides[kind]), **_loop_shape(kind, prompt_len), f"{kind}_core": core,
                    "repeats": repeats, **started} for kind in kinds}
 
 
-def _ratios(alone: dict[str, list], corun: dict[str, list]) -> dict:
+def round_order(sides: list, round_index: int) -> list:
+    """The sides of one round: in order on even rounds, reversed on odd ones, so that a machine speeding up or
+    slowing down over the rounds (it drifts by 10-20% over minutes here) favours no side."""
+    return sides if round_index % 2 == 0 else sides[::-1]
+
+
+def paired_ratios(alone: dict[str, list], corun: dict[str, list]) -> dict:
+    """Per shape: the median alone and co-run seconds per step on each clock, and each clock's ratio as the median of
+    the rounds' own ratios (co-run over the alone pass of the same round, seconds apart), which the machine's drift
+    between rounds leaves alone; the ratio of the two medians would carry it. The factor: the shapes' mean CPU
+    ratio."""
     batches = {}
     for key, alone_points in alone.items():
         row = {"batch": alone_points[0].batch, "context": alone_points[0].context}
         for clock, field in (("cpu", "cpu_seconds"), ("wall", "seconds")):
-            alone_s = statistics.median(getattr(p, field) for p in alone_points)
-            corun_s = statistics.median(getattr(p, field) for p in corun[key])
-            row |= {f"alone_{clock}_s": alone_s, f"corun_{clock}_s": corun_s, f"{clock}_ratio": corun_s / alone_s}
+            alone_s = [getattr(point, field) for point in alone_points]  # (rounds,)
+            corun_s = [getattr(point, field) for point in corun[key]]
+            rounds = [after / before for before, after in zip(alone_s, corun_s, strict=True)]
+            row |= {f"alone_{clock}_s": statistics.median(alone_s), f"corun_{clock}_s": statistics.median(corun_s),
+                    f"{clock}_ratio": statistics.median(rounds), f"{clock}_round_ratios": rounds}
         batches[key] = row
     return {"factor": statistics.fmean(row["cpu_ratio"] for row in batches.values()), "clock": "cpu",
             "batches": batches}

@@ -9,13 +9,12 @@ step cannot price both, so the co-run step times short and long contexts and the
 
     corun - alone = (f_weights - 1) * (alone - kv) + (f_kv - 1) * kv,   kv = d_context * context   (per shape)
 
-in least squares of the relative error. Shapes whose KV part is small fix f_weights; the long-context shape fixes
-f_kv. Without a long-context shape (an older profile, --quick) both factors are the mean ratio, as before.
+in least squares of the relative error, corun / alone being the shape's paired ratio. Shapes whose KV part is small
+fix f_weights; the long-context shape fixes f_kv. Without a long-context shape (an older profile, --quick) both factors are the mean ratio, as before.
 """
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,11 +49,17 @@ def corun_terms(measured: dict | None, per_context: float) -> CoRun:
     if not rows or any("context" not in row for row in rows):  # skipped, or a profile from before the split
         return CoRun.uniform(float(measured.get("factor", 1.0)))
     alone = np.array([row["alone_cpu_s"] for row in rows])  # (shapes,)
-    added = np.array([row["corun_cpu_s"] for row in rows]) - alone
+    ratios = np.array([cpu_ratio(row) for row in rows])  # (shapes,)
     kv = np.minimum(per_context * np.array([float(row["context"]) for row in rows]), alone)
     share = kv / alone
     if share.max() - share.min() < MIN_KV_SHARE_SPREAD:
-        return CoRun.uniform(statistics.fmean(row["corun_cpu_s"] / row["alone_cpu_s"] for row in rows))
+        return CoRun.uniform(float(ratios.mean()))
     terms = np.stack([alone - kv, kv], axis=1) / alone[:, None]  # (shapes, 2), each row relative to its step
-    (weights, kv_reads), *_ = np.linalg.lstsq(terms, added / alone, rcond=None)
+    (weights, kv_reads), *_ = np.linalg.lstsq(terms, ratios - 1.0, rcond=None)
     return CoRun(1.0 + float(weights), 1.0 + float(kv_reads))
+
+
+def cpu_ratio(row: dict) -> float:
+    """A shape's co-run over alone on the CPU clock: the median of its rounds' paired ratios (bench/plan_corun.py,
+    since window 9; before, the ratio of the two medians, which older rows without "cpu_ratio" give)."""
+    return float(row.get("cpu_ratio", row["corun_cpu_s"] / row["alone_cpu_s"]))

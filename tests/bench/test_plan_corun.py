@@ -7,8 +7,9 @@ from dataclasses import replace
 
 import pytest
 
+from pdserve.bench.plan_corun import paired_ratios, round_order
 from pdserve.bench.plan_corun_fit import NO_CORUN, CoRun, corun_terms
-from pdserve.bench.plan_fit import model_identity
+from pdserve.bench.plan_fit import DecodePoint, model_identity
 from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate, simulate_tiers
 from tests.bench.plan_helpers import synthetic_profile
 from pdserve.bench.plan_workload import random_workload
@@ -172,3 +173,33 @@ def test_cutting_decode_runs_changes_no_routing(spec):
                    arrivals, workload.prompt_lens, workload.output_lens)
     assert [r.decode_engine.index for r in cut] == [r.decode_engine.index for r in plain]
     assert [r.finish for r in cut] == pytest.approx([r.finish for r in plain], rel=1e-9)
+
+
+def test_each_round_is_compared_with_its_own_alone_pass():
+    # three rounds; in the last the machine stalled while the neighbour ran: the ratio of the medians would read
+    # x1.47, the rounds' own ratios say x1.1 twice and x1.6 once
+    def points(seconds: list[float]) -> list[DecodePoint]:
+        return [DecodePoint(batch=2, context=56, longest=28, seconds=s, cpu_seconds=s) for s in seconds]
+
+    measured = paired_ratios({"2x20": points([1.0, 2.0, 1.5])}, {"2x20": points([1.1, 2.2, 2.4])})
+    row = measured["batches"]["2x20"]
+    assert row["cpu_round_ratios"] == pytest.approx([1.1, 1.1, 1.6])
+    assert row["cpu_ratio"] == row["wall_ratio"] == pytest.approx(1.1)
+    assert (row["alone_cpu_s"], row["corun_cpu_s"]) == (1.5, 2.2)
+    assert measured["factor"] == pytest.approx(1.1)
+    with pytest.raises(ValueError):  # a round without its pair is a bug in the caller, not a ratio
+        paired_ratios({"2x20": points([1.0, 2.0])}, {"2x20": points([1.1])})
+
+
+def test_every_other_round_runs_its_sides_in_reverse():
+    sides = [None, "prefill", "decode"]
+    assert [round_order(sides, i) for i in range(3)] == [sides, sides[::-1], sides]
+
+
+def test_the_split_reads_the_paired_ratio_not_the_medians():
+    # one shape per KV share; the medians say x2, the rounds' paired ratio x1.1: the factors follow the ratio
+    rows = {key: {"batch": batch, "context": batch * (prompt + 8), "alone_cpu_s": 0.1, "corun_cpu_s": 0.2,
+                  "cpu_ratio": 1.1, "cpu_round_ratios": [1.1, 1.1]}
+            for key, (batch, prompt) in {"1x16": (1, 16), "2x1000": (2, 1000)}.items()}
+    factors = corun_terms({"factor": 1.1, "batches": rows}, per_context=1.5e-5)
+    assert factors.weights == pytest.approx(1.1) and factors.kv_reads == pytest.approx(1.1)
