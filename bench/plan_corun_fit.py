@@ -10,7 +10,8 @@ step cannot price both, so the co-run step times short and long contexts and the
     corun - alone = (f_weights - 1) * (alone - kv) + (f_kv - 1) * kv,   kv = d_context * context   (per shape)
 
 in least squares of the relative error, corun / alone being the shape's paired ratio. Shapes whose KV part is small
-fix f_weights; the long-context shape fixes f_kv. Without a long-context shape (an older profile, --quick) both factors are the mean ratio, as before.
+fix f_weights; the long-context shape fixes f_kv. Without a long-context shape (an older profile, --quick) both
+factors are the mean ratio, as before.
 """
 
 from __future__ import annotations
