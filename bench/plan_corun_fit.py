@@ -50,7 +50,7 @@ def corun_terms(measured: dict | None, per_context: float) -> CoRun:
     if not rows or any("context" not in row for row in rows):  # skipped, or a profile from before the split
         return CoRun.uniform(float(measured.get("factor", 1.0)))
     alone = np.array([row["alone_cpu_s"] for row in rows])  # (shapes,)
-    ratios = np.array([cpu_ratio(row) for row in rows])  # (shapes,)
+    ratios = np.array([row["cpu_ratio"] for row in rows])  # (shapes,): paired per round since window 9
     kv = np.minimum(per_context * np.array([float(row["context"]) for row in rows]), alone)
     share = kv / alone
     if share.max() - share.min() < MIN_KV_SHARE_SPREAD:
@@ -58,9 +58,3 @@ def corun_terms(measured: dict | None, per_context: float) -> CoRun:
     terms = np.stack([alone - kv, kv], axis=1) / alone[:, None]  # (shapes, 2), each row relative to its step
     (weights, kv_reads), *_ = np.linalg.lstsq(terms, ratios - 1.0, rcond=None)
     return CoRun(1.0 + float(weights), 1.0 + float(kv_reads))
-
-
-def cpu_ratio(row: dict) -> float:
-    """A shape's co-run over alone on the CPU clock: the median of its rounds' paired ratios (bench/plan_corun.py,
-    since window 9; before, the ratio of the two medians, which older rows without "cpu_ratio" give)."""
-    return float(row.get("cpu_ratio", row["corun_cpu_s"] / row["alone_cpu_s"]))
