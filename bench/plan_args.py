@@ -43,7 +43,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", required=True, metavar="P.json", help="from `pdserve profile`")
     parser.add_argument("--engines", type=int, default=None, metavar="N", help="engines to split into xPyD")
     parser.add_argument("--slo", nargs="+", default=None, metavar="METRIC:MS",
-                        help="SLOs, e.g. ttft:2000 tpot:150 (also e2el)")
+                        help="SLOs, e.g. ttft:2000 tpot:150 (also e2el); with --validate, every run is judged by "
+                             "these instead of the SLOs the sweep ran with")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--request-rate", type=float, default=None, help="requests per second (Poisson)")
     load.add_argument("--find-goodput", action="store_true",

@@ -86,7 +86,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return run_validate(args, profile)
     if args.engines is None or args.engines < 1:
         raise ValueError("pass --engines N (at least 1): the engines to split into prefill and decode")
-    slos = parse_slos(args.slo)
+    slos = parse_slos(args.slo, "--slo")
     if not slos:
         raise ValueError("pass --slo, e.g. --slo ttft:2000 tpot:150: a split is judged by its goodput under SLOs")
     if args.jobs < 1:
@@ -119,7 +119,7 @@ def write_outputs(args, profile: Profile, rows: list[dict], best: dict, smallest
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"profile": str(args.profile), "model": profile.model.model_dump(), "machine": profile.machine,
-              "engines": args.engines, "slos_ms": parse_slos(args.slo), "request_rate": args.request_rate,
+              "engines": args.engines, "slos_ms": parse_slos(args.slo, "--slo"), "request_rate": args.request_rate,
               "dataset": {k: getattr(args, k) for k in ("dataset", "dataset_path", "num_prompts", "input_len",
                                                          "output_len", "range_ratio", "burstiness", "seed")},
               "step_scale": list(args.step_scale), "splits": rows, "recommended": best, "smallest": smallest,

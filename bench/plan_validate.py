@@ -23,7 +23,7 @@ from pdserve.bench.plan_sampling import sampling_floor_pp
 from pdserve.bench.plan_simulator import ClusterSpec, SimRequest, StepModel, simulate
 from pdserve.bench.plan_step_check import step_ratio
 from pdserve.bench.plan_workload import Workload
-from pdserve.bench.sweep_results import ATTAINMENT_TARGET, request_latencies_ms, slo_attainment
+from pdserve.bench.sweep_results import ATTAINMENT_TARGET, parse_slos, request_latencies_ms, slo_attainment
 
 COMPARED = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms")  # the issue's goals
 FIRST_ITL = "median_first_itl_ms"  # compared too, outside the goals: the KV's path to the second token
@@ -163,9 +163,10 @@ def measured_metrics(run: dict, slos: dict[str, float]) -> dict:
     return metrics
 
 
-def replay(run: dict, profile: Profile, args: argparse.Namespace) -> dict:
+def replay(run: dict, profile: Profile, args: argparse.Namespace, slos_override: dict[str, float]) -> dict:
+    """One run against its simulation, judged by slos_override or else by the SLOs the run was judged by."""
     sweep = run["sweep"]
-    slos = run_slos(run)
+    slos = slos_override or run_slos(run)
     workload = Workload([int(n) for n in run["input_lens"]], [int(n) for n in run["output_lens"]])
     settings = PlanSettings(step_model(args, profile), workload, slos, cluster_spec(args, profile),
                             float(run.get("burstiness") or 1.0), int(run.get("seed") or 0), exact_up_to=1 << 30)
@@ -173,7 +174,8 @@ def replay(run: dict, profile: Profile, args: argparse.Namespace) -> dict:
     predicted = predicted_metrics(requests, slos)
     measured = measured_metrics(run, slos)
     row = {"config": run["config"], "request_rate": float(run["request_rate"]), "slos_ms": slos,
-           "num_requests": len(workload), "num_engines": int(sweep["num_engines"])}
+           "num_requests": len(workload), "num_engines": int(sweep["num_engines"]),
+           "num_prefill": int(sweep["num_prefill"])}
     for key in ("slo_attainment", *COMPARED, FIRST_ITL):
         row[f"measured_{key}"], row[f"predicted_{key}"] = measured[key], predicted[key]
     row["slo_attainment_with_measured"] = attainment_with_measured(run, requests, slos)
@@ -217,22 +219,32 @@ def mae_with_measured(rows: list[dict]) -> dict[str, float]:
 
 
 def goodput_agreement(rows: list[dict]) -> list[dict]:
-    """Per sweep (same SLOs and engines): measured vs predicted goodput per config, and whether the best agree."""
+    """Per sweep (same SLOs and engines): measured vs predicted goodput per config, and whether the split the
+    planner would recommend (plan_recommend.recommend's rule) is the one measured best. A prediction of no
+    goodput anywhere recommends nothing, so it agrees with no decisive sweep."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((json.dumps(row["slos_ms"], sort_keys=True), row["num_engines"]), []).append(row)
     result = []
     for (slos, engines), group in groups.items():
-        configs = sorted({r["config"] for r in group})
-        measured = {c: goodput_of(group, c, "measured") for c in configs}
-        predicted = {c: goodput_of(group, c, "predicted") for c in configs}
-        best_measured, best_predicted = max(configs, key=measured.get), max(configs, key=predicted.get)
-        top, second = sorted(measured.values(), reverse=True)[:2] if len(configs) > 1 else (1.0, 0.0)
+        num_prefill = {r["config"]: r["num_prefill"] for r in group}
+        measured = {c: goodput_of(group, c, "measured") for c in sorted(num_prefill)}
+        predicted = {c: goodput_of(group, c, "predicted") for c in sorted(num_prefill)}
+        best_measured, best_predicted = best_split(measured, num_prefill), best_split(predicted, num_prefill)
+        top, second = sorted(measured.values(), reverse=True)[:2] if len(measured) > 1 else (1.0, 0.0)
         decisive = top > 0 and (top - second) > GOAL_GOODPUT_MARGIN * top
         result.append({"slos_ms": json.loads(slos), "num_engines": engines, "measured": measured,
                        "predicted": predicted, "measured_best": best_measured, "predicted_best": best_predicted,
                        "decisive": decisive, "agrees": best_measured == best_predicted or not decisive})
     return result
+
+
+def best_split(goodputs: dict[str, float], num_prefill: dict[str, int]) -> str | None:
+    """The config with the best goodput, fewer prefill engines on a tie, as `pdserve plan` recommends (every
+    config of a group has the same engines); None when no config has any goodput."""
+    if not any(goodputs.values()):
+        return None
+    return max(goodputs, key=lambda config: (goodputs[config], -num_prefill[config]))
 
 
 def run_validate(args: argparse.Namespace, profile: Profile) -> int:
@@ -241,7 +253,8 @@ def run_validate(args: argparse.Namespace, profile: Profile) -> int:
     runs = read_runs(all_runs, sweep_dir)
     for run in runs:
         check_run_model(profile, run)
-    rows = [replay(run, profile, args) for run in runs]
+    slos_override = parse_slos(args.slo, "--slo")
+    rows = [replay(run, profile, args, slos_override) for run in runs]
     summary = summarize_errors(rows)
     summary["unloaded"] = unloaded_drift(read_unloaded(all_runs), step_model(args, profile), cluster_spec(args, profile))
     print(format_table(rows, COLUMNS))
@@ -250,6 +263,7 @@ def run_validate(args: argparse.Namespace, profile: Profile) -> int:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "validation.json").write_text(json.dumps({"sweep_dir": str(sweep_dir), "profile": str(args.profile),
+                                                     "slos_ms_override": slos_override or None,
                                                      "machine": profile.machine,
                                                      "step_scale": list(args.step_scale), "points": rows, "summary": summary},
                                                     indent=1))
@@ -282,6 +296,6 @@ def print_summary(summary: dict) -> None:
               f"x{low:.2f} to x{high:.2f} (the machine's drift and the step model's error)")
     for group in summary["goodput"]:
         print(f"  goodput measured {group['measured']} predicted {group['predicted']}: best "
-              f"{group['measured_best']} vs {group['predicted_best']}"
+              f"{group['measured_best'] or 'none'} vs {group['predicted_best'] or 'none'}"
               + ("" if group["decisive"] else " (measured goodputs within 10%: not decisive)"))
 

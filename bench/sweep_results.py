@@ -21,8 +21,8 @@ SUMMARY_COLUMNS = [*RUN_FIELDS, *BENCH_FIELDS, "slo_attainment", *SUMMARY_FIELDS
 GOODPUT_COLUMNS = ["config", "num_engines", "goodput", "goodput_per_engine", "source", "upper_bound"]
 
 
-def parse_slos(items: list[str] | None) -> dict[str, float]:
-    """["ttft:500", "tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
+def parse_slos(items: list[str] | None, flag: str = "--goodput") -> dict[str, float]:
+    """["ttft:500", "tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds); errors name `flag`."""
     slos: dict[str, float] = {}
     for item in items or []:
         name, sep, value = item.partition(":")
@@ -32,7 +32,7 @@ def parse_slos(items: list[str] | None) -> dict[str, float]:
         except ValueError:
             milliseconds = math.nan
         if not sep or name not in SLO_METRICS or not milliseconds > 0 or math.isinf(milliseconds):
-            raise ValueError(f"--goodput {item!r}: give METRIC:MILLISECONDS with METRIC one of "
+            raise ValueError(f"{flag} {item!r}: give METRIC:MILLISECONDS with METRIC one of "
                              f"{', '.join(SLO_METRICS)} and a positive number, e.g. ttft:500 tpot:50")
         slos[name] = milliseconds
     return slos

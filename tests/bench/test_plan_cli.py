@@ -59,6 +59,7 @@ def test_find_goodput_and_the_smallest_cluster_for_a_target(profile_path, tmp_pa
     (["--engines", "2", "--slo", "ttft:1000", "--request-rate", "1", "--num-prompts", "0"], "no requests"),
     (["--engines", "2", "--request-rate", "1"], "pass --slo"),
     (["--engines", "2", "--slo", "ttft:1000", "--jobs", "0"], "--jobs 0"),
+    (["--engines", "2", "--slo", "ttft:soon"], "--slo 'ttft:soon'"),
 ])
 def test_bad_input_gets_a_clear_error(profile_path, tmp_path, capsys, extra, message):
     assert plan(profile_path, tmp_path / "plan", *extra) == 2
@@ -129,6 +130,22 @@ def test_validate_finds_the_piece_that_carries_the_attainment_error(profile_path
     assert pieces["later_itls"] == pytest.approx(0.0, abs=1e-9)  # the measured decode steps explain it all
     assert pieces["ttft"] == pytest.approx(summary["attainment_mae_pp"])
     assert pieces["first_itl"] == pytest.approx(summary["attainment_mae_pp"])
+
+
+def test_validate_judges_the_runs_by_the_slos_given(profile_path, tmp_path, tiny_model):
+    from pdserve.bench.plan_fit import load_profile
+
+    sweep_dir = tmp_path / "sweep"
+    write_sweep(sweep_dir, tiny_model, load_profile(profile_path), later_shift=0.5)  # misses its own tpot:40
+    out = tmp_path / "validation"
+    assert main(["plan", "--profile", profile_path, "--validate", str(sweep_dir), "--output-dir", str(out),
+                 "--no-plots", "--slo", "ttft:100000", "tpot:100000"]) == 0
+    result = json.loads((out / "validation.json").read_text())
+    assert result["slos_ms_override"] == {"ttft": 100000.0, "tpot": 100000.0}
+    for point in result["points"]:  # every request meets SLOs this loose, measured and predicted alike
+        assert point["slos_ms"] == result["slos_ms_override"]
+        assert point["measured_slo_attainment"] == point["predicted_slo_attainment"] == 1.0
+    assert result["summary"]["attainment_mae_pp"] == 0.0
 
 
 def write_unloaded(sweep_dir, profile, slower: float) -> None:
