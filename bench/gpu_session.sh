@@ -2,7 +2,7 @@
 # Every GPU check of pdserve in one run, for a lent GPU machine (its own python3 with torch + triton;
 # no network there). Writes logs to $OUT (or ./gpu-out) and never stops at the first failure.
 #
-#     bash bench/gpu_session.sh          # about 5-8 minutes on one H200
+#     bash bench/gpu_session.sh          # at most 570 s of steps (each has its own limit), for one 10-minute call
 #
 # 1. the CUDA-only tests (CUDA graphs capture/replay, sm_90 kernel builds),
 # 2. python -m pdserve.bench.gpu_kernels --sweep: every Triton kernel against its torch reference, timings,
@@ -29,12 +29,12 @@ run() {  # name, timeout seconds, command...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
     | tee -a "$OUT/gpu.txt"
-run cuda-tests 180 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graphs.py tests/kernels
-run gpu-kernels 240 python3 -m pdserve.bench.gpu_kernels --sweep
-run gpu-engine 240 python3 -m pdserve.bench.gpu_engine
+run cuda-tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graphs.py tests/kernels
+run gpu-kernels 150 python3 -m pdserve.bench.gpu_kernels --sweep
+run gpu-engine 120 python3 -m pdserve.bench.gpu_engine
 if python3 -c "import zmq, msgpack, pydantic, xxhash" 2>/dev/null; then
-    run pd-cuda-tests 180 python3 -m pytest -q -p no:cacheprovider tests/decode/test_disaggregated.py -k cuda
-    run pd-transfer-cuda 180 python3 -m pdserve.bench.pd_transfer --device cuda --prompt-lens 1024 4096 --repeats 3
+    run pd-cuda-tests 75 python3 -m pytest -q -p no:cacheprovider tests/decode/test_disaggregated.py -k cuda
+    run pd-transfer-cuda 75 python3 -m pdserve.bench.pd_transfer --device cuda --prompt-lens 1024 4096 --repeats 3
 else
     echo "=== pd-transfer-cuda skipped: this python lacks pyzmq, msgpack, pydantic or xxhash" | tee "$OUT/pd-transfer-cuda.log"
 fi

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import triton_interpreter_compat
+
 
 def _interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older releases read the variable directly
@@ -23,6 +25,8 @@ def _interpreting() -> bool:
 # Read once: triton decides at decoration time (when a kernel module is imported) whether a kernel
 # is compiled for the GPU or run by the Python interpreter, so this flag matches the kernels below.
 INTERPRET = _interpreting()
+if INTERPRET:
+    triton_interpreter_compat.apply()
 
 # log2(e): the kernels take exp2 of scores pre-multiplied by scale * LOG2E.
 LOG2E = 1.4426950408889634

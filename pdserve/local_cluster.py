@@ -32,7 +32,8 @@ class ChildProcess:
         """Start `command`; the key=value pairs of its PDSERVE_READY line (RuntimeError with its log if none)."""
         self.process = subprocess.Popen(
             command, cwd=REPO, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True,
-            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                 **(env or {})})
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             ready, _, _ = select.select([self.process.stdout], [], [], 1.0)
