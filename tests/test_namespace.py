@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -63,14 +64,39 @@ def test_the_installed_wheel_imports_every_subpackage_from_itself(wheel, tmp_pat
 
 
 def test_outside_the_checkout_only_pdserve_imports(tmp_path):
-    # The generic names of the repository's folders are not importable once pdserve is installed.
+    # The generic names of the repository's folders do not reach pdserve's folders once it is installed
+    # (`kernels` may be Hugging Face's package, a dependency of transformers >= 5.25).
     for name in ("engine", "kernels", "router", "bench", "kvtransfer", "prefill", "decode", "control"):
-        result = _python(f"import {name}", tmp_path)
-        assert result.returncode != 0 and "ModuleNotFoundError" in result.stderr, name
+        result = _python(f"import importlib.util; spec = importlib.util.find_spec({name!r}); "
+                         "print(spec.origin if spec else None)", tmp_path)
+        assert result.returncode == 0 and str(REPO) not in result.stdout, (name, result.stdout, result.stderr)
     result = _python("import sys, pdserve, pdserve.kernels, pdserve.engine.layers.attention;"
                      "print(pdserve.kernels.__name__, 'torch' in sys.modules)", tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["pdserve.kernels", "True"]
+
+
+def test_inside_the_checkout_bare_kernels_is_the_installed_package(tmp_path):
+    # With the checkout's root first on sys.path, `import kernels` (transformers does it) must still get
+    # the installed package of that name, and model configs must load.
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("OWNER = 'installed'\n")
+    result = _python("import kernels, pdserve.kernels; print(kernels.OWNER, pdserve.kernels.__name__)", REPO,
+                     PYTHONPATH=os.pathsep.join([str(REPO), str(site)]))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["installed", "pdserve.kernels"]
+    result = _python("from transformers import LlamaConfig; print(LlamaConfig.model_type)", REPO,
+                     PYTHONPATH=str(REPO))
+    assert result.returncode == 0 and result.stdout.split() == ["llama"], result.stderr[-2000:]
+
+
+def test_bare_kernels_without_an_installed_package_names_pdserve_kernels(tmp_path):
+    # -S: no site-packages, so nothing else owns the name
+    result = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); import kernels"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "ImportError: 'kernels' is not installed" in result.stderr and "pdserve.kernels" in result.stderr
 
 
 def test_importing_pdserve_alone_loads_no_torch(tmp_path):

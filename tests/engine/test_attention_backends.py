@@ -47,6 +47,8 @@ def test_triton_backend_gives_norms_and_rotary_its_fused_kernels(monkeypatch):
     from pdserve.engine.attention.triton import TritonBackend
     from pdserve.kernels import triton_norm, triton_rotary
 
+    device = "cpu" if INTERPRET else "cuda"  # compiled kernels take CUDA tensors only
+
     launches = []
     for module, name in ((triton_norm, "launch_add_rms_norm"), (triton_rotary, "launch_rotary_embedding")):
         launch = getattr(module, name)
@@ -56,16 +58,17 @@ def test_triton_backend_gives_norms_and_rotary_its_fused_kernels(monkeypatch):
     ours = nn.ModuleDict({"norm": RMSNorm(64), "head_norm": RMSNorm(16), "rotary": RotaryEmbedding(16, 32, 1e4, None)})
     for norm in (ours["norm"], ours["head_norm"]):
         norm.weight.copy_(torch.randn(norm.weight.shape, generator=gen))
+    ours.to(device)
     torch_code = copy.deepcopy(ours)
     TritonBackend().bind_layer_kernels(ours)
 
-    hidden, residual = torch.randn(5, 64, generator=gen), torch.randn(5, 64, generator=gen)
+    hidden, residual = torch.randn(5, 64, generator=gen).to(device), torch.randn(5, 64, generator=gen).to(device)
     for got, want in zip(ours["norm"](hidden, residual), torch_code["norm"](hidden, residual), strict=True):
         torch.testing.assert_close(got, want)
-    qkv = torch.randn(5, 8 * 16, generator=gen)  # fused projection output: q and k are strided views
+    qkv = torch.randn(5, 8 * 16, generator=gen).to(device)  # fused projection output: q and k are strided views
     query, key = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
     torch.testing.assert_close(ours["head_norm"](query), torch_code["head_norm"](query))
-    positions = torch.tensor([0, 3, 7, 30, 31])
+    positions = torch.tensor([0, 3, 7, 30, 31], device=device)
     rotated = ours["rotary"](positions, torch.float32)(query, key)
     for got, want in zip(rotated, torch_code["rotary"](positions, torch.float32)(query, key), strict=True):
         torch.testing.assert_close(got, want)
