@@ -113,6 +113,7 @@ class EngineSettings(BaseModel):
     # context term is batch x longest; else the sum of the contexts. Profiles written before this field were
     # all taken on the CPU backend when it still padded (before it grouped sequences by length).
     decode_pads_to_longest: bool = True
+    dtype: str = "float32"  # the engine's weights and KV (profiles before this field: all float32 on CPU)
 
 
 class Profile(BaseModel):

@@ -81,10 +81,10 @@ def timed_step(engine) -> tuple[float, float, list]:
 class EngineProbe:
     """The engine and fresh random prompts (no prefix-cache hits between measurements)."""
 
-    def __init__(self, model: str, device: str, max_num_batched_tokens: int) -> None:
+    def __init__(self, model: str, device: str, max_num_batched_tokens: int, dtype: str = "auto") -> None:
         from pdserve import LLM
 
-        self.llm = LLM(model, dtype="float32", device=device, max_num_batched_tokens=max_num_batched_tokens,
+        self.llm = LLM(model, dtype=dtype, device=device, max_num_batched_tokens=max_num_batched_tokens,
                        enable_prefix_caching=False)
         self.engine = self.llm.engine
         self.vocab = self.llm.model_config.vocab_size
@@ -129,27 +129,41 @@ class EngineProbe:
 
 
 def measure_engine(args, model: str) -> tuple[list[PrefillPoint], list[DecodePoint], EngineSettings]:
-    probe = EngineProbe(model, args.device, args.max_num_batched_tokens)
+    probe = EngineProbe(model, args.device, args.max_num_batched_tokens, args.dtype)
     probe.prefill_points(64, 1)  # warm-up: first-step allocations
     probe.decode_points(2, 16)
-    prefill, decode = [], []
     prefill_shapes, decode_shapes = (QUICK_PREFILL, QUICK_DECODE) if args.quick else (PREFILL_SHAPES, DECODE_SHAPES)
     if served_decode(args):
         decode_shapes = []  # timed through a served engine instead (plan_served.py)
     max_len = probe.llm.model_config.max_model_len
+    if args.device != "cpu":
+        # Triton compiles a kernel for each new specialization of its arguments on first use (about 3 s each
+        # on an H200, three of the eleven prefill points of the first GPU profile): every shape once, untimed.
+        measure_shapes(probe, prefill_shapes, decode_shapes, max_len)
+    prefill, decode = [], []
     for _ in range(args.repeats):
-        for prompt_len, batch in prefill_shapes:
-            if prompt_len + 1 <= max_len:
-                prefill += probe.prefill_points(prompt_len, batch)
-        for batch, prompt_len in decode_shapes:
-            if prompt_len + DECODE_STEPS + 2 <= max_len:
-                decode += probe.decode_points(batch, prompt_len)
+        shape_prefill, shape_decode = measure_shapes(probe, prefill_shapes, decode_shapes, max_len)
+        prefill += shape_prefill
+        decode += shape_decode
     runner = probe.engine.runner
     settings = EngineSettings(block_size=probe.engine.cache_config.block_size,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               max_num_seqs=probe.engine.scheduler.config.max_num_seqs, num_kv_blocks=runner.num_blocks,
-                              decode_pads_to_longest=runner.attn_backend.decode_pads_to_longest)
+                              decode_pads_to_longest=runner.attn_backend.decode_pads_to_longest,
+                              dtype=str(probe.llm.model_config.dtype).removeprefix("torch."))
     return prefill, decode, settings, max_len
+
+
+def measure_shapes(probe: EngineProbe, prefill_shapes, decode_shapes, max_len: int):
+    """One pass over the shapes that fit the model: (prefill points, decode points)."""
+    prefill, decode = [], []
+    for prompt_len, batch in prefill_shapes:
+        if prompt_len + 1 <= max_len:
+            prefill += probe.prefill_points(prompt_len, batch)
+    for batch, prompt_len in decode_shapes:
+        if prompt_len + DECODE_STEPS + 2 <= max_len:
+            decode += probe.decode_points(batch, prompt_len)
+    return prefill, decode
 
 
 def served_decode(args: argparse.Namespace) -> bool:
@@ -259,6 +273,9 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.refit:
         return refit(args)
     served_decode(args)  # refuses --served-decode on a GPU before anything is measured
+    if args.device == "cpu" and args.dtype not in ("auto", "float32"):
+        raise ValueError(f"--dtype {args.dtype} on CPU: the served engine and the co-run step of a CPU profile run "
+                         "float32, as `pdserve up` does on CPU by default; drop --dtype, or profile a GPU with it")
     model = args.model or str(default_demo_model())
     identity = model_identity(model)
     if args.add_corun_to:

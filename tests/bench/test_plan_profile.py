@@ -80,6 +80,51 @@ def test_served_decode_is_refused_on_a_gpu_before_measuring(tmp_path, capsys):
     assert "drop the flag" in capsys.readouterr().err and not out.exists()
 
 
+def test_a_half_precision_cpu_profile_is_refused_before_measuring(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--dtype", "bfloat16", "--out", str(out)]) == 2
+    assert "--dtype bfloat16 on CPU" in capsys.readouterr().err and not out.exists()
+
+
+def test_on_a_gpu_every_shape_runs_once_untimed_first(monkeypatch):
+    """Triton compiles per new argument specialization on a GPU: the timed pass must not pay for it."""
+    import argparse
+
+    from pdserve.bench import plan_profile
+
+    calls = []
+
+    class Probe:  # stands in for the engine: records which shapes ran, in order
+        def __init__(self, model, device, budget, dtype):
+            self.llm = argparse.Namespace(model_config=argparse.Namespace(max_model_len=4096, dtype="torch.bfloat16"))
+            self.engine = argparse.Namespace(cache_config=argparse.Namespace(block_size=16),
+                                             scheduler=argparse.Namespace(config=argparse.Namespace(max_num_seqs=8)),
+                                             runner=argparse.Namespace(num_blocks=64, attn_backend=argparse.Namespace(
+                                                 decode_pads_to_longest=False)))
+
+        def prefill_points(self, prompt_len, batch):
+            calls.append(("prefill", prompt_len, batch))
+            return [f"p{prompt_len}x{batch}"]
+
+        def decode_points(self, batch, prompt_len):
+            calls.append(("decode", batch, prompt_len))
+            return [f"d{batch}x{prompt_len}"]
+
+    monkeypatch.setattr(plan_profile, "EngineProbe", Probe)
+    args = argparse.Namespace(device="cuda", dtype="auto", max_num_batched_tokens=2048, quick=True, repeats=1,
+                              served_decode=False, in_process_decode=False)
+    prefill, decode, settings, _ = plan_profile.measure_engine(args, "model")
+    shapes = [call for call in calls[2:]]  # after the two first-step warm-ups
+    half = len(shapes) // 2
+    assert shapes[:half] == shapes[half:] and half == len(plan_profile.QUICK_PREFILL) + len(plan_profile.QUICK_DECODE)
+    assert len(prefill) == len(plan_profile.QUICK_PREFILL) and len(decode) == len(plan_profile.QUICK_DECODE)
+    assert settings.dtype == "bfloat16"
+    calls.clear()
+    plan_profile.measure_engine(argparse.Namespace(**{**vars(args), "device": "cpu", "in_process_decode": True}),
+                                "model")
+    assert len(calls) - 2 == half  # no JIT on CPU: one pass
+
+
 def test_served_decode_points_time_a_real_engine_process(model_factory):
     from pdserve.bench.plan_served import SERVED_TOKENS, served_decode_points, served_engine
 

@@ -37,7 +37,8 @@ def test_least_kv_routes_by_what_is_open_on_each_engine_not_by_lagging_reports(t
                 busy_link, idle_link = links[busy.control_address], links[idle.control_address]
                 await wait_until(lambda: (busy_link.stats.kv_blocks_used, idle_link.stats.kv_blocks_used) == (0, 60),
                                  what="the lagging reports taken in")
-                assert busy_link.open_tokens > len(LONG_PROMPT), "the prompt and the tokens streamed so far"
+                await wait_until(lambda: busy_link.open_tokens > len(LONG_PROMPT),  # the prompt and a streamed token
+                                 what="the long answer's first tokens in the ledger")
                 short = await client.post("/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 2})
                 assert short.status_code == 200, short.text
                 assert len(idle.generate_requests()) == 1 and len(busy.generate_requests()) == 1
