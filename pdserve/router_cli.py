@@ -38,7 +38,8 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
     parser.add_argument("--max-request-bytes", type=int, default=4 << 20,
                         help="largest HTTP request body in bytes; larger ones get 413 (default 4 MiB)")
     parser.add_argument("--preprocess-timeout", type=float, default=5.0,
-                        help="seconds the chat template and tokenizer may take for one request (then 400)")
+                        help="seconds the chat template and tokenizer may take for one request (then 400); a request "
+                             "waits up to 6x this for a tokenizer thread (then 503)")
     parser.add_argument("--allow-request-chat-template", action="store_true",
                         help="accept a `chat_template` in the request body (a template is code run on the router)")
     add_trust_args(parser, up=not standalone)

@@ -16,17 +16,25 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pdserve.control.gc_freeze import freeze_startup_heap
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, Unauthorized
+from pdserve.router.errors import (
+    APIError,
+    InvalidRequest,
+    ModelNotFound,
+    RequestTooLarge,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 from pdserve.router.fast_path import RouterApp
 from pdserve.router.gateway import Gateway
-from pdserve.router.lean_routes import lean_endpoint
+from pdserve.router.lean_routes import is_json, lean_endpoint
 from pdserve.router.responses import ChatFormatter, CompletionFormatter, Prompt
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
-from pdserve.router.specs import chat_specs, completion_specs
-from pdserve.router.streaming import endpoint_label, respond
+from pdserve.router.specs import chat_specs, check_n, completion_specs
+from pdserve.router.streaming import CLIENT_CLOSED_REQUEST, endpoint_label, respond
 
 log = logging.getLogger("pdserve.router.api")
 
@@ -75,6 +83,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(problems[:5]), param
 
 
+def _body_missing(exc: RequestValidationError) -> bool:
+    return any(error.get("type") == "missing" and tuple(error.get("loc", ())) == ("body",) for error in exc.errors())
+
+
 def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -82,8 +94,19 @@ def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        content_type = request.headers.get("content-type")
+        if not is_json(content_type) and not _body_missing(exc):  # curl -d sends a form's type
+            return _error_response(gateway, request, UnsupportedMediaType(
+                f"the body's Content-Type is {content_type or 'not given'}: send JSON with the header "
+                "`Content-Type: application/json`"))
         message, param = _validation_message(exc)
         return _error_response(gateway, request, InvalidRequest(message, param=param))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, exc: ClientDisconnect) -> Response:
+        # the client left before its body was whole: nobody reads this answer; counted as nginx counts it
+        gateway.metrics.count_request(endpoint_label(request), str(CLIENT_CLOSED_REQUEST))
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -133,6 +156,8 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
         return JSONResponse({"status": "ok" if ready else "no decode engine available", "engines": engines},
                             status_code=200 if ready else 503)
 
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # some load balancers probe so
+
     @app.get("/metrics", dependencies=key_checked)
     async def metrics() -> Response:
         await gateway.registry.refresh_stats()
@@ -152,6 +177,7 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         max_model_len, vocab_size = gateway.context_limits()
+        check_n(body, body.num_prompts(), config.max_n)  # before any tokenizing: a 4 MiB batch is refused at once
         if body.has_text_prompt():
             tokenized = await gateway.preprocessor.run(gateway.tokenization.completion_prompts, body)
         else:  # token ids: nothing to tokenize, so no hop to the tokenizer's threads

@@ -28,7 +28,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     max_request_bytes: int = 4 << 20  # larger HTTP bodies: 413, refused before they are read whole
     preprocess_timeout_s: float = 5.0  # chat template + tokenization of one request, off the event loop
-    num_preprocess_threads: int = 4  # tokenizer threads; twice as many jobs in flight, then 503
+    num_preprocess_threads: int = 4  # tokenizer threads; more jobs wait for one (503 after 6 x the timeout)
     allow_request_chat_template: bool = False  # a `chat_template` in the request body replaces the model's
     max_n: int = 16  # choices (n x prompts) one HTTP request may ask for
     log_level: str = "info"

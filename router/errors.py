@@ -51,6 +51,16 @@ class RequestTooLarge(ClientError):
     status_code, code = 413, "request_too_large"
 
 
+class BodyTimeout(ClientError):
+    """The request's body did not arrive whole in time (a trickle, or a body never finished)."""
+
+    status_code, code = 408, "request_timeout"
+
+
+class UnsupportedMediaType(ClientError):
+    status_code, code = 415, "unsupported_media_type"
+
+
 class Overloaded(APIError):
     status_code, error_type, code = 429, "rate_limit_error", "rate_limit_exceeded"
     retry_after_s = 1

@@ -11,6 +11,7 @@ answer exactly as before. FastAPI's routes stay registered for /openapi.json.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,8 +23,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
+from pdserve.router.errors import BodyTimeout
 
-def _is_json(content_type: str | None) -> bool:
+
+def is_json(content_type: str | None) -> bool:
     """FastAPI's test: application/json or application/*+json (parameters such as charset ignored)."""
     if not content_type:
         return False
@@ -40,18 +43,27 @@ def _content_type(scope: Scope) -> str | None:
     return None
 
 
-async def read_body(receive: Receive) -> bytes:
+BODY_TIMEOUT_S = 30.0  # a body not whole by then (a trickle, or one never finished) is answered 408
+
+
+async def read_body(receive: Receive, timeout_s: float | None = None) -> bytes:
     """The whole body, read as Starlette's Request.body() reads it (ClientDisconnect if the client leaves
-    first), without its stream generator and the per-request Headers object around it."""
+    first), without its stream generator and the per-request Headers object around it; BodyTimeout if it
+    has not all arrived within `timeout_s`."""
+    timeout_s = BODY_TIMEOUT_S if timeout_s is None else timeout_s
     chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.request":
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-        elif message["type"] == "http.disconnect":
-            raise ClientDisconnect()
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.request":
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+                elif message["type"] == "http.disconnect":
+                    raise ClientDisconnect()
+    except TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive whole within {timeout_s:g}s: send it at once") from None
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -61,7 +73,7 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     if not body:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:
-        if body and _is_json(_content_type(request.scope)):
+        if body and is_json(_content_type(request.scope)):
             body = json.loads(body)
     except json.JSONDecodeError as exc:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",

@@ -1,12 +1,16 @@
 """Chat-template rendering and tokenization off the event loop: a small thread pool, a time limit
-per job, and a bound on the jobs it holds. A thread cannot be killed, so a job over the limit is
-answered at once but keeps its thread (and counts against the bound) until it ends: runaway renders
-fill the pool, and then new work gets a 503 instead of piling up."""
+per job, and a bounded wait for a thread.
+
+A job starts only when a thread is free (the pool never queues work of its own), so its time limit
+counts its own running time, never the time spent waiting behind others. A burst of requests waits
+for threads, as vLLM's and SGLang's servers wait for their tokenizers. A thread cannot be killed: a
+job over its limit is answered at once (400) but keeps its thread until it ends. Only when every
+thread stays taken for QUEUE_WAIT_FACTOR time limits, which runaway jobs cause and a burst of
+ordinary ones does not, does a waiting request get a 503 instead of waiting on."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
@@ -14,6 +18,7 @@ from typing import TypeVar
 from pdserve.router.errors import InvalidRequest, PreprocessingBusy
 
 T = TypeVar("T")
+QUEUE_WAIT_FACTOR = 6  # a request waits up to 6 x --preprocess-timeout for a tokenizer thread (30 s by default)
 
 
 class PreprocessTimeout(InvalidRequest):
@@ -23,20 +28,20 @@ class PreprocessTimeout(InvalidRequest):
 class Preprocessor:
     def __init__(self, num_threads: int, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self.max_jobs = 2 * num_threads  # running + queued, abandoned ones included
-        self.num_jobs = 0
-        self._lock = threading.Lock()
+        self.queue_timeout_s = QUEUE_WAIT_FACTOR * timeout_s
+        self.num_threads = num_threads
+        self.num_running = 0  # jobs holding a thread, abandoned ones included
+        self._free = asyncio.Semaphore(num_threads)  # bound to the serving loop at its first wait
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="pdserve-preprocess")
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        """fn(*args) on a pool thread; its exceptions (400s) propagate; over the time limit: 400."""
-        with self._lock:
-            if self.num_jobs >= self.max_jobs:
-                raise PreprocessingBusy(f"all {self.max_jobs} tokenizer slots are taken by requests still being "
-                                        "rendered or tokenized: retry later")
-            self.num_jobs += 1
+        """fn(*args) on a pool thread once one is free; its exceptions (400s) propagate; over the time
+        limit: 400; no thread free for queue_timeout_s: 503."""
+        await self._wait_for_thread()
+        loop = asyncio.get_running_loop()
+        self.num_running += 1
         future = self._executor.submit(fn, *args)
-        future.add_done_callback(self._finished)
+        future.add_done_callback(lambda _: self._release_from_thread(loop))
         try:
             async with asyncio.timeout(self.timeout_s):  # no extra task, unlike wait_for
                 return await asyncio.wrap_future(future)
@@ -46,9 +51,24 @@ class Preprocessor:
                 f"of {self.timeout_s:g}s: send a shorter prompt or simpler template variables (operators: "
                 f"--preprocess-timeout)") from None
 
-    def _finished(self, _: Future) -> None:
-        with self._lock:
-            self.num_jobs -= 1
+    async def _wait_for_thread(self) -> None:
+        try:
+            async with asyncio.timeout(self.queue_timeout_s):
+                await self._free.acquire()
+        except TimeoutError:
+            raise PreprocessingBusy(
+                f"all {self.num_threads} tokenizer threads stayed busy for {self.queue_timeout_s:g}s with requests "
+                "still being rendered or tokenized: retry later") from None
+
+    def _release_from_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            loop.call_soon_threadsafe(self._release)
+        except RuntimeError:  # the loop has closed: the server is shutting down
+            pass
+
+    def _release(self) -> None:
+        self.num_running -= 1
+        self._free.release()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -67,6 +67,7 @@ class EngineRegistry:
         self._tasks: list[asyncio.Task] = []
         self._registration: OpenSocket | None = None
         self._last_refusal_log = 0.0
+        self._stats_refresh: asyncio.Future | None = None  # the /metrics refresh in flight
         self._kv_peers: tuple[str, ...] = ()  # what the decode engines were last told
 
     async def start(self) -> None:
@@ -113,9 +114,13 @@ class EngineRegistry:
         return min([info.max_model_len for info in infos]), min([info.vocab_size for info in infos])
 
     async def refresh_stats(self, timeout: float = 0.5) -> None:
-        """Ask every routable engine for its stats now (for /metrics), waiting at most `timeout`."""
-        links = [link for link in self.links.values() if link.up]
-        await asyncio.gather(*(link.fresh_stats(timeout) for link in links))
+        """Ask every routable engine for its stats now (for /metrics), waiting at most `timeout`. Scrapes that
+        arrive while a refresh is in flight share it: a flood of scrapes asks each engine one at a time."""
+        if self._stats_refresh is None or self._stats_refresh.done():
+            links = [link for link in self.links.values() if link.up]
+            self._stats_refresh = asyncio.ensure_future(
+                asyncio.gather(*(link.fresh_stats(timeout) for link in links)))
+        await asyncio.shield(self._stats_refresh)  # a scraper that leaves does not cancel the others' refresh
 
     # ---- registration ----
 

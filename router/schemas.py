@@ -113,6 +113,11 @@ class CompletionRequest(SamplingRequest):
         prompt = self.prompt
         return isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], str))
 
+    def num_prompts(self) -> int:
+        """Prompts in the request, counted without tokenizing: a string or one list of ids is one prompt."""
+        prompt = self.prompt
+        return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")

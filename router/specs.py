@@ -59,7 +59,7 @@ def sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | N
         raise InvalidRequest(str(exc)) from exc
 
 
-def _check_n(request: SamplingRequest, num_prompts: int, max_n: int) -> None:
+def check_n(request: SamplingRequest, num_prompts: int, max_n: int) -> None:
     if request.n * num_prompts > max_n:
         raise InvalidRequest(f"n={request.n} x {num_prompts} prompt(s) asks for {request.n * num_prompts} "
                              f"choices, over this server's limit of {max_n}: send several requests",
@@ -94,7 +94,7 @@ def completion_specs(request: CompletionRequest, prompts: list[list[int]], max_m
         raise InvalidRequest("echo with logprobs needs prompt logprobs, which this server does not compute: "
                              "drop one of them", param="echo")
     _check_supported(request)
-    _check_n(request, len(prompts), max_n)
+    check_n(request, len(prompts), max_n)
     # an unset max_tokens is the model's max_new_tokens, else the API's default of 16
     given = "max_tokens" in request.model_fields_set or defaults.max_tokens is None
     requested, default = (request.max_tokens, None) if given else (None, defaults.max_tokens)
@@ -111,7 +111,7 @@ def chat_specs(request: ChatCompletionRequest, token_ids: list[int], max_model_l
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
     _check_supported(request)
-    _check_n(request, 1, max_n)
+    check_n(request, 1, max_n)
     check_token_ids(token_ids, None, "messages")
     max_tokens = resolve_max_tokens(len(token_ids), request.max_new_tokens(), max_model_len, "messages",
                                     defaults.max_tokens)

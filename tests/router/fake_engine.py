@@ -62,6 +62,7 @@ class FakeEngine:
     reported: dict = field(default_factory=dict)  # EngineStats fields to report instead of the live ones (lagging)
     received: list = field(default_factory=list)  # every request message, in order
     aborted: list[str] = field(default_factory=list)
+    stats_requests: int = 0  # StatsRequests answered (the router's /metrics refreshes)
 
     def __post_init__(self) -> None:
         self.control = ServerSocket("tcp://127.0.0.1:0")
@@ -119,6 +120,7 @@ class FakeEngine:
             return
         msg, peer_id = routed.msg, routed.peer_id
         if isinstance(msg, StatsRequest):
+            self.stats_requests += 1
             self._reply(peer_id, self.stats_msg())
         elif isinstance(msg, DescribeRequest):
             self._reply(peer_id, self.register_msg())

@@ -14,6 +14,7 @@ import zmq
 
 from pdserve.control.messages import Register
 from pdserve.control.protocol import encode
+from pdserve.router.preprocess import QUEUE_WAIT_FACTOR
 from tests.router.conftest import assert_openai_error, router_app, router_server, wait_until
 from tests.router.fake_engine import FakeEngine, fake_tokens
 
@@ -112,22 +113,35 @@ def test_template_bomb_times_out_without_blocking_health(tiny_model, tokenizatio
     run(scenario())
 
 
-def test_saturated_preprocessing_is_503_with_retry_after(tiny_model, tokenization):
-    """One tokenizer thread holds two jobs: a runaway render and one queued behind it; a third is refused."""
+def test_a_burst_beyond_the_tokenizer_threads_waits_for_them(tiny_model, tokenization):
+    """One tokenizer thread, twelve chats at once: each waits its turn, none is refused."""
+    async def scenario():
+        async with router_app(tiny_model, tokenization, num_preprocess_threads=1) as (gateway, client):
+            async with serving(gateway, engine_id="d0"):
+                answers = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat())
+                                                 for _ in range(12)))
+                assert [answer.status_code for answer in answers] == [200] * 12, [a.text for a in answers]
+                assert gateway.preprocessor.num_running == 0
+    run(scenario())
+
+
+def test_runaway_renders_on_every_thread_make_waiting_requests_503_not_400(tiny_model, tokenization):
+    """A runaway render keeps the one thread after its own 400. A request waiting behind it is not blamed
+    for that time (no 400 for a prompt it did not send): it gets a 503 with Retry-After once no thread has
+    come free for QUEUE_WAIT_FACTOR time limits."""
     async def scenario():
         async with router_app(tiny_model, tokenization, allow_request_chat_template=True, num_preprocess_threads=1,
-                              preprocess_timeout_s=1.0) as (gateway, client):
+                              preprocess_timeout_s=0.2) as (gateway, client):
             async with serving(gateway, engine_id="d0"):
                 runaway = asyncio.create_task(client.post("/v1/chat/completions",
                                                           json=chat(chat_template=TEMPLATE_BOMB)))
-                await asyncio.sleep(0.2)
-                queued = asyncio.create_task(client.post("/v1/chat/completions", json=chat()))
-                await asyncio.sleep(0.2)
-                refused = await client.post("/v1/chat/completions", json=chat())
-                assert assert_openai_error(refused, 503)["code"] == "server_busy"
-                assert refused.headers["Retry-After"] == "1"
-                assert_openai_error(await runaway, 400)
-                assert_openai_error(await queued, 400)
+                await wait_until(lambda: gateway.preprocessor.num_running == 1, what="the runaway on the thread")
+                started = time.monotonic()
+                waiting = await client.post("/v1/chat/completions", json=chat())
+                assert assert_openai_error(waiting, 503)["code"] == "server_busy"
+                assert waiting.headers["Retry-After"] == "1"
+                assert time.monotonic() - started >= QUEUE_WAIT_FACTOR * 0.2
+                assert assert_openai_error(await runaway, 400)["code"] == "preprocessing_timeout"
     run(scenario())
 
 
