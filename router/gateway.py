@@ -18,7 +18,8 @@ class Gateway:
         self.config = config
         self.tokenization = tokenization or Tokenization(config.model)
         self.generation_defaults = load_generation_defaults(config.model)  # generation_config.json's sampling
-        self.preprocessor = Preprocessor(config.num_preprocess_threads, config.preprocess_timeout_s)
+        self.preprocessor = Preprocessor(config.num_preprocess_threads, config.preprocess_timeout_s,
+                                         max_waiting=config.max_concurrent_requests)
         self.registry = EngineRegistry(config)
         self.policy = RoutingPolicy(config)
         self.metrics = RouterMetrics(self.registry.links)

@@ -26,10 +26,12 @@ class PreprocessTimeout(InvalidRequest):
 
 
 class Preprocessor:
-    def __init__(self, num_threads: int, timeout_s: float) -> None:
+    def __init__(self, num_threads: int, timeout_s: float, max_waiting: int) -> None:
         self.timeout_s = timeout_s
         self.queue_timeout_s = QUEUE_WAIT_FACTOR * timeout_s
         self.num_threads = num_threads
+        self.max_waiting = max_waiting  # requests waiting for a thread (each holds its body): more get a 503 at once
+        self.num_waiting = 0
         self.num_running = 0  # jobs holding a thread, abandoned ones included
         self._free = asyncio.Semaphore(num_threads)  # bound to the serving loop at its first wait
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="pdserve-preprocess")
@@ -52,6 +54,10 @@ class Preprocessor:
                 f"--preprocess-timeout)") from None
 
     async def _wait_for_thread(self) -> None:
+        if self.num_waiting >= self.max_waiting:
+            raise PreprocessingBusy(f"{self.num_waiting} requests are already waiting for the {self.num_threads} "
+                                    "tokenizer threads: retry later")
+        self.num_waiting += 1
         try:
             async with asyncio.timeout(self.queue_timeout_s):
                 await self._free.acquire()
@@ -59,6 +65,8 @@ class Preprocessor:
             raise PreprocessingBusy(
                 f"all {self.num_threads} tokenizer threads stayed busy for {self.queue_timeout_s:g}s with requests "
                 "still being rendered or tokenized: retry later") from None
+        finally:
+            self.num_waiting -= 1
 
     def _release_from_thread(self, loop: asyncio.AbstractEventLoop) -> None:
         try:

@@ -145,6 +145,27 @@ def test_runaway_renders_on_every_thread_make_waiting_requests_503_not_400(tiny_
     run(scenario())
 
 
+def test_requests_waiting_for_a_tokenizer_thread_are_bounded(tiny_model, tokenization):
+    """Waiting requests hold their bodies: no more than --max-concurrent-requests wait; the next gets a 503 at once."""
+    async def scenario():
+        async with router_app(tiny_model, tokenization, allow_request_chat_template=True, num_preprocess_threads=1,
+                              preprocess_timeout_s=0.5, max_concurrent_requests=2) as (gateway, client):
+            async with serving(gateway, engine_id="d0"):
+                runaway = asyncio.create_task(client.post("/v1/chat/completions",
+                                                          json=chat(chat_template=TEMPLATE_BOMB)))
+                await wait_until(lambda: gateway.preprocessor.num_running == 1, what="the runaway on the thread")
+                waiting = [asyncio.create_task(client.post("/v1/chat/completions", json=chat())) for _ in range(2)]
+                await wait_until(lambda: gateway.preprocessor.num_waiting == 2, what="two requests waiting")
+                started = time.monotonic()
+                refused = await client.post("/v1/chat/completions", json=chat())
+                assert time.monotonic() - started < 1.0
+                error = assert_openai_error(refused, 503)
+                assert error["code"] == "server_busy" and "2 requests are already waiting" in error["message"]
+                for task in (runaway, *waiting):
+                    await task
+    run(scenario())
+
+
 # ---- what a request may say ----
 
 def test_request_chat_template_is_refused_unless_allowed(tiny_model, tokenization):
