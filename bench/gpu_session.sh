@@ -12,6 +12,11 @@
 #    pdserve.bench.pd_transfer --device cuda: transfer time against prefill time (both skipped when the
 #    machine's python lacks pyzmq, msgpack, pydantic or xxhash).
 # Record the printed tables in docs/BENCHMARKS.md ("Triton kernels on a GPU").
+# The lent H200 image (2026-12) has torch 2.11, triton 3.6, msgpack and xxhash but no pyzmq, pydantic or simpy:
+# download their py3.12 manylinux wheels into .whl/ here (pyzmq, pydantic, pydantic_core, annotated-types,
+# typing-inspection, typing_extensions, simpy; see the device tool's README), carry .whl, and run
+#     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site bash bench/gpu_session.sh
+# (engine processes keep the caller's PYTHONPATH).
 set -u
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
