@@ -17,6 +17,7 @@ import uvicorn
 from pdserve.router.api import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.gateway import Gateway
+from pdserve.router.header_deadline import HeaderDeadlineProtocol
 
 log = logging.getLogger("pdserve.router")
 
@@ -57,6 +58,7 @@ def run(config: RouterConfig) -> int:
     # proxy_headers off: the router uses no client address (no access log), so X-Forwarded-* would be
     # parsed for nothing on every request
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level.lower(), access_log=False,
-                                           proxy_headers=False, timeout_graceful_shutdown=5, lifespan="on"))
+                                           proxy_headers=False, timeout_graceful_shutdown=5, lifespan="on",
+                                           http=HeaderDeadlineProtocol))
     server.run(sockets=[sock])
     return 0

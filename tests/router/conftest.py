@@ -72,11 +72,13 @@ async def router_server(model_dir: str, tokenization, **overrides):
     what needs real sockets (a client that hangs up)."""
     import uvicorn
 
+    from pdserve.router.header_deadline import HeaderDeadlineProtocol
     from pdserve.router.server import bind_http
 
     async with started_router(model_dir, tokenization, **overrides) as (gateway, app):
         sock = bind_http("127.0.0.1", 0)
-        server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=1))
+        server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=1,
+                                               http=HeaderDeadlineProtocol))  # as router/server.py serves
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         await wait_until(lambda: server.started, what="uvicorn started")
         try:

@@ -117,3 +117,26 @@ def test_a_flood_of_metrics_scrapes_shares_its_engine_round_trips(tiny_model, to
                 asked = engine.stats_requests - before
                 assert 1 <= asked < 40 / 4, asked  # scrapes in flight together share one refresh
     run(scenario())
+
+
+def test_a_connection_whose_headers_do_not_come_is_closed_with_408(tiny_model, tokenization, monkeypatch):
+    """Idle sockets and trickled headers used up the router's file descriptors: each now has HEADER_TIMEOUT_S."""
+    from pdserve.router import header_deadline
+
+    monkeypatch.setattr(header_deadline, "HEADER_TIMEOUT_S", 0.5)
+
+    async def scenario():
+        async with router_server(tiny_model, tokenization) as (gateway, url):
+            async with serving(gateway, engine_id="d0"):
+                silent_reader, silent = await raw_request(url, b"", b"")  # connects, says nothing
+                slow_reader, slow = await raw_request(url, b"GET /health HTTP/1.1\r\nHost: rou", b"")
+                for reader in (silent_reader, slow_reader):
+                    answer = await asyncio.wait_for(reader.read(), timeout=5)  # b"" unless answered: then EOF
+                    assert answer.startswith(b"HTTP/1.1 408"), answer
+                for writer in (silent, slow):
+                    writer.close()
+                # a request whose headers come at once is served, and its kept-alive connection stays usable
+                reader, writer = await raw_request(url, b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n", b"")
+                assert (await asyncio.wait_for(reader.readline(), timeout=5)).startswith(b"HTTP/1.1 200")
+                writer.close()
+    run(scenario())
