@@ -220,9 +220,13 @@ def new_log_dir(keep: int = KEPT_LOG_DIRS) -> Path:
 
     root = cache_dir() / "logs"
     root.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    now_ns = time.time_ns()
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now_ns // 10**9)) + f".{now_ns % 10**9:09d}"
     log_dir = Path(tempfile.mkdtemp(dir=root, prefix=f"up-{stamp}-"))
-    for old in sorted(root.glob("up-*"), key=lambda p: (p.stat().st_mtime_ns, p.name))[:-keep]:
+    # by name, which starts with the creation time to the nanosecond (directory mtimes can tie within a
+    # clock tick); the folder just made is never among those pruned
+    older = sorted(path for path in root.glob("up-*") if path != log_dir)
+    for old in older[:max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     return log_dir
 

@@ -110,6 +110,21 @@ def test_placeholder_model_path_is_one_line_naming_the_fix():
     assert "'path/to/hf-model-dir' does not exist and is not a Hugging Face hub id" in result.stderr
 
 
+def test_up_log_pruning_keeps_the_newest_even_when_folder_times_tie(tmp_path, monkeypatch):
+    """Folders made within one clock tick share their mtime: the order must come from their names."""
+    import os
+
+    from pdserve.up import new_log_dir
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    made = []
+    for _ in range(6):
+        made.append(new_log_dir(keep=3))
+        for path in (tmp_path / "logs").iterdir():
+            os.utime(path, ns=(10**18, 10**18))  # one tick for every folder
+    assert sorted((tmp_path / "logs").iterdir()) == made[-3:]
+
+
 def test_up_logs_go_to_a_fresh_folder_under_the_cache_and_old_ones_are_pruned(tmp_path, monkeypatch):
     from pdserve.up import new_log_dir
 
