@@ -97,7 +97,7 @@ def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
         content_type = request.headers.get("content-type")
         if not is_json(content_type) and not _body_missing(exc):  # curl -d sends a form's type
             return _error_response(gateway, request, UnsupportedMediaType(
-                f"the body's Content-Type is {content_type or 'not given'}: send JSON with the header "
+                f"the body's Content-Type is {(content_type or 'not given')[:80]}: send JSON with the header "
                 "`Content-Type: application/json`"))
         message, param = _validation_message(exc)
         return _error_response(gateway, request, InvalidRequest(message, param=param))
