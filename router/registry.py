@@ -118,8 +118,7 @@ class EngineRegistry:
         arrive while a refresh is in flight share it: a flood of scrapes asks each engine one at a time."""
         if self._stats_refresh is None or self._stats_refresh.done():
             links = [link for link in self.links.values() if link.up]
-            self._stats_refresh = asyncio.ensure_future(
-                asyncio.gather(*(link.fresh_stats(timeout) for link in links)))
+            self._stats_refresh = asyncio.gather(*(link.fresh_stats(timeout) for link in links))
         await asyncio.shield(self._stats_refresh)  # a scraper that leaves does not cancel the others' refresh
 
     # ---- registration ----

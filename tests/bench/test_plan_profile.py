@@ -114,7 +114,7 @@ def test_on_a_gpu_every_shape_runs_once_untimed_first(monkeypatch):
     args = argparse.Namespace(device="cuda", dtype="auto", max_num_batched_tokens=2048, quick=True, repeats=1,
                               served_decode=False, in_process_decode=False)
     prefill, decode, settings, _ = plan_profile.measure_engine(args, "model")
-    shapes = [call for call in calls[2:]]  # after the two first-step warm-ups
+    shapes = calls[2:]  # after the two first-step warm-ups
     half = len(shapes) // 2
     assert shapes[:half] == shapes[half:] and half == len(plan_profile.QUICK_PREFILL) + len(plan_profile.QUICK_DECODE)
     assert len(prefill) == len(plan_profile.QUICK_PREFILL) and len(decode) == len(plan_profile.QUICK_DECODE)
