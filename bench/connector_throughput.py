@@ -68,18 +68,17 @@ def random_kv(message_bytes: int) -> torch.Tensor:
     return torch.randn(1, 2, num_tokens, NUM_KV_HEADS, HEAD_DIM).to(torch.bfloat16)
 
 
-def send_raw(sock: zmq.Socket, peer: bytes, num_requests: int, num_messages: int, message_bytes: int) -> None:
-    header = msgpack.packb({"type": "kv_layer", "version": 1, "request_id": "r0", "nbytes": message_bytes})
-    payload = memoryview(random_kv(message_bytes).view(torch.uint8).numpy()).cast("B")
+def send_raw(sock: zmq.Socket, peer: bytes, num_requests: int, num_messages: int, kv: torch.Tensor) -> None:
+    header = msgpack.packb({"type": "kv_layer", "version": 1, "request_id": "r0", "nbytes": kv.nbytes})
+    payload = memoryview(kv.view(torch.uint8).numpy()).cast("B")
     for _ in range(num_requests):
         for _ in range(num_messages):
             sock.send_multipart([peer, header, payload], copy=False)
         sock.send_multipart([peer, b"done"])
 
 
-def send_kv(server, peer: bytes, num_requests: int, num_messages: int, message_bytes: int) -> None:
-    kv = random_kv(message_bytes)  # [1, 2, T, H, D]: one message's layer group
-    num_tokens = kv.shape[2]
+def send_kv(server, peer: bytes, num_requests: int, num_messages: int, kv: torch.Tensor) -> None:
+    num_tokens = kv.shape[2]  # kv [1, 2, T, H, D]: one message's layer group
     for index in range(num_requests):
         request_id, checksums = f"req-{index}", []
         for layer in range(num_messages):
@@ -101,21 +100,24 @@ def raw_router(address: str) -> zmq.Socket:
 
 
 def pin_to_core(core: int | None) -> None:
-    """Give this process one core of its own (None: let the OS place it)."""
+    """Give this process one core of its own (None: let the OS place it), and torch one thread on it: a
+    pool sized for the whole machine would share that core, and its idle workers may spin after each op."""
     if core is not None:
         os.sched_setaffinity(0, {core})
+        torch.set_num_threads(1)
 
 
 def run_sender(scenarios, address_queue, result_queue, core, curve) -> None:
     pin_to_core(core)
     for index, (_, mode, size_mib, num_messages, num_requests, address) in enumerate(scenarios):
+        kv = random_kv(size_mib * MIB // num_messages)  # made before the clock, as an engine's KV is computed
         raw = mode != "kv"
         link = raw_router(address) if raw else ServerSocket(address, hwm=HWM, curve=curve and curve[0])
         address_queue.put(link.getsockopt_string(zmq.LAST_ENDPOINT) if raw else link.address)
         peer = link.recv_multipart()[0] if raw else link.recv(WAIT_S).peer_id
         start, start_cpu = time.perf_counter(), time.process_time()
         send = send_raw if raw else send_kv
-        send(link, peer, num_requests, num_messages, size_mib * MIB // num_messages)
+        send(link, peer, num_requests, num_messages, kv)
         link.recv_multipart() if raw else link.recv(WAIT_S)  # the receiver's final ack
         result_queue.put(("send", index, time.perf_counter() - start, time.process_time() - start_cpu))
         link.close()
