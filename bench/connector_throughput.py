@@ -115,11 +115,13 @@ def run_sender(scenarios, address_queue, result_queue, core, curve) -> None:
         link = raw_router(address) if raw else ServerSocket(address, hwm=HWM, curve=curve and curve[0])
         address_queue.put(link.getsockopt_string(zmq.LAST_ENDPOINT) if raw else link.address)
         peer = link.recv_multipart()[0] if raw else link.recv(WAIT_S).peer_id
-        start, start_cpu = time.perf_counter(), time.process_time()
+        start, start_cpu, start_thread = time.perf_counter(), time.process_time(), time.thread_time()
         send = send_raw if raw else send_kv
         send(link, peer, num_requests, num_messages, kv)
         link.recv_multipart() if raw else link.recv(WAIT_S)  # the receiver's final ack
-        result_queue.put(("send", index, time.perf_counter() - start, time.process_time() - start_cpu))
+        # (side, scenario, wall s, process CPU s incl. zmq's I/O thread, CPU s of the thread that sent)
+        result_queue.put(("send", index, time.perf_counter() - start, time.process_time() - start_cpu,
+                          time.thread_time() - start_thread))
         link.close()
 
 
@@ -164,9 +166,9 @@ def run_receiver(scenarios, address_queue, result_queue, core, curve) -> None:
             link.send(b"start")
         else:
             link.send(KVWant(request_id="bench", skip_tokens=0, num_tokens=1), timeout=WAIT_S)
-        start_cpu = time.process_time()
+        start_cpu, start_thread = time.process_time(), time.thread_time()
         receive_raw(link, num_requests) if raw else receive_kv(link, num_requests)
-        result_queue.put(("recv", index, None, time.process_time() - start_cpu))
+        result_queue.put(("recv", index, None, time.process_time() - start_cpu, time.thread_time() - start_thread))
         if raw:
             link.send(b"ack")
         else:
@@ -246,7 +248,7 @@ def summarize(scenarios: list[tuple], results: list[tuple]) -> dict[tuple, float
     per MiB, sender + receiver; (transport, "kv/" + raw mode, size_mib) -> median of kv / raw over the
     runs of one repeat (back to back)."""
     wall_s, cpu_s = {}, {}
-    for side, index, wall, cpu in results:
+    for side, index, wall, cpu, _ in results:
         cpu_s[index] = cpu_s.get(index, 0.0) + cpu
         if side == "send":
             wall_s[index] = wall

@@ -99,8 +99,12 @@ class DecodePoint(BaseModel):
 class TransferPoint(BaseModel):
     bytes: int
     seconds: float  # wall time per request, first frame sent to the receiver's ack
-    sender_cpu_s: float  # CPU the sending process spent per request (its engine's core)
+    sender_cpu_s: float  # CPU the sending process spent per request (its engine's core), zmq's I/O thread included
     receiver_cpu_s: float
+    # Of that, the CPU of the thread that sent or received (an engine's loop thread): what holds up the engine's
+    # next step where zmq's I/O thread has a core of its own (a GPU host). None: a profile from before it was taken.
+    sender_thread_cpu_s: float | None = None
+    receiver_thread_cpu_s: float | None = None
 
 
 class EngineSettings(BaseModel):

@@ -237,10 +237,13 @@ def measure_transfer(sizes_mib: list[int], num_requests: int) -> list[TransferPo
     scenarios = [("tcp", "kv", size, messages_per_request("kv", size, 4), num_requests, "tcp://127.0.0.1:0")
                  for size in sizes_mib]
     results = run_scenarios(scenarios, pin=True, curve=True)
-    wall = {index: seconds for role, index, seconds, _ in results if role == "send"}
-    cpu = {(role, index): cpu_s for role, index, _, cpu_s in results}
+    wall = {index: seconds for role, index, seconds, _, _ in results if role == "send"}
+    cpu = {(role, index): cpu_s for role, index, _, cpu_s, _ in results}
+    thread_cpu = {(role, index): cpu_s for role, index, _, _, cpu_s in results}
     return [TransferPoint(bytes=size * MIB, seconds=wall[i] / num_requests,
-                          sender_cpu_s=cpu[("send", i)] / num_requests, receiver_cpu_s=cpu[("recv", i)] / num_requests)
+                          sender_cpu_s=cpu[("send", i)] / num_requests, receiver_cpu_s=cpu[("recv", i)] / num_requests,
+                          sender_thread_cpu_s=thread_cpu[("send", i)] / num_requests,
+                          receiver_thread_cpu_s=thread_cpu[("recv", i)] / num_requests)
             for i, size in enumerate(sizes_mib)]
 
 
@@ -376,7 +379,18 @@ def print_fits(profile: Profile, headline: str) -> None:
     if phases:
         print("  time: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in phases.items()))
     print(f"  KV link CPU: sender {profile.transfer_sender_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB, receiver "
-          f"{profile.transfer_receiver_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB")
+          f"{profile.transfer_receiver_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB" + link_thread_share(profile))
+
+
+def link_thread_share(profile: Profile) -> str:
+    """How much of each side's link CPU its own sending/receiving thread spent (the rest: zmq's I/O thread)."""
+    points = profile.transfer_points
+    if not points or any(p.sender_thread_cpu_s is None for p in points):
+        return ""
+    shares = [sum(getattr(p, f"{side}_thread_cpu_s") for p in points) / max(sum(getattr(p, f"{side}_cpu_s")
+                                                                               for p in points), 1e-12)
+              for side in ("sender", "receiver")]
+    return f"; of that, the sending thread {shares[0]:.0%}, the receiving thread {shares[1]:.0%}"
 
 
 def print_corun(measured: dict, beside: str, factors: CoRun) -> None:

@@ -26,7 +26,7 @@ def test_the_payload_is_made_before_the_clock_starts(monkeypatch):
         side.start()
     for side in sides:
         side.join(30)
-    sent = {index: seconds for role, index, seconds, _ in (results.get_nowait() for _ in range(results.qsize()))
+    sent = {index: seconds for role, index, seconds, *_ in (results.get_nowait() for _ in range(results.qsize()))
             if role == "send"}
     assert sorted(sent) == [0, 1]
     assert all(seconds < SLOW_S for seconds in sent.values()), sent

@@ -54,6 +54,9 @@ def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_pat
     assert any(p.batch > 1 for p in profile.prefill_points)
     assert all(p.seconds > 0 and p.cpu_seconds > 0 for p in profile.prefill_points + profile.decode_points)
     assert [p.bytes for p in profile.transfer_points] == [1 << 20, 2 << 20]
+    for point in profile.transfer_points:  # the thread that sent (or received) is part of its process
+        assert 0 < point.sender_thread_cpu_s <= point.sender_cpu_s
+        assert 0 < point.receiver_thread_cpu_s <= point.receiver_cpu_s
     reference = profile.machine["reference"]  # a served engine's prompt, to judge the machine's drift by
     assert reference["prompt_len"] > 1 and reference["served_prefill_wall_s"] > 0
     assert reference["profile_prefill_s"] > 0
@@ -62,7 +65,8 @@ def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_pat
         assert 0 < factors.weights < 10 and 0 < factors.kv_reads < 10
     for fit in (profile.prefill_fit, profile.decode_fit, profile.transfer_fit):
         assert all(value >= 0 for value in fit.coefficients.values())
-    assert "R^2" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "R^2" in printed and "of that, the sending thread" in printed
     plan_dir = tmp_path / "plan"
     assert main(["plan", "--profile", str(out), "--model", model, "--engines", "2", "--slo", "ttft:60000",
                  "--num-prompts", "20", "--input-len", "32", "--output-len", "8", "--request-rate", "1",
