@@ -149,6 +149,15 @@ class Profile(BaseModel):
         beside = (self.machine.get("decode_corun") or {}).get("beside_decode")
         return corun_terms(beside, self.decode_fit.coefficients.get("context", 0.0))
 
+    def link_cpu_per_byte(self, side: str) -> float:
+        """CPU seconds per byte that one side ("sender", "receiver") of the KV link takes from its engine's steps.
+        A CPU engine has one core, which zmq's I/O thread shares: all of the process's link CPU counts. On a GPU
+        host the I/O thread runs on another core: only the engine thread's own part, where the profile took it."""
+        on_cpu = str(self.machine.get("device", "cpu")) == "cpu"
+        if on_cpu or any(getattr(p, f"{side}_thread_cpu_s") is None for p in self.transfer_points):
+            return getattr(self, f"transfer_{side}_cpu_per_byte")
+        return cpu_per_byte(self.transfer_points, f"{side}_thread")
+
     def check_model(self, identity: ModelIdentity, where: str) -> None:
         differences = self.model.differences(identity)
         if differences:
@@ -231,7 +240,8 @@ def fit_transfer(points: list[TransferPoint], clock: str = "wall") -> Fit:
 
 
 def cpu_per_byte(points: list[TransferPoint], side: str) -> float:
-    """CPU seconds per byte on one side of the link (through the origin: the per-message cost is small)."""
+    """CPU seconds per byte on one side of the link (through the origin: the per-message cost is small).
+    side: "sender" or "receiver" (the process), "sender_thread" or "receiver_thread" (the thread that sent)."""
     total_bytes = sum(p.bytes for p in points)
     return sum(getattr(p, f"{side}_cpu_s") for p in points) / total_bytes if total_bytes else 0.0
 

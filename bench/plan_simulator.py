@@ -75,8 +75,8 @@ class StepModel:
                    profile.transfer_fit.coefficients)
         return cls(p["intercept"] * prefill_scale, p["tokens"] * prefill_scale, p["attention"] * prefill_scale,
                    d["intercept"] * decode_scale, d["batch"] * decode_scale, d["context"] * decode_scale,
-                   max(t["intercept"], 0.0), t["bytes"], profile.transfer_sender_cpu_per_byte,
-                   profile.transfer_receiver_cpu_per_byte, profile.decode_corun,
+                   max(t["intercept"], 0.0), t["bytes"], profile.link_cpu_per_byte("sender"),
+                   profile.link_cpu_per_byte("receiver"), profile.decode_corun,
                    profile.decode_beside_decode, profile.engine.decode_pads_to_longest)
 
     def step_seconds(self, num_decodes: int, context: int, prefill_tokens: int, attention: float,

@@ -13,6 +13,7 @@ from pdserve.bench.plan_fit import (
     load_profile,
     model_identity,
 )
+from pdserve.bench.plan_simulator import StepModel
 from tests.bench.plan_helpers import DECODE, PREFILL, TRANSFER, synthetic_profile
 
 
@@ -94,3 +95,25 @@ def test_bad_profile_files_get_a_clear_error(tmp_path, identity):
     good = tmp_path / "good.json"
     good.write_text(synthetic_profile(identity).model_dump_json())
     assert load_profile(good).model == identity
+
+
+def _with_link_threads(profile, device: str):
+    """The profile on `device`, its link points' engine threads at a quarter of their processes' CPU."""
+    points = [p.model_copy(update={"sender_thread_cpu_s": p.sender_cpu_s / 4, "receiver_thread_cpu_s": p.receiver_cpu_s / 4})
+              for p in profile.transfer_points]
+    return profile.model_copy(update={"transfer_points": points, "machine": {**profile.machine, "device": device}})
+
+
+@pytest.mark.parametrize("device, engine_thread_only", [("cpu", False), ("cuda", True), ("cuda:1", True)])
+def test_the_link_cpu_an_engine_pays_is_its_own_threads_where_zmq_has_other_cores(identity, device, engine_thread_only):
+    profile = _with_link_threads(synthetic_profile(identity), device)
+    model = StepModel.from_profile(profile)
+    share = 0.25 if engine_thread_only else 1.0  # a CPU engine's one core also runs zmq's I/O thread
+    assert model.sender_cpu_per_byte == pytest.approx(profile.transfer_sender_cpu_per_byte * share)
+    assert model.receiver_cpu_per_byte == pytest.approx(profile.transfer_receiver_cpu_per_byte * share)
+
+
+def test_a_gpu_profile_without_the_threads_cpu_pays_the_whole_process(identity):
+    profile = synthetic_profile(identity)  # link points from before the thread's CPU was taken
+    profile = profile.model_copy(update={"machine": {**profile.machine, "device": "cuda"}})
+    assert StepModel.from_profile(profile).sender_cpu_per_byte == profile.transfer_sender_cpu_per_byte
