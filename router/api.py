@@ -4,7 +4,9 @@ needs it; templates and tokenization run on the preprocessor's threads, never on
 
 from __future__ import annotations
 
+import functools
 import hmac
+import importlib.metadata
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -61,6 +63,14 @@ def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started:
     _install_error_handlers(app, gateway)
     _install_routes(app, gateway, fast_path)
     return app
+
+
+@functools.cache
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
 
 
 # ---- errors ----
@@ -167,11 +177,23 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
     async def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
 
+    def model_card() -> dict[str, Any]:
+        return {"id": config.served_model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "pdserve", "root": config.model, "parent": None,
+                "max_model_len": gateway.registry.max_model_len()}
+
     @app.get("/v1/models", dependencies=key_checked)
     async def models() -> dict[str, Any]:
-        card = {"id": config.served_model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "pdserve", "root": config.model, "max_model_len": gateway.registry.max_model_len()}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=key_checked)
+    async def retrieve_model(model: str) -> dict[str, Any]:  # the openai client's models.retrieve(); ids may hold "/"
+        check_model(model)
+        return model_card()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _installed_version()}
 
     @app.post("/v1/completions", dependencies=key_checked)
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -7,13 +7,15 @@ specs.py builds each choice's SamplingParams from these once; the limits both kn
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pdserve.control.sampling_params import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 
 INT64 = 1 << 63
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (chat's is the rest of the context)
 
 
 _CONTAINERS = frozenset((str, dict, list))
@@ -47,6 +49,13 @@ def _encodable(text: str) -> bool:
     return True
 
 
+@functools.cache
+def _fields_with_a_default(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` that are optional with a default other than None."""
+    return frozenset(name for name, field in model.model_fields.items()
+                     if not field.is_required() and field.default is not None)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -78,7 +87,19 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """An explicit null in a field that has a default means "use the default", as in OpenAI's API (its
+        optional fields are "or null") and vLLM; clients that write every field send them. Required fields and
+        fields whose default is None are left alone."""
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        defaulted = _fields_with_a_default(cls)
+        return {key: value for key, value in data.items() if value is not None or key not in defaulted}
 
     @model_validator(mode="before")
     @classmethod
@@ -94,6 +115,13 @@ class SamplingRequest(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return tuple(s for s in stops if s)
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream", False):  # as OpenAI answers it
+            raise ValueError("stream_options is only allowed when stream is true: drop it or set stream=true")
+        return value
+
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -101,7 +129,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None

@@ -10,7 +10,7 @@ from pdserve.control.sampling_params import SamplingParams
 from pdserve.engine.generation_defaults import GenerationDefaults
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.generation import ChoiceSpec
-from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from pdserve.router.schemas import COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, param: str,
@@ -95,9 +95,10 @@ def completion_specs(request: CompletionRequest, prompts: list[list[int]], max_m
                              "drop one of them", param="echo")
     _check_supported(request)
     check_n(request, len(prompts), max_n)
-    # an unset max_tokens is the model's max_new_tokens, else the API's default of 16
-    given = "max_tokens" in request.model_fields_set or defaults.max_tokens is None
-    requested, default = (request.max_tokens, None) if given else (None, defaults.max_tokens)
+    # an unset max_tokens is the API's default of 16, or the model's max_new_tokens if that is smaller (as vLLM)
+    requested, default = request.max_tokens, None
+    if "max_tokens" not in request.model_fields_set or request.max_tokens is None:
+        requested, default = None, min(COMPLETION_MAX_TOKENS, defaults.max_tokens or COMPLETION_MAX_TOKENS)
     params_of = []
     for token_ids in prompts:
         check_token_ids(token_ids, vocab_size, "prompt")

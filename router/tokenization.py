@@ -41,6 +41,9 @@ class Tokenization:
         if request.tools and request.tool_choice != "none":
             raise InvalidRequest("tool calling is not supported by this server: send the request without `tools` "
                                  "(or with tool_choice=\"none\")", param="tools")
+        if not request.tools and request.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequest("tool_choice asks for a tool call, but the request has no `tools`: drop "
+                                 "tool_choice (and this server does not call tools)", param="tool_choice")
         if request.response_format and request.response_format.get("type", "text") != "text":
             raise InvalidRequest("structured output (response_format) is not supported: ask for JSON in the prompt",
                                  param="response_format")
@@ -97,9 +100,12 @@ def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
         for part in content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise InvalidRequest(f"messages[{index}] has a {part.type!r} content part: this server serves a "
                                      f"text-only model, so send text parts only", param="messages")
+            if part.text is None:
+                raise InvalidRequest(f"messages[{index}] has a text content part without `text`: give each "
+                                     'text part its text, as {"type": "text", "text": "..."}', param="messages")
         content = "\n".join(part.text for part in content)
     result = {**extra, "role": message.role, "content": content or ""}
     if message.name is not None:

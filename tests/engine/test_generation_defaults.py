@@ -48,11 +48,18 @@ def test_chat_request_takes_the_model_defaults_it_leaves_unset(model_with_defaul
     assert chat_specs(silent, [1, 2, 3], 512, 8)[0].sampling_params.max_tokens == 509, "no model default: the rest"
 
 
-def test_completion_request_default_max_tokens_is_the_models(model_with_defaults):
+def test_completion_request_default_max_tokens_is_16_or_the_models_if_smaller(model_with_defaults):
     defaults = load_generation_defaults(model_with_defaults)
     assert completion_specs(CompletionRequest(prompt="x"), [[7]], 512, None, 8, defaults)[0].sampling_params \
         .max_tokens == 5
     assert completion_specs(CompletionRequest(prompt="x"), [[7]], 512, None, 8)[0].sampling_params.max_tokens == 16
+    generous = GenerationDefaults(max_tokens=256)  # e.g. the demo model's: OpenAI's and vLLM's 16 still hold
+    assert completion_specs(CompletionRequest(prompt="x"), [[7]], 512, None, 8, generous)[0].sampling_params \
+        .max_tokens == 16
+    assert completion_specs(CompletionRequest(prompt="x"), [[7] * 500], 512, None, 8, generous)[0].sampling_params \
+        .max_tokens == 12, "capped by the context"
+    null = CompletionRequest(prompt="x", max_tokens=None)
+    assert completion_specs(null, [[7]], 512, None, 8, generous)[0].sampling_params.max_tokens == 16
     given = CompletionRequest(prompt="x", max_tokens=9)
     assert completion_specs(given, [[7]], 512, None, 8, defaults)[0].sampling_params.max_tokens == 9
 
