@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.cli_help import seed_arg
+
 DATASETS = ("random", "sharegpt", "prefix", "jsonl")
 
 
@@ -70,7 +72,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--num-prefix-groups", type=int, default=4, help="prefix dataset: groups of prompts")
     data.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma arrivals' shape: 1 = Poisson, below 1 burstier, above 1 steadier")
-    data.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals (as bench's)")
+    data.add_argument("--seed", type=seed_arg, default=0, help="seed of the prompts and arrivals (as bench's)")
     cluster = parser.add_argument_group("cluster (as `pdserve up`)")
     cluster.add_argument("--prefill-policy", default="prefix_aware",
                          choices=["round_robin", "least_loaded", "prefix_aware"],

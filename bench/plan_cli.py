@@ -25,6 +25,11 @@ PLAN_COLUMNS = (("config", "config", "{}"), ("request_rate", "rate/s", "{:.3g}")
 
 def run_profile(args: argparse.Namespace) -> int:
     from pdserve.bench.plan_profile import run_profile as measure
+    from pdserve.bench.serve import check_save_path
+
+    check_save_path(args.out, "--out")  # before minutes of measuring
+    if args.repeats < 1:
+        raise ValueError(f"--repeats {args.repeats}: measure each shape at least once")
 
     return measure(args)
 
@@ -91,6 +96,9 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("pass --slo, e.g. --slo ttft:2000 tpot:150: a split is judged by its goodput under SLOs")
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs}: give at least 1 process for the goodput search")
+    if args.target_rate is not None and not (args.target_rate > 0 and math.isfinite(args.target_rate)):
+        raise ValueError(f"--target-rate {args.target_rate:g}: give the requests per second the cluster must serve, "
+                         f"a number above 0")
     started, started_cpu = time.perf_counter(), cpu_seconds()
     settings = PlanSettings(step_model(args, profile), workload_from_args(args), slos,
                             cluster_spec(args, profile), args.burstiness, args.seed, args.exact_up_to)

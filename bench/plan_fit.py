@@ -170,6 +170,8 @@ def load_profile(path: str | Path) -> Profile:
         text = Path(path).read_text()
     except OSError as exc:
         raise ProfileError(f"cannot read the profile {path}: {exc.strerror}; make one with `pdserve profile`") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"{path} is not a pdserve profile (not UTF-8 text); make one with `pdserve profile`") from None
     try:
         profile = Profile.model_validate_json(text)
     except ValidationError as exc:

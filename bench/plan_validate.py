@@ -30,6 +30,7 @@ FIRST_ITL = "median_first_itl_ms"  # compared too, outside the goals: the KV's p
 GOAL_ATTAINMENT_MAE_PP = 5.0
 GOAL_P50_RELATIVE = 0.15
 GOAL_GOODPUT_MARGIN = 0.10
+REPLAYED_KEYS = ("config", "request_rate", "input_lens", "output_lens")  # what a replay reads from a run
 COLUMNS = (("config", "config", "{}"), ("request_rate", "rate", "{:g}"),
            ("measured_slo_attainment", "attain meas", "{:.0%}"), ("predicted_slo_attainment", "pred", "{:.0%}"),
            *[(f"{side}_{key}", f"{key.replace('_ms', '').replace('median', 'p50')} {'meas' if side == 'measured' else 'pred'}",
@@ -45,7 +46,19 @@ def load_runs(sweep_dir: Path) -> list[dict]:
     files = sorted(runs_dir.glob("*.json")) if runs_dir.is_dir() else []
     if not files:
         raise ValueError(f"{sweep_dir} has no runs/*.json: pass the output directory of a `pdserve sweep`")
-    return [json.loads(path.read_text()) for path in files]
+    return [load_run(path) for path in files]
+
+
+def load_run(path: Path) -> dict:
+    """One run JSON as `pdserve bench --save-result` writes it; ValueError naming the file otherwise."""
+    try:
+        run = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+        raise ValueError(f"cannot read the sweep run {path} ({exc}): remove it, or run the sweep again") from None
+    if not isinstance(run, dict):
+        raise ValueError(f"{path} is not a sweep run (a JSON {type(run).__name__}, not an object): remove it, or run "
+                         f"the sweep again")
+    return run
 
 
 def read_runs(all_runs: list[dict], sweep_dir: Path) -> list[dict]:
@@ -55,6 +68,11 @@ def read_runs(all_runs: list[dict], sweep_dir: Path) -> list[dict]:
         sweep = run.get("sweep") or {}
         if sweep.get("num_decode") is None or not run.get("ttfts"):
             continue  # an external server's run, or one that failed before any request
+        missing = [key for key in REPLAYED_KEYS if key not in run] + [
+            f"sweep.{key}" for key in ("num_prefill", "num_engines") if key not in sweep]
+        if missing:
+            raise ValueError(f"a run of {run.get('config', '?')} in {sweep_dir}/runs lacks {', '.join(missing)}: it "
+                             f"is not what `pdserve sweep` writes; remove it, or run the sweep again")
         if run.get("max_concurrency") is not None or not math.isfinite(float(run["request_rate"])):
             continue  # a concurrency-capped load: the simulator sends at arrival times only
         runs.append(run)

@@ -13,6 +13,8 @@ import math
 import os
 import sys
 
+from pdserve.cli_help import seed_arg
+
 DATASETS = ("random", "sharegpt", "prefix", "jsonl")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 DEFAULT_OUTPUT_LEN = 128
@@ -50,7 +52,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of the gaps between arrivals: 1 = Poisson, < 1 burstier, > 1 steadier")
     load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    load.add_argument("--seed", type=int, default=0, help="seed of the prompts, arrival times and sampling")
+    load.add_argument("--seed", type=seed_arg, default=0, help="seed of the prompts, arrival times and sampling")
     load.add_argument("--warmup", type=int, default=0, metavar="N", help="requests sent first and not measured")
     load.add_argument("--ignore-eos", action="store_true",
                       help="exact output lengths: send ignore_eos (and min_tokens) where the server takes them")
@@ -94,9 +96,23 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--output-len {args.output_len} must be at least 1")
     if args.dataset in ("sharegpt", "jsonl") and not args.dataset_path:
         raise ValueError(f"--dataset {args.dataset} reads a file: pass --dataset-path FILE")
+    if args.save_result:
+        check_save_path(args.save_result)
     if not args.base_url.startswith(("http://", "https://")):
         raise ValueError(f"--base-url {args.base_url!r} is not an http(s) URL: write e.g. http://127.0.0.1:8000")
     check_arrival_args(args.request_rate, args.burstiness)
+
+
+def check_save_path(path: str, flag: str = "--save-result") -> None:
+    """The output file can be written: checked before the work, whose results would otherwise be lost."""
+    from pathlib import Path
+
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise ValueError(f"{flag} {path} is a directory: give a file path, e.g. {out / 'result.json'}")
+    taken = next((parent for parent in out.parents if parent.exists()), None)
+    if taken is not None and not taken.is_dir():
+        raise ValueError(f"{flag} {path}: {taken} is a file, not a directory: give a path in a directory")
 
 
 def base_url_of(url: str) -> str:

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import shlex
+import signal
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -146,6 +147,14 @@ def _check_loads(args: argparse.Namespace, has_slos: bool) -> None:
         raise ValueError("--find-goodput needs SLOs: add --goodput ttft:MS tpot:MS, or --slo-factors ttft:4 tpot:1.5")
     if args.devices and not args.device.startswith("cuda"):
         raise ValueError("--devices picks GPUs: add --device cuda")
+    _check_seconds(args)
+
+
+def _check_seconds(args: argparse.Namespace) -> None:
+    for flag, seconds in (("--startup-timeout", args.startup_timeout), ("--run-timeout", args.run_timeout),
+                          ("--metrics-interval", args.metrics_interval)):
+        if seconds is not None and not (seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"{flag} {seconds:g}: give a number of seconds above 0")
 
 
 class Sweep:
@@ -280,16 +289,24 @@ class Sweep:
         return [row for row in self.rows if row.get("error")]
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_sweep(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     sweep = Sweep(plan)
     interrupted = False
+    # SIGTERM (kill, timeout, a CI job cancelled) stops like Ctrl-C: each `pdserve up` in its own session is
+    # stopped on the way out instead of left serving
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         sweep.run()
     except KeyboardInterrupt:
         interrupted = True
         print("[pdserve sweep] interrupted: writing what was measured", file=sys.stderr, flush=True)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         sweep.write_tables()
     if plan.plots and sweep.rows:
         from pdserve.bench.sweep_plots import write_plots

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.cli_help import seed_arg
+
 # flags passed through to `pdserve bench` as they are, when given
 DATASET_FLAGS = ("--dataset", "--dataset-path", "--input-len", "--output-len", "--range-ratio", "--endpoint",
                  "--burstiness")
@@ -28,7 +30,7 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--range-ratio", type=float, default=None, help="bench's --range-ratio: length spread")
     parser.add_argument("--burstiness", type=float, default=None,
                         help="bench's --burstiness: gamma shape of arrival gaps (1 = Poisson)")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=seed_arg, default=0,
                         help="the n-th load of every server gets seed + n: the same prompts across servers, "
                              "new prompts (no prefix-cache hits from earlier runs) across loads")
     parser.add_argument("--endpoint", default=None, help="/v1/completions or /v1/chat/completions")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.cli_help import use_defaults_help
+from pdserve.cli_help import seed_arg, use_defaults_help
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "`pdserve keygen --secret-manifest pdserve-cluster-keys | kubectl apply -f -`")
     keygen.add_argument("--if-missing", action="store_true",
                         help="keep the keys already in DIR (a one-shot compose service runs it on every start)")
+    keygen.add_argument("--force", action="store_true",
+                        help="replace the keys already in DIR (every process must then restart with the new keys)")
 
     demo = commands.add_parser("demo-model", help="write a random-weight Hugging Face model directory")
     demo.add_argument("dir", help="output directory (new or empty, unless --force)")
@@ -50,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Hugging Face architecture of the model")
     demo.add_argument("--size", default="small", choices=["tiny", "small"],
                       help="tiny: a few MB, for tests; small: SmolLM-135M-shaped (about 500 MB)")
-    demo.add_argument("--seed", type=int, default=0, help="random seed of the weights (same seed, same bytes)")
+    demo.add_argument("--seed", type=seed_arg, default=0, help="random seed of the weights (same seed, same bytes)")
     demo.add_argument("--force", action="store_true", help="write into DIR even when it already holds files")
     demo.add_argument("--if-missing", action="store_true",
                       help="keep the model already in DIR, else build it (a one-shot compose service runs it on "
@@ -67,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--num-prompts", type=int, default=8, help="how many prompts when none are given")
     generate.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt, at most")
     generate.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    generate.add_argument("--seed", type=int, default=0, help="random seed of the engine and of sampling")
+    generate.add_argument("--seed", type=seed_arg, default=0, help="random seed of the engine and of sampling")
     for role in ("prefill", "decode"):
         from pdserve.engines import add_engine_args
 
@@ -114,7 +116,49 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def run_keygen(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pdserve.control.keys import cluster_keys_secret, has_cluster_keys, write_cluster_keys
+
+    if args.secret_manifest:
+        print(cluster_keys_secret(args.secret_manifest))
+        return 0
+    if not args.dir:
+        raise ValueError("keygen needs an output directory DIR, or --secret-manifest NAME for Kubernetes")
+    taken = next((path for path in (Path(args.dir), *Path(args.dir).parents) if path.exists()), None)
+    if taken is not None and not taken.is_dir():
+        raise ValueError(f"{taken} is a file: give keygen a directory path for the keys")
+    if has_cluster_keys(args.dir):
+        if args.if_missing:
+            print(f"CURVE keys already in {args.dir}: kept")
+            return 0
+        if not args.force:
+            raise FileExistsError(f"{args.dir} already holds CURVE keys, which running processes may use: pass "
+                                  f"--force to replace them (then restart every process with the new keys), or "
+                                  f"--if-missing to keep them")
+    print(f"wrote CURVE keys to {write_cluster_keys(args.dir)}; pass --curve-dir {args.dir} to every process")
+    return 0
+
+
+def describe_os_error(exc: OSError) -> str:
+    """An OSError as one line naming the path, e.g. "/a/b: Not a directory: check the path (and its permissions)"."""
+    if exc.filename is None:
+        return str(exc)
+    return f"{exc.filename}: {exc.strerror or exc}: check the path (and its permissions)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C while loading, building or measuring: no traceback
+        print("pdserve: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
+    from pdserve.control.errors import TransportError
+
     args = build_parser().parse_args(argv)
     try:
         if args.command == "demo-model":
@@ -123,18 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             print(run_demo_model_command(args))
             return 0
         if args.command == "keygen":
-            from pdserve.control.keys import cluster_keys_secret, has_cluster_keys, write_cluster_keys
-
-            if args.secret_manifest:
-                print(cluster_keys_secret(args.secret_manifest))
-                return 0
-            if not args.dir:
-                raise ValueError("keygen needs an output directory DIR, or --secret-manifest NAME for Kubernetes")
-            if args.if_missing and has_cluster_keys(args.dir):
-                print(f"CURVE keys already in {args.dir}: kept")
-                return 0
-            print(f"wrote CURVE keys to {write_cluster_keys(args.dir)}; pass --curve-dir {args.dir} to every process")
-            return 0
+            return run_keygen(args)
         if args.command == "generate":
             from pdserve.generate import run_generate
 
@@ -163,9 +196,12 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.bench.plan_cli import run_plan, run_profile
 
             return run_profile(args) if args.command == "profile" else run_plan(args)
-    except (ValueError, MemoryError, FileNotFoundError, FileExistsError) as exc:
+    except (ValueError, MemoryError, FileNotFoundError, FileExistsError, TransportError) as exc:
         # Our errors name the problem and the fix; a traceback would only bury that.
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path that is a file, not a directory, or not ours to write
+        print(f"pdserve {args.command}: error: {describe_os_error(exc)}", file=sys.stderr)
         return 2
     return 1
 

@@ -7,6 +7,20 @@ import argparse
 import sys
 
 
+MAX_SEED = 2**63 - 1  # what torch's and numpy's generators both take
+
+
+def seed_arg(text: str) -> int:
+    """argparse type of every --seed: an integer from 0 to MAX_SEED."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: give a seed from 0 to {MAX_SEED}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: give a seed from 0 to {MAX_SEED}")
+    return value
+
+
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" to an option's help unless the help already says its default, or there is
     no default worth showing (None, False, an empty list)."""

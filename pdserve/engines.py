@@ -10,7 +10,7 @@ import argparse
 import logging
 import socket
 
-from pdserve.trust import add_trust_args, curve_dir_for
+from pdserve.trust import add_trust_args, check_cluster_keys, curve_dir_for
 
 
 def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -96,6 +96,7 @@ def run_engine(args: argparse.Namespace, role: str) -> int:
     args.engine_id = args.engine_id or default_engine_id(role)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s")
     curve_dir = curve_dir_for(args, [args.control_address, getattr(args, "kv_address", None), *args.router_address])
+    check_cluster_keys(curve_dir)
     configs = _configs(args)
     if role == "prefill":
         from pdserve.prefill.service import PrefillOptions, build_prefill_server

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from pdserve.cli_help import DeprecatedFlag
-from pdserve.trust import add_trust_args, curve_dir_for
+from pdserve.trust import add_trust_args, check_cluster_keys, curve_dir_for
 
 DEMO_MODEL_NAME = "pdserve-demo"
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
@@ -93,4 +93,6 @@ def router_config(args: argparse.Namespace):
 def run_router(args: argparse.Namespace) -> int:
     from pdserve.router.server import run
 
-    return run(router_config(args))
+    config = router_config(args)
+    check_cluster_keys(config.curve_dir)
+    return run(config)

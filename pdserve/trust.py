@@ -35,8 +35,34 @@ def is_loopback(address: str) -> bool:
         return False
 
 
+def check_addresses(addresses: list[str | None]) -> None:
+    """Each address is tcp://host:port or ipc://path; else ValueError naming the fix (before any model loads)."""
+    from pdserve.control.errors import TransportError
+    from pdserve.control.sockets import validate_address
+
+    for address in addresses:
+        try:
+            if address:
+                validate_address(address, bind=True)  # the shape only: port 0 (any) is checked where it matters
+        except TransportError as exc:
+            raise ValueError(str(exc)) from None
+
+
+def check_cluster_keys(curve_dir: str | None) -> None:
+    """The keys in --curve-dir are readable and whole (both pairs), checked before any model loads."""
+    from pdserve.control.errors import TransportError
+    from pdserve.control.keys import load_cluster_keys
+
+    try:
+        if curve_dir:
+            load_cluster_keys(curve_dir)
+    except TransportError as exc:
+        raise ValueError(f"--curve-dir {curve_dir}: {exc}") from None
+
+
 def curve_dir_for(args: argparse.Namespace, addresses: list[str]) -> str | None:
     """args.curve_dir, or None for a plaintext process that --insecure allows; else ValueError naming the fix."""
+    check_addresses(addresses)
     if args.curve_dir and args.insecure:
         raise ValueError("--curve-dir and --insecure contradict each other: pass one of them")
     if args.curve_dir:

@@ -25,7 +25,7 @@ from pathlib import Path
 from pdserve.cli_help import DeprecatedFlag
 from pdserve.router_cli import LOG_LEVELS, resolve_model
 from pdserve.supervisor import Component, ComponentFailed, RestartPolicy, Supervisor, log_tail
-from pdserve.trust import curve_dir_for, default_cluster_keys
+from pdserve.trust import check_cluster_keys, curve_dir_for, default_cluster_keys
 
 KEPT_LOG_DIRS = 10
 
@@ -235,6 +235,9 @@ def restart_policy(args: argparse.Namespace) -> RestartPolicy:
     if args.max_restarts < 0 or args.restart_window <= 0 or args.stall_timeout < 0:
         raise ValueError(f"--max-restarts {args.max_restarts}, --restart-window {args.restart_window:g}, "
                          f"--stall-timeout {args.stall_timeout:g}: give counts and seconds >= 0 (a window > 0)")
+    if not args.startup_timeout > 0:
+        raise ValueError(f"--startup-timeout {args.startup_timeout:g}: give the seconds the components may take to "
+                         f"start, above 0 (default 900)")
     return RestartPolicy(args.max_restarts, args.restart_window, args.stall_timeout, args.startup_timeout)
 
 
@@ -272,6 +275,7 @@ def run_up(args: argparse.Namespace) -> int:
     _check_counts(args)
     check_ports(args)
     resolve_keys(args)
+    check_cluster_keys(args.curve_dir)
     policy = restart_policy(args)
     model, default_name = resolve_model(args.model)
     name = args.served_model_name or default_name

@@ -1,0 +1,97 @@
+"""The `pdserve` command line as a careless user meets it: keys it would silently replace, paths under a file,
+seeds out of range, half a key directory, malformed addresses, Ctrl-C while loading. Each is one line naming
+the fix and a non-zero exit, before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cli import build_parser, main
+
+
+def one_line_error(capsys, command: str) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith("warning:")]
+    assert len(lines) == 1 and lines[0].startswith(f"pdserve {command}: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_keygen_keeps_existing_keys_unless_forced(tmp_path, capsys):
+    keys = tmp_path / "keys"
+    assert main(["keygen", str(keys)]) == 0
+    before = {path.name: path.read_text() for path in keys.iterdir()}
+    assert main(["keygen", str(keys)]) == 2, "keys running processes use are not replaced by a re-run"
+    err = one_line_error(capsys, "keygen")
+    assert "already holds CURVE keys" in err and "--force" in err and "--if-missing" in err
+    assert {path.name: path.read_text() for path in keys.iterdir()} == before
+    assert main(["keygen", str(keys), "--force"]) == 0
+    assert {path.name: path.read_text() for path in keys.iterdir()} != before
+
+
+@pytest.mark.parametrize("command", [["keygen"], ["demo-model", "--size", "tiny"]])
+def test_an_output_directory_under_a_file_is_one_line(tmp_path, capsys, command):
+    (tmp_path / "file").write_text("mine")
+    assert main([*command, str(tmp_path / "file" / "sub")]) == 2
+    err = one_line_error(capsys, command[0])
+    assert str(tmp_path / "file") in err
+
+
+@pytest.mark.parametrize("command", [["demo-model", "x"], ["generate"], ["bench"], ["plan", "--profile", "p.json"],
+                                     ["sweep"]])
+@pytest.mark.parametrize("value", ["-1", str(1 << 64), "abc"])
+def test_seeds_out_of_range_are_refused_at_parse_time(capsys, command, value):
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([*command, "--seed", value])
+    assert exited.value.code == 2
+    assert "argument --seed" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_working_is_one_line_and_exit_130(monkeypatch, capsys):
+    import pdserve.demo_model
+
+    def interrupted(_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pdserve.demo_model, "run_demo_model_command", interrupted)
+    assert main(["demo-model", "anywhere"]) == 130
+    err = capsys.readouterr().err
+    assert err == "pdserve: interrupted\n"
+
+
+@pytest.fixture
+def half_keys(tmp_path):
+    from pdserve.control.keys import write_cluster_keys
+
+    keys = write_cluster_keys(tmp_path / "half")
+    (keys / "client.key").unlink()
+    return keys
+
+
+@pytest.mark.parametrize("command", [["prefill"], ["decode"], ["router"], ["up", "--num-kv-blocks", "8"]])
+def test_half_a_key_directory_is_refused_before_anything_starts(tmp_path, capsys, half_keys, command):
+    extra = ["--log-dir", str(tmp_path / "logs")] if command[0] == "up" else []
+    assert main([*command, "--model", str(tmp_path / "no-model"), "--curve-dir", str(half_keys), *extra]) == 2
+    err = one_line_error(capsys, command[0])
+    assert f"--curve-dir {half_keys}" in err and "client.key" in err and "pdserve keygen DIR" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["prefill", "--control-address", "garbage"],
+    ["decode", "--router-address", "localhost:7000"],
+    ["router", "--registration-address", "garbage"],
+    ["prefill", "--kv-address", "tcp://127.0.0.1:99999"],
+])
+def test_a_malformed_address_is_named_as_such(tmp_path, capsys, argv):
+    assert main([*argv, "--model", str(tmp_path / "no-model"), "--insecure"]) == 2
+    err = one_line_error(capsys, argv[0])
+    assert "other machines can reach" not in err, "a malformed address is not a question of trust"
+    assert "tcp://" in err and argv[-1] in err
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_up_refuses_a_startup_timeout_that_cannot_be_met(tmp_path, capsys, value):
+    assert main(["up", "--model", str(tmp_path), "--insecure", "--log-dir", str(tmp_path / "logs"),
+                 "--startup-timeout", value]) == 2
+    assert "--startup-timeout" in one_line_error(capsys, "up")
+    assert not (tmp_path / "logs").exists(), "nothing was started"
