@@ -111,7 +111,7 @@ class ModelConfig:
         config_path = model_dir / "config.json"
         if not config_path.is_file():
             raise ConfigError(f"{model_dir} has no config.json: pass a Hugging Face model directory or hub id")
-        hf = json.loads(config_path.read_text())
+        hf = _read_json_object(config_path)
         text = hf.get("text_config")
         if text and "hidden_size" not in hf:  # multimodal wrappers keep the LM's shape one level down
             hf = {**text, "architectures": hf.get("architectures")}
@@ -195,12 +195,25 @@ def _resolve_max_model_len(requested: int | None, max_positions: int, sliding_wi
     return requested
 
 
+def _read_json_object(path: Path) -> dict:
+    """A model directory's JSON file as a dict; ConfigError naming the file when it is not one."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+        raise ConfigError(f"{path} cannot be read as JSON ({exc}): restore the model directory's file (download "
+                          "or copy it again)") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} holds a JSON {type(value).__name__}, not an object: restore the model "
+                          "directory's file (download or copy it again)")
+    return value
+
+
 def _eos_token_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
     """generation_config.json wins over config.json; either may hold one id or a list."""
     eos = hf.get("eos_token_id")
     generation = model_dir / "generation_config.json"
     if generation.is_file():
-        eos = json.loads(generation.read_text()).get("eos_token_id", eos)
+        eos = _read_json_object(generation).get("eos_token_id", eos)
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)

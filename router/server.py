@@ -9,6 +9,7 @@ back to asyncio and h11 where they are missing).
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 
@@ -32,7 +33,9 @@ def bind_http(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port} ({exc}): pick a free --port (0 = any)") from exc
+        fix = ("pick a free --port (0 = any)" if exc.errno in (errno.EADDRINUSE, errno.EACCES)
+               else "give --host an address of this machine (127.0.0.1, or 0.0.0.0 for every interface)")
+        raise ValueError(f"cannot listen on {host}:{port} ({exc}): {fix}") from exc
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock

@@ -82,6 +82,16 @@ def test_missing_config(tmp_path):
         ModelConfig.from_hf(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+@pytest.mark.parametrize("content", [b'{"architectures": [', b"[]", b"\xff\xfe{}"])
+def test_a_broken_json_file_of_the_model_is_named(model_factory, tmp_path, name, content):
+    model = tmp_path / "model"
+    shutil.copytree(model_factory(), model)
+    (model / name).write_bytes(content)
+    with pytest.raises(ConfigError, match=f"{name}.*restore the model directory's file"):
+        ModelConfig.from_hf(model)
+
+
 def test_not_a_model_or_hub_id(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist and is not a Hugging Face hub id"):
         resolve_model_dir(str(tmp_path / "missing" / "deeper"))

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 
 import httpx
+import pytest
 import zmq
 
 from pdserve.control.messages import Register
@@ -322,3 +324,15 @@ def test_a_flood_of_registrations_leaves_routing_intact(tiny_model, tokenization
                     dealer.close(linger=0)
                 context.term()
     run(scenario())
+
+
+def test_a_host_that_is_not_this_machines_is_named_not_the_port():
+    from pdserve.router.server import bind_http
+
+    with pytest.raises(ValueError, match="give --host an address of this machine"):
+        bind_http("999.1.1.1", 0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ValueError, match="pick a free --port"):
+            bind_http("127.0.0.1", taken.getsockname()[1])
