@@ -10,21 +10,9 @@
 #    cost 69.5 ms per request with the sender's CPU equal to the wall time;
 # 3. pdserve profile --device cuda --dtype bfloat16 (the first profile ran the engine in float32), then pdserve
 #    plan on it with the first run's command, to compare with docs/BENCHMARKS.md ("A GPU profile").
-# Same set-up as gpu_session.sh: carry .whl (pyzmq, pydantic, simpy, ... for the machine's python) and run
+# Set-up as gpu_session.sh (bench/gpu_common.sh): carry .whl (pyzmq, pydantic, simpy, ... for the machine's python) and run
 #     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site bash bench/gpu_followup.sh
-set -u
-OUT="${OUT:-gpu-out}"
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . || { echo "cannot install pdserve here"; exit 1; }
-export PYTHONUNBUFFERED=1 PDSERVE_CACHE="${PDSERVE_CACHE:-/tmp/pdserve-cache}"
-run() {  # name, timeout seconds, command...
-    local name=$1 limit=$2
-    shift 2
-    echo "=== $name: $*"
-    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-    echo "=== $name exit ${PIPESTATUS[0]}"
-}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_common.sh"
 run attention-backends 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_attention_backends.py
 run kv-link 150 python3 -m pdserve.bench.connector_throughput --sizes-mib 1 4 16 44 --total-mib 88 --repeats 2 --curve
 run profile-bf16 180 python3 -m pdserve profile --device cuda --dtype bfloat16 --out "$OUT/profile-h200-bf16.json"

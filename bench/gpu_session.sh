@@ -17,23 +17,7 @@
 # typing-inspection, typing_extensions, simpy; see the device tool's README), carry .whl, and run
 #     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site bash bench/gpu_session.sh
 # (engine processes keep the caller's PYTHONPATH).
-set -u
-OUT="${OUT:-gpu-out}"
-mkdir -p "$OUT"
-# pdserve's folders become the one `pdserve` package by pyproject's mapping: an editable install, offline
-# (the machine's setuptools builds it; no dependency is fetched).
-python3 -m pip install -q --no-deps --no-build-isolation -e . || { echo "cannot install pdserve here"; exit 1; }
-export PYTHONUNBUFFERED=1 PDSERVE_CACHE="${PDSERVE_CACHE:-/tmp/pdserve-cache}"
-run() {  # name, timeout seconds, command...
-    local name=$1 limit=$2
-    shift 2
-    echo "=== $name: $*"
-    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-    echo "=== $name exit ${PIPESTATUS[0]}"
-}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
-    | tee -a "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_common.sh"
 run cuda-tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graphs.py tests/kernels
 run gpu-kernels 150 python3 -m pdserve.bench.gpu_kernels --sweep
 run gpu-engine 120 python3 -m pdserve.bench.gpu_engine

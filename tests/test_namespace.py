@@ -45,7 +45,7 @@ def test_the_wheel_holds_only_the_pdserve_package(wheel):
     assert {name for name in top_level if not name.endswith(".dist-info")} == {"pdserve"}
     for package in SUBPACKAGES:
         assert f"pdserve/{package.replace('.', '/')}/__init__.py" in names, package
-    assert "pdserve/bench/gpu_session.sh" in names
+    assert {"pdserve/bench/gpu_session.sh", "pdserve/bench/gpu_common.sh", "pdserve/bench/gpu_followup.sh"} <= names
 
 
 def test_the_installed_wheel_imports_every_subpackage_from_itself(wheel, tmp_path):
