@@ -54,8 +54,15 @@ class InvalidRequestError(ValueError):
     it with a TokenDelta whose error_code is "invalid_request" (the router's 400)."""
 
     code = "invalid_request"
+    field: str | None = None  # the field at fault, when one is
 
 
 class InvalidSamplingParams(InvalidRequestError, ProtocolError):
     """Sampling values out of range. A ProtocolError too, so that a header carrying them is refused
-    while it is decoded, with the request id it named."""
+    while it is decoded, with the request id it named. `field` names the SamplingParams field at fault (the
+    router's 400 names the request's parameter from it)."""
+
+    def __init__(self, message: str, *, field: str | None = None, request_id: str | None = None,
+                 peer_id: bytes | None = None):
+        super().__init__(message, request_id=request_id, peer_id=peer_id)
+        self.field = field

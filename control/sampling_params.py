@@ -1,16 +1,17 @@
 """SamplingParams: the sampling knobs of one request, named and defaulted like vLLM's, and the one type
 for them from the router to the sampler: the router builds it from the HTTP body, GenerateRequest and
 PrefillRequest carry it, the engine's Request holds it. Field types and sizes are wire bounds; every
-value range is checked in `_check_ranges`, which raises InvalidSamplingParams naming field and fix."""
+value range is checked in `_check_ranges`. Either refusal is an InvalidSamplingParams whose message names
+the field and the fix, and whose `field` names the field for the router's 400."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BeforeValidator, ConfigDict, model_validator
+from pydantic import BeforeValidator, ConfigDict, ValidationError, model_validator
 
-from pdserve.control.errors import InvalidRequestError, InvalidSamplingParams, ProtocolError
-from pdserve.control.schema import MAX_TOKEN_ID, MAX_TOKENS, WireInt, WireModel, max_items
+from pdserve.control.errors import InvalidSamplingParams
+from pdserve.control.schema import MAX_TOKEN_ID, MAX_TOKENS, WireInt, WireModel, max_items, protocol_error
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
@@ -35,7 +36,8 @@ StopTokenIds = Annotated[tuple[int, ...], max_items(MAX_STOP_TOKEN_IDS), BeforeV
 class SamplingParams(WireModel):
     """Per-request sampling knobs. temperature == 0 means greedy; top_k <= 0, top_p == 1 and min_p == 0
     disable those filters. Lists are frozen into tuples; copy with changes through `replace`.
-    stop strings, n and skip_special_tokens are the router's (or LLM's): engines see token ids only."""
+    stop strings, include_stop_str_in_output, n and skip_special_tokens are the router's (or LLM's): engines
+    see token ids only (engine/detokenizer.py applies them, docs/sampling.md)."""
 
     model_config = ConfigDict(allow_inf_nan=False)  # merged into WireModel's
     type_name: ClassVar[str] = "sampling_params"  # names its fields in errors: "sampling_params.top_k"
@@ -56,14 +58,18 @@ class SamplingParams(WireModel):
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # a matched stop string (or a stop token's text) stays in the text
 
     def __init__(self, /, **fields: Any) -> None:
-        try:
-            super().__init__(**fields)
-        except InvalidRequestError:
-            raise
-        except ProtocolError as exc:  # a wrong type or size, from a caller rather than a peer's header
-            raise InvalidSamplingParams(str(exc)) from None
+        try:  # WireModel.__init__, keeping which field was at fault
+            self.__pydantic_validator__.validate_python(fields, self_instance=self)
+        except ValidationError as exc:
+            error = protocol_error(type(self), exc)
+            if isinstance(error, InvalidSamplingParams):  # a range check's own
+                raise error from None
+            # a wrong type or size, from a caller rather than a peer's header
+            loc = exc.errors(include_url=False)[0]["loc"]
+            raise InvalidSamplingParams(str(error), field=str(loc[0]) if loc else None) from None
 
     # As WireModel's: a nested SamplingParams (a peer's header) is validated without this __init__, so a
     # wrong type or size there stays a ProtocolError of the message; its ranges are checked either way.
@@ -81,42 +87,47 @@ class SamplingParams(WireModel):
     def _check_ranges(self) -> SamplingParams:
         problem = _range_problem(self)
         if problem is not None:
-            raise InvalidSamplingParams(problem)
+            field, message = problem
+            raise InvalidSamplingParams(message, field=field)
         return self
 
 
-def _range_problem(p: SamplingParams) -> str | None:
-    """The first value out of its range, as a message naming the fix; None when all are in range. Each
-    message is formatted only when its check fails: this runs for every request, on the router and again
-    on each engine that receives it."""
+def _range_problem(p: SamplingParams) -> tuple[str, str] | None:
+    """The first value out of its range: (its field, a message naming the fix); None when all are in range.
+    Each message is formatted only when its check fails: this runs for every request, on the router and
+    again on each engine that receives it."""
     max_tokens, min_tokens = p.max_tokens, p.min_tokens
     if not p.n == 1:
-        return f"n={p.n}: only n=1 is supported; send several requests instead"
+        return "n", f"n={p.n}: only n=1 is supported; send several requests instead"
     if not p.temperature >= 0:
-        return f"temperature={p.temperature} must be >= 0 (0 is greedy)"
+        return "temperature", f"temperature={p.temperature} must be >= 0 (0 is greedy)"
     if not p.temperature <= MAX_TEMPERATURE:
-        return f"temperature={p.temperature} must be at most {MAX_TEMPERATURE:g}: lower it (1 is neutral)"
+        return "temperature", (f"temperature={p.temperature} must be at most {MAX_TEMPERATURE:g}: lower it "
+                               "(1 is neutral)")
     if not 0 < p.top_p <= 1:
-        return f"top_p={p.top_p} must be in (0, 1]"
+        return "top_p", f"top_p={p.top_p} must be in (0, 1]"
     if not -1 <= p.top_k <= MAX_TOKEN_ID:
-        return f"top_k={p.top_k} must be -1 or 0 (disabled) or a positive count up to {MAX_TOKEN_ID}"
+        return "top_k", (f"top_k={p.top_k} must be -1 or 0 (disabled) or a positive count up to "
+                         f"{MAX_TOKEN_ID}")
     if not 0 <= p.min_p <= 1:
-        return f"min_p={p.min_p} must be in [0, 1]"
+        return "min_p", f"min_p={p.min_p} must be in [0, 1]"
     if not MIN_REPETITION_PENALTY <= p.repetition_penalty <= MAX_REPETITION_PENALTY:
-        return (f"repetition_penalty={p.repetition_penalty} must be in [{MIN_REPETITION_PENALTY:g}, "
-                f"{MAX_REPETITION_PENALTY:g}] (1 disables it)")
+        return "repetition_penalty", (f"repetition_penalty={p.repetition_penalty} must be in "
+                                      f"[{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables it)")
     if not -2 <= p.presence_penalty <= 2:
-        return f"presence_penalty={p.presence_penalty} must be in [-2, 2]"
+        return "presence_penalty", f"presence_penalty={p.presence_penalty} must be in [-2, 2]"
     if not -2 <= p.frequency_penalty <= 2:
-        return f"frequency_penalty={p.frequency_penalty} must be in [-2, 2]"
+        return "frequency_penalty", f"frequency_penalty={p.frequency_penalty} must be in [-2, 2]"
     if not (max_tokens is None or 0 < max_tokens <= MAX_TOKENS):
-        return f"max_tokens={max_tokens} must be a positive number of tokens to generate, at most {MAX_TOKENS}"
+        return "max_tokens", (f"max_tokens={max_tokens} must be a positive number of tokens to generate, "
+                              f"at most {MAX_TOKENS}")
     if not 0 <= min_tokens <= MAX_TOKENS:
-        return f"min_tokens={min_tokens} must be in [0, {MAX_TOKENS}]"
+        return "min_tokens", f"min_tokens={min_tokens} must be in [0, {MAX_TOKENS}]"
     if not (max_tokens is None or min_tokens <= max_tokens):
-        return f"min_tokens={min_tokens} must not exceed max_tokens={max_tokens}"
+        return "min_tokens", f"min_tokens={min_tokens} must not exceed max_tokens={max_tokens}"
     if not all(0 <= t <= MAX_TOKEN_ID for t in p.stop_token_ids):
-        return f"stop_token_ids={p.stop_token_ids} must be token ids in [0, {MAX_TOKEN_ID}]"
+        bad = next(t for t in p.stop_token_ids if not 0 <= t <= MAX_TOKEN_ID)
+        return "stop_token_ids", f"stop_token_ids holds {bad}, which is no token id: ids are in [0, {MAX_TOKEN_ID}]"
     if not (p.logprobs is None or 0 <= p.logprobs <= MAX_TOP_LOGPROBS):
-        return f"logprobs={p.logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"
+        return "logprobs", f"logprobs={p.logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"
     return None

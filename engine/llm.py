@@ -143,7 +143,7 @@ class LLM:
         text, token_ids = self._prompt_ids(prompt)
         request_id = str(next(self._ids))
         request = self.engine.make_request(request_id, token_ids, params)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens, params.stop)
+        detokenizer = IncrementalDetokenizer.for_params(self.tokenizer, token_ids, params)
         trackers[request_id] = _Tracker(text, token_ids, detokenizer)
         self.engine.add_request(request)
 
@@ -155,12 +155,14 @@ class LLM:
                 tracker = trackers[delta.request_id]
                 tracker.token_ids.extend(delta.token_ids)
                 tracker.logprobs.extend(delta.logprobs)
-                tracker.detokenizer.add_tokens(delta.token_ids)
-                if delta.finish_reason is not None:
-                    tracker.finish_reason, tracker.stop_reason = delta.finish_reason, delta.stop_reason
-                elif tracker.detokenizer.stopped_by is not None:
+                # a "stop" finish ends with the engine's stop token, whose text is left out (as the router does)
+                tracker.detokenizer.add_tokens(delta.token_ids, ends_with_stop_token=delta.finish_reason == "stop")
+                if tracker.detokenizer.stopped_by is not None:  # a stop string outranks the engine's reason
                     tracker.finish_reason, tracker.stop_reason = "stop", tracker.detokenizer.stopped_by
-                    self.engine.finish_request(delta.request_id, RequestStatus.FINISHED_STOPPED)
+                    if delta.finish_reason is None:
+                        self.engine.finish_request(delta.request_id, RequestStatus.FINISHED_STOPPED)
+                elif delta.finish_reason is not None:
+                    tracker.finish_reason, tracker.stop_reason = delta.finish_reason, delta.stop_reason
 
     @staticmethod
     def _result(request_id: str, tracker: _Tracker) -> RequestOutput:

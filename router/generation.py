@@ -243,9 +243,7 @@ class ChoiceRunner:
                 yield Restarted(self.spec.index)
 
     async def _relay(self, submission: Submission) -> AsyncIterator[ChoiceDelta]:
-        params = self.spec.sampling_params
-        detokenizer = self.gateway.tokenization.detokenizer(self.spec.prompt_token_ids, params.skip_special_tokens,
-                                                            params.stop)
+        detokenizer = self.gateway.tokenization.detokenizer(self.spec.prompt_token_ids, self.spec.sampling_params)
         self.token_ids = []
         first_token: int | None = None  # streamed from the prefill engine: the decode engine's first again
         while True:
@@ -290,10 +288,14 @@ class ChoiceRunner:
         raise EngineFailed(f"the decode engine failed the request: {message}")
 
     def _consume(self, delta: TokenDelta, detokenizer: Any) -> ChoiceDelta:
+        """The delta's tokens up to a stop string's match, as text. A delta that finished with "stop" ends
+        with the engine's stop token (EOS or a stop_token_ids one): the detokenizer leaves its text out (unless
+        include_stop_str_in_output), as vLLM does."""
         new_ids: list[int] = []
-        for token_id in delta.token_ids:
+        last = len(delta.token_ids) - 1
+        for position, token_id in enumerate(delta.token_ids):
             new_ids.append(token_id)
-            detokenizer.add_tokens([token_id])
+            detokenizer.add_tokens([token_id], ends_with_stop_token=position == last and delta.finish_reason == "stop")
             if detokenizer.stopped_by is not None:
                 break
         self.token_ids.extend(new_ids)

@@ -44,7 +44,8 @@ def check_token_ids(token_ids: list[int], vocab_size: int | None, param: str) ->
 def sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None,
                     defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
     """The request's SamplingParams, the model's defaults where the request is silent: its checks (e.g.
-    min_tokens <= max_tokens, at most 16 stop strings) refuse it here, as a 400, rather than on an engine."""
+    min_tokens <= max_tokens, at most 16 stop strings) refuse it here, as a 400 naming the request's
+    parameter in the request's words, rather than on an engine."""
     sampling = defaults.fill(
         {"temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
          "repetition_penalty": request.repetition_penalty}, request.model_fields_set)
@@ -54,9 +55,15 @@ def sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | N
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop_strings(),
             stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=request.skip_special_tokens)
+            skip_special_tokens=request.skip_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output)
     except InvalidRequestError as exc:
-        raise InvalidRequest(str(exc)) from exc
+        # in the request's words: no "sampling_params." prefix, and a chat request's max_completion_tokens
+        message, param = str(exc).replace(f"{SamplingParams.type_name}.", ""), exc.field
+        if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+            message = message.replace("max_tokens=", "max_completion_tokens=")
+            param = "max_completion_tokens" if param == "max_tokens" else param
+        raise InvalidRequest(message, param=param) from exc
 
 
 def check_n(request: SamplingRequest, num_prompts: int, max_n: int) -> None:

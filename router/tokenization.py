@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from pdserve.control.sampling_params import SamplingParams
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.router.errors import InvalidRequest
@@ -82,9 +83,8 @@ class Tokenization:
 
     # ---- output ----
 
-    def detokenizer(self, prompt_token_ids: list[int], skip_special_tokens: bool,
-                    stop: tuple[str, ...]) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens, stop)
+    def detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer.for_params(self.tokenizer, prompt_token_ids, params)
 
     def token_text(self, token_id: int) -> str:
         """One token as text, for logprobs (a piece of a multi-byte character shows as U+FFFD)."""

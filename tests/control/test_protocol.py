@@ -275,17 +275,18 @@ def test_construction_validates_locally():
 # Golden headers: the KV layer's as the hand-written validator this schema replaced wrote it; the wire
 # must not change unless a message's shape does.
 GOLDEN_KV_LAYER = (
-    "8ba474797065a86b765f6c61796572a776657273696f6e01aa726571756573745f6964a57265712d31ab6c617965725f7374"
+    "8ba474797065a86b765f6c61796572a776657273696f6e02aa726571756573745f6964a57265712d31ab6c617965725f7374"
     "61727404a96c617965725f656e6406ab746f6b656e5f737461727420aa6e756d5f746f6b656e7305a56474797065a862666c"
     "6f61743136a57368617065950202050208a66e6279746573cd0280a8636865636b73756dcf0123456789abcdef")
-GOLDEN_GENERATE = (  # since SamplingParams travels nested (control/sampling_params.py)
-    "86a474797065a867656e6572617465a776657273696f6e01aa726571756573745f6964a57265712d32b070726f6d70745f74"
-    "6f6b656e5f69647393010203af73616d706c696e675f706172616d73de0010a16e01ab74656d7065726174757265cb000000"
+GOLDEN_GENERATE = (  # SamplingParams nested (control/sampling_params.py), include_stop_str_in_output last
+    "86a474797065a867656e6572617465a776657273696f6e02aa726571756573745f6964a57265712d32b070726f6d70745f74"
+    "6f6b656e5f69647393010203af73616d706c696e675f706172616d73de0011a16e01ab74656d7065726174757265cb000000"
     "0000000000a5746f705f70cb3ff0000000000000a5746f705f6b00a56d696e5f70cb0000000000000000a47365656405b272"
     "657065746974696f6e5f70656e616c7479cb3ff0000000000000b070726573656e63655f70656e616c7479cb000000000000"
     "0000b16672657175656e63795f70656e616c7479cb0000000000000000aa6d61785f746f6b656e7310aa6d696e5f746f6b65"
     "6e7300a473746f7090ae73746f705f746f6b656e5f6964739107aa69676e6f72655f656f73c2a86c6f6770726f6273c0b373"
-    "6b69705f7370656369616c5f746f6b656e73c3b270726566696c6c5f6b765f61646472657373a77463703a2f2f61")
+    "6b69705f7370656369616c5f746f6b656e73c3ba696e636c7564655f73746f705f7374725f696e5f6f7574707574c2b27072"
+    "6566696c6c5f6b765f61646472657373a77463703a2f2f61")
 
 
 def test_headers_are_byte_identical_to_the_first_schema():
@@ -347,6 +348,18 @@ def test_sampling_params_check_the_wire_bounds_on_their_own():
     assert params.replace(max_tokens=1).max_tokens == 1 and params.max_tokens == 16
     with pytest.raises(InvalidSamplingParams, match="min_tokens=4 must not exceed max_tokens=1"):
         params.replace(min_tokens=4, max_tokens=1)  # a copy is validated again
+
+
+def test_sampling_params_name_the_field_at_fault_and_travel_whole():
+    for fields, field in (({"temperature": 101}, "temperature"), ({"stop": ["x"] * 17}, "stop"),
+                          ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"top_k": "5"}, "top_k"),
+                          ({"min_tokens": 5, "max_tokens": 2}, "min_tokens")):
+        with pytest.raises(InvalidSamplingParams) as refused:
+            SamplingParams(**fields)
+        assert refused.value.field == field, (fields, str(refused.value))
+    params = SamplingParams(stop="x", min_tokens=2, include_stop_str_in_output=True)
+    request = control.PrefillRequest(request_id="r", prompt_token_ids=[1], sampling_params=params)
+    assert decode(encode(request))[0].sampling_params == params
 
 
 def _generate_header(**sampling) -> bytes:

@@ -5,7 +5,8 @@ It speaks the real control protocol: Register/EngineStats heartbeats to the rout
 socket, DescribeRequest/StatsRequest/Abort/GenerateRequest/PrefillRequest on its control socket.
 A decode request streams `max_tokens` tokens, one TokenDelta per `token_delay_s`:
 token i = (last prompt token + 1 + i) % vocab_size, the last delta with finish_reason "length"
-(or the tokens of `script`, the last with finish_reason "stop").
+(or the tokens of `script`, the last with finish_reason "stop": the stop token, as a real engine's EOS or
+stop_token_ids token, whose text the router leaves out).
 """
 
 from __future__ import annotations

@@ -333,6 +333,7 @@ def test_streamed_text_is_whole_characters_across_token_boundaries(tiny_model, t
     text = "naïve café — 你好, wörld ✓"
     script = tokenization.tokenizer.encode(text)
     assert len(script) > len(text.split()), "multi-byte characters span several byte-level tokens"
+    script.append(tokenization.tokenizer.eos_token_id)  # the stop token that ends it: no text of its own
 
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
@@ -356,7 +357,7 @@ def test_every_sampling_parameter_reaches_the_engine_as_sent(tiny_model, tokeniz
     dropping any one of them in the router fails this test (an output comparison could not tell)."""
     sent = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "min_p": 0.01, "seed": 3, "repetition_penalty": 1.1,
             "presence_penalty": 0.2, "frequency_penalty": 0.1, "max_tokens": 6, "min_tokens": 4,
-            "stop_token_ids": [7], "ignore_eos": True, "logprobs": 2}
+            "stop_token_ids": [7], "ignore_eos": True, "logprobs": 2, "include_stop_str_in_output": True}
 
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):

@@ -128,3 +128,17 @@ def test_usage_reports_prefix_cache_hits(client):
                                        stream_options={"include_usage": True})
     usage = [chunk.usage for chunk in stream if chunk.usage is not None]
     assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == 36
+
+
+def test_refused_sampling_values_name_the_parameter(client):
+    """SamplingParams' own checks (beyond the request schema's) name the request's field, in its words."""
+    for extra, param, words in (({"temperature": 101}, "temperature", "temperature=101.0 must be at most 100"),
+                                ({"stop": [f"s{i}" for i in range(17)]}, "stop", "stop has 17 items"),
+                                ({"stop_token_ids": [-1]}, "stop_token_ids", "stop_token_ids holds -1"),
+                                ({"min_tokens": 5, "max_completion_tokens": 2}, "min_tokens",
+                                 "min_tokens=5 must not exceed max_completion_tokens=2")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                           extra_body=extra)
+        error = refused.value.body
+        assert error["param"] == param and words in error["message"], error

@@ -18,6 +18,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.trust import default_cluster_keys
+from tests.engine.test_llm_stops import first_new, token_texts
 from tests.router.conftest import (
     REPO,
     UpProcess,
@@ -135,6 +136,32 @@ def test_stop_strings_end_generation_and_free_the_engine(cluster, client, offlin
     assert streamed == before
     used = wait_no_kv_used(cluster.url)
     assert len(used) == 2 and all(v == 0 for v in used.values()), f"both engines report, none holds KV: {used}"
+
+
+def test_stop_rules_equal_the_offline_engine(client, offline, tiny_model):
+    """vLLM's stop rules through a prefill and a decode engine, streamed and whole, as offline: no stop string
+    matches within min_tokens (here the prefill engine's first token), include_stop_str_in_output keeps it,
+    and a stop token's text is left out."""
+    prompt_ids = offline.tokenizer.encode(PROMPTS[1])
+    full = greedy(offline, prompt_ids, max_tokens=8)
+    texts = token_texts(offline.tokenizer, prompt_ids, full.token_ids)
+    kept, stop_at = first_new(texts, 1), next(i for i in range(1, 8) if full.token_ids[i] not in full.token_ids[:i])
+    cases = [({"stop": [texts[0]], "min_tokens": 1}, None),
+             ({"stop": [texts[kept]], "include_stop_str_in_output": True}, "".join(texts[:kept + 1])),
+             ({"stop_token_ids": [full.token_ids[stop_at]]}, "".join(texts[:stop_at]))]
+    for fields, text in cases:
+        want = offline.generate({"prompt_token_ids": prompt_ids}, SamplingParams(
+            temperature=0, max_tokens=8, ignore_eos=True, **fields))[0].outputs[0]
+        assert want.text == (text or want.text) and len(want.token_ids) > fields.get("min_tokens", 0), fields
+        body = {"return_token_ids": True, "ignore_eos": True, **fields}
+        stop = body.pop("stop", None)
+        whole = client.completions.create(model=tiny_model, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                          stop=stop, extra_body=body).choices[0]
+        assert (whole.text, whole.model_extra["token_ids"], whole.finish_reason) == (
+            want.text, want.token_ids, want.finish_reason), fields
+        chunks = list(client.completions.create(model=tiny_model, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                                stop=stop, extra_body=body, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == want.text, fields
 
 
 @pytest.mark.parametrize("path, body, status", [
