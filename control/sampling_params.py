@@ -16,6 +16,8 @@ from pdserve.control.schema import MAX_TOKEN_ID, MAX_TOKENS, WireInt, WireModel,
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 # Bounds that keep the sampler's float32 arithmetic finite (docs/sampling.md): a temperature or penalty
 # beyond them rounds to 0 or inf in float32, or divides logits past float32's range.
 MAX_TEMPERATURE = 100.0
@@ -29,7 +31,15 @@ def _one_or_many(value: Any) -> Any:
     return (value,) if isinstance(value, str) else value
 
 
+def _pairs(value: Any) -> Any:
+    """logit_bias={token_id: bias} means ((token_id, bias), ...); None means none."""
+    if value is None:
+        return ()
+    return tuple(value.items()) if isinstance(value, dict) else value
+
+
 StopStrings = Annotated[tuple[str, ...], max_items(MAX_STOP_STRINGS), BeforeValidator(_one_or_many)]
+LogitBias = Annotated[tuple[tuple[int, float], ...], max_items(MAX_LOGIT_BIAS), BeforeValidator(_pairs)]
 StopTokenIds = Annotated[tuple[int, ...], max_items(MAX_STOP_TOKEN_IDS), BeforeValidator(_one_or_many)]
 
 
@@ -59,6 +69,7 @@ class SamplingParams(WireModel):
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # a matched stop string (or a stop token's text) stays in the text
+    logit_bias: LogitBias = ()  # (token id, bias) pairs: added to those logits before sampling
 
     def __init__(self, /, **fields: Any) -> None:
         try:  # WireModel.__init__, keeping which field was at fault
@@ -128,6 +139,14 @@ def _range_problem(p: SamplingParams) -> tuple[str, str] | None:
     if not all(0 <= t <= MAX_TOKEN_ID for t in p.stop_token_ids):
         bad = next(t for t in p.stop_token_ids if not 0 <= t <= MAX_TOKEN_ID)
         return "stop_token_ids", f"stop_token_ids holds {bad}, which is no token id: ids are in [0, {MAX_TOKEN_ID}]"
+    for token_id, bias in p.logit_bias:
+        if not 0 <= token_id <= MAX_TOKEN_ID:
+            return "logit_bias", f"logit_bias holds {token_id}, which is no token id: ids are in [0, {MAX_TOKEN_ID}]"
+        if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+            return "logit_bias", (f"logit_bias of token {token_id} is {bias:g}: a bias must be in "
+                                  f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
+    if len({token_id for token_id, _ in p.logit_bias}) != len(p.logit_bias):
+        return "logit_bias", "logit_bias names a token id twice: give each token one bias"
     if not (p.logprobs is None or 0 <= p.logprobs <= MAX_TOP_LOGPROBS):
         return "logprobs", f"logprobs={p.logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"
     return None

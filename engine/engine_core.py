@@ -49,6 +49,10 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < config.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+        biased = next((t for t, _ in params.logit_bias if t >= config.vocab_size), None)
+        if biased is not None:
+            raise InvalidRequestError(f"logit_bias names token id {biased}, outside the vocabulary "
+                                      f"[0, {config.vocab_size}): bias token ids of this model's tokenizer")
         max_tokens = params.max_tokens if params.max_tokens is not None else config.max_model_len - num_prompt
         if num_prompt + max(max_tokens, 1) > config.max_model_len:
             raise InvalidRequestError(

@@ -216,10 +216,10 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
     @app.post("/v1/chat/completions", dependencies=key_checked)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        max_model_len, _ = gateway.context_limits()
+        max_model_len, vocab_size = gateway.context_limits()
         text, token_ids = await gateway.preprocessor.run(gateway.tokenization.chat_prompt, body,
                                                          config.allow_request_chat_template)
-        specs = chat_specs(body, token_ids, max_model_len, config.max_n, gateway.generation_defaults)
+        specs = chat_specs(body, token_ids, max_model_len, config.max_n, gateway.generation_defaults, vocab_size)
         formatter = partial(  # built by respond() once the engines have the request
             ChatFormatter, model=config.served_model_name, tokenization=gateway.tokenization,
             prompts=[Prompt(text, token_ids)], n=body.n,

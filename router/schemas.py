@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from pdserve.control.sampling_params import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
+from pdserve.control.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 
 INT64 = 1 << 63
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (chat's is the rest of the context)
@@ -78,7 +78,7 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None  # refused when set (specs.py): not supported
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id (as JSON keys are) -> bias
     # vLLM's extensions
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)

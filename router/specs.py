@@ -42,13 +42,14 @@ def check_token_ids(token_ids: list[int], vocab_size: int | None, param: str) ->
 
 
 def sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None,
-                    defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
+                    defaults: GenerationDefaults = GenerationDefaults(), vocab_size: int | None = None) -> SamplingParams:
     """The request's SamplingParams, the model's defaults where the request is silent: its checks (e.g.
     min_tokens <= max_tokens, at most 16 stop strings) refuse it here, as a 400 naming the request's
     parameter in the request's words, rather than on an engine."""
     sampling = defaults.fill(
         {"temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
          "repetition_penalty": request.repetition_penalty}, request.model_fields_set)
+    logit_bias = logit_bias_of(request, vocab_size)
     try:
         return SamplingParams(
             **sampling, min_p=request.min_p, seed=request.seed,
@@ -56,7 +57,8 @@ def sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | N
             max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop_strings(),
             stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output)
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            logit_bias=logit_bias)
     except InvalidRequestError as exc:
         # in the request's words: no "sampling_params." prefix, and a chat request's max_completion_tokens
         message, param = str(exc).replace(f"{SamplingParams.type_name}.", ""), exc.field
@@ -73,10 +75,27 @@ def check_n(request: SamplingRequest, num_prompts: int, max_n: int) -> None:
                              param="n")
 
 
-def _check_supported(request: SamplingRequest) -> None:
-    if request.logit_bias:
-        raise InvalidRequest("logit_bias is not supported by this server: send the request without it",
-                             param="logit_bias")
+def _as_token_id(key: str) -> int | None:
+    try:
+        token_id = int(key) if key.isascii() else -1
+    except ValueError:  # not a number, or 4300+ digits
+        return None
+    return token_id if token_id >= 0 else None
+
+
+def logit_bias_of(request: SamplingRequest, vocab_size: int | None) -> dict[int, float]:
+    """The request's logit_bias with token ids as ints ({"50256": -100} in JSON), within the vocabulary."""
+    bias = {}
+    for key, value in (request.logit_bias or {}).items():
+        token_id = _as_token_id(key)
+        if token_id is None:
+            raise InvalidRequest(f"logit_bias key {key[:40]!r} is not a token id: key the biases by token ids, "
+                                 'e.g. {"50256": -100}', param="logit_bias")
+        if vocab_size is not None and token_id >= vocab_size:
+            raise InvalidRequest(f"logit_bias names token id {token_id}, outside the model's vocabulary "
+                                 f"[0, {vocab_size})", param="logit_bias")
+        bias[token_id] = value
+    return bias
 
 
 def _specs(request: SamplingRequest, prompts: list[list[int]], params_of: list[SamplingParams]) -> list[ChoiceSpec]:
@@ -100,7 +119,6 @@ def completion_specs(request: CompletionRequest, prompts: list[list[int]], max_m
     if request.echo and request.logprobs is not None:
         raise InvalidRequest("echo with logprobs needs prompt logprobs, which this server does not compute: "
                              "drop one of them", param="echo")
-    _check_supported(request)
     check_n(request, len(prompts), max_n)
     # an unset max_tokens is the API's default of 16, or the model's max_new_tokens if that is smaller (as vLLM)
     requested, default = request.max_tokens, None
@@ -110,18 +128,18 @@ def completion_specs(request: CompletionRequest, prompts: list[list[int]], max_m
     for token_ids in prompts:
         check_token_ids(token_ids, vocab_size, "prompt")
         max_tokens = resolve_max_tokens(len(token_ids), requested, max_model_len, "prompt", default)
-        params_of.append(sampling_params(request, max_tokens, request.logprobs, defaults))
+        params_of.append(sampling_params(request, max_tokens, request.logprobs, defaults, vocab_size))
     return _specs(request, prompts, params_of)
 
 
 def chat_specs(request: ChatCompletionRequest, token_ids: list[int], max_model_len: int,
-               max_n: int, defaults: GenerationDefaults = GenerationDefaults()) -> list[ChoiceSpec]:
+               max_n: int, defaults: GenerationDefaults = GenerationDefaults(),
+               vocab_size: int | None = None) -> list[ChoiceSpec]:
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
-    _check_supported(request)
     check_n(request, 1, max_n)
     check_token_ids(token_ids, None, "messages")
     max_tokens = resolve_max_tokens(len(token_ids), request.max_new_tokens(), max_model_len, "messages",
                                     defaults.max_tokens)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _specs(request, [token_ids], [sampling_params(request, max_tokens, logprobs, defaults)])
+    return _specs(request, [token_ids], [sampling_params(request, max_tokens, logprobs, defaults, vocab_size)])

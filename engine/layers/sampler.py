@@ -89,6 +89,7 @@ def _is_plain_greedy(request: Request) -> bool:
         _is_greedy(params)
         and params.logprobs is None
         and not _has_penalties(params)
+        and not params.logit_bias
         and not _min_tokens_ban(request)
     )
 
@@ -100,17 +101,32 @@ def _processed_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torc
     """A float32 copy of logits after penalties and min_tokens, +inf clamped to the largest float32
     so that later steps stay finite. NaN stays NaN: a sampled row holding one is an error."""
     processed = logits.to(torch.float32, copy=True)
-    if any(_has_penalties(r.sampling_params) or _min_tokens_ban(r) for r in requests):
+    if any(_has_penalties(r.sampling_params) or r.sampling_params.logit_bias or _min_tokens_ban(r) for r in requests):
         apply_logits_processors(processed, requests)
     return processed.clamp_(max=_FLOAT32_MAX)
 
 
 def apply_logits_processors(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Penalties then min_tokens masking, in place on float32 logits [num_seqs, vocab_size]."""
+    """Penalties, logit_bias, then min_tokens masking, in place on float32 logits [num_seqs, vocab_size]."""
     apply_repetition_penalty(logits, requests)
     apply_presence_frequency_penalties(logits, requests)
+    apply_logit_bias(logits, requests)
     apply_min_tokens(logits, requests)
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """OpenAI's logit_bias: each (token id, bias) of a request added to that token's logit."""
+    rows, token_ids, biases = [], [], []
+    for row, request in enumerate(requests):
+        for token_id, bias in request.sampling_params.logit_bias:
+            rows.append(row)
+            token_ids.append(token_id)
+            biases.append(bias)
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device))
+        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, requests: Sequence[Request]) -> None:

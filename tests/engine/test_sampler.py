@@ -240,6 +240,31 @@ def test_penalties_steer_greedy_requests():
     assert Sampler()(logits, [request]).token_ids == [1]
 
 
+# --------------------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_adds_to_its_tokens_in_its_row_only():
+    biased = make_request(logit_bias={1: 2.5, 3: -100.0})
+    plain = make_request(request_id="p")
+    processed = apply_logits_processors(torch.ones(2, 4), [biased, plain])
+    assert processed.tolist() == [[1.0, 3.5, 1.0, -99.0], [1.0] * 4]
+
+
+def test_logit_bias_steers_greedy_and_leaves_logprobs_raw():
+    logits = torch.tensor([[3.0, 1.0, 0.0]])
+    forced = make_request(temperature=0.0, logit_bias={2: 100.0}, logprobs=0)
+    output = Sampler()(logits, [forced])
+    assert output.token_ids == [2]
+    assert output.logprobs[0][2] == pytest.approx(torch.log_softmax(logits[0], -1)[2].item())  # OpenAI: raw
+    banned = make_request(temperature=0.0, logit_bias={0: -100.0})
+    assert Sampler()(logits, [banned]).token_ids == [1]
+
+
+def test_min_tokens_outranks_a_positive_bias():
+    request = make_request(eos=2, min_tokens=1, temperature=0.0, logit_bias={2: 100.0})
+    assert Sampler()(torch.zeros(1, 4), [request]).token_ids != [2]
+
+
 # --------------------------------------------------------------------------- min_tokens
 
 

@@ -357,7 +357,8 @@ def test_every_sampling_parameter_reaches_the_engine_as_sent(tiny_model, tokeniz
     dropping any one of them in the router fails this test (an output comparison could not tell)."""
     sent = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "min_p": 0.01, "seed": 3, "repetition_penalty": 1.1,
             "presence_penalty": 0.2, "frequency_penalty": 0.1, "max_tokens": 6, "min_tokens": 4,
-            "stop_token_ids": [7], "ignore_eos": True, "logprobs": 2, "include_stop_str_in_output": True}
+            "stop_token_ids": [7], "ignore_eos": True, "logprobs": 2, "include_stop_str_in_output": True,
+            "logit_bias": {"7": 5.0, "9": -100}}
 
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
@@ -367,7 +368,7 @@ def test_every_sampling_parameter_reaches_the_engine_as_sent(tiny_model, tokeniz
                 assert response.status_code == 200, response.text
                 params = engine.generate_requests()[0].sampling_params
                 received = {name: getattr(params, name) for name in sent}
-                assert received == {**sent, "stop_token_ids": (7,)}
+                assert received == {**sent, "stop_token_ids": (7,), "logit_bias": ((7, 5.0), (9, -100.0))}
             finally:
                 _close([engine])
     run(scenario())

@@ -164,6 +164,22 @@ def test_stop_rules_equal_the_offline_engine(client, offline, tiny_model):
         assert "".join(c.choices[0].text for c in chunks) == want.text, fields
 
 
+def test_logit_bias_steers_the_prefill_and_the_decode_engine_alike(client, offline, tiny_model):
+    """+100 all but forces a token and -100 bans one, in the first token (the prefill engine's) and every
+    later one (the decode engine's), as the offline engine does with the same bias."""
+    prompt = PROMPTS[0]
+    ids = offline.tokenizer.encode(prompt)
+    unbiased = greedy(offline, ids, max_tokens=4).token_ids
+    wants = []
+    for bias in ({unbiased[0]: -100.0}, {7: 100.0}):
+        wants.append(offline.generate({"prompt_token_ids": ids}, SamplingParams(
+            temperature=0.0, max_tokens=4, ignore_eos=True, logit_bias=bias))[0].outputs[0].token_ids)
+        got = complete(client, tiny_model, prompt, max_tokens=4, logit_bias={str(k): v for k, v in bias.items()})
+        assert got.choices[0].model_extra["token_ids"] == wants[-1], bias
+    banned, forced = wants
+    assert banned[0] != unbiased[0] and forced == [7] * 4 and unbiased[0] != 7
+
+
 @pytest.mark.parametrize("path, body, status", [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400),

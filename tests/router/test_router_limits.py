@@ -1,6 +1,6 @@
 """The router cannot be blocked: body size limit, tokenization and templates off the event loop with a
 time limit and a bounded pool, request-supplied templates refused, malformed text, auth on /metrics
-and /openapi.json, Retry-After, 499 for every disconnect, logit_bias, and a flood of registrations.
+and /openapi.json, Retry-After, 499 for every disconnect, logit_bias keys, and a flood of registrations.
 The router app runs in this process over real ZeroMQ, against scripted engines (fake_engine.py)."""
 
 from __future__ import annotations
@@ -208,14 +208,17 @@ def test_lone_surrogates_are_400_naming_the_field(tiny_model, tokenization):
     run(scenario())
 
 
-def test_logit_bias_is_refused(tiny_model, tokenization):
+def test_a_logit_bias_that_names_no_token_of_the_model_is_refused(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
             async with serving(gateway, engine_id="d0"):
-                for path, body in (("/v1/completions", completion(logit_bias={"7": 5})),
-                                   ("/v1/chat/completions", chat(logit_bias={"7": -100}))):
-                    error = assert_openai_error(await client.post(path, json=body), 400)
-                    assert error["param"] == "logit_bias" and "not supported" in error["message"]
+                for bias, says in (({"seven": 5}, "is not a token id"), ({"-3": 5}, "is not a token id"),
+                                   ({"7": 100.5}, "must be in [-100, 100]"),
+                                   ({str(10**9): 1}, "outside the model's vocabulary")):
+                    for path, body in (("/v1/completions", completion(logit_bias=bias)),
+                                       ("/v1/chat/completions", chat(logit_bias=bias))):
+                        error = assert_openai_error(await client.post(path, json=body), 400)
+                        assert error["param"] == "logit_bias" and says in error["message"], (bias, error)
     run(scenario())
 
 
