@@ -42,6 +42,10 @@ class Tokenization:
         if request.tools and request.tool_choice != "none":
             raise InvalidRequest("tool calling is not supported by this server: send the request without `tools` "
                                  "(or with tool_choice=\"none\")", param="tools")
+        legacy = (request.model_extra or {}).get("functions")
+        if legacy and (request.model_extra or {}).get("function_call") != "none":
+            raise InvalidRequest("function calling is not supported by this server: send the request without "
+                                 "`functions` (or with function_call=\"none\")", param="functions")
         if not request.tools and request.tool_choice not in (None, "none", "auto"):
             raise InvalidRequest("tool_choice asks for a tool call, but the request has no `tools`: drop "
                                  "tool_choice (and this server does not call tools)", param="tool_choice")
