@@ -2,8 +2,8 @@
 
 A formatter knows one endpoint's shapes; the API code feeds it ChoiceDeltas. Streams are
 server-sent events: `data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`. With
-stream_options.include_usage every chunk carries "usage": null and one last chunk, with no
-choices, carries the usage. return_token_ids (vLLM's extension) adds prompt_token_ids and token_ids.
+stream_options.include_usage every chunk carries "usage": null (the usage so far with vLLM's
+continuous_usage_stats) and one last chunk, with no choices, carries the usage. return_token_ids (vLLM's extension) adds prompt_token_ids and token_ids.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ class Formatter:
     id_prefix = ""
 
     def __init__(self, response_id: str, model: str, tokenization: Tokenization, prompts: list[Prompt], n: int, *,
-                 num_logprobs: int | None, return_token_ids: bool, include_usage: bool) -> None:
+                 num_logprobs: int | None, return_token_ids: bool, include_usage: bool,
+                 continuous_usage: bool = False) -> None:
         self.id = f"{self.id_prefix}{response_id}"
         self.created = int(time.time())
         self.model = model
@@ -72,6 +73,7 @@ class Formatter:
         self.num_logprobs = num_logprobs
         self.return_token_ids = return_token_ids
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         self.totals = [ChoiceTotal() for _ in range(len(prompts) * n)]
         self._started: set[int] = set()  # choices that streamed their first chunk
 
@@ -102,7 +104,7 @@ class Formatter:
         self._started.add(delta.index)
         body = self._envelope([self._chunk_choice(delta, first, offset)], self.chunk_object_name)
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = self.usage() if self.continuous_usage else None
         return body
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -189,7 +191,7 @@ class ChatFormatter(Formatter):
             if self.return_token_ids and index == 0:
                 body["prompt_token_ids"] = self.prompts[0].token_ids
             if self.include_usage:
-                body["usage"] = None
+                body["usage"] = self.usage() if self.continuous_usage else None
             chunks.append(body)
         return chunks
 

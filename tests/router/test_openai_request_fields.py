@@ -64,3 +64,22 @@ def test_fields_that_cannot_apply_are_refused_by_name(client, body, param, words
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, extra_body=body)
     error = refused.value.body
     assert error["param"] == param and words in error["message"], error
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(client, continuous):
+    """vLLM's stream_options.continuous_usage_stats; without it, only the last chunk carries usage."""
+    options = {"include_usage": True, "continuous_usage_stats": continuous}
+    for create, extra in ((client.chat.completions.create, {"messages": MESSAGES}),
+                          (client.completions.create, {"prompt": "x"})):
+        chunks = list(create(model="tiny", max_tokens=5, stream=True, stream_options=options,
+                             extra_body={"ignore_eos": True}, **extra))
+        *with_choices, last = chunks
+        assert last.choices == [] and last.usage.completion_tokens == 5
+        usages = [chunk.usage for chunk in with_choices]
+        if not continuous:
+            assert usages == [None] * len(usages)
+            continue
+        counts = [usage.completion_tokens for usage in usages]
+        assert counts == sorted(counts) and counts[-1] == 5, counts
+        assert {usage.prompt_tokens for usage in usages} == {last.usage.prompt_tokens}
