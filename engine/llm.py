@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from pdserve.engine.chat import Conversation, is_conversation, render_chat
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, check_device
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.engine_core import EngineCore
@@ -125,6 +126,31 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         return [self._result(request_id, tracker) for request_id, tracker in trackers.items()]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """generate() for one conversation or a list of them (OpenAI's message format), rendered by the model's
+        chat template (or `chat_template`), as vLLM's LLM.chat; one output per conversation."""
+        conversations = [messages] if is_conversation(messages) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = render_chat(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, chat_template=chat_template,
+                               chat_template_kwargs=chat_template_kwargs)
+            # the template wrote the special tokens already
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params)
+
+    def get_tokenizer(self):
+        return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (what generate() uses without any)."""

@@ -1,0 +1,54 @@
+"""`LLM.chat`, as vLLM's: a conversation (or several) rendered by the model's chat template into the same
+prompt the router makes of a chat request, then generated; clear errors for what cannot be rendered."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, InvalidRequestError, SamplingParams
+from pdserve.router.schemas import ChatCompletionRequest
+from pdserve.router.tokenization import Tokenization
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+TALK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def model(model_factory):
+    return model_factory()
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return LLM(model, dtype="float32", num_kv_blocks=128)
+
+
+def test_a_conversation_is_the_prompt_the_router_makes_of_it(llm, model):
+    served_text, served_ids = Tokenization(model).chat_prompt(ChatCompletionRequest(messages=TALK))
+    output = llm.chat(TALK, GREEDY)[0]
+    assert output.prompt == served_text and output.prompt_token_ids == served_ids
+    assert output.outputs[0].token_ids == llm.generate({"prompt_token_ids": served_ids}, GREEDY)[0].outputs[0].token_ids
+
+
+def test_several_conversations_answer_in_order_and_text_parts_join(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name"}, {"type": "text", "text": "a colour."}]}]
+    joined = [{"role": "user", "content": "Name\na colour."}]
+    outputs = llm.chat([TALK, parts, joined], GREEDY)
+    assert len(outputs) == 3 and outputs[0].prompt_token_ids == llm.chat(TALK, GREEDY)[0].prompt_token_ids
+    assert outputs[1].prompt == outputs[2].prompt and outputs[1].outputs[0].token_ids == outputs[2].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("conversation, says", [
+    ([], "conversation is empty"),
+    (["hello"], "is not a dict with a 'role'"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "text-only"),
+])
+def test_what_cannot_be_rendered_is_named(llm, conversation, says):
+    with pytest.raises(InvalidRequestError, match=says):
+        llm.chat(conversation, GREEDY)
+
+
+def test_continuing_the_last_message_excludes_a_generation_prompt(llm):
+    with pytest.raises(InvalidRequestError, match="cannot both be true"):
+        llm.chat(TALK, GREEDY, continue_final_message=True)
+    assert llm.chat(TALK, GREEDY, continue_final_message=True, add_generation_prompt=False)[0].outputs[0].token_ids
