@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+from tqdm import tqdm
 
 from pdserve.engine.chat import Conversation, is_conversation, render_chat
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, check_device
@@ -57,6 +58,7 @@ class _Tracker:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    counted: bool = False  # in the progress bar's finished prompts
 
 
 class LLM:
@@ -111,8 +113,10 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt in one continuous batch; outputs come back in prompt order."""
+        """Generate for every prompt in one continuous batch; outputs come back in prompt order. use_tqdm: a
+        progress bar of finished prompts on stderr (vLLM shows one by default)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = self._params_for(len(prompts), sampling_params)
@@ -120,7 +124,8 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list):
                 self._add(prompt, params, trackers)
-            self._run(trackers)
+            with tqdm(total=len(trackers), desc="prompts", unit="prompt", disable=not use_tqdm) as progress:
+                self._run(trackers, progress)
         except BaseException:
             for request_id in trackers:
                 self.engine.abort(request_id)
@@ -136,6 +141,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """generate() for one conversation or a list of them (OpenAI's message format), rendered by the model's
         chat template (or `chat_template`), as vLLM's LLM.chat; one output per conversation."""
@@ -147,7 +153,7 @@ class LLM:
                                chat_template_kwargs=chat_template_kwargs)
             # the template wrote the special tokens already
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -173,7 +179,7 @@ class LLM:
         trackers[request_id] = _Tracker(text, token_ids, detokenizer)
         self.engine.add_request(request)
 
-    def _run(self, trackers: dict[str, _Tracker]) -> None:
+    def _run(self, trackers: dict[str, _Tracker], progress: tqdm) -> None:
         while self.engine.has_work():
             for delta in self.engine.step():
                 if delta.finish_reason == "error":  # offline, the caller hears of it as an exception
@@ -189,6 +195,9 @@ class LLM:
                         self.engine.finish_request(delta.request_id, RequestStatus.FINISHED_STOPPED)
                 elif delta.finish_reason is not None:
                     tracker.finish_reason, tracker.stop_reason = delta.finish_reason, delta.stop_reason
+                if tracker.finish_reason is not None and not tracker.counted:
+                    tracker.counted = True
+                    progress.update()
 
     @staticmethod
     def _result(request_id: str, tracker: _Tracker) -> RequestOutput:

@@ -52,3 +52,15 @@ def test_continuing_the_last_message_excludes_a_generation_prompt(llm):
     with pytest.raises(InvalidRequestError, match="cannot both be true"):
         llm.chat(TALK, GREEDY, continue_final_message=True)
     assert llm.chat(TALK, GREEDY, continue_final_message=True, add_generation_prompt=False)[0].outputs[0].token_ids
+
+
+def test_use_tqdm_shows_each_prompt_finish_once(llm, capsys):
+    """vLLM's generate(..., use_tqdm=...) is taken; the bar counts prompts, a stop string's finish too."""
+    text = llm.generate("b", GREEDY)[0].outputs[0].text
+    stopped = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[text[:2]])
+    capsys.readouterr()
+    outputs = llm.generate(["a", "b", "c"], [GREEDY, stopped, GREEDY], use_tqdm=True)
+    assert outputs[1].outputs[0].stop_reason == text[:2]
+    assert "3/3" in capsys.readouterr().err
+    llm.chat(TALK, GREEDY, use_tqdm=False)
+    assert capsys.readouterr().err == ""
