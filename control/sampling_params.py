@@ -16,6 +16,7 @@ from pdserve.control.schema import MAX_TOKEN_ID, MAX_TOKENS, WireInt, WireModel,
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOP_LOGPROBS = 20
+MAX_N = 256  # samples of one prompt; the router and LLM fan them out as n requests of n=1 each
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 # Bounds that keep the sampler's float32 arithmetic finite (docs/sampling.md): a temperature or penalty
@@ -108,8 +109,8 @@ def _range_problem(p: SamplingParams) -> tuple[str, str] | None:
     Each message is formatted only when its check fails: this runs for every request, on the router and
     again on each engine that receives it."""
     max_tokens, min_tokens = p.max_tokens, p.min_tokens
-    if not p.n == 1:
-        return "n", f"n={p.n}: only n=1 is supported; send several requests instead"
+    if not 1 <= p.n <= MAX_N:
+        return "n", f"n={p.n} must be in [1, {MAX_N}]: send several requests for more samples"
     if not p.temperature >= 0:
         return "temperature", f"temperature={p.temperature} must be >= 0 (0 is greedy)"
     if not p.temperature <= MAX_TEMPERATURE:

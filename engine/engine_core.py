@@ -43,6 +43,8 @@ class EngineCore:
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Validate a request against this model and fill in what the model decides (eos, max_tokens)."""
         config = self.model_config
+        if params.n != 1:  # an engine samples once per request: n is fanned out before (router, LLM)
+            raise InvalidRequestError(f"n={params.n}: an engine request samples one sequence; send n requests of n=1")
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty: send at least one token")

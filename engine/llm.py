@@ -51,6 +51,7 @@ class RequestOutput:
 class _Tracker:
     """Per-request state the offline API keeps beside the engine: text and the final result."""
 
+    prompt_index: int
     prompt: str | None
     prompt_token_ids: list[int]
     detokenizer: IncrementalDetokenizer
@@ -58,7 +59,7 @@ class _Tracker:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    counted: bool = False  # in the progress bar's finished prompts
+    counted: bool = False  # in the progress bar of finished sequences
 
 
 class LLM:
@@ -116,21 +117,22 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt in one continuous batch; outputs come back in prompt order. use_tqdm: a
-        progress bar of finished prompts on stderr (vLLM shows one by default)."""
+        progress bar of finished sequences (n per prompt) on stderr (vLLM shows one by default)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = self._params_for(len(prompts), sampling_params)
         trackers: dict[str, _Tracker] = {}
+        groups: list[list[str]] = []  # per prompt, the request ids of its n samples
         try:
-            for prompt, params in zip(prompts, params_list):
-                self._add(prompt, params, trackers)
-            with tqdm(total=len(trackers), desc="prompts", unit="prompt", disable=not use_tqdm) as progress:
+            for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+                groups.append(self._add(index, prompt, params, trackers))
+            with tqdm(total=len(trackers), desc="sequences", unit="seq", disable=not use_tqdm) as progress:
                 self._run(trackers, progress)
         except BaseException:
             for request_id in trackers:
                 self.engine.abort(request_id)
             raise
-        return [self._result(request_id, tracker) for request_id, tracker in trackers.items()]
+        return [self._result(group, trackers) for group in groups]
 
     def chat(
         self,
@@ -171,19 +173,26 @@ class LLM:
             raise InvalidRequestError(f"got {len(sampling_params)} sampling params for {count} prompts")
         return list(sampling_params)
 
-    def _add(self, prompt: PromptInput, params: SamplingParams, trackers: dict[str, _Tracker]) -> None:
+    def _add(self, index: int, prompt: PromptInput, params: SamplingParams, trackers: dict[str, _Tracker]) -> list[str]:
+        """The prompt's n samples as n engine requests (sample i seeded seed + i, as the router does); their ids."""
         text, token_ids = self._prompt_ids(prompt)
-        request_id = str(next(self._ids))
-        request = self.engine.make_request(request_id, token_ids, params)
-        detokenizer = IncrementalDetokenizer.for_params(self.tokenizer, token_ids, params)
-        trackers[request_id] = _Tracker(text, token_ids, detokenizer)
-        self.engine.add_request(request)
+        request_ids = []
+        for sample in range(params.n):
+            seed = None if params.seed is None else (params.seed + sample) % (1 << 63)
+            one = params.replace(n=1, seed=seed) if params.n > 1 else params
+            request_id = str(next(self._ids))
+            request = self.engine.make_request(request_id, token_ids, one)
+            trackers[request_id] = _Tracker(index, text, token_ids,
+                                            IncrementalDetokenizer.for_params(self.tokenizer, token_ids, one))
+            self.engine.add_request(request)
+            request_ids.append(request_id)
+        return request_ids
 
     def _run(self, trackers: dict[str, _Tracker], progress: tqdm) -> None:
         while self.engine.has_work():
             for delta in self.engine.step():
                 if delta.finish_reason == "error":  # offline, the caller hears of it as an exception
-                    raise RuntimeError(f"prompt {list(trackers).index(delta.request_id)} failed: {delta.error}")
+                    raise RuntimeError(f"prompt {trackers[delta.request_id].prompt_index} failed: {delta.error}")
                 tracker = trackers[delta.request_id]
                 tracker.token_ids.extend(delta.token_ids)
                 tracker.logprobs.extend(delta.logprobs)
@@ -200,12 +209,12 @@ class LLM:
                     progress.update()
 
     @staticmethod
-    def _result(request_id: str, tracker: _Tracker) -> RequestOutput:
-        completion = CompletionOutput(
-            0, tracker.detokenizer.text, tracker.token_ids, tracker.finish_reason, tracker.stop_reason,
-            tracker.logprobs or None,
-        )
-        return RequestOutput(request_id, tracker.prompt, tracker.prompt_token_ids, [completion])
+    def _result(group: list[str], trackers: dict[str, _Tracker]) -> RequestOutput:
+        samples = [trackers[request_id] for request_id in group]
+        completions = [CompletionOutput(index, t.detokenizer.text, t.token_ids, t.finish_reason, t.stop_reason,
+                                        t.logprobs or None) for index, t in enumerate(samples)]
+        first = samples[0]
+        return RequestOutput(group[0], first.prompt, first.prompt_token_ids, completions)
 
     @property
     def kv_cache_manager(self):

@@ -48,7 +48,7 @@ def test_non_positive_max_tokens(max_tokens):
 
 
 @pytest.mark.parametrize("kwargs, word", [
-    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 2}, "n=2"),
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n=0"), ({"n": 257}, "n=257"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"logprobs": 99}, "logprobs"),
 ])
 def test_bad_sampling_params(kwargs, word):

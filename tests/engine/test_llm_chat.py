@@ -64,3 +64,20 @@ def test_use_tqdm_shows_each_prompt_finish_once(llm, capsys):
     assert "3/3" in capsys.readouterr().err
     llm.chat(TALK, GREEDY, use_tqdm=False)
     assert capsys.readouterr().err == ""
+
+
+def test_n_samples_of_a_prompt_are_n_seeded_requests(llm):
+    """SamplingParams(n=3), as vLLM's LLM takes it: sample i is the request seeded seed + i (the router's rule)."""
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=5, ignore_eos=True)
+    first, second = llm.generate(["a", "b"], params)
+    assert [c.index for c in first.outputs] == [0, 1, 2] and len(second.outputs) == 3
+    for index, completion in enumerate(first.outputs):
+        alone = llm.generate("a", params.replace(n=1, seed=11 + index))[0].outputs[0]
+        assert completion.token_ids == alone.token_ids and completion.text == alone.text
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1, "distinct seeds, distinct samples"
+    assert llm.kv_cache_manager.num_used_blocks == 0
+
+
+def test_an_engine_request_samples_once(llm):
+    with pytest.raises(InvalidRequestError, match="send n requests of n=1"):
+        llm.engine.make_request("r", [5, 6], SamplingParams(n=2))
