@@ -1,5 +1,6 @@
-"""A conversation in OpenAI's message format -> the prompt text the model's chat template makes of it, for the
-offline `LLM.chat` (the router renders its requests the same way: router/tokenization.py). Torch-free."""
+"""A conversation in OpenAI's message format -> the prompt text the model's chat template makes of it. The one
+implementation behind the router's chat requests (router/tokenization.py) and the offline `LLM.chat`. Torch-free.
+A conversation it cannot render raises InvalidRequestError, its `field` naming the request field at fault."""
 
 from __future__ import annotations
 
@@ -16,34 +17,48 @@ def is_conversation(value: Any) -> bool:
 
 
 def render_chat(tokenizer, conversation: Conversation, *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, chat_template: str | None = None,
-                chat_template_kwargs: dict[str, Any] | None = None) -> str:
-    """The chat template applied to the messages; text content parts are joined by newlines, as the router does."""
+                continue_final_message: bool = False, **template_kwargs: Any) -> str:
+    """The chat template (the model's, or template_kwargs["chat_template"]) applied to the messages; text content
+    parts are joined by newlines. template_kwargs: the template's variables."""
     if not conversation:
-        raise InvalidRequestError("the conversation is empty: send at least one message")
+        raise _refused("the conversation is empty: send at least one message", "messages")
     if continue_final_message and add_generation_prompt:
-        raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: pass "
-                                  "add_generation_prompt=False to continue the last message")
-    if tokenizer.chat_template is None and chat_template is None:
-        raise InvalidRequestError("this model has no chat template: use generate() with a plain prompt, or pass "
-                                  "chat_template")
-    messages = [_message(m, index) for index, m in enumerate(conversation)]
+        raise _refused("continue_final_message and add_generation_prompt cannot both be true: set "
+                       "add_generation_prompt to false to continue the last message", "continue_final_message")
+    if tokenizer.chat_template is None and template_kwargs.get("chat_template") is None:
+        raise _refused("this model has no chat template: send a plain prompt instead (/v1/completions, or "
+                       "LLM.generate), or give a chat_template", "messages")
+    messages = [template_message(message, index) for index, message in enumerate(conversation)]
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message,
-                                             chat_template=chat_template, **(chat_template_kwargs or {}))
+                                             continue_final_message=continue_final_message, **template_kwargs)
     except Exception as exc:  # noqa: BLE001 - jinja and transformers raise many kinds for a bad conversation
-        raise InvalidRequestError(f"the chat template cannot render this conversation: {exc}") from exc
+        raise _refused(f"the chat template cannot render these messages: {exc}", "messages") from exc
 
 
-def _message(message: Any, index: int) -> dict[str, Any]:
+def template_message(message: Any, index: int) -> dict[str, Any]:
+    """A message as chat templates expect it: fields that are None dropped, content one string."""
     if not isinstance(message, dict) or "role" not in message:
-        raise InvalidRequestError(f"message {index} is not a dict with a 'role' (and 'content'): send messages as "
-                                  'OpenAI does, e.g. {"role": "user", "content": "Hello"}')
+        raise _refused(f"messages[{index}] is not a dict with a 'role' (and 'content'): send messages as "
+                       'OpenAI does, e.g. {"role": "user", "content": "Hello"}', "messages")
     content = message.get("content")
     if isinstance(content, list):
-        if any(not isinstance(part, dict) or part.get("type") != "text" or "text" not in part for part in content):
-            raise InvalidRequestError(f"message {index} has a content part that is not text: the models served are "
-                                      "text-only, so send text parts only")
-        content = "\n".join(part["text"] for part in content)
-    return {**message, "content": content or ""}
+        content = "\n".join(_part_text(part, index) for part in content)
+    return {**{key: value for key, value in message.items() if value is not None}, "content": content or ""}
+
+
+def _part_text(part: Any, index: int) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind != "text":
+        raise _refused(f"messages[{index}] has a {kind!r} content part: the models served are text-only, so send "
+                       "text parts only", "messages")
+    if not isinstance(part.get("text"), str):
+        raise _refused(f"messages[{index}] has a text content part without `text`: give each text part its text, "
+                       'as {"type": "text", "text": "..."}', "messages")
+    return part["text"]
+
+
+def _refused(message: str, field: str) -> InvalidRequestError:
+    error = InvalidRequestError(message)
+    error.field = field
+    return error

@@ -150,9 +150,10 @@ class LLM:
         conversations = [messages] if is_conversation(messages) else list(messages)
         prompts = []
         for conversation in conversations:
+            template = {} if chat_template is None else {"chat_template": chat_template}
             text = render_chat(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message, chat_template=chat_template,
-                               chat_template_kwargs=chat_template_kwargs)
+                               continue_final_message=continue_final_message, **(chat_template_kwargs or {}),
+                               **template)
             # the template wrote the special tokens already
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

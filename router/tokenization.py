@@ -6,11 +6,13 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from pdserve.control.errors import InvalidRequestError
 from pdserve.control.sampling_params import SamplingParams
+from pdserve.engine.chat import render_chat
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.router.errors import InvalidRequest
-from pdserve.router.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 
 
 class Tokenization:
@@ -52,11 +54,13 @@ class Tokenization:
         if request.response_format and request.response_format.get("type", "text") != "text":
             raise InvalidRequest("structured output (response_format) is not supported: ask for JSON in the prompt",
                                  param="response_format")
-        if request.continue_final_message and request.add_generation_prompt:
-            raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true: "
-                                 "set add_generation_prompt=false to continue the last message",
-                                 param="continue_final_message")
-        text = self._render_chat(request, self.template_kwargs(request, allow_template))
+        conversation = [message.model_dump(exclude_none=True) for message in request.messages]
+        try:
+            text = render_chat(self.tokenizer, conversation, add_generation_prompt=request.add_generation_prompt,
+                               continue_final_message=request.continue_final_message,
+                               **self.template_kwargs(request, allow_template))
+        except InvalidRequestError as exc:
+            raise InvalidRequest(str(exc), param=exc.field) from exc
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     def template_kwargs(self, request: ChatCompletionRequest, allow_template: bool) -> dict[str, Any]:
@@ -73,18 +77,6 @@ class Tokenization:
                                  "model's template (operators: --allow-request-chat-template)", param="chat_template")
         return kwargs if template is None else {**kwargs, "chat_template": template}
 
-    def _render_chat(self, request: ChatCompletionRequest, kwargs: dict[str, Any]) -> str:
-        if self.tokenizer.chat_template is None and "chat_template" not in kwargs:
-            raise InvalidRequest("this model has no chat template: use /v1/completions with a plain prompt",
-                                 param="messages")
-        messages = [_message_dict(m, index) for index, m in enumerate(request.messages)]
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - jinja and transformers raise many kinds for a bad conversation
-            raise InvalidRequest(f"the chat template cannot render these messages: {exc}", param="messages") from exc
-
     # ---- output ----
 
     def detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
@@ -96,22 +88,3 @@ class Tokenization:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-
-def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
-    """A message as chat templates expect it: content as one string (text parts joined by newlines)."""
-    extra = {k: v for k, v in (message.model_extra or {}).items() if v is not None}
-    content = message.content
-    if isinstance(content, list):
-        for part in content:
-            if part.type != "text":
-                raise InvalidRequest(f"messages[{index}] has a {part.type!r} content part: this server serves a "
-                                     f"text-only model, so send text parts only", param="messages")
-            if part.text is None:
-                raise InvalidRequest(f"messages[{index}] has a text content part without `text`: give each "
-                                     'text part its text, as {"type": "text", "text": "..."}', param="messages")
-        content = "\n".join(part.text for part in content)
-    result = {**extra, "role": message.role, "content": content or ""}
-    if message.name is not None:
-        result["name"] = message.name
-    return result

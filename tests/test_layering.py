@@ -20,7 +20,8 @@ ALLOWED = {
     "prefill": {"engine", "kernels", "control", "kvtransfer"},
     "decode": {"engine", "kernels", "control", "kvtransfer"},
     # the torch-free engine modules the router shares
-    "router": {"control", "engine.tokenizer", "engine.detokenizer", "engine.block_pool", "engine.generation_defaults"},
+    "router": {"control", "engine.tokenizer", "engine.detokenizer", "engine.block_pool", "engine.generation_defaults",
+               "engine.chat"},
 }
 
 
