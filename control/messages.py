@@ -6,6 +6,8 @@ pdserve.control.protocol; Abort and Error serve the KV link too.
     router -> prefill engine  PrefillRequest
     router -> either          Abort, StatsRequest       (Abort and Error: either way, on either plane)
     decode engine -> router   TokenDelta        (new tokens, and the finish reason at the end)
+    either -> router          PromptLogprobs    (+ 3 payload frames; before the request's first TokenDelta,
+                                                 when its SamplingParams ask for prompt_logprobs)
     prefill engine -> router  TokenDelta        (the first token as soon as it is sampled, before its KV
                                                  is sent; finish_reason set only when that token ends the
                                                  request; or an error)
@@ -28,12 +30,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import FailFast, Field, field_validator
+from pydantic import FailFast, Field, field_validator, model_validator
 
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.schema import (
     MAX_DICT_ITEMS,
     MAX_ID_LEN,
+    MAX_LOGPROBS,
     MAX_STR_LEN,
     MAX_TOKENS,
     MAX_TOKEN_ID,
@@ -80,6 +83,38 @@ class TokenDelta(Message, type_name="token_delta"):
     error_code: Literal["invalid_request", "kv_transfer_failed", "internal_error", "engine_step_failed"] | None = None
     num_prompt_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
     num_cached_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
+
+
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 16  # num_positions * width of one PromptLogprobs: 256 KiB frames
+
+
+class PromptLogprobs(Message, type_name="prompt_logprobs", max_frames=3):
+    """Engine -> router, before a request's first TokenDelta: the logprobs of prompt tokens
+    [start, start + num_positions) (position 0 has none), from the engine that ran the prompt's forward.
+    A long prompt takes several, in order; `last` marks the one that ends at the prompt's end.
+
+    Payload frames (native little-endian, row-major; control/prompt_logprobs.py packs and reads them):
+        token_ids  int32   [num_positions, width]  column 0 the prompt token, then the top width - 1 ids
+        logprobs   float32 [num_positions, width]  their logprobs (of the raw logits)
+        ranks      int32   [num_positions]         the prompt token's rank in the vocabulary (1 = likeliest)
+    """
+
+    request_id: str = Field(max_length=MAX_ID_LEN)
+    start: int = Field(ge=1, le=MAX_TOKENS)
+    num_positions: int = Field(ge=1, le=MAX_PROMPT_LOGPROB_ENTRIES)
+    width: int = Field(ge=1, le=MAX_LOGPROBS)
+    last: bool
+
+    @model_validator(mode="after")
+    def _bounded(self) -> PromptLogprobs:
+        if self.num_positions * self.width > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise ValueError(f"{self.num_positions} positions of width {self.width} exceed "
+                             f"{MAX_PROMPT_LOGPROB_ENTRIES} entries in one message")
+        return self
+
+    def frame_sizes(self) -> tuple[int, ...]:
+        entries = self.num_positions * self.width
+        return (entries * 4, entries * 4, self.num_positions * 4)
 
 
 class FirstToken(Message, type_name="first_token"):

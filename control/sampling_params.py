@@ -71,6 +71,9 @@ class SamplingParams(WireModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # a matched stop string (or a stop token's text) stays in the text
     logit_bias: LogitBias = ()  # (token id, bias) pairs: added to those logits before sampling
+    # logprobs of each prompt token (and the top-N at its position), computed by whichever engine runs the
+    # prompt's forward; a request with it set is never served from the prefix cache (as vLLM)
+    prompt_logprobs: int | None = None
 
     def __init__(self, /, **fields: Any) -> None:
         try:  # WireModel.__init__, keeping which field was at fault
@@ -150,4 +153,6 @@ def _range_problem(p: SamplingParams) -> tuple[str, str] | None:
         return "logit_bias", "logit_bias names a token id twice: give each token one bias"
     if not (p.logprobs is None or 0 <= p.logprobs <= MAX_TOP_LOGPROBS):
         return "logprobs", f"logprobs={p.logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"
+    if not (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_TOP_LOGPROBS):
+        return "prompt_logprobs", f"prompt_logprobs={p.prompt_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"
     return None

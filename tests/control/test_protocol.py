@@ -74,6 +74,7 @@ SAMPLES = [
     control.Deregister(engine_id="decode-0", control_address="tcp://127.0.0.1:5600"),
     control.KVPeers(kv_addresses=["tcp://127.0.0.1:5700", "ipc:///tmp/p1.kv"]),
     control.FirstToken(request_id="req-2", token_id=4, logprobs={4: -0.5, 9: -2.0}),
+    control.PromptLogprobs(request_id="req-2", start=1, num_positions=2, width=3, last=True),
 ]
 
 
@@ -102,8 +103,8 @@ def test_samples_cover_every_message_type():
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: m.type_name)
 def test_round_trip(msg):
-    buffers = [msg.nbytes * b"\x01"] if isinstance(msg, KVLayer) else []
-    if buffers:
+    buffers = [msg.nbytes * b"\x01"] if isinstance(msg, KVLayer) else [size * b"\x02" for size in msg.frame_sizes()]
+    if isinstance(msg, KVLayer):
         msg = KVLayer(**{**vars(msg), "checksum": payload_checksum(buffers[0])})
     parts = encode(msg, *buffers)
     decoded, frames = decode([bytes(part) for part in parts])
@@ -275,18 +276,19 @@ def test_construction_validates_locally():
 # Golden headers: the KV layer's as the hand-written validator this schema replaced wrote it; the wire
 # must not change unless a message's shape does.
 GOLDEN_KV_LAYER = (
-    "8ba474797065a86b765f6c61796572a776657273696f6e02aa726571756573745f6964a57265712d31ab6c617965725f7374"
+    "8ba474797065a86b765f6c61796572a776657273696f6e03aa726571756573745f6964a57265712d31ab6c617965725f7374"
     "61727404a96c617965725f656e6406ab746f6b656e5f737461727420aa6e756d5f746f6b656e7305a56474797065a862666c"
     "6f61743136a57368617065950202050208a66e6279746573cd0280a8636865636b73756dcf0123456789abcdef")
-GOLDEN_GENERATE = (  # SamplingParams nested (control/sampling_params.py), logit_bias last
-    "86a474797065a867656e6572617465a776657273696f6e02aa726571756573745f6964a57265712d32b070726f6d70745f74"
-    "6f6b656e5f69647393010203af73616d706c696e675f706172616d73de0012a16e01ab74656d7065726174757265cb000000"
+GOLDEN_GENERATE = (  # SamplingParams nested (control/sampling_params.py), prompt_logprobs last
+    "86a474797065a867656e6572617465a776657273696f6e03aa726571756573745f6964a57265712d32b070726f6d70745f74"
+    "6f6b656e5f69647393010203af73616d706c696e675f706172616d73de0013a16e01ab74656d7065726174757265cb000000"
     "0000000000a5746f705f70cb3ff0000000000000a5746f705f6b00a56d696e5f70cb0000000000000000a47365656405b272"
     "657065746974696f6e5f70656e616c7479cb3ff0000000000000b070726573656e63655f70656e616c7479cb000000000000"
     "0000b16672657175656e63795f70656e616c7479cb0000000000000000aa6d61785f746f6b656e7310aa6d696e5f746f6b65"
     "6e7300a473746f7090ae73746f705f746f6b656e5f6964739107aa69676e6f72655f656f73c2a86c6f6770726f6273c0b373"
     "6b69705f7370656369616c5f746f6b656e73c3ba696e636c7564655f73746f705f7374725f696e5f6f7574707574c2aa6c6f"
-    "6769745f6269617390b270726566696c6c5f6b765f61646472657373a77463703a2f2f61")
+    "6769745f6269617390af70726f6d70745f6c6f6770726f6273c0b270726566696c6c5f6b765f61646472657373a77463703a"
+    "2f2f61")
 
 
 def test_headers_are_byte_identical_to_the_first_schema():
