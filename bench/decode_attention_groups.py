@@ -138,7 +138,7 @@ class StepBench:
 
     def step(self):
         plan = self.engine.scheduler.schedule()
-        sampled = self.engine.runner.execute(plan, self.engine.kv_transfer.layer_hook(plan))
+        sampled = self.engine.runner.execute(plan, self.engine.kv_transfer.layer_hook(plan)).sampled
         self.engine.scheduler.update_from_output(plan, sampled)
         return plan.scheduled
 

@@ -73,7 +73,7 @@ def timed_step(engine) -> tuple[float, float, list]:
     start, start_cpu = time.perf_counter(), time.thread_time()
     plan = engine.scheduler.schedule()
     shapes = [(s.num_new_tokens, s.request.num_computed_tokens) for s in plan.scheduled]
-    sampled = engine.runner.execute(plan, engine.kv_transfer.layer_hook(plan))
+    sampled = engine.runner.execute(plan, engine.kv_transfer.layer_hook(plan)).sampled
     engine.scheduler.update_from_output(plan, sampled)
     return time.perf_counter() - start, time.thread_time() - start_cpu, shapes
 

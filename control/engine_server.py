@@ -25,6 +25,7 @@ from pdserve.control.gc_freeze import freeze_startup_heap
 from pdserve.control.heartbeat import Heartbeat, advertised_address
 from pdserve.control.keys import ClusterCurve
 from pdserve.control.messages import Abort, DescribeRequest, EngineStats, Error, Register, StatsRequest, TokenDelta
+from pdserve.control.prompt_logprobs import pack as pack_prompt_logprobs
 from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, ServerSocket
 
 log = logging.getLogger("pdserve.engine_server")
@@ -159,7 +160,9 @@ class EngineServer:
     def publish(self, deltas: list[TokenDelta]) -> None:
         """Send each delta of a step, as the scheduler made it, to the peer that sent its request. A
         request whose peer is gone (a router that died: its connection closed) is aborted, so its blocks
-        go back now rather than after max_tokens nobody reads."""
+        go back now rather than after max_tokens nobody reads. Prompt logprobs go first: a request's
+        come before its first token."""
+        self._publish_prompt_logprobs()
         for delta in deltas:
             owner = self.owners.get(delta.request_id)
             if delta.finish_reason is not None:
@@ -168,10 +171,16 @@ class EngineServer:
             if message is not None and not self._deliver(owner, message):
                 self._abort_orphan(delta)
 
-    def _deliver(self, peer_id: bytes, msg: Any) -> bool:
+    def _publish_prompt_logprobs(self) -> None:
+        for request_id, tables in self.engine.take_prompt_logprobs():
+            owner = self.owners.get(request_id)
+            for msg, buffers in pack_prompt_logprobs(request_id, *tables) if owner is not None else ():
+                self._deliver(owner, msg, *buffers)
+
+    def _deliver(self, peer_id: bytes, msg: Any, *buffers: Any) -> bool:
         """Send without waiting; False only when the peer is gone (a full queue drops the message, logged)."""
         try:
-            self.control.send(peer_id, msg, timeout=0)
+            self.control.send(peer_id, msg, *buffers, timeout=0)
         except PeerUnreachableError:
             return False
         except WireError as exc:

@@ -7,6 +7,7 @@ import logging
 import time
 
 from pdserve.control.messages import TokenDelta
+from pdserve.engine import prompt_logprobs
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector, KVTransferSide
@@ -92,6 +93,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def take_prompt_logprobs(self) -> list[tuple[str, tuple]]:
+        """(request id, its whole prompt's tables) of the prompts completed since the last call; each comes
+        before the request's first token is reported (engine/prompt_logprobs.py)."""
+        return [(request_id, prompt_logprobs.join(parts)) for request_id, parts in self.scheduler.take_prompt_logprobs()]
+
     def has_runnable_work(self) -> bool:
         """Requests that a step can advance now (not only ones waiting on a peer)."""
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -105,13 +111,13 @@ class EngineCore:
         label = _step_label(plan) if log.isEnabledFor(logging.DEBUG) else ""
         log.debug("%s began at %.6f", label, time.time())
         try:
-            sampled = self.runner.execute(plan, self.kv_transfer.layer_hook(plan))
+            output = self.runner.execute(plan, self.kv_transfer.layer_hook(plan))
         except Exception as exc:  # noqa: BLE001 - one bad step must not end the engine, see docstring
             request_ids = [item.request.request_id for item in plan.scheduled]
             log.exception("a step failed; failing its requests %s", request_ids)
             return self.scheduler.fail_step(plan, _step_error(exc))
         log.debug("%s ended at %.6f", label, time.time())
-        return self.scheduler.update_from_output(plan, sampled)
+        return self.scheduler.update_from_output(plan, output.sampled, output.prompt_logprobs)
 
     def stats(self) -> SchedulerStats:
         scheduler = self.scheduler

@@ -63,11 +63,14 @@ class KVCacheManager:
         """Longest cached prefix of the request as (blocks, num_tokens); takes no references.
 
         Hits stop before the last token (capped at num_tokens - 1, whole blocks) so that at least
-        one token is computed and yields logits.
+        one token is computed and yields logits. A request that asks for prompt logprobs gets no hit (as
+        vLLM): they come from the logits of every prompt position.
         """
         if not self.enable_caching:
             return [], 0
         block_hashes = self._update_block_hashes(request)
+        if request.sampling_params.prompt_logprobs is not None:  # every prompt position must be computed
+            return [], 0
         max_hit_blocks = max(request.num_tokens - 1, 0) // self.block_size
         hit_blocks = []
         for block_hash in block_hashes[:max_hit_blocks]:

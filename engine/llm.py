@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from pdserve.engine import prompt_logprobs
 from pdserve.engine.chat import Conversation, is_conversation, render_chat
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, check_device
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -45,6 +46,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
+    # with SamplingParams(prompt_logprobs=k): [None, {prompt token and top-k id: logprob}, ...], one per
+    # prompt token (the first has none), as vLLM's
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -60,6 +64,7 @@ class _Tracker:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     counted: bool = False  # in the progress bar of finished sequences
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLM:
@@ -180,18 +185,26 @@ class LLM:
         request_ids = []
         for sample in range(params.n):
             seed = None if params.seed is None else (params.seed + sample) % (1 << 63)
-            one = params.replace(n=1, seed=seed) if params.n > 1 else params
+            # the prompt's logprobs are the same for every sample: the first computes them
+            one = params
+            if params.n > 1:
+                one = params.replace(n=1, seed=seed, prompt_logprobs=None if sample else params.prompt_logprobs)
             request_id = str(next(self._ids))
             request = self.engine.make_request(request_id, token_ids, one)
-            trackers[request_id] = _Tracker(index, text, token_ids,
-                                            IncrementalDetokenizer.for_params(self.tokenizer, token_ids, one))
+            tracker = _Tracker(index, text, token_ids, IncrementalDetokenizer.for_params(self.tokenizer, token_ids, one))
+            if one.prompt_logprobs is not None and len(token_ids) == 1:  # no position has a logprob
+                tracker.prompt_logprobs = [None]
+            trackers[request_id] = tracker
             self.engine.add_request(request)
             request_ids.append(request_id)
         return request_ids
 
     def _run(self, trackers: dict[str, _Tracker], progress: tqdm) -> None:
         while self.engine.has_work():
-            for delta in self.engine.step():
+            deltas = self.engine.step()
+            for request_id, tables in self.engine.take_prompt_logprobs():
+                trackers[request_id].prompt_logprobs = prompt_logprobs.as_dicts(tables)
+            for delta in deltas:
                 if delta.finish_reason == "error":  # offline, the caller hears of it as an exception
                     raise RuntimeError(f"prompt {trackers[delta.request_id].prompt_index} failed: {delta.error}")
                 tracker = trackers[delta.request_id]
@@ -215,7 +228,8 @@ class LLM:
         completions = [CompletionOutput(index, t.detokenizer.text, t.token_ids, t.finish_reason, t.stop_reason,
                                         t.logprobs or None) for index, t in enumerate(samples)]
         first = samples[0]
-        return RequestOutput(group[0], first.prompt, first.prompt_token_ids, completions)
+        return RequestOutput(group[0], first.prompt, first.prompt_token_ids, completions,
+                             prompt_logprobs=first.prompt_logprobs)
 
     @property
     def kv_cache_manager(self):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -13,6 +13,7 @@ from pdserve.engine.attention.selector import get_attn_backend
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_batch_sizes, context_buckets
 from pdserve.engine.forward_context import ForwardContext, use_forward_context
+from pdserve.engine import prompt_logprobs
 from pdserve.engine.layers.sampler import Sampler
 from pdserve.engine.loader import load_model
 from pdserve.engine.models.registry import NATIVE_MODELS
@@ -31,6 +32,15 @@ class StepInputs:
     logits_indices: torch.Tensor  # [R] int64, row of the last token of each request that samples
     sampling_requests: list  # [R] the requests those rows belong to
     max_seq_len: int = 0  # longest context of the step (host-side), picks the CUDA graph's table width
+    prompt_rows: list = field(default_factory=list)  # [prompt_logprobs.PromptRows] of requests that ask
+    # set by the forward: {request id: this step's prompt-logprob tables}
+    prompt_logprobs: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepOutput:
+    sampled: dict[str, tuple[int, dict[int, float] | None]]  # request id -> (sampled token, logprobs or None)
+    prompt_logprobs: dict = field(default_factory=dict)  # request id -> this step's prompt-logprob tables
 
 
 def kv_cache_num_blocks(model_config: ModelConfig, cache_config: CacheConfig, device: torch.device) -> int:
@@ -113,9 +123,13 @@ class ModelRunner:
         block_rows: list[list[int]] = []
         logits_rows: list[int] = []
         sampling_requests = []
+        prompt_rows = []
         for item in plan.scheduled:
             request, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
+            rows = prompt_logprobs.rows_of_chunk(request, start, end, len(token_ids))
+            if rows is not None:
+                prompt_rows.append(rows)
             token_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             seq_lens.append(end)
@@ -124,8 +138,10 @@ class ModelRunner:
             if item.samples:
                 logits_rows.append(len(token_ids) - 1)
                 sampling_requests.append(request)
-        return self._to_tensors(plan.num_decodes, token_ids, positions, seq_lens, query_lens, block_rows,
-                                logits_rows, sampling_requests)
+        inputs = self._to_tensors(plan.num_decodes, token_ids, positions, seq_lens, query_lens, block_rows,
+                                  logits_rows, sampling_requests)
+        inputs.prompt_rows = prompt_rows
+        return inputs
 
     def _to_tensors(self, num_decodes, token_ids, positions, seq_lens, query_lens, block_rows,
                     logits_rows, sampling_requests) -> StepInputs:
@@ -160,29 +176,31 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None,
-                ) -> dict[str, tuple[int, dict[int, float] | None]]:
-        """Run one step; returns {request_id: (sampled token, logprobs or None)} for requests that sample.
-        on_layer_stored(layer_idx) runs as soon as each layer's new K/V is in the cache."""
+    def execute(self, plan: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None) -> StepOutput:
+        """Run one step: the sampled tokens of requests that sample, and the prompt logprobs of the
+        chunks that ask for them. on_layer_stored(layer_idx) runs as soon as each layer's new K/V is in
+        the cache."""
         if plan.is_empty:
-            return {}
+            return StepOutput({})
         inputs = self.prepare(plan)
         logits = self.step_logits(inputs, on_layer_stored)  # [R, vocab]
         if not inputs.sampling_requests:
-            return {}
+            return StepOutput({}, inputs.prompt_logprobs)
         result = self.sampler(logits, inputs.sampling_requests)
-        return {
+        sampled = {
             request.request_id: (token, logprobs)
             for request, token, logprobs in zip(inputs.sampling_requests, result.token_ids, result.logprobs)
         }
+        return StepOutput(sampled, inputs.prompt_logprobs)
 
     @torch.inference_mode()
     def step_logits(self, inputs: StepInputs, on_layer_stored: Callable[[int], None] | None = None,
                     eager: bool = False) -> torch.Tensor | None:
         """Run the step's forward (KV written); logits [R, vocab] of the rows that sample, None if none.
-        Decode-only steps that fit a captured graph replay it (unless eager); the rest run eagerly."""
+        Decode-only steps that fit a captured graph replay it (unless eager); the rest run eagerly, and
+        fill inputs.prompt_logprobs for the chunks that ask for them."""
         graphs, context = self.decode_graphs, inputs.context
-        decode_only = context.num_decode_tokens == context.num_tokens
+        decode_only = context.num_decode_tokens == context.num_tokens and not inputs.prompt_rows
         if (graphs is not None and not eager and on_layer_stored is None and decode_only
                 and graphs.can_run(context.num_decode_tokens, inputs.max_seq_len)):
             logits = graphs.run(inputs.input_ids, inputs.positions, context, inputs.max_seq_len)  # [n, vocab]
@@ -190,6 +208,8 @@ class ModelRunner:
         context.on_layer_stored = on_layer_stored
         with use_forward_context(context, self.attn_backend):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        if inputs.prompt_rows:
+            inputs.prompt_logprobs = prompt_logprobs.compute(self.model, hidden, inputs.prompt_rows)
         if not inputs.sampling_requests:
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))  # [R, vocab]

@@ -70,6 +70,10 @@ class Request:
     # One entry per output token when sampling_params.logprobs is set: {token_id: logprob}.
     logprobs: list[dict[int, float]] = field(default_factory=list)
     error: str | None = None
+    # When sampling_params.prompt_logprobs is set: the prompt's tables so far, one part per prompt chunk
+    # (engine/prompt_logprobs.py), and how many positions they cover (the prompt's n - 1 when complete).
+    prompt_logprob_parts: list = field(default_factory=list)
+    num_prompt_logprob_positions: int = 0
     # prompt + output, kept as one list so per-step lookups do not copy it; only append through
     # append_output_token().
     all_token_ids: list[int] = field(init=False)
@@ -90,8 +94,24 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt positions whose logprobs are still to be computed."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and self.num_prompt_logprob_positions < self.num_prompt_tokens - 1)
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished()
+
+    def add_prompt_logprobs(self, tables: tuple) -> list[tuple] | None:
+        """Keep one prompt chunk's prompt-logprob tables (engine/prompt_logprobs.py); all of the prompt's
+        once its last chunk is in, else None."""
+        self.prompt_logprob_parts.append(tables)
+        self.num_prompt_logprob_positions += len(tables[2])
+        if self.wants_prompt_logprobs:
+            return None
+        parts, self.prompt_logprob_parts = self.prompt_logprob_parts, []
+        return parts
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

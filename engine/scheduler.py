@@ -69,6 +69,7 @@ class Scheduler:
         self.waiting_for_remote_kv: dict[str, Request] = {}
         self.delayed_free: dict[str, Request] = {}  # finished, blocks held until the peer has them
         self._pending: list[TokenDelta] = []  # produced outside a step (connector events, aborts)
+        self._prompt_logprobs_ready: list[tuple[str, list]] = []  # (request id, its prompt's chunks' tables)
         self.num_preemptions = 0  # since start, for stats and tests
         self.prefix_cache_stats = PrefixCacheStats()
 
@@ -206,13 +207,20 @@ class Scheduler:
     # ---- after a step --------------------------------------------------------------------------
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, tuple[int, dict[int, float] | None]]
+        self, output: SchedulerOutput, sampled: dict[str, tuple[int, dict[int, float] | None]],
+        prompt_tables: dict | None = None,
     ) -> list[TokenDelta]:
-        """Advance each scheduled request by its tokens, append sampled tokens, finish what stopped."""
+        """Advance each scheduled request by its tokens, append sampled tokens, finish what stopped.
+        prompt_tables: the step's prompt-logprob tables by request id; a prompt's whole set is ready
+        (take_prompt_logprobs) once its last chunk ran, before its first token's delta is sent."""
         deltas, self._pending = self._pending, []
         for item in output.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
+            if prompt_tables and request.request_id in prompt_tables:
+                parts = request.add_prompt_logprobs(prompt_tables[request.request_id])
+                if parts is not None:
+                    self._prompt_logprobs_ready.append((request.request_id, parts))
             if request.request_id not in sampled:
                 continue
             token_id, logprobs = sampled[request.request_id]
@@ -232,6 +240,10 @@ class Scheduler:
             self.kv.uncache_uncomputed(request)
             self._finish(request, RequestStatus.FINISHED_ERROR, error=error, error_code="engine_step_failed")
         return self.take_pending()
+
+    def take_prompt_logprobs(self) -> list[tuple[str, list]]:
+        ready, self._prompt_logprobs_ready = self._prompt_logprobs_ready, []
+        return ready
 
     def take_pending(self) -> list[TokenDelta]:
         """Deltas produced without a model step (aborts, remote-KV failures) since the last call."""

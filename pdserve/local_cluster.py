@@ -13,7 +13,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.control.messages import Abort, EngineStats, GenerateRequest, PrefillRequest, StatsRequest, TokenDelta
+from pdserve.control.messages import (
+    Abort,
+    EngineStats,
+    GenerateRequest,
+    PrefillRequest,
+    PromptLogprobs,
+    StatsRequest,
+    TokenDelta,
+)
+from pdserve.control.prompt_logprobs import PromptLogprobsAssembler
+from pdserve.control.prompt_logprobs import read as read_prompt_logprobs
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.sockets import ClientSocket
 
@@ -89,6 +99,9 @@ class Result:
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per token, when the request asked
     finish_reason: str | None = None
     error: str | None = None
+    # with prompt_logprobs: [None, {token id: (logprob, rank)}, ...] as the first engine that sent them did
+    prompt_logprobs: list | None = None
+    prompt_logprobs_from: str | None = None  # "prefill" or "decode"
 
 
 class Driver:
@@ -100,10 +113,13 @@ class Driver:
         self.decode = ClientSocket(decode.addresses["control"], curve=curve)
         self.prefill = ClientSocket(prefill.addresses["control"], curve=curve) if prefill else None
         self.prefill_kv = prefill.addresses["kv"] if prefill else None
+        self._prompt_lengths: dict[str, int] = {}
+        self._assemblers: dict[str, PromptLogprobsAssembler] = {}
 
     def submit(self, request_id: str, prompt: list[int], remote: bool = True, **sampling) -> None:
         """sampling: SamplingParams keyword arguments."""
         params = SamplingParams(**sampling)
+        self._prompt_lengths[request_id] = len(prompt)
         use_prefill = remote and self.prefill is not None
         if use_prefill:
             self.prefill.send(PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params))
@@ -119,6 +135,10 @@ class Driver:
                                    f"{[k for k, r in results.items() if r.finish_reason is None]}")
             for client in filter(None, (self.decode, self.prefill)):
                 received = client.recv(timeout=0.01)
+                if received is not None and isinstance(received.msg, PromptLogprobs):
+                    self._gather_prompt_logprobs(results[received.msg.request_id], received,
+                                                 "prefill" if client is self.prefill else "decode")
+                    continue
                 if client is self.prefill and received is not None and not (
                         isinstance(received.msg, TokenDelta) and received.msg.finish_reason == "error"):
                     continue  # the prefill engine's first token comes again from the decode engine
@@ -129,6 +149,17 @@ class Driver:
                     if received.msg.finish_reason is not None:
                         result.finish_reason, result.error = received.msg.finish_reason, received.msg.error
         return results
+
+    def _gather_prompt_logprobs(self, result: Result, received, engine: str) -> None:
+        """Keep the first engine's set whole (the router keeps the first complete set too)."""
+        msg = received.msg
+        if result.prompt_logprobs_from is None:
+            result.prompt_logprobs_from = engine
+            self._assemblers[msg.request_id] = PromptLogprobsAssembler(self._prompt_lengths[msg.request_id])
+        if engine == result.prompt_logprobs_from:
+            assembler = self._assemblers[msg.request_id]
+            assembler.add(msg, read_prompt_logprobs(msg, received.frames))
+            result.prompt_logprobs = assembler.result
 
     def generate(self, prompts: list[list[int]], remote: bool = True, prefix: str = "r", **sampling):
         ids = [f"{prefix}{i}" for i in range(len(prompts))]

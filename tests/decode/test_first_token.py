@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from pdserve import SamplingParams
 from pdserve.control.messages import FirstToken
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.test_disaggregated import (
@@ -63,3 +64,35 @@ def test_a_local_prefill_keeps_the_first_token_it_was_given(model_factory, tmp_p
     finally:
         driver.close()
         decode.stop()
+
+
+PROMPT_LOGPROBS = {**GREEDY, "prompt_logprobs": 2}
+
+
+def assert_same_prompt_logprobs(theirs, ours_offline) -> None:
+    """The wire's {id: (logprob, rank)} rows against the offline engine's {id: logprob} rows."""
+    assert theirs is not None and len(theirs) == len(ours_offline) and theirs[0] is None
+    for wire, offline in zip(theirs[1:], ours_offline[1:]):
+        assert list(wire) == list(offline)
+        for token_id, (logprob, rank) in wire.items():
+            assert logprob == pytest.approx(offline[token_id], abs=1e-5)
+            assert rank >= 1
+
+
+def test_prompt_logprobs_come_from_whichever_engine_runs_the_prompt(model_factory, tmp_path):
+    """Disaggregated: the prefill engine sends them (the decode engine, which only receives KV, sends
+    none); prefilled locally, the decode engine does. Both equal the offline engine's."""
+    model_dir = model_factory("llama")
+    offline = colocated_llm(model_dir).generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                SamplingParams(**PROMPT_LOGPROBS))
+    with running_pair(model_dir, tmp_path) as driver:
+        for remote, engine in [(True, "prefill"), (False, "decode")]:
+            results = driver.generate(PROMPTS, remote=remote, prefix=engine, **PROMPT_LOGPROBS)
+            for prompt, result, expected in zip(PROMPTS, results, offline):
+                assert result.token_ids == expected.outputs[0].token_ids, (result.finish_reason, result.error)
+                if len(prompt) == 1:  # no position has a logprob: nothing is sent
+                    assert result.prompt_logprobs is None
+                    continue
+                assert result.prompt_logprobs_from == engine
+                assert_same_prompt_logprobs(result.prompt_logprobs, expected.prompt_logprobs)
+        assert_no_leaks(driver)

@@ -219,7 +219,7 @@ def test_layer_hook_steps_run_eagerly(model_factory):
     plan = engine.scheduler.schedule()
     assert plan.num_decodes == len(plan.scheduled) == 2
     layers: list[int] = []
-    sampled = runner.execute(plan, on_layer_stored=layers.append)
+    sampled = runner.execute(plan, on_layer_stored=layers.append).sampled
     assert layers == list(range(runner.model_config.num_layers))
     assert sum(graphs.replays.values()) == 0
     engine.scheduler.update_from_output(plan, sampled)
@@ -387,7 +387,7 @@ def test_cuda_graph_replay_equals_padded_eager_run_on_gpu(model_factory):
         padded = padded.index_select(0, inputs.logits_indices)
         torch.testing.assert_close(logits, padded, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(replayed_cache, runner.kv_cache, atol=1e-5, rtol=1e-5)
-        engine.scheduler.update_from_output(plan, runner.execute(plan))
+        engine.scheduler.update_from_output(plan, runner.execute(plan).sampled)
     assert graphs.replays[(4, 8)] > 0
     assert_idle(llm)
 
