@@ -211,7 +211,7 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
             CompletionFormatter, model=config.served_model_name, tokenization=gateway.tokenization, prompts=prompts,
             n=body.n, num_logprobs=body.logprobs, return_token_ids=body.return_token_ids,
             include_usage=body.include_usage_in_stream, continuous_usage=body.continuous_usage_in_stream,
-            echo=body.echo)
+            num_prompt_logprobs=body.prompt_logprobs, echo=body.echo)
         return await respond(gateway, request, specs, formatter, body.stream)
 
     @app.post("/v1/chat/completions", dependencies=key_checked)
@@ -226,7 +226,7 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
             prompts=[Prompt(text, token_ids)], n=body.n,
             num_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             return_token_ids=body.return_token_ids, include_usage=body.include_usage_in_stream,
-            continuous_usage=body.continuous_usage_in_stream)
+            continuous_usage=body.continuous_usage_in_stream, num_prompt_logprobs=body.prompt_logprobs)
         return await respond(gateway, request, specs, formatter, body.stream)
 
     if fast_path:  # the same two handlers, ahead of FastAPI's per-request machinery (router/fast_path.py)

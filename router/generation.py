@@ -4,6 +4,11 @@ tokens as text, apply stop strings, and clean up.
     ChoiceRunner(gateway, spec, request_id).events()  ->  ChoiceDelta ... (the last has finish_reason)
     runner.start() sends the first attempt at once; events() then relays it (abandon() if it never will)
 
+A choice that asks for prompt logprobs gathers the engine's PromptLogprobs (sent before its first token)
+and hands them out with its first delta; with n > 1 only sample 0 asks the engines, and the prompt's
+other samples wait for its set (SharedPromptLogprobs). A first token without a whole set is the engine's
+fault: EngineFailed, never an answer silently missing them.
+
 The first token comes from the prefill engine as soon as it is sampled (before its KV moves) and is
 streamed at once; the decode engine is told it (FirstToken) and its stream goes on from the second
 token: its own first token, the same one, is dropped. If that first token ends the choice (a stop token,
@@ -35,10 +40,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.control.errors import ProtocolError
 from pdserve.control.messages import Abort, FirstToken, GenerateRequest, PrefillRequest, TokenDelta
+from pdserve.control.prompt_logprobs import PositionLogprobs, PromptLogprobsAssembler
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.router.errors import EngineFailed, InvalidRequest, RequestTimeout
-from pdserve.router.link import EngineGone, EngineUnreachable
+from pdserve.router.link import EngineGone, EngineUnreachable, PromptLogprobsChunk
 from pdserve.router.policies import Route
 
 log = logging.getLogger("pdserve.router.generation")
@@ -46,11 +53,38 @@ log = logging.getLogger("pdserve.router.generation")
 _DEADLINE = "deadline"  # the source of the item an attempt's timer puts in its inbox
 
 
+# A prompt's logprobs as the client gets them: [None, position 1, ..., position n - 1] (the first token has none)
+PromptRows = list[PositionLogprobs | None]
+
+
+class SharedPromptLogprobs:
+    """The prompt logprobs of one prompt with n > 1 samples: sample 0 asks the engines and sets them, the
+    other samples wait for them (each reports them)."""
+
+    def __init__(self) -> None:
+        self.rows: PromptRows | None = None
+        self._ready = asyncio.Event()
+
+    def set(self, rows: PromptRows) -> None:
+        self.rows = rows
+        self._ready.set()
+
+    async def wait(self) -> PromptRows:
+        await self._ready.wait()
+        return self.rows
+
+
 @dataclass(frozen=True)
 class ChoiceSpec:
     index: int
     prompt_token_ids: list[int]
     sampling_params: SamplingParams  # sent to the engines as it is; its stop strings are applied here
+    prompt_only: bool = False  # max_tokens=0 with echo: the engines make one token, which is dropped
+    shared_prompt_logprobs: SharedPromptLogprobs | None = None  # n > 1 and prompt logprobs asked: one per prompt
+
+    @property
+    def reports_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None or self.shared_prompt_logprobs is not None
 
 
 @dataclass
@@ -64,6 +98,7 @@ class ChoiceDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # the engine's prefix-cache hit, reported with the first token
+    prompt_logprobs: PromptRows | None = None  # on the choice's first delta, when it asked for them
 
 
 @dataclass(frozen=True)
@@ -246,16 +281,21 @@ class ChoiceRunner:
         detokenizer = self.gateway.tokenization.detokenizer(self.spec.prompt_token_ids, self.spec.sampling_params)
         self.token_ids = []
         first_token: int | None = None  # streamed from the prefill engine: the decode engine's first again
+        pending = self.spec.reports_prompt_logprobs  # until the first token, which carries them
+        gather = _PromptLogprobsGather(self.spec.prompt_token_ids) \
+            if self.spec.sampling_params.prompt_logprobs is not None else None
+        rows: PromptRows | None = None
         while True:
             source, item = await _next(submission.inbox)
             if source == "prefill" and self.token_ids:
                 continue  # the decode engine's tokens came first: the prefill engine's part is over
-            if isinstance(item, EngineGone):
-                raise _Retry(f"{source} engine {item.engine_id} left ({item.reason})",
-                             exclude=getattr(submission.route, source).control_address,
-                             force_local=source == "prefill")
+            if type(item) is not TokenDelta:  # an engine gone, or a prompt's logprobs (before its first token)
+                self._take_notice(submission, source, item, gather if pending else None)
+                continue
             if item.finish_reason in ("error", "abort"):
                 self._failed(source, item)
+            if pending and (item.token_ids or item.finish_reason):  # the first token: the prompt's logprobs are in
+                rows, pending = await self._prompt_rows(gather, source), False
             if source == "prefill" and item.token_ids:
                 first_token = item.token_ids[0]
                 if item.finish_reason is None:
@@ -265,6 +305,8 @@ class ChoiceRunner:
                 if first_token is not None and item.token_ids:
                     item, first_token = _without_first_token(item, first_token), None
             delta = self._consume(item, detokenizer)
+            if rows is not None:
+                delta.prompt_logprobs, rows = rows, None
             if delta.token_ids and delta.finish_reason is None:  # a choice over at once aborts both engines
                 submission.release_prefill()
             if delta.finish_reason is not None:  # the prefix index learns the output after the answer is written
@@ -275,6 +317,28 @@ class ChoiceRunner:
                 return
             if delta.token_ids or delta.text:
                 yield delta
+
+    def _take_notice(self, submission: Submission, source: str, item: Any,
+                     gather: _PromptLogprobsGather | None) -> None:
+        """What a link puts in the inbox besides tokens: an engine that left (retry elsewhere), or a chunk of
+        the prompt's logprobs (gathered while the choice waits for them; dropped after its first token)."""
+        if isinstance(item, EngineGone):
+            raise _Retry(f"{source} engine {item.engine_id} left ({item.reason})",
+                         exclude=getattr(submission.route, source).control_address,
+                         force_local=source == "prefill")
+        if gather is not None and isinstance(item, PromptLogprobsChunk):
+            gather.add(source, item)
+
+    async def _prompt_rows(self, gather: _PromptLogprobsGather | None, source: str) -> PromptRows:
+        """The choice's prompt logprobs at its first token: those its engines sent (then shared with the
+        prompt's other samples), or, for a sample that did not ask the engines, sample 0's."""
+        shared = self.spec.shared_prompt_logprobs
+        if gather is None:
+            return await shared.wait()
+        rows = gather.result(source)
+        if shared is not None:
+            shared.set(rows)
+        return rows
 
     def _failed(self, source: str, delta: TokenDelta) -> None:
         """An engine ended the request with an error or abort: retry, or raise what the client sees."""
@@ -291,6 +355,8 @@ class ChoiceRunner:
         """The delta's tokens up to a stop string's match, as text. A delta that finished with "stop" ends
         with the engine's stop token (EOS or a stop_token_ids one): the detokenizer leaves its text out (unless
         include_stop_str_in_output), as vLLM does."""
+        if self.spec.prompt_only:  # echo without generation: the token the engines had to make is not shown
+            return ChoiceDelta(self.spec.index, "", [], [], "length", None, delta.num_cached_tokens)
         new_ids: list[int] = []
         last = len(delta.token_ids) - 1
         for position, token_id in enumerate(delta.token_ids):
@@ -305,6 +371,41 @@ class ChoiceRunner:
         text = detokenizer.take_new_text(finished=finish_reason is not None)
         return ChoiceDelta(self.spec.index, text, new_ids, list(delta.logprobs[:len(new_ids)]),
                            finish_reason, stop_reason, delta.num_cached_tokens)
+
+
+class _PromptLogprobsGather:
+    """One attempt's prompt logprobs, gathered per engine that may send them (the prefill engine, or the
+    decode engine when it prefills the prompt itself); the first whole set is the choice's."""
+
+    def __init__(self, prompt_token_ids: list[int]) -> None:
+        self.prompt_token_ids = prompt_token_ids
+        self.by_source = {source: PromptLogprobsAssembler(len(prompt_token_ids)) for source in ("prefill", "decode")}
+
+    def add(self, source: str, chunk: PromptLogprobsChunk) -> None:
+        try:
+            self.by_source[source].add(chunk.msg, chunk.rows)
+        except ProtocolError as exc:
+            raise EngineFailed(f"the {source} engine sent prompt logprobs that do not fit the prompt: {exc}",
+                               code="internal_error") from exc
+
+    def result(self, source: str) -> PromptRows:
+        """The whole set, at the first token; its absence is the engine's fault, never silently skipped."""
+        for assembler in self.by_source.values():
+            if assembler.result is not None:
+                return self._checked(source, assembler.result)
+        raise EngineFailed(f"the {source} engine sent the first token before the prompt logprobs the request "
+                           "asked for: the engine is at fault; retry, or report it with the engine's logs",
+                           code="internal_error")
+
+    def _checked(self, source: str, rows: PromptRows) -> PromptRows:
+        """Each position's first entry is the prompt token's (control/prompt_logprobs.py): the responses read it."""
+        for position in range(1, len(rows)):
+            sent, expected = next(iter(rows[position])), self.prompt_token_ids[position]
+            if sent != expected:
+                raise EngineFailed(f"the {source} engine sent prompt logprobs for token {sent} at prompt position "
+                                   f"{position}, which holds {expected}: the engine is at fault; report it with the "
+                                   "engine's logs", code="internal_error")
+        return rows
 
 
 async def _next(inbox: _Inbox) -> tuple[str, Any]:

@@ -2,11 +2,12 @@
 
 A reader callback on the socket's file descriptor (not a task awaiting pyzmq's asyncio futures: that
 machinery cost more router CPU per streamed token than decoding it, docs/BENCHMARKS.md issue #17) decodes
-what the engine sends and routes each TokenDelta by request id to the request waiting for it (the
-sink given to open_stream). Sends never wait: a message the engine cannot take
-right now (not connected, or its queue is full) raises EngineUnreachable at once, so a request can
-go elsewhere instead of hanging on a dead peer. A socket monitor marks the link broken the moment its
-connection drops (the engine process died), so the registry need not wait for missed heartbeats.
+what the engine sends and routes each TokenDelta (and a prompt's PromptLogprobs, read into a
+PromptLogprobsChunk) by request id to the request waiting for it (the sink given to open_stream).
+Sends never wait: a message the engine cannot take right now (not connected, or its queue is full)
+raises EngineUnreachable at once, so a request can go elsewhere instead of hanging on a dead peer. A socket
+monitor marks the link broken the moment its connection drops (the engine process died), so the registry
+need not wait for missed heartbeats.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.control.errors import ProtocolError, WireError
 from pdserve.control.keys import CurveClientConfig
-from pdserve.control.messages import EngineStats, Error, Register, StatsRequest, TokenDelta
+from pdserve.control.messages import EngineStats, Error, PromptLogprobs, Register, StatsRequest, TokenDelta
+from pdserve.control.prompt_logprobs import PositionLogprobs, read
 from pdserve.control.protocol import decode, encode
 from pdserve.control.schema import Message
 from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, open_socket
@@ -53,6 +55,15 @@ class EngineGone:
 
     engine_id: str
     reason: str
+
+
+@dataclass(frozen=True)
+class PromptLogprobsChunk:
+    """Put in a request's sink for each PromptLogprobs its engine sends (before its first token): the
+    message and its positions, read out of the payload frames (control/prompt_logprobs.py)."""
+
+    msg: PromptLogprobs
+    rows: list[PositionLogprobs]  # one {token id: (logprob, rank)} per position, from msg.start on
 
 
 class EngineLink:
@@ -194,13 +205,13 @@ class EngineLink:
 
     def _receive(self, parts: list) -> None:
         try:
-            msg, _ = decode(parts)
+            msg, frames = decode(parts)
         except ProtocolError as exc:
             log.warning("engine %s sent a bad message: %s", self.engine_id, exc)
             return
         self.last_seen = time.monotonic()
         self.num_received += 1
-        self._dispatch(msg)
+        self._dispatch(msg, frames)
 
     def _open_monitor(self, context: zmq.asyncio.Context) -> zmq.asyncio.Socket:
         """An asyncio PAIR socket that hears when the link's connection drops."""
@@ -216,14 +227,18 @@ class EngineLink:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self.broken = f"the link to engine {self.engine_id} at {self.control_address} broke"
 
-    def _dispatch(self, msg: Message) -> None:
-        if isinstance(msg, TokenDelta):
+    def _dispatch(self, msg: Message, frames: list[memoryview]) -> None:
+        if isinstance(msg, TokenDelta):  # per streamed token: keep this branch first and lean (issue #17)
             sink = self.streams.get(msg.request_id)
             if sink is not None:
                 if msg.token_ids:
                     self.stream_tokens[msg.request_id] += len(msg.token_ids)
                     self.open_tokens += len(msg.token_ids)
                 sink.put_nowait(msg)
+        elif isinstance(msg, PromptLogprobs):
+            sink = self.streams.get(msg.request_id)
+            if sink is not None:  # read only for a request still waiting (frames verified by decode)
+                sink.put_nowait(PromptLogprobsChunk(msg, read(msg, frames)))
         elif isinstance(msg, EngineStats):
             self.set_stats(msg)
         elif isinstance(msg, Register):

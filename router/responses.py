@@ -4,6 +4,9 @@ A formatter knows one endpoint's shapes; the API code feeds it ChoiceDeltas. Str
 server-sent events: `data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`. With
 stream_options.include_usage every chunk carries "usage": null (the usage so far with vLLM's
 continuous_usage_stats) and one last chunk, with no choices, carries the usage. return_token_ids (vLLM's extension) adds prompt_token_ids and token_ids.
+Prompt logprobs: completions with echo and logprobs put the prompt's tokens before the generated ones in
+`logprobs` (in a stream, in each choice's first chunk); vLLM's prompt_logprobs field, present only when asked,
+is per choice on completions and top-level on chat.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.router.generation import ChoiceDelta
+from pdserve.control.prompt_logprobs import PositionLogprobs
+from pdserve.router.generation import ChoiceDelta, PromptRows
 from pdserve.router.tokenization import Tokenization
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -40,8 +44,11 @@ class ChoiceTotal:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptRows | None = None  # when the request asked for them (its first delta has them)
 
     def add(self, delta: ChoiceDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
@@ -63,7 +70,7 @@ class Formatter:
 
     def __init__(self, response_id: str, model: str, tokenization: Tokenization, prompts: list[Prompt], n: int, *,
                  num_logprobs: int | None, return_token_ids: bool, include_usage: bool,
-                 continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False, num_prompt_logprobs: int | None = None) -> None:
         self.id = f"{self.id_prefix}{response_id}"
         self.created = int(time.time())
         self.model = model
@@ -71,6 +78,7 @@ class Formatter:
         self.prompts = prompts
         self.n = n
         self.num_logprobs = num_logprobs
+        self.num_prompt_logprobs = num_prompt_logprobs  # the prompt_logprobs field, when asked
         self.return_token_ids = return_token_ids
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
@@ -124,9 +132,27 @@ class Formatter:
         ranked = sorted(logprobs.items(), key=lambda item: -item[1])
         return ranked[:self.num_logprobs or 0]
 
+    def _prompt_logprobs(self, token_ids: list[int], rows: PromptRows) -> list[dict[str, dict] | None]:
+        """vLLM's prompt_logprobs: [None, {"<token id>": {"logprob", "rank", "decoded_token"}}, ...], each
+        position's prompt token and the top num_prompt_logprobs."""
+        result: list[dict[str, dict] | None] = [None]
+        for token_id, entry in zip(token_ids[1:], rows[1:]):
+            top = _prompt_top(entry, token_id, self.num_prompt_logprobs or 0)
+            result.append({str(k): {"logprob": _logprob(logprob), "rank": rank,
+                                    "decoded_token": self.tokenization.token_text(k)}
+                           for k, (logprob, rank) in top.items()})
+        return result
+
 
 def _logprob(value: float | None) -> float | None:
     return None if value is None else max(float(value), MIN_LOGPROB)
+
+
+def _prompt_top(entry: PositionLogprobs, token_id: int, num: int) -> PositionLogprobs:
+    """One prompt position's prompt token (first) and the top `num` of the engine's top-N (ranks 1..num)."""
+    top = {token_id: entry[token_id]}
+    top.update((k, value) for k, value in entry.items() if value[1] <= num and k != token_id)
+    return top
 
 
 class CompletionFormatter(Formatter):
@@ -136,18 +162,23 @@ class CompletionFormatter(Formatter):
     def __init__(self, *args: Any, echo: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.echo = echo
+        self._prompt_spans: dict[int, int] = {}  # prompt index -> characters of its token strings (echo offsets)
 
     def _echo_text(self, index: int) -> str:
         prompt = self.prompt_of(index)
         return prompt.text if prompt.text is not None else self.tokenization.decode(prompt.token_ids)
 
     def _choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]],
-                finish_reason: str | None, stop_reason: Any, offset: int, with_prompt_ids: bool) -> dict[str, Any]:
+                finish_reason: str | None, stop_reason: Any, offset: int, with_prompt: bool) -> dict[str, Any]:
+        """with_prompt: the whole choice, or its first chunk (which carries what belongs to the prompt)."""
         choice = {"index": index, "text": text,
-                  "logprobs": self._logprobs(token_ids, logprobs, offset) if self.num_logprobs is not None else None,
+                  "logprobs": self._choice_logprobs(index, token_ids, logprobs, offset, with_prompt),
                   "finish_reason": finish_reason, "stop_reason": stop_reason}
+        if self.num_prompt_logprobs is not None and with_prompt:
+            choice["prompt_logprobs"] = self._prompt_logprobs(self.prompt_of(index).token_ids,
+                                                              self.totals[index].prompt_logprobs)
         if self.return_token_ids:
-            if with_prompt_ids:
+            if with_prompt:
                 choice["prompt_token_ids"] = self.prompt_of(index).token_ids
             choice["token_ids"] = token_ids
         return choice
@@ -161,6 +192,40 @@ class CompletionFormatter(Formatter):
         text = (self._echo_text(index) if self.echo else "") + total.text
         return self._choice(index, text, total.token_ids, total.logprobs, total.finish_reason,
                             total.stop_reason, 0, True)
+
+    def _choice_logprobs(self, index: int, token_ids: list[int], logprobs: list[dict[int, float]], offset: int,
+                         with_prompt: bool) -> dict[str, list] | None:
+        """Completions' logprobs of the generated tokens; with echo, the prompt's tokens before them (in the
+        first chunk of a stream), text_offset running on from the prompt's."""
+        if self.num_logprobs is None:
+            return None
+        if not self.echo:
+            return self._logprobs(token_ids, logprobs, offset)
+        prompt_part = self._echo_logprobs(index) if with_prompt else None
+        generated = self._logprobs(token_ids, logprobs, self._prompt_spans[index // self.n] + offset)
+        if prompt_part is None:
+            return generated
+        return {key: prompt_part[key] + generated[key] for key in generated}
+
+    def _echo_logprobs(self, index: int) -> dict[str, list]:
+        """The prompt's tokens in logprobs' shape: the first token has no logprob (null), each other one its
+        own and the top num_logprobs at its position, keyed by token string as the generated ones are."""
+        result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for token_id, entry in zip(self.prompt_of(index).token_ids, self.totals[index].prompt_logprobs):
+            text = self.tokenization.token_text(token_id)
+            result["tokens"].append(text)
+            result["text_offset"].append(offset)
+            offset += len(text)
+            if entry is None:
+                result["token_logprobs"].append(None)
+                result["top_logprobs"].append(None)
+                continue
+            result["token_logprobs"].append(_logprob(entry[token_id][0]))
+            result["top_logprobs"].append({self.tokenization.token_text(k): _logprob(logprob) for k, (logprob, _)
+                                           in _prompt_top(entry, token_id, self.num_logprobs or 0).items()})
+        self._prompt_spans[index // self.n] = offset
+        return result
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int) -> dict[str, Any]:
         result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -215,6 +280,8 @@ class ChatFormatter(Formatter):
         body = super().body()
         if self.return_token_ids:
             body["prompt_token_ids"] = self.prompts[0].token_ids
+        if self.num_prompt_logprobs is not None:  # one prompt: every choice has the same set
+            body["prompt_logprobs"] = self._prompt_logprobs(self.prompts[0].token_ids, self.totals[0].prompt_logprobs)
         return body
 
     def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:

@@ -90,6 +90,7 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # each prompt token's, and the top-N
 
     @model_validator(mode="before")
     @classmethod
@@ -134,7 +135,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, ge=1)
+    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, ge=0)  # 0 only with echo: the prompt alone (specs.py)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None

@@ -1,7 +1,7 @@
 """Validated API requests -> ChoiceSpecs the engines can run: token limits against the context
 length, one SamplingParams per prompt (the engines get it as it is; what the request leaves unset
-comes from the model's generation_config.json, as in vLLM), n x prompts fan-out. Everything refused
-here is a 400 that names the fix."""
+comes from the model's generation_config.json, as in vLLM), n x prompts fan-out (prompt logprobs asked
+of sample 0 only). Everything refused here is a 400 that names the fix."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pdserve.control.errors import InvalidRequestError
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.engine.generation_defaults import GenerationDefaults
 from pdserve.router.errors import InvalidRequest
-from pdserve.router.generation import ChoiceSpec
+from pdserve.router.generation import ChoiceSpec, SharedPromptLogprobs
 from pdserve.router.schemas import COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
@@ -42,7 +42,8 @@ def check_token_ids(token_ids: list[int], vocab_size: int | None, param: str) ->
 
 
 def sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None,
-                    defaults: GenerationDefaults = GenerationDefaults(), vocab_size: int | None = None) -> SamplingParams:
+                    defaults: GenerationDefaults = GenerationDefaults(), vocab_size: int | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's SamplingParams, the model's defaults where the request is silent: its checks (e.g.
     min_tokens <= max_tokens, at most 16 stop strings) refuse it here, as a 400 naming the request's
     parameter in the request's words, rather than on an engine."""
@@ -58,7 +59,7 @@ def sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | N
             stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
-            logit_bias=logit_bias)
+            logit_bias=logit_bias, prompt_logprobs=prompt_logprobs)
     except InvalidRequestError as exc:
         # in the request's words: no "sampling_params." prefix, and a chat request's max_completion_tokens
         message, param = str(exc).replace(f"{SamplingParams.type_name}.", ""), exc.field
@@ -98,15 +99,53 @@ def logit_bias_of(request: SamplingRequest, vocab_size: int | None) -> dict[int,
     return bias
 
 
-def _specs(request: SamplingRequest, prompts: list[list[int]], params_of: list[SamplingParams]) -> list[ChoiceSpec]:
+def check_prompt_logprobs(request: SamplingRequest) -> None:
+    if request.stream and request.prompt_logprobs is not None:  # as vLLM refuses it
+        raise InvalidRequest("prompt_logprobs are not available when stream is enabled: drop prompt_logprobs "
+                             "or set stream to false", param="prompt_logprobs")
+
+
+def _specs(request: SamplingRequest, prompts: list[list[int]], params_of: list[SamplingParams],
+           prompt_only: bool = False) -> list[ChoiceSpec]:
+    """n choices per prompt: sample i seeded seed + i; only sample 0 asks the engines for prompt logprobs,
+    and the prompt's other samples report its set (SharedPromptLogprobs)."""
     specs = []
     for prompt_index, (token_ids, params) in enumerate(zip(prompts, params_of)):
+        asks_prompt_logprobs = params.prompt_logprobs is not None
+        shared = SharedPromptLogprobs() if asks_prompt_logprobs and request.n > 1 else None
         for sample in range(request.n):
-            seeded = params
+            changes = {}
             if params.seed is not None and sample:  # distinct samples, still reproducible
-                seeded = params.replace(seed=(params.seed + sample) % (1 << 63))
-            specs.append(ChoiceSpec(prompt_index * request.n + sample, token_ids, seeded))
+                changes["seed"] = (params.seed + sample) % (1 << 63)
+            if asks_prompt_logprobs and sample:  # computed once per prompt
+                changes["prompt_logprobs"] = None
+            sample_params = params.replace(**changes) if changes else params
+            specs.append(ChoiceSpec(prompt_index * request.n + sample, token_ids, sample_params, prompt_only, shared))
     return specs
+
+
+def _completion_max_tokens(request: CompletionRequest, defaults: GenerationDefaults) -> tuple[int | None, int | None]:
+    """(max_tokens asked, default when not asked) for resolve_max_tokens. An unset max_tokens is the API's
+    default of 16, or the model's max_new_tokens if that is smaller (as vLLM); max_tokens=0 with echo (the
+    prompt alone, vLLM's echo without generation) runs as one token, which the router drops."""
+    if "max_tokens" not in request.model_fields_set or request.max_tokens is None:
+        return None, min(COMPLETION_MAX_TOKENS, defaults.max_tokens or COMPLETION_MAX_TOKENS)
+    if request.max_tokens > 0:
+        return request.max_tokens, None
+    if not request.echo:
+        raise InvalidRequest("max_tokens=0 generates nothing: ask for at least 1 token, or set echo=true to get "
+                             "the prompt alone (with its logprobs if logprobs is set)", param="max_tokens")
+    if request.min_tokens > 0:
+        raise InvalidRequest(f"min_tokens={request.min_tokens} must not exceed max_tokens=0: drop min_tokens",
+                             param="min_tokens")
+    return 1, None
+
+
+def _completion_prompt_logprobs(request: CompletionRequest) -> int | None:
+    """The top-N the engines compute per prompt token: echo with logprobs=N shows the prompt's logprobs, and
+    prompt_logprobs asks for them in their own field; one computation serves both."""
+    asked = [n for n in (request.logprobs if request.echo else None, request.prompt_logprobs) if n is not None]
+    return max(asked, default=None)
 
 
 def completion_specs(request: CompletionRequest, prompts: list[list[int]], max_model_len: int,
@@ -116,20 +155,16 @@ def completion_specs(request: CompletionRequest, prompts: list[list[int]], max_m
         raise InvalidRequest("suffix is not supported: put the text in the prompt", param="suffix")
     if request.best_of is not None and request.best_of != request.n:
         raise InvalidRequest("best_of is not supported: use n to get several completions", param="best_of")
-    if request.echo and request.logprobs is not None:
-        raise InvalidRequest("echo with logprobs needs prompt logprobs, which this server does not compute: "
-                             "drop one of them", param="echo")
+    check_prompt_logprobs(request)
     check_n(request, len(prompts), max_n)
-    # an unset max_tokens is the API's default of 16, or the model's max_new_tokens if that is smaller (as vLLM)
-    requested, default = request.max_tokens, None
-    if "max_tokens" not in request.model_fields_set or request.max_tokens is None:
-        requested, default = None, min(COMPLETION_MAX_TOKENS, defaults.max_tokens or COMPLETION_MAX_TOKENS)
+    requested, default = _completion_max_tokens(request, defaults)
+    prompt_logprobs = _completion_prompt_logprobs(request)
     params_of = []
     for token_ids in prompts:
         check_token_ids(token_ids, vocab_size, "prompt")
         max_tokens = resolve_max_tokens(len(token_ids), requested, max_model_len, "prompt", default)
-        params_of.append(sampling_params(request, max_tokens, request.logprobs, defaults, vocab_size))
-    return _specs(request, prompts, params_of)
+        params_of.append(sampling_params(request, max_tokens, request.logprobs, defaults, vocab_size, prompt_logprobs))
+    return _specs(request, prompts, params_of, prompt_only=request.max_tokens == 0)
 
 
 def chat_specs(request: ChatCompletionRequest, token_ids: list[int], max_model_len: int,
@@ -137,9 +172,11 @@ def chat_specs(request: ChatCompletionRequest, token_ids: list[int], max_model_l
                vocab_size: int | None = None) -> list[ChoiceSpec]:
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+    check_prompt_logprobs(request)
     check_n(request, 1, max_n)
     check_token_ids(token_ids, None, "messages")
     max_tokens = resolve_max_tokens(len(token_ids), request.max_new_tokens(), max_model_len, "messages",
                                     defaults.max_tokens)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _specs(request, [token_ids], [sampling_params(request, max_tokens, logprobs, defaults, vocab_size)])
+    params = sampling_params(request, max_tokens, logprobs, defaults, vocab_size, request.prompt_logprobs)
+    return _specs(request, [token_ids], [params])

@@ -7,6 +7,8 @@ A decode request streams `max_tokens` tokens, one TokenDelta per `token_delay_s`
 token i = (last prompt token + 1 + i) % vocab_size, the last delta with finish_reason "length"
 (or the tokens of `script`, the last with finish_reason "stop": the stop token, as a real engine's EOS or
 stop_token_ids token, whose text the router leaves out).
+A request whose SamplingParams ask for prompt_logprobs gets them (fake_prompt_tables) before its first token from
+the engine that prefills it: the prefill engine, or the decode engine when it prefills locally.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from pdserve.control.errors import WireError
 from pdserve.control.messages import (
@@ -27,6 +31,7 @@ from pdserve.control.messages import (
     StatsRequest,
     TokenDelta,
 )
+from pdserve.control.prompt_logprobs import pack
 from pdserve.control.sockets import ClientSocket, ServerSocket
 
 VOCAB_SIZE = 1024
@@ -34,6 +39,21 @@ VOCAB_SIZE = 1024
 
 def fake_tokens(prompt_token_ids, count: int) -> list[int]:
     return [(prompt_token_ids[-1] + 1 + i) % VOCAB_SIZE for i in range(count)]
+
+
+def fake_prompt_logprob(position: int, column: int) -> float:
+    """The fake logprob of column `column` (0: the prompt token) at prompt position `position`."""
+    return -(position + max(column - 1, 0)) / 8
+
+
+def fake_prompt_tables(prompt_token_ids, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """PromptLogprobs tables (ids [P, k + 1], logprobs [P, k + 1], ranks [P]) for positions 1..n-1: the prompt
+    token is the likeliest (rank 1), its top-k are it and the next k - 1 ids."""
+    positions = range(1, len(prompt_token_ids))
+    ids = [[prompt_token_ids[p]] + [(prompt_token_ids[p] + c) % VOCAB_SIZE for c in range(k)] for p in positions]
+    logprobs = [[fake_prompt_logprob(p, c) for c in range(k + 1)] for p in positions]
+    return (np.array(ids, dtype=np.int32).reshape(-1, k + 1), np.array(logprobs, dtype=np.float32).reshape(-1, k + 1),
+            np.ones(len(positions), dtype=np.int32))
 
 
 @dataclass
@@ -57,6 +77,7 @@ class FakeEngine:
     reject_with: str | None = None  # answer every GenerateRequest with this error, before any token
     reject_code: str = "invalid_request"  # its TokenDelta.error_code
     script: list[int] | None = None  # emit these tokens (then "stop") instead of counting up
+    send_prompt_logprobs: bool = True  # False: a faulty engine that skips the prompt logprobs a request asked for
     heartbeat_interval_s: float = 0.1
     beating: threading.Event = field(default_factory=threading.Event)  # set: send heartbeats
     answering: threading.Event = field(default_factory=threading.Event)  # set: handle control messages
@@ -134,6 +155,7 @@ class FakeEngine:
                 self._reply(peer_id, TokenDelta(request_id=msg.request_id, finish_reason="error",
                                                 error="fake prefill failure", error_code=self.prefill_error_code))
             elif self.first_token:
+                self._send_prompt_logprobs(peer_id, msg)
                 self._reply(peer_id, TokenDelta(request_id=msg.request_id,
                                                 token_ids=tuple(fake_tokens(msg.prompt_token_ids, 1))))
         elif isinstance(msg, FirstToken):
@@ -144,6 +166,8 @@ class FakeEngine:
                 self._reply(peer_id, TokenDelta(request_id=msg.request_id, finish_reason="error",
                                                 error=self.reject_with, error_code=self.reject_code))
                 return
+            if msg.prefill_kv_address is None:
+                self._send_prompt_logprobs(peer_id, msg)
             tokens = self.script or fake_tokens(msg.prompt_token_ids, msg.sampling_params.max_tokens or 16)
             self.active[msg.request_id] = _Active(peer_id, tokens, time.monotonic() + self.token_delay_s)
 
@@ -161,9 +185,16 @@ class FakeEngine:
             if last:
                 del self.active[request_id]
 
-    def _reply(self, peer_id: bytes, msg) -> None:
+    def _send_prompt_logprobs(self, peer_id: bytes, msg) -> None:
+        k = msg.sampling_params.prompt_logprobs
+        if k is None or not self.send_prompt_logprobs or len(msg.prompt_token_ids) < 2:
+            return
+        for part, buffers in pack(msg.request_id, *fake_prompt_tables(msg.prompt_token_ids, k)):
+            self._reply(peer_id, part, *buffers)
+
+    def _reply(self, peer_id: bytes, msg, *buffers) -> None:
         try:
-            self.control.send(peer_id, msg, timeout=0.5)
+            self.control.send(peer_id, msg, *buffers, timeout=0.5)
         except WireError:
             pass
 
