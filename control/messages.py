@@ -83,6 +83,9 @@ class TokenDelta(Message, type_name="token_delta"):
     error_code: Literal["invalid_request", "kv_transfer_failed", "internal_error", "engine_step_failed"] | None = None
     num_prompt_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
     num_cached_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
+    # finish_reason "stop" because the request's structured output is complete: its last token is text
+    # (otherwise a "stop" ends with the engine's stop token, whose text the client is not shown)
+    stopped_by_constraint: bool = False
 
 
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 16  # num_positions * width of one PromptLogprobs: 256 KiB frames

@@ -6,9 +6,10 @@ the field and the fix, and whose `field` names the field for the router's 400.""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, ConfigDict, ValidationError, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from pdserve.control.errors import InvalidSamplingParams
 from pdserve.control.schema import MAX_TOKEN_ID, MAX_TOKENS, WireInt, WireModel, max_items, protocol_error
@@ -22,6 +23,9 @@ MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but fo
 # Bounds that keep the sampler's float32 arithmetic finite (docs/sampling.md): a temperature or penalty
 # beyond them rounds to 0 or inf in float32, or divides logits past float32's range.
 MAX_TEMPERATURE = 100.0
+# a JSON schema, regex, grammar or choice list of one request (the wire header holds it whole: 1 MiB)
+MAX_STRUCTURED_SPEC_CHARS = 1 << 18
+STRUCTURED_KINDS = ("json", "json_object", "regex", "grammar", "choice")
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
@@ -74,8 +78,17 @@ class SamplingParams(WireModel):
     # logprobs of each prompt token (and the top-N at its position), computed by whichever engine runs the
     # prompt's forward; a request with it set is never served from the prefix cache (as vLLM)
     prompt_logprobs: int | None = None
+    # Structured output (engine/structured_output.py): the output must match one constraint, which both
+    # engines of a disaggregated request enforce. kind "json": spec is a JSON schema (JSON text);
+    # "json_object": any JSON object (spec empty); "regex"; "grammar": a Lark grammar; "choice": a JSON
+    # list of strings, one of which the output is exactly. Built from vLLM's StructuredOutputsParams
+    # (`structured_outputs=` to the constructor) or the router's request fields.
+    structured_kind: Literal["json", "json_object", "regex", "grammar", "choice"] | None = None
+    structured_spec: Annotated[str, Field(max_length=MAX_STRUCTURED_SPEC_CHARS)] = ""
 
     def __init__(self, /, **fields: Any) -> None:
+        if "structured_outputs" in fields:  # vLLM's spelling, offline
+            fields.update(structured_fields(fields.pop("structured_outputs")))
         try:  # WireModel.__init__, keeping which field was at fault
             self.__pydantic_validator__.validate_python(fields, self_instance=self)
         except ValidationError as exc:
@@ -153,6 +166,51 @@ def _range_problem(p: SamplingParams) -> tuple[str, str] | None:
         return "logit_bias", "logit_bias names a token id twice: give each token one bias"
     if not (p.logprobs is None or 0 <= p.logprobs <= MAX_TOP_LOGPROBS):
         return "logprobs", f"logprobs={p.logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"
+    if p.structured_kind is None and p.structured_spec:
+        return "structured_spec", "structured_spec is set without structured_kind: name the kind of constraint"
+    if p.structured_kind not in (None, "json_object") and not p.structured_spec:
+        return "structured_spec", f"structured output of kind {p.structured_kind!r} needs its spec: it is empty"
     if not (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_TOP_LOGPROBS):
         return "prompt_logprobs", f"prompt_logprobs={p.prompt_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"
     return None
+
+
+def structured_fields(params: Any) -> dict[str, Any]:
+    """SamplingParams' structured_kind and structured_spec from a StructuredOutputsParams (or None)."""
+    if params is None:
+        return {"structured_kind": None, "structured_spec": ""}
+    if not isinstance(params, StructuredOutputsParams):
+        raise InvalidSamplingParams(f"structured_outputs is a {type(params).__name__}: pass a "
+                                    "StructuredOutputsParams(json=..., regex=..., choice=..., grammar=... or "
+                                    "json_object=True)", field="structured_outputs")
+    return params.wire_fields()
+
+
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams, offline: exactly one of json (a JSON schema, as a dict or JSON
+    text), regex, choice (a list of strings), grammar (a Lark grammar) or json_object=True."""
+
+    def __init__(self, *, json: dict | str | None = None, regex: str | None = None, choice: list[str] | None = None,
+                 grammar: str | None = None, json_object: bool | None = None) -> None:
+        given = {name: value for name, value in [("json", json), ("regex", regex), ("choice", choice),
+                                                 ("grammar", grammar), ("json_object", json_object or None)]
+                 if value is not None}
+        if len(given) != 1:
+            raise InvalidSamplingParams(f"StructuredOutputsParams takes exactly one constraint, got "
+                                        f"{sorted(given) or 'none'}: pass one of json, regex, choice, grammar, "
+                                        "json_object", field="structured_outputs")
+        (self.kind, self.value), = given.items()
+
+    def wire_fields(self) -> dict[str, Any]:
+        if self.kind == "json_object":
+            return {"structured_kind": "json_object", "structured_spec": ""}
+        if self.kind == "json":
+            spec = self.value if isinstance(self.value, str) else json.dumps(self.value)
+        elif self.kind == "choice":
+            if not (isinstance(self.value, (list, tuple)) and self.value
+                    and all(isinstance(c, str) for c in self.value)):
+                raise InvalidSamplingParams("choice must be a non-empty list of strings", field="structured_outputs")
+            spec = json.dumps(list(self.value))
+        else:
+            spec = self.value
+        return {"structured_kind": self.kind, "structured_spec": spec}

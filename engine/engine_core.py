@@ -15,6 +15,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from pdserve.engine.scheduler import KVFailurePolicy, Scheduler
 from pdserve.engine.stats import SchedulerStats
+from pdserve.engine.structured_output import StructuredOutputCompiler
 
 log = logging.getLogger("pdserve.engine")
 
@@ -40,6 +41,7 @@ class EngineCore:
             scheduler_config, self.kv_cache_manager, model_config.max_model_len, connector, kv_failure_policy
         )
         self.kv_transfer = kv_transfer or KVTransferSide()
+        self.structured_output = StructuredOutputCompiler(model_config.model_dir, model_config.vocab_size)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Validate a request against this model and fill in what the model decides (eos, max_tokens)."""
@@ -66,7 +68,9 @@ class EngineCore:
         eos, *extra_eos = config.eos_token_ids or (None,)
         if extra_eos and not params.ignore_eos:  # e.g. Llama 3's <|eot_id|> beside <|end_of_text|>
             params = params.replace(stop_token_ids=params.stop_token_ids + tuple(extra_eos))
-        return Request(request_id, list(prompt_token_ids), params, eos_token_id=eos, max_tokens=max_tokens)
+        request = Request(request_id, list(prompt_token_ids), params, eos_token_id=eos, max_tokens=max_tokens)
+        request.grammar = self.structured_output.grammar_state(params)
+        return request
 
     def _check_fits_cache(self, num_tokens: int) -> None:
         block_size = self.cache_config.block_size

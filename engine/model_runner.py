@@ -13,7 +13,7 @@ from pdserve.engine.attention.selector import get_attn_backend
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_batch_sizes, context_buckets
 from pdserve.engine.forward_context import ForwardContext, use_forward_context
-from pdserve.engine import prompt_logprobs
+from pdserve.engine import prompt_logprobs, structured_output
 from pdserve.engine.layers.sampler import Sampler
 from pdserve.engine.loader import load_model
 from pdserve.engine.models.registry import NATIVE_MODELS
@@ -186,6 +186,8 @@ class ModelRunner:
         logits = self.step_logits(inputs, on_layer_stored)  # [R, vocab]
         if not inputs.sampling_requests:
             return StepOutput({}, inputs.prompt_logprobs)
+        if any(request.grammar is not None for request in inputs.sampling_requests):
+            logits = structured_output.mask_logits(logits, inputs.sampling_requests)
         result = self.sampler(logits, inputs.sampling_requests)
         sampled = {
             request.request_id: (token, logprobs)

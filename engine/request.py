@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.control.errors import InvalidRequestError
 from pdserve.control.sampling_params import SamplingParams
@@ -73,6 +74,9 @@ class Request:
     # When sampling_params.prompt_logprobs is set: the prompt's tables so far, one part per prompt chunk
     # (engine/prompt_logprobs.py), and how many positions they cover (the prompt's n - 1 when complete).
     prompt_logprob_parts: list = field(default_factory=list)
+    # With a structured-output constraint: its matcher (engine/structured_output.py GrammarState), which
+    # every output token goes through.
+    grammar: Any = None
     num_prompt_logprob_positions: int = 0
     # prompt + output, kept as one list so per-step lookups do not copy it; only append through
     # append_output_token().

@@ -256,15 +256,34 @@ class Scheduler:
         request.append_output_token(token_id)
         if logprobs is not None:
             request.logprobs.append(logprobs)
+        if request.grammar is not None and not request.grammar.accept(token_id):
+            return self._fail_constraint(request, token_id)
         num_cached = max(request.num_cached_tokens, 0) if request.num_output_tokens == 1 else 0
         status = self._stop_status(request)
+        # a complete constraint admits no more tokens: it ends the request, ahead of a length limit (a stop
+        # token, which the constraint may take last, stays the reason)
+        by_constraint = (status is not RequestStatus.FINISHED_STOPPED and request.grammar is not None
+                         and request.grammar.is_complete)
+        if by_constraint:
+            status = RequestStatus.FINISHED_STOPPED
         if status is not None:
             self.running.remove(request)
             self._finish(request, status, report=False)
         return TokenDelta(request_id=request.request_id, token_ids=(token_id,),
                           logprobs=(logprobs,) if logprobs is not None else (), num_cached_tokens=num_cached,
                           finish_reason=status.finish_reason() if status is not None else None,
-                          stop_reason=request.stop_reason if status is not None else None)
+                          stop_reason=request.stop_reason if status is not None else None,
+                          stopped_by_constraint=by_constraint)
+
+    def _fail_constraint(self, request: Request, token_id: int) -> TokenDelta:
+        """A token the request's structured-output matcher refused (its matcher broke, or a peer's first
+        token broke it): the request ends with the error."""
+        error = (f"token {token_id} does not fit the request's structured output "
+                 f"({request.grammar.error or 'refused by its matcher'}): report this to the operator")
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ERROR, report=False, error=error)
+        return TokenDelta(request_id=request.request_id, finish_reason="error", error=error,
+                          error_code="internal_error")
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

@@ -1,0 +1,111 @@
+"""Structured output on pdserve's own engine (llguidance matchers): every kind of constraint holds on
+sampled output, the request stops as soon as its constraint is complete (the last token's text kept),
+bad constraints are refused by name, and the logits mask equals the matcher's bitmask bit for bit."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.control.errors import InvalidSamplingParams
+from pdserve.control.sampling_params import StructuredOutputsParams
+from pdserve.engine.request import InvalidRequestError
+from pdserve.engine.structured_output import unpack_bitmask
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "size"],
+          "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]}}}
+CHOICES = ["yes", "no", "maybe so", "a-b & c~d (x)"]
+PROMPTS = ["Hello there", "The answer is", "x"]
+
+
+@pytest.fixture(scope="module")
+def llm(model_factory):
+    return LLM(model_factory("llama"), dtype="float32", block_size=4)
+
+
+def sample(llm, constraint, seeds=range(6), **params) -> list:
+    batch = [SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured_outputs=constraint, **params)
+             for seed in seeds]
+    outputs = []
+    for one in batch:  # several seeds, all prompts: random weights make each draw different
+        outputs += [o.outputs[0] for o in llm.generate(PROMPTS, one)]
+    assert llm.kv_cache_manager.num_used_blocks == 0
+    return outputs
+
+
+def test_choice_output_is_one_of_the_choices_and_stops_there(llm):
+    for output in sample(llm, StructuredOutputsParams(choice=CHOICES)):
+        assert output.text in CHOICES and output.finish_reason == "stop"
+
+
+def test_regex_output_matches_whole(llm):
+    pattern = r"[0-9]{3}-(red|green)"
+    for output in sample(llm, StructuredOutputsParams(regex=pattern)):
+        assert re.fullmatch(pattern, output.text), output.text
+        assert output.finish_reason == "stop"
+
+
+def test_json_schema_output_parses_and_fits_the_schema(llm):
+    for output in sample(llm, StructuredOutputsParams(json=SCHEMA)):
+        value = json.loads(output.text)
+        assert set(value) == {"ok", "size"} and isinstance(value["ok"], bool) and value["size"] in ("small", "large")
+
+
+def test_lark_grammar_output_is_a_sentence_of_it(llm):
+    for output in sample(llm, StructuredOutputsParams(grammar='start: "(" ("a" | "b") ("," ("a" | "b"))? ")"')):
+        assert re.fullmatch(r"\((a|b)(,(a|b))?\)", output.text), output.text
+
+
+def test_json_object_output_starts_an_object_and_greedy_equals_itself(llm):
+    constraint = StructuredOutputsParams(json_object=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, structured_outputs=constraint)
+    first, again = (llm.generate(["Hi"], greedy)[0].outputs[0] for _ in range(2))
+    assert first.text.startswith("{") and first.token_ids == again.token_ids
+
+
+def test_unconstrained_requests_in_the_same_batch_are_not_masked(llm):
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(PROMPTS, plain)
+    constrained = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    mixed = llm.generate(PROMPTS * 2, [plain] * len(PROMPTS) + [constrained] * len(PROMPTS))
+    assert [o.outputs[0].token_ids for o in mixed[:len(PROMPTS)]] == [o.outputs[0].token_ids for o in alone]
+    assert all(o.outputs[0].text in CHOICES for o in mixed[len(PROMPTS):])
+
+
+@pytest.mark.parametrize("constraint,words", [
+    (StructuredOutputsParams(regex="[0-9]{3"), ["regex", "does not compile", "unclosed"]),
+    (StructuredOutputsParams(json={"type": "no-such-type"}), ["json", "does not compile"]),
+    (StructuredOutputsParams(json="{not json"), ["not JSON"]),
+    (StructuredOutputsParams(grammar="start: undefined_rule"), ["grammar", "does not compile"]),
+])
+def test_bad_constraints_are_refused_by_name(llm, constraint, words):
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(["Hi"], SamplingParams(structured_outputs=constraint))
+    for word in words:
+        assert word in str(info.value)
+    assert llm.kv_cache_manager.num_used_blocks == 0
+
+
+def test_structured_outputs_params_take_exactly_one_constraint():
+    with pytest.raises(InvalidSamplingParams, match="exactly one constraint"):
+        StructuredOutputsParams(json=SCHEMA, regex="x")
+    with pytest.raises(InvalidSamplingParams, match="exactly one constraint"):
+        StructuredOutputsParams()
+    with pytest.raises(InvalidSamplingParams, match="non-empty list of strings"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(choice=[]))
+    with pytest.raises(InvalidSamplingParams, match="needs its spec"):
+        SamplingParams(structured_kind="regex")
+
+
+def test_unpack_bitmask_bit_for_bit():
+    generator = torch.Generator().manual_seed(0)
+    words = torch.randint(-(1 << 31), 1 << 31, (3, 4), generator=generator, dtype=torch.int64).to(torch.int32)
+    allowed = unpack_bitmask(words, 100)
+    for row in range(3):
+        for token in range(100):
+            word = int(words[row, token // 32]) & 0xFFFFFFFF
+            assert bool(allowed[row, token]) == bool(word >> (token % 32) & 1)
