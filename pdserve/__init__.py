@@ -1,15 +1,16 @@
 """pdserve: prefill/decode-disaggregated LLM serving with its own inference runtime.
 
     from pdserve import LLM, SamplingParams     # the offline API, as vLLM's
+    from pdserve import StructuredOutputsParams  # SamplingParams(structured_outputs=...), as vLLM's
 
 Subpackages: engine (runtime), kernels, control (router <-> engine plane), kvtransfer (KV link),
 prefill, decode, router, bench. `import pdserve` alone loads no torch.
 """
 
 from pdserve.control.errors import InvalidRequestError
-from pdserve.control.sampling_params import SamplingParams
+from pdserve.control.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "InvalidRequestError"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "InvalidRequestError"]
 
 
 def __getattr__(name: str):

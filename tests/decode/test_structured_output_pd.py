@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from pdserve import SamplingParams
-from pdserve.control.sampling_params import StructuredOutputsParams
+from pdserve import StructuredOutputsParams
 from tests.decode.test_disaggregated import PROMPTS, assert_no_leaks, colocated_llm, running_pair
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "size"],

@@ -12,7 +12,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.control.errors import InvalidSamplingParams
-from pdserve.control.sampling_params import StructuredOutputsParams
+from pdserve import StructuredOutputsParams
 from pdserve.engine.request import InvalidRequestError
 from pdserve.engine.structured_output import unpack_bitmask
 
