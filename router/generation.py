@@ -6,8 +6,9 @@ tokens as text, apply stop strings, and clean up.
 
 A choice that asks for prompt logprobs gathers the engine's PromptLogprobs (sent before its first token)
 and hands them out with its first delta; with n > 1 only sample 0 asks the engines, and the prompt's
-other samples wait for its set (SharedPromptLogprobs). A first token without a whole set is the engine's
-fault: EngineFailed, never an answer silently missing them.
+other samples wait for its set (SharedPromptLogprobs). A decode engine's first token that overtakes the
+prefill engine's set (two sockets) waits for it; a first token without a whole set is the engine's fault:
+EngineFailed, never an answer silently missing them.
 
 The first token comes from the prefill engine as soon as it is sampled (before its KV moves) and is
 streamed at once; the decode engine is told it (FirstToken) and its stream goes on from the second
@@ -129,6 +130,10 @@ class _Inbox:
         self._items.append((source, item))
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    def put_back(self, items: list[tuple[str, Any]]) -> None:
+        """Items its reader took out of turn go back to the front, in their order."""
+        self._items.extendleft(reversed(items))
 
     async def get(self) -> tuple[str, Any]:
         while not self._items:
@@ -295,7 +300,7 @@ class ChoiceRunner:
             if item.finish_reason in ("error", "abort"):
                 self._failed(source, item)
             if pending and (item.token_ids or item.finish_reason):  # the first token: the prompt's logprobs are in
-                rows, pending = await self._prompt_rows(gather, source), False
+                rows, pending = await self._prompt_rows(submission, gather, source), False
             if source == "prefill" and item.token_ids:
                 first_token = item.token_ids[0]
                 if item.finish_reason is None:
@@ -329,12 +334,15 @@ class ChoiceRunner:
         if gather is not None and isinstance(item, PromptLogprobsChunk):
             gather.add(source, item)
 
-    async def _prompt_rows(self, gather: _PromptLogprobsGather | None, source: str) -> PromptRows:
+    async def _prompt_rows(self, submission: Submission, gather: _PromptLogprobsGather | None,
+                           source: str) -> PromptRows:
         """The choice's prompt logprobs at its first token: those its engines sent (then shared with the
         prompt's other samples), or, for a sample that did not ask the engines, sample 0's."""
         shared = self.spec.shared_prompt_logprobs
         if gather is None:
             return await shared.wait()
+        if not gather.complete and source == "decode" and submission.route.prefill is not None:
+            await _prefill_engines_set(submission, gather)
         rows = gather.result(source)
         if shared is not None:
             shared.set(rows)
@@ -381,6 +389,10 @@ class _PromptLogprobsGather:
         self.prompt_token_ids = prompt_token_ids
         self.by_source = {source: PromptLogprobsAssembler(len(prompt_token_ids)) for source in ("prefill", "decode")}
 
+    @property
+    def complete(self) -> bool:
+        return any(assembler.result is not None for assembler in self.by_source.values())
+
     def add(self, source: str, chunk: PromptLogprobsChunk) -> None:
         try:
             self.by_source[source].add(chunk.msg, chunk.rows)
@@ -406,6 +418,27 @@ class _PromptLogprobsGather:
                                    f"{position}, which holds {expected}: the engine is at fault; report it with the "
                                    "engine's logs", code="internal_error")
         return rows
+
+
+async def _prefill_engines_set(submission: Submission, gather: _PromptLogprobsGather) -> None:
+    """The decode engine's first token came before the prefill engine's prompt logprobs (sent before the KV
+    that token needed, but on another socket: nothing orders the two). Read the prefill engine's messages
+    until its set is whole, or its first token (or error) came without it; the decode engine's wait, in order."""
+    held: list[tuple[str, Any]] = []
+    try:
+        while not gather.complete:
+            source, item = await _next(submission.inbox)
+            if source != "prefill":
+                held.append((source, item))
+            elif isinstance(item, PromptLogprobsChunk):
+                gather.add(source, item)
+            elif isinstance(item, EngineGone):  # its set will not come: prefill on the decode engine instead
+                raise _Retry(f"prefill engine {item.engine_id} left ({item.reason}) before the prompt logprobs came",
+                             exclude=submission.route.prefill.control_address, force_local=True)
+            else:
+                return  # a token or an error, and no set before it: the engine's fault (gather.result says so)
+    finally:
+        submission.inbox.put_back(held)
 
 
 async def _next(inbox: _Inbox) -> tuple[str, Any]:

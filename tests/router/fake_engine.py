@@ -74,6 +74,7 @@ class FakeEngine:
     fail_prefill: bool = False  # answer every PrefillRequest with an error
     prefill_error_code: str | None = None  # its TokenDelta.error_code
     first_token: bool = False  # answer every PrefillRequest with its first token (fake_tokens' first), at once
+    first_token_delay_s: float = 0.0  # ... or after this long (the decode engine's first token may come first)
     reject_with: str | None = None  # answer every GenerateRequest with this error, before any token
     reject_code: str = "invalid_request"  # its TokenDelta.error_code
     script: list[int] | None = None  # emit these tokens (then "stop") instead of counting up
@@ -155,6 +156,7 @@ class FakeEngine:
                 self._reply(peer_id, TokenDelta(request_id=msg.request_id, finish_reason="error",
                                                 error="fake prefill failure", error_code=self.prefill_error_code))
             elif self.first_token:
+                time.sleep(self.first_token_delay_s)
                 self._send_prompt_logprobs(peer_id, msg)
                 self._reply(peer_id, TokenDelta(request_id=msg.request_id,
                                                 token_ids=tuple(fake_tokens(msg.prompt_token_ids, 1))))

@@ -77,6 +77,24 @@ def test_disaggregated_the_prefill_engine_sends_them(tiny_model, tokenization):
         check)
 
 
+def test_a_decode_token_ahead_of_the_prefill_engines_set_waits_for_it(tiny_model, tokenization):
+    """The prefill engine sends its set before the KV the decode engine's first token needs, but on another
+    socket: the decode engine's token may reach the router first, and the choice then waits for the set."""
+    async def check(client, engines):
+        prefill, decode = engines
+        response = await client.post("/v1/completions", json=completion(max_tokens=4, prompt_logprobs=1,
+                                                                          return_token_ids=True))
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert_prompt_logprobs(choice["prompt_logprobs"], 1, tokenization)
+        assert choice["token_ids"] == fake_tokens(PROMPT_IDS, 4), "the decode engine's tokens, none lost or doubled"
+        prefill.send_prompt_logprobs = False
+        response = await client.post("/v1/completions", json=completion(max_tokens=4, prompt_logprobs=1))
+        assert assert_openai_error(response, 502)["code"] == "internal_error", "its first token came without them"
+    run(tiny_model, tokenization, [{"role": "prefill", "engine_id": "p0", "first_token": True,
+                                    "first_token_delay_s": 0.2}, {"engine_id": "d0", "token_delay_s": 0.01}], check)
+
+
 def test_a_first_token_without_the_prompt_logprobs_is_the_engines_fault(tiny_model, tokenization):
     async def check(client, engines):
         response = await client.post("/v1/completions", json=completion(echo=True, logprobs=0))
