@@ -9,18 +9,15 @@ is complete. Logprobs of a constrained request are those of the masked logits (a
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from pdserve.engine.request import InvalidRequestError, Request, SamplingParams
+from pdserve.engine.grammar import checked_grammar
+from pdserve.engine.request import Request, SamplingParams
 
-# llguidance's JSON options: no free whitespace between tokens (compact JSON), so a weak model cannot
-# spend its max_tokens on spaces; additionalProperties as the schema says.
-_JSON_OPTIONS = {"whitespace_flexible": False}
 _BITS = torch.arange(32, dtype=torch.int32)  # one bit per token of a 32-token bitmask word
 
 
@@ -70,44 +67,9 @@ class StructuredOutputCompiler:
             return None
         from llguidance import LLMatcher
 
-        grammar = grammar_of(params.structured_kind, params.structured_spec)
         tokenizer = self._ll_tokenizer()
-        problem = LLMatcher.validate_grammar(grammar, tokenizer)
-        if problem:
-            raise InvalidRequestError(f"the structured output's {params.structured_kind} does not compile: "
-                                      f"{problem.strip()[:1000]}")
+        grammar = checked_grammar(params.structured_kind, params.structured_spec, tokenizer)
         return GrammarState(LLMatcher(tokenizer, grammar))
-
-
-def grammar_of(kind: str, spec: str) -> str:
-    """llguidance's grammar text of one constraint."""
-    from llguidance import LLMatcher
-
-    if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
-    if kind == "json":
-        try:
-            schema = json.loads(spec)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"the structured output's JSON schema is not JSON ({exc}): send the schema "
-                                      "as a JSON object") from None
-        return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
-    if kind == "regex":
-        return LLMatcher.grammar_from_regex(spec)
-    if kind == "grammar":
-        return LLMatcher.grammar_from_lark(spec)
-    return LLMatcher.grammar_from_lark(_choice_grammar(spec))
-
-
-def _choice_grammar(spec: str) -> str:
-    """A Lark grammar whose only sentences are the choices (spec: a JSON list of strings)."""
-    try:
-        choices = json.loads(spec)
-    except json.JSONDecodeError:
-        choices = None
-    if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
-        raise InvalidRequestError("the structured output's choice must be a non-empty list of non-empty strings")
-    return "start: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
 def mask_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

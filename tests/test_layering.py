@@ -21,7 +21,7 @@ ALLOWED = {
     "decode": {"engine", "kernels", "control", "kvtransfer"},
     # the torch-free engine modules the router shares
     "router": {"control", "engine.tokenizer", "engine.detokenizer", "engine.block_pool", "engine.generation_defaults",
-               "engine.chat"},
+               "engine.chat", "engine.grammar"},
 }
 
 
