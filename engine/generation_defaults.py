@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
 
-from pdserve.engine.hub import is_hub_id
+from pdserve.engine.hub import cache_only, is_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,6 @@ def _generation_config_path(model: str | Path) -> Path | None:
     from huggingface_hub import hf_hub_download
 
     try:  # a hub id: fetched like its tokenizer (or found in the HF cache when offline)
-        return Path(hf_hub_download(str(model), "generation_config.json"))
+        return Path(hf_hub_download(str(model), "generation_config.json", local_files_only=cache_only()))
     except Exception:  # noqa: BLE001 - no such file, no network, a malformed id: no defaults to read
         return None

@@ -4,13 +4,29 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 
 def is_hub_id(model: str | Path) -> bool:
     """'org/name' that is not an existing path: the shape of a hub id (a local path is never one)."""
     text = str(model)
     return text.count("/") == 1 and not text.startswith((".", "/", "~")) and not Path(text).expanduser().exists()
+
+
+def cache_only() -> bool:
+    """True when a hub fetch should look in the local HF cache alone: HF_HUB_OFFLINE is set, or the hub's host
+    name does not resolve (no network). Fetching then would only retry for about 50 s before failing."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return True
+    from huggingface_hub import constants
+
+    try:
+        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
+    except (OSError, UnicodeError):
+        return True
+    return False
 
 
 def hub_failure(model: str, what: str, exc: BaseException) -> str:

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.hub import hub_failure, is_hub_id
+from pdserve.engine.hub import cache_only, hub_failure, is_hub_id
 from pdserve.engine.layers.linear import pack_linear_weights
 from pdserve.engine.models.registry import resolve_model_class
 
@@ -35,7 +35,7 @@ def resolve_model_dir(model: str | Path) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(str(model), allow_patterns=_HUB_PATTERNS))
+        return Path(snapshot_download(str(model), allow_patterns=_HUB_PATTERNS, local_files_only=cache_only()))
     except Exception as exc:  # noqa: BLE001 - the hub raises many kinds; all mean "not available"
         raise ModelLoadError(hub_failure(str(model), "the model", exc)) from exc
 

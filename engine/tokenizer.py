@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdserve.engine.hub import hub_failure, is_hub_id
+from pdserve.engine.hub import cache_only, hub_failure, is_hub_id
 
 
 class TokenizerLoadError(ValueError):
@@ -15,7 +15,8 @@ def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        # a hub id without a reachable hub: the local HF cache alone, at once (not after a minute of retries)
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=is_hub_id(model_dir) and cache_only())
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for a missing/broken tokenizer
         if is_hub_id(model_dir):
             raise TokenizerLoadError(hub_failure(str(model_dir), "the tokenizer", exc)) from exc

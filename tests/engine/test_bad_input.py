@@ -174,3 +174,29 @@ def test_sliding_window_limit(model_factory):
     assert ModelConfig.from_hf(model_dir).max_model_len == 64
     with pytest.raises(ConfigError, match="sliding window"):
         ModelConfig.from_hf(model_dir, max_model_len=128)
+
+
+def test_a_hub_id_without_a_resolvable_hub_fails_at_once(monkeypatch, tmp_path):
+    """No DNS (an offline machine): the local HF cache alone is asked, so the error comes in seconds rather
+    than after huggingface_hub's minute of retries; no request leaves the machine."""
+    import socket
+
+    from pdserve.engine.loader import ModelLoadError, resolve_model_dir
+    from pdserve.engine.tokenizer import TokenizerLoadError, load_tokenizer
+
+    lookups = []
+
+    def no_dns(host, *args, **kwargs):
+        lookups.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache
+    with pytest.raises(TokenizerLoadError, match="cannot reach the Hugging Face hub"):
+        load_tokenizer("someorg/no-such-model")
+    with pytest.raises(ModelLoadError, match="cannot reach the Hugging Face hub"):
+        resolve_model_dir("someorg/no-such-model")
+    # one look per fetch (and one of transformers' own, which it does not retry); the hub client's retries
+    # looked the host up five times per file
+    assert 2 <= len(lookups) <= 3 and set(lookups) == {"huggingface.co"}, lookups
