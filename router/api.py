@@ -36,6 +36,7 @@ from pdserve.router.lean_routes import is_json, lean_endpoint
 from pdserve.router.responses import ChatFormatter, CompletionFormatter, Prompt
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.specs import chat_specs, check_n, completion_specs
+from pdserve.router.structured_output import checked_constraint
 from pdserve.router.streaming import CLIENT_CLOSED_REQUEST, endpoint_label, respond
 
 log = logging.getLogger("pdserve.router.api")
@@ -200,13 +201,14 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
         check_model(body.model)
         max_model_len, vocab_size = gateway.context_limits()
         check_n(body, body.num_prompts(), config.max_n)  # before any tokenizing: a 4 MiB batch is refused at once
+        constraint = await checked_constraint(body, gateway.preprocessor)
         if body.has_text_prompt():
             tokenized = await gateway.preprocessor.run(gateway.tokenization.completion_prompts, body)
         else:  # token ids: nothing to tokenize, so no hop to the tokenizer's threads
             tokenized = gateway.tokenization.completion_prompts(body)
         prompts = [Prompt(text, ids) for text, ids in tokenized]
         specs = completion_specs(body, [p.token_ids for p in prompts], max_model_len, vocab_size, config.max_n,
-                                 gateway.generation_defaults)
+                                 gateway.generation_defaults, constraint)
         formatter = partial(  # built by respond() once the engines have the request
             CompletionFormatter, model=config.served_model_name, tokenization=gateway.tokenization, prompts=prompts,
             n=body.n, num_logprobs=body.logprobs, return_token_ids=body.return_token_ids,
@@ -218,9 +220,11 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         max_model_len, vocab_size = gateway.context_limits()
+        constraint = await checked_constraint(body, gateway.preprocessor)
         text, token_ids = await gateway.preprocessor.run(gateway.tokenization.chat_prompt, body,
                                                          config.allow_request_chat_template)
-        specs = chat_specs(body, token_ids, max_model_len, config.max_n, gateway.generation_defaults, vocab_size)
+        specs = chat_specs(body, token_ids, max_model_len, config.max_n, gateway.generation_defaults, vocab_size,
+                           constraint)
         formatter = partial(  # built by respond() once the engines have the request
             ChatFormatter, model=config.served_model_name, tokenization=gateway.tokenization,
             prompts=[Prompt(text, token_ids)], n=body.n,

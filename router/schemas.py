@@ -63,6 +63,65 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: `name` required as OpenAI requires it; `strict` taken, with no
+    meaning beyond the schema's own (the output always fits the schema)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # "schema" would shadow BaseModel.schema
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object), or "json_schema"."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError('a response_format of type "json_schema" needs its schema: send {"type": "json_schema", '
+                             '"json_schema": {"name": "...", "schema": {...}}}, or {"type": "json_object"} for any '
+                             "JSON object")
+        return self
+
+
+# vLLM's structured_outputs: the constraints (one of them), and options it takes that change nothing here
+_STRUCTURED_OUTPUT_KEYS = frozenset(("json", "regex", "choice", "grammar", "json_object", "disable_fallback",
+                                     "disable_any_whitespace"))
+ONE_STRUCTURED_OUTPUT = "send one of json, regex, choice, grammar or json_object: true"  # for messages
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (extra_body): one of json (a schema, as an object or JSON text), regex,
+    choice, grammar (Lark) or json_object=true. Other keys would change the answer and are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # "json" would shadow BaseModel.json
+    regex: str | None = Field(None, min_length=1)
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, min_length=1)
+    json_object: bool | None = None
+    # no fallback backend to disable, and JSON never has free whitespace here
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        unknown = sorted(set(data) - _STRUCTURED_OUTPUT_KEYS) if isinstance(data, dict) else []
+        if unknown:
+            raise ValueError(f"structured_outputs.{unknown[0][:40]} is not served: {ONE_STRUCTURED_OUTPUT}")
+        return data
+
+
 class SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -91,6 +150,14 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # each prompt token's, and the top-N
+    # structured output (router/structured_output.py): OpenAI's response_format, vLLM's structured_outputs, and
+    # vLLM's older guided_* spellings of the same constraints
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = Field(None, min_length=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -176,7 +243,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False

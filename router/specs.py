@@ -11,6 +11,7 @@ from pdserve.engine.generation_defaults import GenerationDefaults
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.generation import ChoiceSpec, SharedPromptLogprobs
 from pdserve.router.schemas import COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from pdserve.router.structured_output import Constraint
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, param: str,
@@ -43,10 +44,11 @@ def check_token_ids(token_ids: list[int], vocab_size: int | None, param: str) ->
 
 def sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None,
                     defaults: GenerationDefaults = GenerationDefaults(), vocab_size: int | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """The request's SamplingParams, the model's defaults where the request is silent: its checks (e.g.
-    min_tokens <= max_tokens, at most 16 stop strings) refuse it here, as a 400 naming the request's
-    parameter in the request's words, rather than on an engine."""
+                    prompt_logprobs: int | None = None, constraint: Constraint | None = None) -> SamplingParams:
+    """The request's SamplingParams, the model's defaults where the request is silent, with its structured
+    output's `constraint` (router/structured_output.py): its checks (e.g. min_tokens <= max_tokens, at most
+    16 stop strings) refuse it here, as a 400 naming the request's parameter in the request's words, rather
+    than on an engine."""
     sampling = defaults.fill(
         {"temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
          "repetition_penalty": request.repetition_penalty}, request.model_fields_set)
@@ -59,7 +61,8 @@ def sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | N
             stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
-            logit_bias=logit_bias, prompt_logprobs=prompt_logprobs)
+            logit_bias=logit_bias, prompt_logprobs=prompt_logprobs,
+            **(constraint.sampling_fields() if constraint is not None else {}))
     except InvalidRequestError as exc:
         # in the request's words: no "sampling_params." prefix, and a chat request's max_completion_tokens
         message, param = str(exc).replace(f"{SamplingParams.type_name}.", ""), exc.field
@@ -149,8 +152,8 @@ def _completion_prompt_logprobs(request: CompletionRequest) -> int | None:
 
 
 def completion_specs(request: CompletionRequest, prompts: list[list[int]], max_model_len: int,
-                     vocab_size: int | None, max_n: int,
-                     defaults: GenerationDefaults = GenerationDefaults()) -> list[ChoiceSpec]:
+                     vocab_size: int | None, max_n: int, defaults: GenerationDefaults = GenerationDefaults(),
+                     constraint: Constraint | None = None) -> list[ChoiceSpec]:
     if request.suffix:
         raise InvalidRequest("suffix is not supported: put the text in the prompt", param="suffix")
     if request.best_of is not None and request.best_of != request.n:
@@ -163,13 +166,14 @@ def completion_specs(request: CompletionRequest, prompts: list[list[int]], max_m
     for token_ids in prompts:
         check_token_ids(token_ids, vocab_size, "prompt")
         max_tokens = resolve_max_tokens(len(token_ids), requested, max_model_len, "prompt", default)
-        params_of.append(sampling_params(request, max_tokens, request.logprobs, defaults, vocab_size, prompt_logprobs))
+        params_of.append(sampling_params(request, max_tokens, request.logprobs, defaults, vocab_size, prompt_logprobs,
+                                         constraint))
     return _specs(request, prompts, params_of, prompt_only=request.max_tokens == 0)
 
 
 def chat_specs(request: ChatCompletionRequest, token_ids: list[int], max_model_len: int,
                max_n: int, defaults: GenerationDefaults = GenerationDefaults(),
-               vocab_size: int | None = None) -> list[ChoiceSpec]:
+               vocab_size: int | None = None, constraint: Constraint | None = None) -> list[ChoiceSpec]:
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
     check_prompt_logprobs(request)
@@ -178,5 +182,5 @@ def chat_specs(request: ChatCompletionRequest, token_ids: list[int], max_model_l
     max_tokens = resolve_max_tokens(len(token_ids), request.max_new_tokens(), max_model_len, "messages",
                                     defaults.max_tokens)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    params = sampling_params(request, max_tokens, logprobs, defaults, vocab_size, request.prompt_logprobs)
+    params = sampling_params(request, max_tokens, logprobs, defaults, vocab_size, request.prompt_logprobs, constraint)
     return _specs(request, [token_ids], [params])

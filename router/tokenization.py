@@ -51,9 +51,6 @@ class Tokenization:
         if not request.tools and request.tool_choice not in (None, "none", "auto"):
             raise InvalidRequest("tool_choice asks for a tool call, but the request has no `tools`: drop "
                                  "tool_choice (and this server does not call tools)", param="tool_choice")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise InvalidRequest("structured output (response_format) is not supported: ask for JSON in the prompt",
-                                 param="response_format")
         conversation = [message.model_dump(exclude_none=True) for message in request.messages]
         try:
             text = render_chat(self.tokenizer, conversation, add_generation_prompt=request.add_generation_prompt,

@@ -1,0 +1,131 @@
+"""A request's structured output -> the one constraint its engines enforce (SamplingParams.structured_kind
+and structured_spec). Asked for by OpenAI's response_format, vLLM's structured_outputs, or vLLM's older
+guided_json / guided_regex / guided_choice / guided_grammar; one constraint per request. The router
+checks it with the engines' own grammar check (engine/grammar.py) before any engine sees the request;
+each engine checks it again against its tokenizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.control.errors import InvalidRequestError
+from pdserve.control.sampling_params import MAX_STRUCTURED_SPEC_CHARS
+from pdserve.engine.grammar import checked_grammar
+from pdserve.router.errors import InvalidRequest
+from pdserve.router.preprocess import Preprocessor, PreprocessTimeout
+from pdserve.router.schemas import ONE_STRUCTURED_OUTPUT, SamplingRequest
+
+# vLLM's older fields: field -> the kind of constraint it asks for
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    kind: str  # SamplingParams.structured_kind
+    spec: str  # SamplingParams.structured_spec
+    source: str  # where the request asked for it, for messages: "structured_outputs.regex"
+
+    @property
+    def param(self) -> str:
+        """The request's field at fault in a 400: "response_format", "structured_outputs", "guided_regex"."""
+        return self.source.split(".")[0]
+
+    def sampling_fields(self) -> dict[str, str]:
+        return {"structured_kind": self.kind, "structured_spec": self.spec}
+
+
+def asked_constraint(request: SamplingRequest) -> Constraint | None:
+    """The request's one constraint, or None; a 400 for two, or for a spec over the wire's bound."""
+    asked = _asked(request)
+    if not asked:
+        return None
+    if len(asked) > 1:
+        sources = " and ".join(constraint.source for constraint in asked[:2])
+        raise InvalidRequest(f"the request asks for {len(asked)} structured outputs ({sources}): a request takes "
+                             "one constraint, so send only one of them", param=asked[0].param)
+    constraint, = asked
+    if len(constraint.spec) > MAX_STRUCTURED_SPEC_CHARS:
+        raise InvalidRequest(f"{constraint.source} is {len(constraint.spec)} characters as JSON text, over the "
+                             f"limit of {MAX_STRUCTURED_SPEC_CHARS}: send a smaller constraint", param=constraint.param)
+    return constraint
+
+
+def check_constraint(constraint: Constraint) -> None:
+    """The engines' check of the constraint (does it compile?), as a 400 naming the request's field."""
+    try:
+        checked_grammar(constraint.kind, constraint.spec)
+    except InvalidRequestError as exc:
+        raise InvalidRequest(f"{constraint.source}: {exc}", param=constraint.param) from None
+
+
+async def checked_constraint(request: SamplingRequest, preprocessor: Preprocessor) -> Constraint | None:
+    """The request's constraint, checked, or None. Off the event loop, on a preprocessing thread: a schema
+    of megabytes takes a while to write as text and to compile."""
+    if not _asks(request):
+        return None
+    try:
+        return await preprocessor.run(_checked, request)
+    except PreprocessTimeout:
+        raise PreprocessTimeout(f"checking the request's structured output took longer than the server's limit of "
+                                f"{preprocessor.timeout_s:g}s: send a smaller constraint (operators: "
+                                "--preprocess-timeout)") from None
+
+
+def _asks(request: SamplingRequest) -> bool:
+    """Whether the request asks for a constraint at all (cheap: every request passes here)."""
+    return ((request.response_format is not None and request.response_format.type != "text")
+            or request.structured_outputs is not None or request.guided_json is not None
+            or request.guided_regex is not None or request.guided_choice is not None
+            or request.guided_grammar is not None)
+
+
+def _checked(request: SamplingRequest) -> Constraint | None:
+    constraint = asked_constraint(request)
+    if constraint is not None:
+        check_constraint(constraint)
+    return constraint
+
+
+def _asked(request: SamplingRequest) -> list[Constraint]:
+    """Every constraint the request asks for, in the order of its fields."""
+    asked = []
+    response_format = request.response_format
+    if response_format is not None and response_format.type == "json_object":
+        asked.append(Constraint("json_object", "", "response_format"))
+    elif response_format is not None and response_format.type == "json_schema":
+        asked.append(Constraint("json", _json_text(response_format.json_schema.schema_), "response_format"))
+    if request.structured_outputs is not None:
+        asked += _structured_outputs(request.structured_outputs)
+    for field, kind in _GUIDED_FIELDS.items():
+        value = getattr(request, field)
+        if value is not None:
+            asked.append(Constraint(kind, _spec_text(kind, value), field))
+    return asked
+
+
+def _structured_outputs(params: Any) -> list[Constraint]:
+    """vLLM's structured_outputs object (schemas.StructuredOutputs): the constraints it names, at least one."""
+    given = {"json": params.json_, "regex": params.regex, "choice": params.choice, "grammar": params.grammar,
+             "json_object": params.json_object or None}
+    asked = [Constraint(kind, _spec_text(kind, value), f"structured_outputs.{kind}")
+             for kind, value in given.items() if value is not None]
+    if not asked:
+        raise InvalidRequest(f"structured_outputs names no constraint: {ONE_STRUCTURED_OUTPUT}, or drop it",
+                             param="structured_outputs")
+    return asked
+
+
+def _spec_text(kind: str, value: Any) -> str:
+    """SamplingParams.structured_spec of a constraint's value: a schema or choice list as JSON text."""
+    if kind == "json_object":
+        return ""
+    if kind == "choice" or (kind == "json" and not isinstance(value, str)):
+        return _json_text(value)
+    return value
+
+
+def _json_text(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))  # ASCII: as many bytes on the wire as characters
