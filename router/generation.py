@@ -362,14 +362,17 @@ class ChoiceRunner:
     def _consume(self, delta: TokenDelta, detokenizer: Any) -> ChoiceDelta:
         """The delta's tokens up to a stop string's match, as text. A delta that finished with "stop" ends
         with the engine's stop token (EOS or a stop_token_ids one): the detokenizer leaves its text out (unless
-        include_stop_str_in_output), as vLLM does."""
+        include_stop_str_in_output), as vLLM does; unless the request's structured output was complete, whose
+        last token is text like any other."""
         if self.spec.prompt_only:  # echo without generation: the token the engines had to make is not shown
             return ChoiceDelta(self.spec.index, "", [], [], "length", None, delta.num_cached_tokens)
         new_ids: list[int] = []
         last = len(delta.token_ids) - 1
+        # the attribute is read only for a delta that ends the request (the per-token path stays as it was)
+        ends_with_stop_token = delta.finish_reason == "stop" and not delta.stopped_by_constraint
         for position, token_id in enumerate(delta.token_ids):
             new_ids.append(token_id)
-            detokenizer.add_tokens([token_id], ends_with_stop_token=position == last and delta.finish_reason == "stop")
+            detokenizer.add_tokens([token_id], ends_with_stop_token=position == last and ends_with_stop_token)
             if detokenizer.stopped_by is not None:
                 break
         self.token_ids.extend(new_ids)

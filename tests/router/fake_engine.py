@@ -6,7 +6,8 @@ socket, DescribeRequest/StatsRequest/Abort/GenerateRequest/PrefillRequest on its
 A decode request streams `max_tokens` tokens, one TokenDelta per `token_delay_s`:
 token i = (last prompt token + 1 + i) % vocab_size, the last delta with finish_reason "length"
 (or the tokens of `script`, the last with finish_reason "stop": the stop token, as a real engine's EOS or
-stop_token_ids token, whose text the router leaves out).
+stop_token_ids token, whose text the router leaves out; or with `completes_constraint`, the token that
+completed the request's structured output, whose text is shown: TokenDelta.stopped_by_constraint).
 A request whose SamplingParams ask for prompt_logprobs gets them (fake_prompt_tables) before its first token from
 the engine that prefills it: the prefill engine, or the decode engine when it prefills locally.
 """
@@ -78,6 +79,8 @@ class FakeEngine:
     reject_with: str | None = None  # answer every GenerateRequest with this error, before any token
     reject_code: str = "invalid_request"  # its TokenDelta.error_code
     script: list[int] | None = None  # emit these tokens (then "stop") instead of counting up
+    # the script's last token (decode) or the first token (prefill) completes the request's structured output
+    completes_constraint: bool = False
     send_prompt_logprobs: bool = True  # False: a faulty engine that skips the prompt logprobs a request asked for
     heartbeat_interval_s: float = 0.1
     beating: threading.Event = field(default_factory=threading.Event)  # set: send heartbeats
@@ -158,8 +161,9 @@ class FakeEngine:
             elif self.first_token:
                 time.sleep(self.first_token_delay_s)
                 self._send_prompt_logprobs(peer_id, msg)
+                done = {"finish_reason": "stop", "stopped_by_constraint": True} if self.completes_constraint else {}
                 self._reply(peer_id, TokenDelta(request_id=msg.request_id,
-                                                token_ids=tuple(fake_tokens(msg.prompt_token_ids, 1))))
+                                                token_ids=tuple(fake_tokens(msg.prompt_token_ids, 1)), **done))
         elif isinstance(msg, FirstToken):
             self.received.append(msg)
         elif isinstance(msg, GenerateRequest):
@@ -183,7 +187,9 @@ class FakeEngine:
             last = active.sent == len(active.tokens)
             finish_reason = ("stop" if self.script else "length") if last else None
             self._reply(active.peer_id, TokenDelta(request_id=request_id, token_ids=(token,),
-                                                   finish_reason=finish_reason))
+                                                   finish_reason=finish_reason,
+                                                   stopped_by_constraint=finish_reason == "stop"
+                                                   and self.completes_constraint))
             if last:
                 del self.active[request_id]
 

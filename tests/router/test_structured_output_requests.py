@@ -1,7 +1,8 @@
 """Structured output in the router (router/structured_output.py, router/schemas.py): OpenAI's response_format,
 vLLM's structured_outputs and guided_* fields become the one constraint the engines get; a bad, unknown or
-second constraint is a 400 naming the request's field before any engine sees the request. Against scripted
-engines (tests/router/fake_engine.py)."""
+second constraint is a 400 naming the request's field before any engine sees the request; and the token
+that completes a constraint is shown (TokenDelta.stopped_by_constraint), from the decode engine or as the
+prefill engine's first token. Against scripted engines (tests/router/fake_engine.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.specs import chat_specs, completion_specs
 from pdserve.router.structured_output import asked_constraint, check_constraint
 from tests.router.conftest import assert_openai_error, router_app
-from tests.router.test_engines_and_failures import _close, _engines, completion
-from tests.router.test_stop_rules import PREFILL
+from tests.router.fake_engine import fake_tokens
+from tests.router.test_engines_and_failures import PROMPT_IDS, _close, _engines, completion
+from tests.router.test_stop_rules import PREFILL, answer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok"],
@@ -132,3 +134,23 @@ def test_both_engines_get_the_constraint(tiny_model, tokenization):
     assert response.status_code == 200, response.text
     sent = [msg.sampling_params for engine in engines for msg in engine.received if hasattr(msg, "sampling_params")]
     assert len(sent) == 2 and {(p.structured_kind, p.structured_spec) for p in sent} == {("choice", '["&\'","x"]')}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_token_that_completes_the_constraint_is_shown(tiny_model, tokenization, path):
+    """Unlike the engine's stop token (test_stop_rules): the constraint's last token is text."""
+    script = fake_tokens(PROMPT_IDS, 4)  # & ' ( )
+    body = completion(max_tokens=8, guided_regex=".*")
+    if path.endswith("chat/completions"):
+        body = {**{k: v for k, v in body.items() if k != "prompt"}, "messages": MESSAGES}
+    got = answer(tiny_model, tokenization, [{"engine_id": "d0", "script": script, "completes_constraint": True}],
+                 body, path)
+    assert (got["text"], got["token_ids"], got["finish_reason"]) == ("&'()", script, "stop"), got
+    assert got["stop_reason"] is None
+
+
+def test_a_first_token_that_completes_the_constraint_on_the_prefill_engine_is_shown(tiny_model, tokenization):
+    """A one-token constraint completes on the prefill engine: its first token ends the choice, with its text."""
+    engines = [{**PREFILL, "completes_constraint": True}, {"engine_id": "d0", "token_delay_s": 5.0}]
+    got = answer(tiny_model, tokenization, engines, completion(max_tokens=8, guided_choice=["&"]))
+    assert (got["text"], got["token_ids"], got["finish_reason"]) == ("&", fake_tokens(PROMPT_IDS, 1), "stop"), got
