@@ -388,7 +388,7 @@ def compute_logprobs(
         return [None] * len(requests)
     row_index = torch.tensor(rows, device=logits.device)
     picked = logits if len(rows) == len(requests) else logits[row_index]  # [R, V]
-    logprobs = finite_logprobs(picked)  # [R, V]
+    logprobs = _finite_logprobs(picked)  # [R, V]
     chosen = token_ids[row_index][:, None]  # [R, 1]
     num_top = min(max(requests[i].sampling_params.logprobs for i in rows), logprobs.shape[1])
     top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [R, N], descending
@@ -405,7 +405,7 @@ def compute_logprobs(
     return result
 
 
-def finite_logprobs(logits: torch.Tensor) -> torch.Tensor:
+def _finite_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """Log-probs [R, V] of raw logits [R, V]; impossible tokens (and NaN logits) get the lowest
     float32 instead of -inf, so every reported value is finite."""
     logits = torch.nan_to_num(logits.float(), nan=-math.inf, posinf=_FLOAT32_MAX)
