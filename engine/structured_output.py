@@ -10,6 +10,7 @@ is complete. Logprobs of a constrained request are those of the masked logits (a
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,15 +41,23 @@ class GrammarState:
         return self.matcher.get_error()
 
 
+# Compiled constraints an engine keeps, newest used last: a request whose constraint is among them gets a
+# copy of its matcher (40 us) instead of a compile (0.28 s for a 184 KB JSON schema on this CPU).
+MATCHER_CACHE_SIZE = 128
+
+
 class StructuredOutputCompiler:
     """Per engine: the model's tokenizer as llguidance sees it (built on the first constrained request,
-    ~0.4 s for a 49k vocabulary) and a matcher per constrained request."""
+    ~0.4 s for a 49k vocabulary), and a fresh matcher per constrained request, copied from the last
+    MATCHER_CACHE_SIZE constraints' compiled ones (an application sends the same schema again and again)."""
 
     def __init__(self, model_dir: str, vocab_size: int) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self._tokenizer = None
         self._lock = threading.Lock()
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()  # (kind, spec) -> unused matcher
+        self.num_compiled = 0  # constraints compiled since start (a cache hit compiles none)
 
     def _ll_tokenizer(self):
         with self._lock:
@@ -65,11 +74,24 @@ class StructuredOutputCompiler:
         an InvalidRequestError naming the problem."""
         if params.structured_kind is None:
             return None
+        key = (params.structured_kind, params.structured_spec)
+        template = self._compiled.get(key)
+        if template is None:
+            template = self._compile(*key)
+            self._compiled[key] = template
+            if len(self._compiled) > MATCHER_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        return GrammarState(template.deep_copy())
+
+    def _compile(self, kind: str, spec: str) -> Any:
         from llguidance import LLMatcher
 
         tokenizer = self._ll_tokenizer()
-        grammar = checked_grammar(params.structured_kind, params.structured_spec, tokenizer)
-        return GrammarState(LLMatcher(tokenizer, grammar))
+        matcher = LLMatcher(tokenizer, checked_grammar(kind, spec, tokenizer))
+        self.num_compiled += 1
+        return matcher
 
 
 def mask_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -109,3 +109,16 @@ def test_unpack_bitmask_bit_for_bit():
         for token in range(100):
             word = int(words[row, token // 32]) & 0xFFFFFFFF
             assert bool(allowed[row, token]) == bool(word >> (token % 32) & 1)
+
+
+def test_a_repeated_constraint_is_compiled_once_and_each_request_has_its_own_matcher(model_factory):
+    llm = LLM(model_factory("llama"), dtype="float32", block_size=4)
+    compiler = llm.engine.structured_output
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=12, structured_outputs=StructuredOutputsParams(
+        regex=r"[0-9]{3}-(red|green)"))
+    outputs = llm.generate(PROMPTS * 2, params)  # six requests of one constraint, decoding side by side
+    assert compiler.num_compiled == 1
+    assert all(re.fullmatch(r"[0-9]{3}-(red|green)", o.outputs[0].text) for o in outputs)
+    again = llm.generate(PROMPTS, params)
+    assert compiler.num_compiled == 1
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs[:len(PROMPTS)]]
