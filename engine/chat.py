@@ -1,9 +1,12 @@
 """A conversation in OpenAI's message format -> the prompt text the model's chat template makes of it. The one
 implementation behind the router's chat requests (router/tokenization.py) and the offline `LLM.chat`. Torch-free.
-A conversation it cannot render raises InvalidRequestError, its `field` naming the request field at fault."""
+A conversation it cannot render raises InvalidRequestError, its `field` naming the request field at fault.
+Tool loops render: an assistant message's tool_calls (their JSON-text arguments as objects, as chat templates
+expect them) and tool messages; tools given go to the template, which shows them if it knows how."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pdserve.control.errors import InvalidRequestError
@@ -17,9 +20,11 @@ def is_conversation(value: Any) -> bool:
 
 
 def render_chat(tokenizer, conversation: Conversation, *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, **template_kwargs: Any) -> str:
+                continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                **template_kwargs: Any) -> str:
     """The chat template (the model's, or template_kwargs["chat_template"]) applied to the messages; text content
-    parts are joined by newlines. template_kwargs: the template's variables."""
+    parts are joined by newlines. tools: OpenAI's tool definitions, for the template. template_kwargs: the
+    template's variables."""
     if not conversation:
         raise _refused("the conversation is empty: send at least one message", "messages")
     if continue_final_message and add_generation_prompt:
@@ -29,6 +34,8 @@ def render_chat(tokenizer, conversation: Conversation, *, add_generation_prompt:
         raise _refused("this model has no chat template: send a plain prompt instead (/v1/completions, or "
                        "LLM.generate), or give a chat_template", "messages")
     messages = [template_message(message, index) for index, message in enumerate(conversation)]
+    if tools:
+        template_kwargs["tools"] = tools
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **template_kwargs)
@@ -44,7 +51,24 @@ def template_message(message: Any, index: int) -> dict[str, Any]:
     content = message.get("content")
     if isinstance(content, list):
         content = "\n".join(_part_text(part, index) for part in content)
-    return {**{key: value for key, value in message.items() if value is not None}, "content": content or ""}
+    rendered = {**{key: value for key, value in message.items() if value is not None}, "content": content or ""}
+    if isinstance(rendered.get("tool_calls"), list):
+        rendered["tool_calls"] = [_template_call(call) for call in rendered["tool_calls"]]
+    return rendered
+
+
+def _template_call(call: Any) -> Any:
+    """An assistant's tool call with its arguments (OpenAI's JSON text) as the object templates expect
+    (`arguments | tojson`); arguments that are no JSON object stay as they are."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 
 def _part_text(part: Any, index: int) -> str:

@@ -7,6 +7,7 @@ continuous_usage_stats) and one last chunk, with no choices, carries the usage. 
 Prompt logprobs: completions with echo and logprobs put the prompt's tokens before the generated ones in
 `logprobs` (in a stream, in each choice's first chunk); vLLM's prompt_logprobs field, present only when asked,
 is per choice on completions and top-level on chat.
+Tool calls (router/tool_calls.py): ToolCallFormatter answers with the message's tool_calls instead of its content.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from pdserve.control.prompt_logprobs import PositionLogprobs
 from pdserve.router.generation import ChoiceDelta, PromptRows
 from pdserve.router.tokenization import Tokenization
+from pdserve.router.tool_calls import ToolCalling, new_call_id
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -297,3 +299,58 @@ class ChatFormatter(Formatter):
             entry["top_logprobs"] = [self._entry(k, v) for k, v in self._top(candidates)]
             content.append(entry)
         return {"content": content}
+
+
+class ToolCallFormatter(ChatFormatter):
+    """A chat answer whose output is tool calls: the message's content is null and its tool_calls hold the calls.
+    Streamed, a named tool's call starts in the role chunk (index, id, type, name, empty arguments) and its
+    arguments follow in pieces as they come; tool_choice "required"'s calls go whole in the choice's last chunk,
+    once the output is complete. An output that is no complete call list (cut short) stays the content."""
+
+    def __init__(self, *args: Any, tool_calling: ToolCalling, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_calling = tool_calling
+
+    def role_chunks(self) -> list[dict[str, Any]]:
+        chunks = super().role_chunks()
+        for chunk in chunks:
+            delta = {"role": "assistant", "content": None}
+            if self.tool_calling.named is not None:
+                header = {"id": new_call_id(), "type": "function",
+                          "function": {"name": self.tool_calling.named.name, "arguments": ""}}
+                delta["tool_calls"] = [{"index": 0, **header}]
+            chunk["choices"][0]["delta"] = delta
+        return chunks
+
+    def chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        if (self.tool_calling.named is None and delta.finish_reason is None and not self.return_token_ids
+                and self.num_logprobs is None):  # "required": nothing to show before the whole output
+            self.totals[delta.index].add(delta)
+            return None
+        return super().chunk(delta)
+
+    def _chunk_choice(self, delta: ChoiceDelta, first: bool, offset: int) -> dict[str, Any]:
+        choice = super()._chunk_choice(delta, first, offset)
+        if self.tool_calling.named is not None:
+            if delta.text:
+                choice["delta"] = {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}
+            return choice
+        choice["delta"] = {}
+        if delta.finish_reason is not None:  # "required": the whole output's calls
+            text = self.totals[delta.index].text
+            calls = self.tool_calling.calls(text)
+            if calls is None:
+                choice["delta"] = {"content": text}
+            else:
+                choice["delta"] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+                choice["finish_reason"] = "tool_calls"
+        return choice
+
+    def _body_choice(self, index: int, total: ChoiceTotal) -> dict[str, Any]:
+        choice = super()._body_choice(index, total)
+        calls = self.tool_calling.calls(total.text)
+        if calls is not None:
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            if self.tool_calling.named is None:
+                choice["finish_reason"] = "tool_calls"
+        return choice

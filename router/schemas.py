@@ -8,6 +8,7 @@ specs.py builds each choice's SamplingParams from these once; the limits both kn
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -227,12 +228,76 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    """A call an assistant message made (OpenAI's tool_calls[i].function): arguments as JSON text."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any]  # JSON text, as OpenAI sends it; some clients send the object
+
+
+class ToolCall(BaseModel):
+    """One of an assistant message's tool_calls, as OpenAI clients send them back in a tool loop."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls (content null)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+# OpenAI's rule for a function's name, and its limit on tools per request
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+MAX_TOOLS = 128
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function: `parameters` is its arguments' JSON schema (absent: any JSON object); `strict` is
+    taken, with no meaning beyond the schema's own (a constrained call always fits it)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _openai_name(cls, name: str) -> str:
+        if not TOOL_NAME.fullmatch(name):
+            raise ValueError(f"the tool name {name[:80]!r} breaks OpenAI's rule: 1 to 64 letters, digits, "
+                             "underscores or dashes; rename the tool")
+        return name
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming one tool: {"type": "function", "function": {"name": "..."}}."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -241,13 +306,34 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    # tool calling (router/tool_calls.py): a named tool or "required" constrain the output; "auto" is refused
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
+    parallel_tool_calls: bool = True
     # vLLM's extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None  # refused unless the operator allows it (tokenization.py)
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _known_tool_choice(cls, value: Any) -> Any:
+        named = isinstance(value, dict) and value.get("type") == "function"
+        if value is None or named or value in ("none", "auto", "required"):
+            return value
+        raise ValueError(f"tool_choice {str(value)[:80]!r} is not served: send \"none\", \"required\" or "
+                         '{"type": "function", "function": {"name": "..."}}')
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        seen: set[str] = set()
+        for tool in tools or ():
+            if tool.function.name in seen:
+                raise ValueError(f"two tools are named {tool.function.name!r}: give each tool its own name")
+            seen.add(tool.function.name)
+        return tools
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

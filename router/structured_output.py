@@ -1,6 +1,7 @@
 """A request's structured output -> the one constraint its engines enforce (SamplingParams.structured_kind
 and structured_spec). Asked for by OpenAI's response_format, vLLM's structured_outputs, or vLLM's older
-guided_json / guided_regex / guided_choice / guided_grammar; one constraint per request. The router
+guided_json / guided_regex / guided_choice / guided_grammar, or by tools with tool_choice "required" or naming
+a tool (router/tool_calls.py); one constraint per request. The router
 checks it with the engines' own grammar check (engine/grammar.py) before any engine sees the request;
 each engine checks it again against its tokenizer."""
 
@@ -16,6 +17,7 @@ from pdserve.engine.grammar import checked_grammar
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.preprocess import Preprocessor, PreprocessTimeout
 from pdserve.router.schemas import ONE_STRUCTURED_OUTPUT, SamplingRequest
+from pdserve.router.tool_calls import ToolCalling
 
 # vLLM's older fields: field -> the kind of constraint it asks for
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -27,21 +29,28 @@ class Constraint:
     kind: str  # SamplingParams.structured_kind
     spec: str  # SamplingParams.structured_spec
     source: str  # where the request asked for it, for messages: "structured_outputs.regex"
+    field: str | None = None  # the request's field, when not the first part of source ("tools")
 
     @property
     def param(self) -> str:
         """The request's field at fault in a 400: "response_format", "structured_outputs", "guided_regex"."""
-        return self.source.split(".")[0]
+        return self.field or self.source.split(".")[0]
 
     def sampling_fields(self) -> dict[str, str]:
         return {"structured_kind": self.kind, "structured_spec": self.spec}
 
 
-def asked_constraint(request: SamplingRequest) -> Constraint | None:
-    """The request's one constraint, or None; a 400 for two, or for a spec over the wire's bound."""
-    asked = _asked(request)
+def asked_constraint(request: SamplingRequest, tools: ToolCalling | None = None) -> Constraint | None:
+    """The request's one constraint (`tools`: its tool calling, when it has one), or None; a 400 for two, or for
+    a spec over the wire's bound."""
+    asked = _asked(request, tools)
     if not asked:
         return None
+    if len(asked) > 1 and tools is not None:
+        other = asked[0]
+        raise InvalidRequest(f"{other.source} and tools ({tools.choice}) both constrain the output: the tool choice "
+                             "makes the output the tool calls' JSON, so the request takes no other structured output: "
+                             f'drop {other.param}, or set tool_choice to "none"', param=other.param)
     if len(asked) > 1:
         sources = " and ".join(constraint.source for constraint in asked[:2])
         raise InvalidRequest(f"the request asks for {len(asked)} structured outputs ({sources}): a request takes "
@@ -61,13 +70,14 @@ def check_constraint(constraint: Constraint) -> None:
         raise InvalidRequest(f"{constraint.source}: {exc}", param=constraint.param) from None
 
 
-async def checked_constraint(request: SamplingRequest, preprocessor: Preprocessor) -> Constraint | None:
-    """The request's constraint, checked, or None. Off the event loop, on a preprocessing thread: a schema
-    of megabytes takes a while to write as text and to compile."""
-    if not _asks(request):
+async def checked_constraint(request: SamplingRequest, preprocessor: Preprocessor,
+                             tools: ToolCalling | None = None) -> Constraint | None:
+    """The request's constraint (`tools`: its tool calling, when it has one), checked, or None. Off the event
+    loop, on a preprocessing thread: a schema of megabytes takes a while to write as text and to compile."""
+    if tools is None and not _asks(request):
         return None
     try:
-        return await preprocessor.run(_checked, request)
+        return await preprocessor.run(_checked, request, tools)
     except PreprocessTimeout:
         raise PreprocessTimeout(f"checking the request's structured output took longer than the server's limit of "
                                 f"{preprocessor.timeout_s:g}s: send a smaller constraint (operators: "
@@ -82,15 +92,15 @@ def _asks(request: SamplingRequest) -> bool:
             or request.guided_grammar is not None)
 
 
-def _checked(request: SamplingRequest) -> Constraint | None:
-    constraint = asked_constraint(request)
+def _checked(request: SamplingRequest, tools: ToolCalling | None) -> Constraint | None:
+    constraint = asked_constraint(request, tools)
     if constraint is not None:
         check_constraint(constraint)
     return constraint
 
 
-def _asked(request: SamplingRequest) -> list[Constraint]:
-    """Every constraint the request asks for, in the order of its fields."""
+def _asked(request: SamplingRequest, tools: ToolCalling | None) -> list[Constraint]:
+    """Every constraint the request asks for, in the order of its fields, its tool calling's last."""
     asked = []
     response_format = request.response_format
     if response_format is not None and response_format.type == "json_object":
@@ -103,6 +113,8 @@ def _asked(request: SamplingRequest) -> list[Constraint]:
         value = getattr(request, field)
         if value is not None:
             asked.append(Constraint(kind, _spec_text(kind, value), field))
+    if tools is not None:
+        asked.append(Constraint("json", _json_text(tools.schema()), tools.source, "tools"))
     return asked
 
 

@@ -13,6 +13,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.tool_calls import template_tools
 
 
 class Tokenization:
@@ -40,21 +41,13 @@ class Tokenization:
         return text, self.tokenizer.encode(text)
 
     def chat_prompt(self, request: ChatCompletionRequest, allow_template: bool = False) -> tuple[str, list[int]]:
-        """The chat template applied to the messages, then tokenized (the template adds the special tokens)."""
-        if request.tools and request.tool_choice != "none":
-            raise InvalidRequest("tool calling is not supported by this server: send the request without `tools` "
-                                 "(or with tool_choice=\"none\")", param="tools")
-        legacy = (request.model_extra or {}).get("functions")
-        if legacy and (request.model_extra or {}).get("function_call") != "none":
-            raise InvalidRequest("function calling is not supported by this server: send the request without "
-                                 "`functions` (or with function_call=\"none\")", param="functions")
-        if not request.tools and request.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequest("tool_choice asks for a tool call, but the request has no `tools`: drop "
-                                 "tool_choice (and this server does not call tools)", param="tool_choice")
+        """The chat template applied to the messages (and the request's tools, for templates that show them),
+        then tokenized (the template adds the special tokens). The request's tool choice is checked before
+        (router/tool_calls.py)."""
         conversation = [message.model_dump(exclude_none=True) for message in request.messages]
         try:
             text = render_chat(self.tokenizer, conversation, add_generation_prompt=request.add_generation_prompt,
-                               continue_final_message=request.continue_final_message,
+                               continue_final_message=request.continue_final_message, tools=template_tools(request),
                                **self.template_kwargs(request, allow_template))
         except InvalidRequestError as exc:
             raise InvalidRequest(str(exc), param=exc.field) from exc

@@ -56,7 +56,7 @@ def test_version_names_the_installed_pdserve(cluster):
 @pytest.mark.parametrize("body, param, words", [
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
     ({"tool_choice": "required"}, "tool_choice", "no `tools`"),
-    ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "function calling is not supported"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "`functions` field is not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages", "without `text`"),
 ])
 def test_fields_that_cannot_apply_are_refused_by_name(client, body, param, words):
