@@ -15,7 +15,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from pdserve.engine.scheduler import KVFailurePolicy, Scheduler
 from pdserve.engine.stats import SchedulerStats
-from pdserve.engine.structured_output import StructuredOutputCompiler
+from pdserve.engine.structured_output import PendingConstraints, StructuredOutputCompiler
 
 log = logging.getLogger("pdserve.engine")
 
@@ -42,6 +42,8 @@ class EngineCore:
         )
         self.kv_transfer = kv_transfer or KVTransferSide()
         self.structured_output = StructuredOutputCompiler(model_config.model_dir, model_config.vocab_size)
+        self.compiling = PendingConstraints(self.structured_output)  # requests whose large constraint compiles
+        self._compile_deltas: list[TokenDelta] = []  # aborts of compiling requests, sent with the next step
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Validate a request against this model and fill in what the model decides (eos, max_tokens)."""
@@ -69,7 +71,8 @@ class EngineCore:
         if extra_eos and not params.ignore_eos:  # e.g. Llama 3's <|eot_id|> beside <|end_of_text|>
             params = params.replace(stop_token_ids=params.stop_token_ids + tuple(extra_eos))
         request = Request(request_id, list(prompt_token_ids), params, eos_token_id=eos, max_tokens=max_tokens)
-        request.grammar = self.structured_output.grammar_state(params)
+        if self.structured_output.compiles_at_once(params):  # else add_request compiles it on a thread
+            request.grammar = self.structured_output.grammar_state(params)
         return request
 
     def _check_fits_cache(self, num_tokens: int) -> None:
@@ -82,20 +85,41 @@ class EngineCore:
             )
 
     def add_request(self, request: Request) -> None:
+        if request.sampling_params.structured_kind is not None and request.grammar is None:
+            if request.request_id in self.scheduler.requests or self.compiling.get(request.request_id):
+                raise ValueError(f"request id {request.request_id!r} is already in use: ids must be unique")
+            self.compiling.start(request)  # joins the scheduler when its matcher is made (_admit_compiled)
+            return
         self.scheduler.add_request(request)
 
     def abort(self, request_id: str) -> bool:
+        if self.compiling.abort(request_id):
+            self._compile_deltas.append(TokenDelta(request_id=request_id, finish_reason="abort"))
+            return True
         return self.scheduler.abort(request_id)
+
+    def _admit_compiled(self) -> list[TokenDelta]:
+        """Requests whose constraint compiled join the scheduler; one that did not compile fails as an
+        invalid request (the client's 400). Returns the deltas to send (aborts of compiling requests too)."""
+        deltas, self._compile_deltas = self._compile_deltas, []
+        for request, error in self.compiling.take_ready():
+            if error is None:
+                self.scheduler.add_request(request)
+            else:
+                code = "invalid_request" if isinstance(error, InvalidRequestError) else "internal_error"
+                deltas.append(TokenDelta(request_id=request.request_id, finish_reason="error", error=str(error),
+                                         error_code=code))
+        return deltas
 
     def keep_first_token(self, request_id: str, token_id: int, logprobs: dict[int, float] | None) -> None:
         """The first token was sampled elsewhere (a prefill engine) and sent to the client: a request that
         has no output yet emits it as its first token instead of sampling one."""
-        request = self.scheduler.requests.get(request_id)
+        request = self.scheduler.requests.get(request_id) or self.compiling.get(request_id)
         if request is not None and request.num_output_tokens == 0:
             request.prefill_first_token = (token_id, logprobs)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.compiling) or bool(self._compile_deltas)
 
     def take_prompt_logprobs(self) -> list[tuple[str, tuple]]:
         """(request id, its whole prompt's tables) of the prompts completed since the last call; each comes
@@ -109,9 +133,10 @@ class EngineCore:
     def step(self) -> list[TokenDelta]:
         """Schedule, run the model once, and report every request's new tokens and endings. A model
         or sampler error fails the step's requests only (traceback logged); the engine goes on."""
+        admitted = self._admit_compiled() if self.compiling or self._compile_deltas else []
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return self.scheduler.take_pending()
+            return admitted + self.scheduler.take_pending()
         label = _step_label(plan) if log.isEnabledFor(logging.DEBUG) else ""
         log.debug("%s began at %.6f", label, time.time())
         try:
@@ -119,14 +144,14 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - one bad step must not end the engine, see docstring
             request_ids = [item.request.request_id for item in plan.scheduled]
             log.exception("a step failed; failing its requests %s", request_ids)
-            return self.scheduler.fail_step(plan, _step_error(exc))
+            return admitted + self.scheduler.fail_step(plan, _step_error(exc))
         log.debug("%s ended at %.6f", label, time.time())
-        return self.scheduler.update_from_output(plan, output.sampled, output.prompt_logprobs)
+        return admitted + self.scheduler.update_from_output(plan, output.sampled, output.prompt_logprobs)
 
     def stats(self) -> SchedulerStats:
         scheduler = self.scheduler
         return SchedulerStats(
-            num_waiting=len(scheduler.waiting),
+            num_waiting=len(scheduler.waiting) + len(self.compiling),
             num_running=len(scheduler.running),
             num_waiting_for_remote_kv=len(scheduler.waiting_for_remote_kv),
             kv_blocks_used=self.kv_cache_manager.num_used_blocks,

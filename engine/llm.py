@@ -206,7 +206,8 @@ class LLM:
                 trackers[request_id].prompt_logprobs = prompt_logprobs.as_dicts(tables)
             for delta in deltas:
                 if delta.finish_reason == "error":  # offline, the caller hears of it as an exception
-                    raise RuntimeError(f"prompt {trackers[delta.request_id].prompt_index} failed: {delta.error}")
+                    failure = InvalidRequestError if delta.error_code == "invalid_request" else RuntimeError
+                    raise failure(f"prompt {trackers[delta.request_id].prompt_index} failed: {delta.error}")
                 tracker = trackers[delta.request_id]
                 tracker.token_ids.extend(delta.token_ids)
                 tracker.logprobs.extend(delta.logprobs)

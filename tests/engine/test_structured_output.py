@@ -122,3 +122,54 @@ def test_a_repeated_constraint_is_compiled_once_and_each_request_has_its_own_mat
     again = llm.generate(PROMPTS, params)
     assert compiler.num_compiled == 1
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs[:len(PROMPTS)]]
+
+
+def large_schema(num_fields: int = 300) -> dict:
+    """A JSON schema over BACKGROUND_COMPILE_CHARS as text whose output is short: one required boolean (the
+    other fields are definitions nothing refers to)."""
+    definitions = {f"unused_{i}": {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}} for i in range(num_fields)}
+    return {"type": "object", "$defs": definitions, "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+            "additionalProperties": False}
+
+
+def test_a_large_constraint_compiles_on_a_thread_while_other_requests_step(model_factory):
+    from pdserve.engine.structured_output import BACKGROUND_COMPILE_CHARS
+
+    llm = LLM(model_factory("llama"), dtype="float32", block_size=4)
+    engine = llm.engine
+    schema = large_schema()
+    constrained = SamplingParams(temperature=0, max_tokens=400, structured_outputs=StructuredOutputsParams(json=schema))
+    assert len(constrained.structured_spec) >= BACKGROUND_COMPILE_CHARS
+    engine.add_request(engine.make_request("big", [5, 6, 7], constrained))
+    engine.add_request(engine.make_request("plain", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3)))
+    assert engine.compiling.get("big") is not None and "big" not in engine.scheduler.requests
+    first = engine.step()  # the plain request runs at once; the large constraint is still compiling
+    assert [d.request_id for d in first if d.token_ids] == ["plain"]
+    finished, text_ids = set(), []
+    while engine.has_work():
+        for delta in engine.step():
+            if delta.request_id == "big":
+                text_ids += delta.token_ids
+            if delta.finish_reason is not None:
+                finished.add((delta.request_id, delta.finish_reason))
+    assert finished == {("plain", "length"), ("big", "stop")}
+    value = json.loads(llm.get_tokenizer().decode(text_ids))
+    assert isinstance(value["ok"], bool)
+    assert engine.kv_cache_manager.num_used_blocks == 0
+
+
+def test_a_large_bad_constraint_fails_as_an_invalid_request_and_an_abort_while_compiling_ends_it(model_factory):
+    llm = LLM(model_factory("llama"), dtype="float32", block_size=4)
+    bad = large_schema()
+    bad["properties"]["ok"] = {"$ref": "#/$defs/no_such_definition"}
+    with pytest.raises(InvalidRequestError, match="does not compile"):
+        llm.generate(["Hi"], SamplingParams(structured_outputs=StructuredOutputsParams(json=bad)))
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json=large_schema(301)))
+    engine.add_request(engine.make_request("gone", [5, 6, 7], params))
+    assert engine.abort("gone")
+    deltas = []
+    while engine.has_work():
+        deltas += engine.step()
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [("gone", "abort")]
+    assert engine.kv_cache_manager.num_used_blocks == 0 and not engine.scheduler.requests
