@@ -186,3 +186,31 @@ def wait_no_kv_used(url: str, timeout: float = 20.0, api_key: str | None = None)
         if time.monotonic() > deadline:
             return used
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def layout_stack(layout: str, model_dir: str, log_dir: Path):
+    """`pdserve up` served as "tiny" in one of the two layouts the end-to-end API tests run in: "1p1d"
+    (disaggregated) or "colocated" (no prefill engine). On exit: no KV block held, and a clean stop."""
+    num_prefill = "1" if layout == "1p1d" else "0"
+    up = UpProcess(model_dir, log_dir, "--num-prefill", num_prefill, "--num-decode", "1", "--served-model-name", "tiny")
+    up.layout = layout
+    yield up
+    used = wait_no_kv_used(up.url)
+    assert used and all(value == 0 for value in used.values()), used
+    assert up.stop() == 0, up.logs()
+
+
+def openai_client(up: UpProcess):
+    import openai
+
+    return openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def assert_refused(responses: list[httpx.Response], param: str, words: list[str]) -> None:
+    """Each response is a 400 invalid_request_error naming `param`, its message holding every word."""
+    for response in responses:
+        error = assert_openai_error(response, 400, type_="invalid_request_error")
+        assert error["param"] == param, error
+        for word in words:
+            assert word in error["message"], error

@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.router.conftest import UpProcess, scrape, wait_no_kv_used
+from tests.router.conftest import layout_stack, openai_client, scrape
 
 # over --max-num-batched-tokens 64 (conftest's ENGINE_ARGS): the prompt is computed in several chunks
 LONG_PROMPT = ("import os\nimport sys\n\ndef main(argv):\n    for name in argv[1:]:\n        with open(name) as f:\n"
@@ -21,19 +21,13 @@ TOLERANCE = 1e-3
 
 @pytest.fixture(scope="module", params=["1p1d", "colocated"])
 def cluster(request, tiny_model, tmp_path_factory):
-    num_prefill = "1" if request.param == "1p1d" else "0"
-    up = UpProcess(tiny_model, tmp_path_factory.mktemp(f"up-prompt-logprobs-{request.param}"),
-                   "--num-prefill", num_prefill, "--num-decode", "1", "--served-model-name", "tiny")
-    up.layout = request.param
-    yield up
-    used = wait_no_kv_used(up.url)
-    assert used and all(value == 0 for value in used.values()), used
-    assert up.stop() == 0, up.logs()
+    with layout_stack(request.param, tiny_model, tmp_path_factory.mktemp(f"up-prompt-logprobs-{request.param}")) as up:
+        yield up
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(cluster)
 
 
 class Reference:

@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.router.conftest import UpProcess, wait_no_kv_used
+from tests.router.conftest import layout_stack, openai_client
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "size", "count"],
           "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]},
@@ -33,18 +33,13 @@ class Answer(BaseModel):
 
 @pytest.fixture(scope="module", params=["1p1d", "colocated"])
 def cluster(request, tiny_model, tmp_path_factory):
-    num_prefill = "1" if request.param == "1p1d" else "0"
-    up = UpProcess(tiny_model, tmp_path_factory.mktemp(f"up-structured-{request.param}"),
-                   "--num-prefill", num_prefill, "--num-decode", "1", "--served-model-name", "tiny")
-    yield up
-    used = wait_no_kv_used(up.url)
-    assert used and all(value == 0 for value in used.values()), used
-    assert up.stop() == 0, up.logs()
+    with layout_stack(request.param, tiny_model, tmp_path_factory.mktemp(f"up-structured-{request.param}")) as up:
+        yield up
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(cluster)
 
 
 def fits_schema(value: dict) -> bool:

@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 
-from tests.router.conftest import UpProcess, wait_no_kv_used
+from tests.router.conftest import layout_stack, openai_client
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "celsius", "days"],
            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"},
@@ -28,18 +28,13 @@ SEEDS = range(4)
 
 @pytest.fixture(scope="module", params=["1p1d", "colocated"])
 def cluster(request, tiny_model, tmp_path_factory):
-    num_prefill = "1" if request.param == "1p1d" else "0"
-    up = UpProcess(tiny_model, tmp_path_factory.mktemp(f"up-tools-{request.param}"),
-                   "--num-prefill", num_prefill, "--num-decode", "1", "--served-model-name", "tiny")
-    yield up
-    used = wait_no_kv_used(up.url)
-    assert used and all(value == 0 for value in used.values()), used
-    assert up.stop() == 0, up.logs()
+    with layout_stack(request.param, tiny_model, tmp_path_factory.mktemp(f"up-tools-{request.param}")) as up:
+        yield up
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(cluster)
 
 
 def fits(name: str, arguments: dict) -> bool:

@@ -16,7 +16,7 @@ from pdserve.router.errors import InvalidRequest
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.specs import chat_specs, completion_specs
 from pdserve.router.structured_output import asked_constraint, check_constraint
-from tests.router.conftest import assert_openai_error, router_app
+from tests.router.conftest import assert_refused, router_app
 from tests.router.fake_engine import fake_tokens
 from tests.router.test_engines_and_failures import PROMPT_IDS, _close, _engines, completion
 from tests.router.test_stop_rules import PREFILL, answer
@@ -120,11 +120,7 @@ def _post(tiny_model, tokenization, engine_specs: list[dict], requests: list[tup
 def test_refusals_are_400s_before_any_engine_sees_the_request(tiny_model, tokenization, fields, param, words):
     requests = [("/v1/completions", completion(**fields)), ("/v1/chat/completions", {"messages": MESSAGES, **fields})]
     responses, (engine,) = _post(tiny_model, tokenization, [{"engine_id": "d0"}], requests)
-    for response in responses:
-        error = assert_openai_error(response, 400, type_="invalid_request_error")
-        assert error["param"] == param, error
-        for word in words:
-            assert word in error["message"], error
+    assert_refused(responses, param, words)
     assert engine.generate_requests() == []
 
 

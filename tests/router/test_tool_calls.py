@@ -22,7 +22,7 @@ from pdserve.router.responses import Prompt, ToolCallFormatter
 from pdserve.router.schemas import ChatCompletionRequest
 from pdserve.router.structured_output import asked_constraint, check_constraint
 from pdserve.router.tool_calls import ANY_OBJECT, tool_calling
-from tests.router.conftest import assert_openai_error, router_app
+from tests.router.conftest import assert_refused, router_app
 from tests.router.test_engines_and_failures import _close, _engines
 
 MESSAGES = [{"role": "user", "content": "What is the weather?"}]
@@ -312,11 +312,7 @@ def post(tiny_model, tokenization, engine_specs: list[dict], bodies: list[dict])
 def test_refusals_are_400s_before_any_engine_sees_the_request(tiny_model, tokenization, fields, param, words):
     responses, (engine,) = post(tiny_model, tokenization, [{"engine_id": "d0"}],
                                 [{"messages": MESSAGES, **fields}, {"messages": MESSAGES, "stream": True, **fields}])
-    for response in responses:
-        error = assert_openai_error(response, 400, type_="invalid_request_error")
-        assert error["param"] == param, error
-        for word in words:
-            assert word in error["message"], error
+    assert_refused(responses, param, words)
     assert engine.generate_requests() == []
 
 
