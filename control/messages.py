@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import FailFast, Field, field_validator, model_validator
+from pydantic import BeforeValidator, FailFast, Field, field_validator, model_validator
 
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.schema import (
@@ -49,6 +49,15 @@ from pdserve.control.schema import (
 )
 
 Count = Annotated[int, Field(ge=0, le=UINT64_MAX)]
+
+
+def _clipped(text: object) -> object:
+    """An error's text cut to MAX_STR_LEN characters: the reason a request failed may quote what failed (a
+    grammar's error, a step's exception), and a long one must not make the message unsendable."""
+    return text[:MAX_STR_LEN - 1] + "…" if isinstance(text, str) and len(text) > MAX_STR_LEN else text
+
+
+ErrorText = Annotated[str, BeforeValidator(_clipped)]
 # A list is stored as a tuple. FailFast: the first bad item is the error; a million bad ids in a header
 # at the size cap would otherwise make a million errors (seconds of an engine's loop).
 TokenIds = Annotated[tuple[TokenId, ...], FailFast(), max_items(MAX_TOKENS)]
@@ -76,7 +85,7 @@ class TokenDelta(Message, type_name="token_delta"):
     logprobs: Annotated[tuple[TokenLogprobs, ...], FailFast(), max_items(MAX_TOKENS)] = ()
     finish_reason: Literal["stop", "length", "abort", "error"] | None = None
     stop_reason: WireInt | None = None
-    error: str | None = None
+    error: ErrorText | None = None
     # with finish_reason "error": whose fault. invalid_request = the request itself (the router answers
     # 400); kv_transfer_failed / internal_error = the serving side (502); engine_step_failed = the engine
     # raised while running the request's step (502, never retried: the request may fail any engine)

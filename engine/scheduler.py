@@ -278,12 +278,16 @@ class Scheduler:
     def _fail_constraint(self, request: Request, token_id: int) -> TokenDelta:
         """A token the request's structured-output matcher refused (its matcher broke, or a peer's first
         token broke it): the request ends with the error."""
-        error = (f"token {token_id} does not fit the request's structured output "
-                 f"({request.grammar.error or 'refused by its matcher'}): report this to the operator")
+        broken = request.grammar.error  # the constraint hit a limit of its matcher: the request's own doing
+        if broken:
+            error = (f"the request's structured output failed after {request.num_output_tokens - 1} tokens: "
+                     f"{broken.strip().splitlines()[0][:500]}: simplify the constraint")
+        else:
+            error = f"token {token_id} does not fit the request's structured output: report this to the operator"
         self.running.remove(request)
         self._finish(request, RequestStatus.FINISHED_ERROR, report=False, error=error)
         return TokenDelta(request_id=request.request_id, finish_reason="error", error=error,
-                          error_code="internal_error")
+                          error_code="invalid_request" if broken else "internal_error")
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

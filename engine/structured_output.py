@@ -100,7 +100,8 @@ class StructuredOutputCompiler:
         from llguidance import LLMatcher
 
         tokenizer = self._ll_tokenizer()
-        matcher = LLMatcher(tokenizer, checked_grammar(kind, spec, tokenizer))
+        # log_level 0: a matcher's errors reach the client in the request's error, not the engine's stderr
+        matcher = LLMatcher(tokenizer, checked_grammar(kind, spec, tokenizer), log_level=0)
         self.num_compiled += 1
         return matcher
 

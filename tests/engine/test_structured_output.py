@@ -173,3 +173,23 @@ def test_a_large_bad_constraint_fails_as_an_invalid_request_and_an_abort_while_c
         deltas += engine.step()
     assert [(d.request_id, d.finish_reason) for d in deltas] == [("gone", "abort")]
     assert engine.kv_cache_manager.num_used_blocks == 0 and not engine.scheduler.requests
+
+
+def test_a_constraint_that_breaks_its_matcher_mid_way_fails_its_request_only(llm):
+    """A regex naming a special token's text, which llguidance's mask allows and its parser then refuses
+    (found by an outside probe: the long error text made the engine's message unsendable, and the engine
+    exited)."""
+    breaking = StructuredOutputsParams(regex="<\\|im_end\\|>(" + "q" * 5000 + ")?")
+    with pytest.raises(InvalidRequestError, match="structured output failed after .* simplify the constraint"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=8, structured_outputs=breaking))
+    assert llm.kv_cache_manager.num_used_blocks == 0
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+        choice=CHOICES)))[0].outputs[0].text in CHOICES
+
+
+def test_a_long_error_text_is_clipped_not_refused():
+    from pdserve.control.messages import TokenDelta
+    from pdserve.control.schema import MAX_STR_LEN
+
+    delta = TokenDelta(request_id="r", finish_reason="error", error="x" * (3 * MAX_STR_LEN))
+    assert len(delta.error) == MAX_STR_LEN and delta.error.endswith("…")
