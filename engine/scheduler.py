@@ -281,7 +281,7 @@ class Scheduler:
         broken = request.grammar.error  # the constraint hit a limit of its matcher: the request's own doing
         if broken:
             error = (f"the request's structured output failed after {request.num_output_tokens - 1} tokens: "
-                     f"{broken.strip().splitlines()[0][:500]}: simplify the constraint")
+                     f"{broken.strip().splitlines()[0][:500]}; check the constraint, or simplify it")
         else:
             error = f"token {token_id} does not fit the request's structured output: report this to the operator"
         self.running.remove(request)

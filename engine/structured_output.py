@@ -28,9 +28,10 @@ class GrammarState:
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
+        self.dead_end = False  # no token continues the output, and it does not fit the constraint yet
 
     def accept(self, token_id: int) -> bool:
-        return self.matcher.consume_token(token_id)
+        return not self.dead_end and self.matcher.consume_token(token_id)
 
     @property
     def is_complete(self) -> bool:
@@ -39,6 +40,9 @@ class GrammarState:
 
     @property
     def error(self) -> str:
+        if self.dead_end:
+            return ("no token can continue the output, and it does not fit the constraint yet: the constraint "
+                    "cannot be satisfied (a rule that refers only to itself, or a pattern that matches nothing?)")
         return self.matcher.get_error()
 
 
@@ -161,6 +165,10 @@ def mask_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tens
         words = bitmask[slot]
         requests[row].grammar.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
     allowed = unpack_bitmask(bitmask.to(logits.device), vocab)  # [r, V] bool
+    for slot, row in enumerate(rows):  # a dead end: its request fails on the token it gets
+        matcher = requests[row].grammar.matcher
+        if matcher.is_stopped() and not matcher.is_accepting():  # llguidance then allows EOS alone
+            requests[row].grammar.dead_end = True
     logits = logits.float()
     index = torch.tensor(rows, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

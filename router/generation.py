@@ -355,8 +355,8 @@ class ChoiceRunner:
             raise EngineFailed(f"the {source} engine failed while running the request: {message}")
         if source == "prefill":
             raise _Retry(f"prefill failed: {message}", force_local=True)
-        if not self.token_ids and delta.error_code == "invalid_request":
-            raise InvalidRequest(message)
+        if delta.error_code == "invalid_request":  # the request's own fault, after tokens too (a constraint that
+            raise InvalidRequest(message)  # fails mid-way): a 400, or in a stream an error event after them
         raise EngineFailed(f"the decode engine failed the request: {message}")
 
     def _consume(self, delta: TokenDelta, detokenizer: Any) -> ChoiceDelta:

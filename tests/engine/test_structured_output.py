@@ -180,7 +180,7 @@ def test_a_constraint_that_breaks_its_matcher_mid_way_fails_its_request_only(llm
     (found by an outside probe: the long error text made the engine's message unsendable, and the engine
     exited)."""
     breaking = StructuredOutputsParams(regex="<\\|im_end\\|>(" + "q" * 5000 + ")?")
-    with pytest.raises(InvalidRequestError, match="structured output failed after .* simplify the constraint"):
+    with pytest.raises(InvalidRequestError, match="structured output failed after .* check the constraint"):
         llm.generate(["Hi"], SamplingParams(max_tokens=8, structured_outputs=breaking))
     assert llm.kv_cache_manager.num_used_blocks == 0
     assert llm.generate(["Hi"], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
@@ -193,3 +193,17 @@ def test_a_long_error_text_is_clipped_not_refused():
 
     delta = TokenDelta(request_id="r", finish_reason="error", error="x" * (3 * MAX_STR_LEN))
     assert len(delta.error) == MAX_STR_LEN and delta.error.endswith("…")
+
+
+@pytest.mark.parametrize("constraint", [
+    StructuredOutputsParams(regex="a[^\\s\\S]"),
+    StructuredOutputsParams(grammar='start: a\na: a "x"'),
+    StructuredOutputsParams(json={"type": "object", "properties": {"p": {"$ref": "#/$defs/a"}}, "required": ["p"],
+                                  "$defs": {"a": {"$ref": "#/$defs/a"}}}),
+])
+def test_a_constraint_that_can_never_be_satisfied_fails_instead_of_stopping(llm, constraint):
+    """Found by an outside probe: these compiled, and the request stopped on EOS with output that does not fit
+    (e.g. '{"p":'). Now the dead end fails the request as an invalid one."""
+    with pytest.raises(InvalidRequestError, match="cannot be satisfied"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=12, structured_outputs=constraint))
+    assert llm.kv_cache_manager.num_used_blocks == 0

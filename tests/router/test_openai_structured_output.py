@@ -136,3 +136,12 @@ def test_a_constraint_only_the_engines_tokenizer_refuses_is_a_400(client):
             result = client.completions.create(model="tiny", prompt="x", max_tokens=4, stream=stream,
                                                extra_body={"guided_grammar": "start: <|no_such_token|>"})
             list(result) if stream else None
+
+
+def test_a_constraint_that_dead_ends_after_some_tokens_is_a_400(client):
+    """It compiles, and no output can satisfy it: the engine finds the dead end after a few tokens. Before, the
+    answer was '{"p":' with finish_reason "stop" (an outside probe); now the request's own fault, a 400."""
+    looping = {"type": "object", "properties": {"p": {"$ref": "#/$defs/a"}}, "required": ["p"],
+               "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    with pytest.raises(openai.BadRequestError, match="cannot be satisfied"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=12, extra_body={"guided_json": looping})
