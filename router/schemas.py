@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -171,6 +171,20 @@ class SamplingRequest(BaseModel):
         defaulted = _fields_with_a_default(cls)
         return {key: value for key, value in data.items() if value is not None or key not in defaulted}
 
+    # vLLM fields that would change the answer and that this server does not serve: refused rather than ignored
+    unserved_fields: ClassVar[dict[str, str]] = {
+        "guided_whitespace_pattern": "JSON output is always compact here: drop guided_whitespace_pattern",
+    }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unserved_field(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, fix in cls.unserved_fields.items():
+                if data.get(name) not in (None, False):
+                    raise ValueError(f"{name} is not served: {fix}")
+        return data
+
     @model_validator(mode="before")
     @classmethod
     def _well_formed_text(cls, data: Any) -> Any:
@@ -301,6 +315,10 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    unserved_fields: ClassVar[dict[str, str]] = {
+        **SamplingRequest.unserved_fields,
+        "echo": "chat answers never repeat the conversation here: drop echo (or use /v1/completions' echo)",
+    }
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

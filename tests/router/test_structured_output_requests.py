@@ -150,3 +150,17 @@ def test_a_first_token_that_completes_the_constraint_on_the_prefill_engine_is_sh
     engines = [{**PREFILL, "completes_constraint": True}, {"engine_id": "d0", "token_delay_s": 5.0}]
     got = answer(tiny_model, tokenization, engines, completion(max_tokens=8, guided_choice=["&"]))
     assert (got["text"], got["token_ids"], got["finish_reason"]) == ("&", fake_tokens(PROMPT_IDS, 1), "stop"), got
+
+
+@pytest.mark.parametrize("path,fields,words", [
+    ("/v1/completions", {"guided_whitespace_pattern": " *"}, ["guided_whitespace_pattern is not served"]),
+    ("/v1/chat/completions", {"echo": True}, ["echo is not served", "/v1/completions"]),
+])
+def test_vllm_fields_that_would_change_the_answer_are_refused_not_ignored(tiny_model, tokenization, path, fields,
+                                                                          words):
+    body = completion(**fields) if path == "/v1/completions" else {"messages": MESSAGES, **fields}
+    responses, (engine,) = _post(tiny_model, tokenization, [{"engine_id": "d0"}], [(path, body)])
+    for response in responses:
+        assert response.status_code == 400, response.text
+        assert all(word in response.json()["error"]["message"] for word in words), response.text
+    assert engine.generate_requests() == []
