@@ -174,7 +174,9 @@ class EngineServer:
     def _publish_prompt_logprobs(self) -> None:
         for request_id, tables in self.engine.take_prompt_logprobs():
             owner = self.owners.get(request_id)
-            for msg, buffers in pack_prompt_logprobs(request_id, *tables) if owner is not None else ():
+            if owner is None:  # its router is gone: the request is being aborted
+                continue
+            for msg, buffers in pack_prompt_logprobs(request_id, *tables):
                 self._deliver(owner, msg, *buffers)
 
     def _deliver(self, peer_id: bytes, msg: Any, *buffers: Any) -> bool:

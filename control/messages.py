@@ -96,6 +96,12 @@ class TokenDelta(Message, type_name="token_delta"):
     # (otherwise a "stop" ends with the engine's stop token, whose text the client is not shown)
     stopped_by_constraint: bool = False
 
+    @property
+    def ends_with_stop_token(self) -> bool:
+        """The delta's last token is the engine's stop token (EOS or a stop_token_ids one), whose text the
+        client is not shown: a "stop" that a complete constraint did not make."""
+        return self.finish_reason == "stop" and not self.stopped_by_constraint
+
 
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 16  # num_positions * width of one PromptLogprobs: 256 KiB frames
 

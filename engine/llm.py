@@ -212,8 +212,7 @@ class LLM:
                 tracker.token_ids.extend(delta.token_ids)
                 tracker.logprobs.extend(delta.logprobs)
                 # a "stop" finish ends with the engine's stop token, whose text is left out (as the router does)
-                tracker.detokenizer.add_tokens(delta.token_ids, ends_with_stop_token=delta.finish_reason == "stop"
-                                               and not delta.stopped_by_constraint)
+                tracker.detokenizer.add_tokens(delta.token_ids, ends_with_stop_token=delta.ends_with_stop_token)
                 if tracker.detokenizer.stopped_by is not None:  # a stop string outranks the engine's reason
                     tracker.finish_reason, tracker.stop_reason = "stop", tracker.detokenizer.stopped_by
                     if delta.finish_reason is None:

@@ -368,8 +368,7 @@ class ChoiceRunner:
             return ChoiceDelta(self.spec.index, "", [], [], "length", None, delta.num_cached_tokens)
         new_ids: list[int] = []
         last = len(delta.token_ids) - 1
-        # the attribute is read only for a delta that ends the request (the per-token path stays as it was)
-        ends_with_stop_token = delta.finish_reason == "stop" and not delta.stopped_by_constraint
+        ends_with_stop_token = delta.ends_with_stop_token
         for position, token_id in enumerate(delta.token_ids):
             new_ids.append(token_id)
             detokenizer.add_tokens([token_id], ends_with_stop_token=position == last and ends_with_stop_token)
