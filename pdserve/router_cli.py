@@ -42,6 +42,11 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
                              "waits up to 6x this for a tokenizer thread (then 503)")
     parser.add_argument("--allow-request-chat-template", action="store_true",
                         help="accept a `chat_template` in the request body (a template is code run on the router)")
+    parser.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                        help="serve tool_choice \"auto\" (and tools without tool_choice) by reading the model's own "
+                             "tool calls from its output: hermes = <tool_call>{\"name\": ..., \"arguments\": ...}"
+                             "</tool_call> (Qwen2.5/Qwen3, Hermes); without it \"auto\" is refused (vLLM's "
+                             "--enable-auto-tool-choice --tool-call-parser)")
     add_trust_args(parser, up=not standalone)
     if standalone:
         parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, type=str.lower,
@@ -87,7 +92,8 @@ def router_config(args: argparse.Namespace):
         stats_interval_s=args.stats_interval, max_concurrent_requests=args.max_concurrent_requests,
         max_retries=args.max_retries, request_timeout_s=args.request_timeout, log_level=args.log_level,
         max_request_bytes=args.max_request_bytes, preprocess_timeout_s=args.preprocess_timeout,
-        allow_request_chat_template=args.allow_request_chat_template, curve_dir=curve_dir)
+        allow_request_chat_template=args.allow_request_chat_template, tool_call_parser=args.tool_call_parser,
+        curve_dir=curve_dir)
 
 
 def run_router(args: argparse.Namespace) -> int:

@@ -128,6 +128,8 @@ def router_component(args: argparse.Namespace, model: str, name: str) -> Compone
                *trust_flags(args)]
     if args.allow_request_chat_template:
         command.append("--allow-request-chat-template")
+    if args.tool_call_parser:
+        command += ["--tool-call-parser", args.tool_call_parser]
     env = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}  # not on the command line, where ps shows it
     return Component("router", command, env)
 

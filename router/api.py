@@ -33,11 +33,17 @@ from pdserve.router.errors import (
 from pdserve.router.fast_path import RouterApp
 from pdserve.router.gateway import Gateway
 from pdserve.router.lean_routes import is_json, lean_endpoint
-from pdserve.router.responses import ChatFormatter, CompletionFormatter, Prompt, ToolCallFormatter
+from pdserve.router.responses import (
+    AutoToolCallFormatter,
+    ChatFormatter,
+    CompletionFormatter,
+    Prompt,
+    ToolCallFormatter,
+)
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.specs import chat_specs, check_n, completion_specs
 from pdserve.router.structured_output import checked_constraint
-from pdserve.router.tool_calls import tool_calling
+from pdserve.router.tool_calls import ToolCalling, tool_calling, with_tags_shown
 from pdserve.router.streaming import CLIENT_CLOSED_REQUEST, endpoint_label, respond
 
 log = logging.getLogger("pdserve.router.api")
@@ -139,6 +145,14 @@ def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
         return _error_response(gateway, request, APIError(f"internal server error: {type(exc).__name__}: {exc}"))
 
 
+def _chat_formatter_class(tools: ToolCalling | None):
+    """What answers a chat request: text, the constrained output as tool calls, or ("auto") the calls a parser
+    reads in the text."""
+    if tools is None:
+        return ChatFormatter
+    return partial(ToolCallFormatter if tools.constrains else AutoToolCallFormatter, tool_calling=tools)
+
+
 # ---- routes ----
 
 def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
@@ -221,15 +235,15 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         max_model_len, vocab_size = gateway.context_limits()
-        tools = tool_calling(body)
+        tools = tool_calling(body, config.tool_call_parser)
+        body = with_tags_shown(body, tools)
         constraint = await checked_constraint(body, gateway.preprocessor, tools)
         text, token_ids = await gateway.preprocessor.run(gateway.tokenization.chat_prompt, body,
                                                          config.allow_request_chat_template)
         specs = chat_specs(body, token_ids, max_model_len, config.max_n, gateway.generation_defaults, vocab_size,
                            constraint)
-        formatter_class = ChatFormatter if tools is None else partial(ToolCallFormatter, tool_calling=tools)
         formatter = partial(  # built by respond() once the engines have the request
-            formatter_class, model=config.served_model_name, tokenization=gateway.tokenization,
+            _chat_formatter_class(tools), model=config.served_model_name, tokenization=gateway.tokenization,
             prompts=[Prompt(text, token_ids)], n=body.n,
             num_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             return_token_ids=body.return_token_ids, include_usage=body.include_usage_in_stream,

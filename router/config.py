@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 PREFILL_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 DECODE_POLICIES = ("round_robin", "least_kv")
+TOOL_CALL_PARSERS = ("hermes",)  # formats of a model's own tool calls the router reads (router/tool_calls.py)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class RouterConfig:
     preprocess_timeout_s: float = 5.0  # chat template + tokenization of one request, off the event loop
     num_preprocess_threads: int = 4  # tokenizer threads; more jobs wait for one (503 after 6 x the timeout)
     allow_request_chat_template: bool = False  # a `chat_template` in the request body replaces the model's
+    tool_call_parser: str | None = None  # serves tool_choice "auto" by reading the model's calls; None: "auto" is a 400
     max_n: int = 16  # choices (n x prompts) one HTTP request may ask for
     log_level: str = "info"
     curve_dir: str | None = None  # `pdserve keygen` directory: CURVE on the engine links and registration
@@ -51,6 +53,8 @@ class RouterConfig:
              f"preprocess timeout {self.preprocess_timeout_s} must be > 0 seconds"),
             (self.num_preprocess_threads > 0,
              f"preprocess threads {self.num_preprocess_threads} must be a positive count"),
+            (self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
+             f"tool-call parser {self.tool_call_parser!r} is unknown: use one of {', '.join(TOOL_CALL_PARSERS)}"),
             (self.max_retries >= 0, f"max retries {self.max_retries} must be >= 0"),
             (self.request_timeout_s > 0, f"request timeout {self.request_timeout_s} must be > 0 seconds"),
             (0 <= self.port < 65536, f"port {self.port} must be in 0..65535 (0 picks a free port)"),

@@ -7,7 +7,8 @@ continuous_usage_stats) and one last chunk, with no choices, carries the usage. 
 Prompt logprobs: completions with echo and logprobs put the prompt's tokens before the generated ones in
 `logprobs` (in a stream, in each choice's first chunk); vLLM's prompt_logprobs field, present only when asked,
 is per choice on completions and top-level on chat.
-Tool calls (router/tool_calls.py): ToolCallFormatter answers with the message's tool_calls instead of its content.
+Tool calls (router/tool_calls.py): ToolCallFormatter answers with the message's tool_calls instead of its content;
+AutoToolCallFormatter (tool_choice "auto") with the calls a tool-call parser reads in the text, and the text around.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any
 
 from pdserve.control.prompt_logprobs import PositionLogprobs
 from pdserve.router.generation import ChoiceDelta, PromptRows
+from pdserve.router.hermes_tool_parser import ParsedCall, Piece
 from pdserve.router.tokenization import Tokenization
-from pdserve.router.tool_calls import ToolCalling, new_call_id
+from pdserve.router.tool_calls import ToolCalling, new_call_id, tool_call
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -116,6 +118,11 @@ class Formatter:
         if self.include_usage:
             body["usage"] = self.usage() if self.continuous_usage else None
         return body
+
+    def chunks(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
+        """The stream chunks of a delta: its chunk, or none (AutoToolCallFormatter may send several)."""
+        chunk = self.chunk(delta)
+        return [] if chunk is None else [chunk]
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._envelope([], self.chunk_object_name), "usage": self.usage()}
@@ -354,3 +361,77 @@ class ToolCallFormatter(ChatFormatter):
             if self.tool_calling.named is None:
                 choice["finish_reason"] = "tool_calls"
         return choice
+
+
+class AutoToolCallFormatter(ChatFormatter):
+    """tool_choice "auto": the output is free text, which the request's tool-call parser reads
+    (router/hermes_tool_parser.py). The message's content is the text outside the calls (null when none is left),
+    its tool_calls the calls, and finish_reason "tool_calls" when there is one (after max_tokens too, as vLLM
+    answers). Streamed, the role chunk has content null, text goes out as it comes (less what the parser holds:
+    a tag's possible start, whitespace that may border a call), and each call, once whole, goes as two chunks:
+    index, id, type, name and arguments "", then its arguments (so a delta may make several chunks: chunks())."""
+
+    def __init__(self, *args: Any, tool_calling: ToolCalling, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_calling = tool_calling
+        self._parsers = [tool_calling.output_parser() for _ in self.totals]  # each choice's, while it streams
+
+    def role_chunks(self) -> list[dict[str, Any]]:
+        chunks = super().role_chunks()
+        for chunk in chunks:  # as OpenAI's for an answer that may be calls only (and as the whole answer's null)
+            chunk["choices"][0]["delta"]["content"] = None
+        return chunks
+
+    def chunks(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
+        self.totals[delta.index].add(delta)
+        parser = self._parsers[delta.index]
+        pieces = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            pieces += parser.finish()
+        deltas = _piece_deltas(pieces)
+        if not deltas and delta.finish_reason is None and not self.return_token_ids and self.num_logprobs is None:
+            return []
+        choices = [{"index": delta.index, "delta": piece_delta, "logprobs": None, "finish_reason": None,
+                    "stop_reason": None} for piece_delta in deltas or [{}]]
+        choices[0]["logprobs"] = self._logprobs(delta.token_ids, delta.logprobs)
+        if self.return_token_ids:  # the delta's tokens once, in its first chunk
+            for position, choice in enumerate(choices):
+                choice["token_ids"] = delta.token_ids if position == 0 else []
+        if delta.finish_reason is not None:
+            choices[-1]["finish_reason"] = "tool_calls" if parser.num_calls else delta.finish_reason
+            choices[-1]["stop_reason"] = delta.stop_reason
+        return [self._stream_chunk(choice) for choice in choices]
+
+    def _stream_chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        body = self._envelope([choice], self.chunk_object_name)
+        if self.include_usage:
+            body["usage"] = self.usage() if self.continuous_usage else None
+        return body
+
+    def _body_choice(self, index: int, total: ChoiceTotal) -> dict[str, Any]:
+        choice = super()._body_choice(index, total)
+        parser = self.tool_calling.output_parser()
+        pieces = parser.feed(total.text) + parser.finish()
+        content = "".join(piece for piece in pieces if isinstance(piece, str))
+        choice["message"]["content"] = content or None
+        if parser.num_calls:
+            choice["message"]["tool_calls"] = [tool_call(piece.name, piece.arguments) for piece in pieces
+                                               if isinstance(piece, ParsedCall)]
+            choice["finish_reason"] = "tool_calls"
+        return choice
+
+
+def _piece_deltas(pieces: list[Piece]) -> list[dict[str, Any]]:
+    """The stream deltas of a parser's pieces: the text between calls as one content delta, and each call as
+    its header (index, id, type, name, arguments "") then its arguments, as OpenAI streams a call."""
+    deltas: list[dict[str, Any]] = []
+    for piece in pieces:
+        if isinstance(piece, ParsedCall):
+            header = {"id": new_call_id(), "type": "function", "function": {"name": piece.name, "arguments": ""}}
+            deltas.append({"tool_calls": [{"index": piece.index, **header}]})
+            deltas.append({"tool_calls": [{"index": piece.index, "function": {"arguments": piece.arguments}}]})
+        elif deltas and "content" in deltas[-1]:
+            deltas[-1]["content"] += piece
+        else:
+            deltas.append({"content": piece})
+    return deltas

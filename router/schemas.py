@@ -324,7 +324,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # tool calling (router/tool_calls.py): a named tool or "required" constrain the output; "auto" is refused
+    # tool calling (router/tool_calls.py): a named tool or "required" constrain the output; "auto" needs the
+    # router's --tool-call-parser (else a 400)
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools
     parallel_tool_calls: bool = True
@@ -340,8 +341,8 @@ class ChatCompletionRequest(SamplingRequest):
         named = isinstance(value, dict) and value.get("type") == "function"
         if value is None or named or value in ("none", "auto", "required"):
             return value
-        raise ValueError(f"tool_choice {str(value)[:80]!r} is not served: send \"none\", \"required\" or "
-                         '{"type": "function", "function": {"name": "..."}}')
+        raise ValueError(f"tool_choice {str(value)[:80]!r} is not served: send \"none\", \"auto\", \"required\" "
+                         'or {"type": "function", "function": {"name": "..."}}')
 
     @field_validator("tools")
     @classmethod

@@ -243,8 +243,7 @@ class _EventStream(StreamingResponse):
 
 def _sse_of(delta: ChoiceDelta, formatter: Formatter, timing: _Timing) -> list[str]:
     timing.saw(delta)
-    chunk = formatter.chunk(delta)
-    return [] if chunk is None else [sse(chunk)]
+    return [sse(chunk) for chunk in formatter.chunks(delta)]
 
 
 async def _stream(first: ChoiceDelta, events: AsyncIterator, formatter: Formatter, timing: _Timing,

@@ -1,7 +1,7 @@
 """A request's structured output -> the one constraint its engines enforce (SamplingParams.structured_kind
 and structured_spec). Asked for by OpenAI's response_format, vLLM's structured_outputs, or vLLM's older
 guided_json / guided_regex / guided_choice / guided_grammar, or by tools with tool_choice "required" or naming
-a tool (router/tool_calls.py); one constraint per request. The router
+a tool (router/tool_calls.py; tool_choice "auto" constrains nothing); one constraint per request. The router
 checks it with the engines' own grammar check (engine/grammar.py) before any engine sees the request;
 each engine checks it again against its tokenizer."""
 
@@ -43,6 +43,7 @@ class Constraint:
 def asked_constraint(request: SamplingRequest, tools: ToolCalling | None = None) -> Constraint | None:
     """The request's one constraint (`tools`: its tool calling, when it has one), or None; a 400 for two, or for
     a spec over the wire's bound."""
+    tools = _constraining(tools)
     asked = _asked(request, tools)
     if not asked:
         return None
@@ -74,6 +75,7 @@ async def checked_constraint(request: SamplingRequest, preprocessor: Preprocesso
                              tools: ToolCalling | None = None) -> Constraint | None:
     """The request's constraint (`tools`: its tool calling, when it has one), checked, or None. Off the event
     loop, on a preprocessing thread: a schema of megabytes takes a while to write as text and to compile."""
+    tools = _constraining(tools)
     if tools is None and not _asks(request):
         return None
     try:
@@ -82,6 +84,12 @@ async def checked_constraint(request: SamplingRequest, preprocessor: Preprocesso
         raise PreprocessTimeout(f"checking the request's structured output took longer than the server's limit of "
                                 f"{preprocessor.timeout_s:g}s: send a smaller constraint (operators: "
                                 "--preprocess-timeout)") from None
+
+
+def _constraining(tools: ToolCalling | None) -> ToolCalling | None:
+    """The tool calling, when it constrains the output (tool_choice "auto" does not: any constraint of the
+    request's own, such as structured_outputs, is then its one)."""
+    return tools if tools is not None and tools.constrains else None
 
 
 def _asks(request: SamplingRequest) -> bool:

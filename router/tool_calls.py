@@ -1,8 +1,9 @@
-"""Tool calling on /v1/chat/completions without a parser of the model's own tool-call format (what vLLM serves
-without --enable-auto-tool-choice): tool_choice naming a tool constrains the output to that tool's parameters
+"""Tool calling on /v1/chat/completions. tool_choice naming a tool constrains the output to that tool's parameters
 schema, tool_choice "required" to a JSON array of calls, each {"name": ..., "parameters": ...}; the constrained
-JSON becomes the message's tool_calls (router/responses.py's ToolCallFormatter). tool_choice "auto", the default
-with tools, would need that parser: a 400 naming the fix. docs/api.md has the rules."""
+JSON becomes the message's tool_calls (router/responses.py's ToolCallFormatter), with any model. tool_choice
+"auto", the default with tools, needs a parser of the model's own tool-call format (--tool-call-parser, as vLLM's
+--enable-auto-tool-choice): the output is free, and the parser reads its calls (AutoToolCallFormatter); without
+one it is a 400 naming the fix. docs/api.md has the rules."""
 
 from __future__ import annotations
 
@@ -12,29 +13,47 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.router.errors import InvalidRequest
+from pdserve.router.hermes_tool_parser import HermesToolParser
 from pdserve.router.schemas import ChatCompletionRequest, FunctionDefinition
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # the arguments of a tool that gives no parameters schema
 _DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps what its "$ref"s point at
-_NO_AUTO = ('tool_choice "auto" needs a parser of this model\'s own tool-call format, which this server does not '
-            'have: send tool_choice "required" (the model calls one or more of the tools) or {"type": "function", '
-            '"function": {"name": "..."}} (it calls that tool), or drop `tools`')
+_NO_AUTO = ('tool_choice "auto" needs a parser of this model\'s own tool-call format, and this server was started '
+            'without one (operators: --tool-call-parser hermes, for models that write <tool_call>{...}</tool_call> '
+            'such as Qwen and Hermes): send tool_choice "required" (the model calls one or more of the tools) or '
+            '{"type": "function", "function": {"name": "..."}} (it calls that tool), or drop `tools`')
+OUTPUT_PARSERS = {"hermes": HermesToolParser}  # --tool-call-parser's choices (config.TOOL_CALL_PARSERS)
 _compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 @dataclass(frozen=True)
 class ToolCalling:
-    """How a request's output becomes tool calls: `named`'s arguments, or ("required") an array of calls of
-    `functions`, at most one when not `parallel`."""
+    """How a request's output becomes tool calls: `named`'s arguments, ("required") an array of calls of
+    `functions`, or ("auto", `parser` given) the calls the parser reads in free text; at most one call when not
+    `parallel`."""
 
     functions: tuple[FunctionDefinition, ...]  # the request's tools
-    named: FunctionDefinition | None  # the tool each choice calls once; None: tool_choice "required"
+    named: FunctionDefinition | None  # the tool each choice calls once; None: tool_choice "required" or "auto"
     parallel: bool = True
+    parser: str | None = None  # tool_choice "auto": the server's --tool-call-parser; None: a constrained choice
+
+    @property
+    def constrains(self) -> bool:
+        """Whether the output is constrained to the calls' JSON ("auto" leaves it free: the parser reads it)."""
+        return self.parser is None
 
     @property
     def choice(self) -> str:
         """The request's tool choice, for messages."""
-        return 'tool_choice "required"' if self.named is None else f"tool_choice naming {self.named.name!r}"
+        if self.named is not None:
+            return f"tool_choice naming {self.named.name!r}"
+        return 'tool_choice "required"' if self.parser is None else 'tool_choice "auto"'
+
+    def output_parser(self) -> HermesToolParser:
+        """A new reader of one choice's free output ("auto"): the request's tools, at most one call when not
+        parallel."""
+        return OUTPUT_PARSERS[self.parser](frozenset(function.name for function in self.functions),
+                                           None if self.parallel else 1)
 
     @property
     def source(self) -> str:
@@ -62,9 +81,10 @@ class ToolCalling:
         return [tool_call(item["name"], _compact(item["parameters"])) for item in items]
 
 
-def tool_calling(request: ChatCompletionRequest) -> ToolCalling | None:
+def tool_calling(request: ChatCompletionRequest, parser: str | None = None) -> ToolCalling | None:
     """The request's tool calling, or None (no tools, or tool_choice "none"); a 400 naming the fix for what
-    this server cannot serve. Cheap for a request without tools."""
+    this server cannot serve. `parser`: the server's --tool-call-parser, which serves "auto". Cheap for a
+    request without tools."""
     extra = request.model_extra
     if extra and extra.get("functions") and extra.get("function_call") != "none":
         raise InvalidRequest("the legacy `functions` field is not supported: send the functions as `tools` "
@@ -78,9 +98,11 @@ def tool_calling(request: ChatCompletionRequest) -> ToolCalling | None:
                              "or drop tool_choice", param="tool_choice")
     if choice == "none":
         return None
-    if choice is None or choice == "auto":
-        raise InvalidRequest(_NO_AUTO, param="tool_choice")
     functions = tuple(tool.function for tool in request.tools)
+    if choice is None or choice == "auto":
+        if parser is None:
+            raise InvalidRequest(_NO_AUTO, param="tool_choice")
+        return ToolCalling(functions, None, request.parallel_tool_calls, parser)
     if choice == "required":
         return ToolCalling(functions, None, request.parallel_tool_calls)
     named = next((function for function in functions if function.name == choice.function.name), None)
@@ -90,6 +112,15 @@ def tool_calling(request: ChatCompletionRequest) -> ToolCalling | None:
                              f"request's tools ({names}{', ...' if len(functions) > 8 else ''}): name one of them",
                              param="tool_choice")
     return ToolCalling(functions, named)
+
+
+def with_tags_shown(request: ChatCompletionRequest, tools: ToolCalling | None) -> ChatCompletionRequest:
+    """The request as its engines run it. For tool_choice "auto", special tokens stay in the text unless the request
+    sets skip_special_tokens itself, as vLLM's hermes parser asks: some tokenizers mark <tool_call> as a special
+    token, and the parser must see the tags."""
+    if tools is None or tools.constrains or "skip_special_tokens" in request.model_fields_set:
+        return request
+    return request.model_copy(update={"skip_special_tokens": False})
 
 
 def template_tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | None:

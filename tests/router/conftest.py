@@ -189,11 +189,13 @@ def wait_no_kv_used(url: str, timeout: float = 20.0, api_key: str | None = None)
 
 
 @contextlib.contextmanager
-def layout_stack(layout: str, model_dir: str, log_dir: Path):
+def layout_stack(layout: str, model_dir: str, log_dir: Path, *args: str):
     """`pdserve up` served as "tiny" in one of the two layouts the end-to-end API tests run in: "1p1d"
-    (disaggregated) or "colocated" (no prefill engine). On exit: no KV block held, and a clean stop."""
+    (disaggregated) or "colocated" (no prefill engine); `args`: more `pdserve up` flags. On exit: no KV block
+    held, and a clean stop."""
     num_prefill = "1" if layout == "1p1d" else "0"
-    up = UpProcess(model_dir, log_dir, "--num-prefill", num_prefill, "--num-decode", "1", "--served-model-name", "tiny")
+    up = UpProcess(model_dir, log_dir, "--num-prefill", num_prefill, "--num-decode", "1", "--served-model-name", "tiny",
+                   *args)
     up.layout = layout
     yield up
     used = wait_no_kv_used(up.url)

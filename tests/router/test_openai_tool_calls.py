@@ -119,7 +119,8 @@ def tool(name: str) -> dict:
 
 
 @pytest.mark.parametrize("extra, param, words", [
-    ({}, "tool_choice", ['tool_choice "auto" needs a parser', 'send tool_choice "required"']),
+    ({}, "tool_choice", ['tool_choice "auto" needs a parser', "--tool-call-parser hermes",
+                         'send tool_choice "required"']),
     ({"tool_choice": "auto"}, "tool_choice", ['"auto" needs a parser', "or drop `tools`"]),
     ({"tool_choice": {"type": "function", "function": {"name": "radio"}}}, "tool_choice",
      ["'radio', which is not among", "weather, clock"]),

@@ -1,8 +1,9 @@
-"""Tool calling in the router (router/tool_calls.py, router/schemas.py, router/responses.py' ToolCallFormatter,
-engine/chat.py): the tools' rules, the tool choice -> the one JSON constraint the engines get, the 400s (auto,
-unknown or bad names, a second constraint), the tool loop's messages rendered, and the answer's tool_calls,
-whole and streamed (accumulated by the openai client's own stream state). The formatter is fed ChoiceDeltas;
-the HTTP tests run the router against scripted engines (tests/router/fake_engine.py)."""
+"""Tool calling in the router (router/tool_calls.py, router/schemas.py, router/responses.py' ToolCallFormatter
+and AutoToolCallFormatter, engine/chat.py): the tools' rules, the tool choice -> the one JSON constraint the
+engines get, the 400s (auto without --tool-call-parser, unknown or bad names, a second constraint), the tool
+loop's messages rendered, and the answer's tool_calls, whole and streamed (accumulated by the openai client's own
+stream state), tool_choice "auto" read by the Hermes parser among them. The formatters are fed ChoiceDeltas; the
+HTTP tests run the router against scripted engines (tests/router/fake_engine.py)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from pydantic import ValidationError
 
 from pdserve.engine.chat import render_chat
 from pdserve.engine.grammar import checked_grammar
+from pdserve.router.config import TOOL_CALL_PARSERS, RouterConfig
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.generation import ChoiceDelta
-from pdserve.router.responses import Prompt, ToolCallFormatter
+from pdserve.router.responses import AutoToolCallFormatter, Prompt, ToolCallFormatter
 from pdserve.router.schemas import ChatCompletionRequest
 from pdserve.router.structured_output import asked_constraint, check_constraint
-from pdserve.router.tool_calls import ANY_OBJECT, tool_calling
+from pdserve.router.tool_calls import ANY_OBJECT, OUTPUT_PARSERS, tool_calling, with_tags_shown
 from tests.router.conftest import assert_refused, router_app
 from tests.router.test_engines_and_failures import _close, _engines
 
@@ -76,9 +78,9 @@ def test_bad_tools_are_refused_by_the_schema(fields, words):
 
 
 @pytest.mark.parametrize("fields, param, words", [
-    ({"tools": TOOLS}, "tool_choice", ['tool_choice "auto" needs a parser', 'send tool_choice "required"',
-                                       "or drop `tools`"]),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", ['"auto" needs a parser']),
+    ({"tools": TOOLS}, "tool_choice", ['tool_choice "auto" needs a parser', "--tool-call-parser hermes",
+                                       'send tool_choice "required"', "or drop `tools`"]),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", ['"auto" needs a parser', "--tool-call-parser"]),
     ({"tools": TOOLS, "tool_choice": named("get_news")}, "tool_choice",
      ["'get_news', which is not among", "get_weather, get_time", "name one of them"]),
     ({"tool_choice": "required"}, "tool_choice", ["no `tools`", "send the tools"]),
@@ -302,7 +304,7 @@ def post(tiny_model, tokenization, engine_specs: list[dict], bodies: list[dict])
 
 
 @pytest.mark.parametrize("fields, param, words", [
-    ({"tools": TOOLS}, "tool_choice", ['"auto" needs a parser']),
+    ({"tools": TOOLS}, "tool_choice", ['"auto" needs a parser', "--tool-call-parser hermes"]),
     ({"tools": TOOLS, "tool_choice": named("nope")}, "tool_choice", ["'nope', which is not among"]),
     ({"tools": [tool("a b")], "tool_choice": "required"}, "tools", ["breaks OpenAI's rule"]),
     ({"tools": [tool("a"), tool("a")], "tool_choice": "required"}, "tools", ["two tools are named 'a'"]),
@@ -331,3 +333,188 @@ def test_the_engines_run_the_tools_constraint_and_the_answer_is_its_calls(tiny_m
     message = accumulated(chunks).choices[0].message
     assert [c.function.arguments for c in message.tool_calls] == \
         [c["function"]["arguments"] for c in choice["message"]["tool_calls"]]
+
+
+# ---- tool_choice "auto" with --tool-call-parser hermes ----
+
+HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "celsius": true}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+HERMES_CALLS = [("get_weather", '{"city":"Oslo","celsius":true}'), ("get_time", '{"zone":"CET"}')]
+
+
+def test_the_parsers_the_config_names_are_the_ones_served(tiny_model):
+    assert set(TOOL_CALL_PARSERS) == set(OUTPUT_PARSERS)
+    with pytest.raises(ValueError, match="tool-call parser 'mistral' is unknown: use one of hermes"):
+        RouterConfig(model=tiny_model, served_model_name="tiny", tool_call_parser="mistral")
+
+
+@pytest.mark.parametrize("fields", [{"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}])
+def test_auto_with_a_parser_reads_the_output_and_constrains_nothing(fields):
+    calling = tool_calling(request(**fields), "hermes")
+    assert calling.parser == "hermes" and not calling.constrains and calling.choice == 'tool_choice "auto"'
+    assert asked_constraint(request(**fields), calling) is None
+
+
+def test_auto_takes_the_requests_own_constraint_alongside():
+    body = request(tools=TOOLS, structured_outputs={"regex": "<tool_call>[a-z]+</tool_call>"})
+    constraint = asked_constraint(body, tool_calling(body, "hermes"))
+    assert (constraint.kind, constraint.spec, constraint.param) == ("regex", "<tool_call>[a-z]+</tool_call>",
+                                                                   "structured_outputs")
+
+
+@pytest.mark.parametrize("fields", [{"tool_choice": "none"}, {"tool_choice": "required"},
+                                    {"tool_choice": named("get_time")}])
+def test_a_parser_changes_no_other_tool_choice(fields):
+    calling = tool_calling(request(tools=TOOLS, **fields), "hermes")
+    plain = tool_calling(request(tools=TOOLS, **fields))
+    assert calling == plain and (calling is None or calling.constrains)
+
+
+def test_auto_keeps_special_tokens_in_the_text_unless_the_request_says():
+    auto, told = request(tools=TOOLS), request(tools=TOOLS, skip_special_tokens=True)
+    assert with_tags_shown(auto, tool_calling(auto, "hermes")).skip_special_tokens is False
+    assert with_tags_shown(told, tool_calling(told, "hermes")).skip_special_tokens is True
+    required = request(tools=TOOLS, tool_choice="required")
+    assert with_tags_shown(required, tool_calling(required, "hermes")) is required
+
+
+def auto_formatter(tokenization, n: int = 1, parallel: bool = True, **fields) -> AutoToolCallFormatter:
+    calling = tool_calling(request(tools=TOOLS, parallel_tool_calls=parallel), "hermes")
+    return AutoToolCallFormatter("abc", model="tiny", tokenization=tokenization, prompts=[Prompt("p", [1, 2])], n=n,
+                                 num_logprobs=None, return_token_ids=False, include_usage=False, tool_calling=calling,
+                                 **fields)
+
+
+def auto_streamed(fmt: AutoToolCallFormatter, events: list[ChoiceDelta]) -> list[dict]:
+    return fmt.role_chunks() + [chunk for event in events for chunk in fmt.chunks(event)]
+
+
+def gathered(chunks: list[dict]):
+    """What the openai client's stream state holds once every chunk is in (get_final_completion refuses an
+    answer that ended with "length")."""
+    state = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    return state.current_completion_snapshot
+
+
+def split(text: str, *ats: int) -> list[str]:
+    bounds = [0, *ats, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def calls_of(message) -> list[tuple[str, str]]:
+    if isinstance(message, dict):
+        return [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
+def test_auto_answers_with_the_text_before_and_the_calls(tokenization):
+    choice = whole(auto_formatter(tokenization), deltas([HERMES]))["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look."
+    assert calls_of(choice["message"]) == HERMES_CALLS
+    ids = [call["id"] for call in choice["message"]["tool_calls"]]
+    assert all(i.startswith("chatcmpl-tool-") for i in ids) and len(set(ids)) == 2
+    assert all(call["type"] == "function" for call in choice["message"]["tool_calls"])
+
+
+@pytest.mark.parametrize("text, content", [
+    ("Just text.", "Just text."),
+    ("", None),
+    ('<tool_call>{"name": "get_news", "arguments": {}}</tool_call>', '<tool_call>{"name": "get_news", '
+                                                                     '"arguments": {}}</tool_call>'),
+    ('<tool_call>{"name": "get_time", "arguments": {"zone": </tool_call>', '<tool_call>{"name": "get_time", '
+                                                                          '"arguments": {"zone": </tool_call>'),
+])
+def test_auto_without_a_call_answers_with_the_text(tokenization, text, content):
+    choice = whole(auto_formatter(tokenization), deltas([text]))["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == content
+    assert "tool_calls" not in choice["message"]
+
+
+def test_auto_cut_by_max_tokens_reads_what_it_can_and_says_tool_calls_as_vllm_does(tokenization):
+    after_json = HERMES[:HERMES.index("</tool_call>\n<tool_call>") + 4]  # the first call's end tag cut
+    choice = whole(auto_formatter(tokenization), deltas([after_json], finish_reason="length"))["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and calls_of(choice["message"]) == HERMES_CALLS[:1]
+    inside_json = HERMES[:HERMES.index("CET")]  # the second call cut in its JSON: it stays text
+    choice = whole(auto_formatter(tokenization), deltas([inside_json], finish_reason="length"))["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and calls_of(choice["message"]) == HERMES_CALLS[:1]
+    assert choice["message"]["content"] == "Let me look." + inside_json[inside_json.rindex("<tool_call>"):]
+    choice = whole(auto_formatter(tokenization), deltas([HERMES[:30]], finish_reason="length"))["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == HERMES[:30]
+
+
+def test_auto_not_parallel_keeps_the_first_call_only(tokenization):
+    choice = whole(auto_formatter(tokenization, parallel=False), deltas([HERMES]))["choices"][0]
+    assert calls_of(choice["message"]) == HERMES_CALLS[:1] and choice["message"]["content"] == "Let me look."
+    streamed_calls = accumulated(auto_streamed(auto_formatter(tokenization, parallel=False), deltas(split(HERMES, 90))))
+    assert calls_of(streamed_calls.choices[0].message) == HERMES_CALLS[:1]
+
+
+def test_auto_streams_text_then_each_call_as_a_header_and_its_arguments(tokenization):
+    chunks = auto_streamed(auto_formatter(tokenization), deltas(split(HERMES, 8, 17, 40, 110)))
+    role, *rest = [chunk["choices"][0] for chunk in chunks]
+    assert role["delta"] == {"role": "assistant", "content": None}
+    text = "".join(c["delta"].get("content") or "" for c in rest)
+    assert text == "Let me look."
+    pieces = [c["delta"]["tool_calls"][0] for c in rest if "tool_calls" in c["delta"]]
+    assert [set(p) for p in pieces] == [{"index", "id", "type", "function"}, {"index", "function"}] * 2
+    assert [p["index"] for p in pieces] == [0, 0, 1, 1]
+    assert [p["function"] for p in pieces] == [
+        {"name": "get_weather", "arguments": ""}, {"arguments": HERMES_CALLS[0][1]},
+        {"name": "get_time", "arguments": ""}, {"arguments": HERMES_CALLS[1][1]}]
+    assert [c["finish_reason"] for c in rest][-1] == "tool_calls"
+    assert all(c["finish_reason"] is None for c in rest[:-1])
+
+
+@pytest.mark.parametrize("text", [HERMES, "Just text, <b>no</b> calls <tool", HERMES[:HERMES.index("CET")],
+                                  '  <tool_call>{"name": "get_news"}</tool_call> <tool_call>{"name": "get_time"}'])
+@pytest.mark.parametrize("finish_reason", ["stop", "length"])
+def test_auto_streamed_at_every_split_accumulates_to_the_whole_answer(tokenization, text, finish_reason):
+    """What the openai client's stream helper gathers equals the whole answer: content, calls, finish_reason."""
+    body = whole(auto_formatter(tokenization), deltas([text], finish_reason))["choices"][0]
+    for at in range(0, len(text) + 1, 3):
+        final = gathered(auto_streamed(auto_formatter(tokenization), deltas(split(text, at), finish_reason)))
+        message = final.choices[0].message
+        assert message.content == body["message"]["content"], at
+        assert calls_of(message) == calls_of(body["message"]), at
+        assert final.choices[0].finish_reason == body["finish_reason"], at
+
+
+def test_auto_each_of_n_choices_has_its_own_parser(tokenization):
+    events = deltas(split(HERMES, 50), index=0) + deltas(["Plain."], index=1)
+    events = [events[0], events[2], events[1]]  # interleaved, as the engines send them
+    body = whole(auto_formatter(tokenization, n=2), events)
+    assert [calls_of(c["message"]) for c in body["choices"]] == [HERMES_CALLS, []]
+    choices = accumulated(auto_streamed(auto_formatter(tokenization, n=2), events)).choices
+    assert [calls_of(c.message) for c in choices] == [HERMES_CALLS, []]
+    assert [c.message.content for c in choices] == ["Let me look.", "Plain."]
+
+
+def test_auto_through_the_router_reads_the_engines_output(tiny_model, tokenization):
+    """No constraint goes to the engine for "auto"; the request's own regex does; the answer is the parsed calls."""
+    script = tokenization.tokenizer.encode(HERMES, add_special_tokens=False)
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 200}
+    with_regex = {**body, "tool_choice": "auto", "structured_outputs": {"regex": "(.|\n)*"},
+                  "skip_special_tokens": True}
+
+    async def scenario():
+        async with router_app(tiny_model, tokenization, tool_call_parser="hermes") as (gateway, client):
+            engines = await _engines(gateway, {"engine_id": "d0", "script": script, "completes_constraint": True})
+            try:
+                return [await client.post("/v1/chat/completions", json=b)
+                        for b in (body, {**body, "stream": True}, with_regex)], engines
+            finally:
+                _close(engines)
+    (whole_response, stream_response, regex_response), (engine,) = asyncio.run(scenario())
+    sent = [request.sampling_params for request in engine.generate_requests()]
+    assert [(p.structured_kind, p.structured_spec) for p in sent] == [(None, ""), (None, ""), ("regex", "(.|\n)*")]
+    assert [p.skip_special_tokens for p in sent] == [False, False, True]  # the tags shown, unless the request says
+    for response in (whole_response, regex_response):
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look."
+        assert calls_of(choice["message"]) == HERMES_CALLS
+    chunks = [json.loads(line[6:]) for line in stream_response.text.splitlines() if line.startswith("data: {")]
+    final = accumulated(chunks).choices[0]
+    assert calls_of(final.message) == HERMES_CALLS and final.message.content == "Let me look."
+    assert final.finish_reason == "tool_calls"
