@@ -53,6 +53,8 @@ class DecodeServer(EngineServer):
         request.prefill_kv_address = self.kv_peers.checked(msg.prefill_kv_address)
         self.engine.add_request(request)
         self.owners[msg.request_id] = peer_id
+        if request.prefill_kv_address is not None:  # its prefill engine keeps the KV while it waits here
+            self.kv_transfer.hold(msg.request_id, request.prefill_kv_address)
 
     def on_router_message(self, msg: Any, router: str = "") -> None:
         if isinstance(msg, KVPeers):

@@ -24,7 +24,7 @@ from pdserve.control.errors import ProtocolError, WireError
 from pdserve.kvtransfer.errors import KVTransferError
 from pdserve.kvtransfer.fingerprint import LayoutFingerprint
 from pdserve.control.messages import Abort, Error
-from pdserve.kvtransfer.messages import Hello, HelloAck, KVAck, KVDone, KVLayer, KVWant
+from pdserve.kvtransfer.messages import Hello, HelloAck, KVAck, KVDone, KVHold, KVLayer, KVWant
 from pdserve.kvtransfer.payload import combine_checksums
 from pdserve.control.keys import CurveClientConfig
 from pdserve.control.sockets import ClientSocket
@@ -36,7 +36,7 @@ CONNECT_TIMEOUT_S = 2.0  # a message a link has not taken by then fails its tran
 
 @dataclass
 class _Outgoing:
-    msg: Hello | KVWant
+    msg: Hello | KVHold | KVWant
     incoming: IncomingTransfer | None  # the transfer a KVWant asks for
     queued: float  # time.monotonic()
 
@@ -78,6 +78,16 @@ class DecodeTransferSide(KVTransferSide):
             link.client.close()
 
     # ---- asked by the scheduler side ----
+
+    def hold(self, request_id: str, address: str) -> None:
+        """Tell the prefill engine at `address` that the request is queued here (KVHold): it keeps the
+        computed prompt's KV until this engine has blocks for it and asks, rather than --kv-want-timeout."""
+        try:
+            link = self._link(address)
+        except WireError:
+            return  # the KVWant will fail the same way, and say why
+        link.outbox.append(_Outgoing(KVHold(request_id=request_id), None, time.monotonic()))
+        self._flush(link)
 
     def ask(self, incoming: IncomingTransfer) -> None:
         """Send the KVWant (opening the link first if this is its first request), without waiting."""

@@ -71,6 +71,7 @@ class Scheduler:
         self._pending: list[TokenDelta] = []  # produced outside a step (connector events, aborts)
         self._prompt_logprobs_ready: list[tuple[str, list]] = []  # (request id, its prompt's chunks' tables)
         self.num_preemptions = 0  # since start, for stats and tests
+        self.admission_blocked = False  # the last schedule left a queued request out for want of KV blocks
         self.prefix_cache_stats = PrefixCacheStats()
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -111,10 +112,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.num_unfinished or self._pending or self.delayed_free)
 
+    def waits_for_blocks(self, request_id: str) -> bool:
+        """Whether this request is queued behind the last schedule's want of free KV blocks."""
+        request = self.requests.get(request_id)
+        return (self.admission_blocked and request is not None
+                and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED))
+
     # ---- planning a step -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         self._apply_connector_events()
+        self.admission_blocked = False
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
@@ -156,6 +164,7 @@ class Scheduler:
                 num_external = self.connector.num_external_tokens(request, num_hit)
             if num_external > 0:
                 if not self._start_remote_prefill(request, hit_blocks, num_hit, num_external):
+                    self.admission_blocked = True
                     return
                 continue
             num_new = request.num_tokens - num_hit
@@ -163,6 +172,7 @@ class Scheduler:
                 return
             num_new = self._chunk(num_new, budget)
             if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
+                self.admission_blocked = True
                 return
             self.waiting.popleft()
             self._count_prefix_lookup(request, num_hit)

@@ -1,6 +1,6 @@
 """Messages of the KV link between a decode engine (D) and a prefill engine (P).
 
-    D -> P   Hello (layout fingerprint), KVWant (send this request's KV)
+    D -> P   Hello (layout fingerprint), KVHold (keep this request's KV for me), KVWant (send it)
     P -> D   HelloAck, KVLayer (+ one payload frame) per layer range, KVDone
     D -> P   KVAck
     either   Abort, Error (pdserve.control.messages: both planes use them)
@@ -51,6 +51,14 @@ class HelloAck(Message, type_name="hello_ack"):
 
     ok: bool
     reason: str = ""
+
+
+class KVHold(Message, type_name="kv_hold"):
+    """D -> P, when a request that P prefills reaches D: D has it queued and will ask for its KV (KVWant)
+    once it has blocks for it, or abort it. P keeps the computed prompt's blocks for it up to
+    --kv-hold-timeout rather than --kv-want-timeout, which is for prompts no decode engine has claimed."""
+
+    request_id: str = Field(max_length=MAX_ID_LEN)
 
 
 class KVWant(Message, type_name="kv_want"):

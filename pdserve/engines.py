@@ -41,7 +41,12 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
     if role == "prefill":
         parser.add_argument("--kv-address", default="tcp://127.0.0.1:0", help="where decode engines pull KV from")
         parser.add_argument("--kv-want-timeout", type=float, default=30.0,
-                            help="seconds a finished prefill waits for a decode engine to ask for its KV")
+                            help="seconds a finished prefill waits for a decode engine to ask for its KV, unless a "
+                                 "decode engine has said it has the request queued (then --kv-hold-timeout)")
+        parser.add_argument("--kv-hold-timeout", type=float, default=600.0,
+                            help="seconds a finished prefill that a decode engine has queued (its KV pool full) "
+                                 "waits for that engine to ask for its KV (the router's --request-timeout bounds "
+                                 "a request anyway)")
         parser.add_argument("--kv-lease", type=float, default=30.0,
                             help="seconds sent KV stays allocated without the decode engine's ack")
         parser.add_argument("--kv-streaming", choices=["auto", "on", "off"], default="auto",
@@ -103,7 +108,7 @@ def run_engine(args: argparse.Namespace, role: str) -> int:
 
         server = build_prefill_server(*configs, PrefillOptions(
             args.control_address, args.kv_address, args.engine_id, args.kv_want_timeout, args.kv_lease, args.device,
-            streams_layers(args.kv_streaming, args.device), curve_dir))
+            streams_layers(args.kv_streaming, args.device), curve_dir, hold_timeout_s=args.kv_hold_timeout))
         extra = f" kv={server.kv_address}"
     else:
         from pdserve.decode.service import DecodeOptions, build_decode_server

@@ -21,22 +21,34 @@ class PrefillSchedulerSide(KVConnector):
         self.transfers = transfer_side.transfers
 
     def on_request_finished(self, request: Request, block_ids: list[int]) -> bool:
-        transfer = self.transfers.get(request.request_id)
+        """Whether the finished prompt's blocks wait for a decode engine (True) or may go now."""
+        request_id = request.request_id
+        transfer = self.transfers.get(request_id)
+        ends_here = request_id in self.transfer_side.ends_here
+        self.transfer_side.ends_here.discard(request_id)
+        held = self.transfer_side.take_hold(request_id)
         if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR) or (
                 transfer is not None and transfer.is_ended):
-            self.transfers.pop(request.request_id, None)
+            if self.transfers.pop(request_id, None) is not None:
+                self.transfer_side.forget(transfer)
             return False
         if transfer is None:
-            self.transfers[request.request_id] = Transfer.computed(request, block_ids)
+            if ends_here and not held:  # no decode engine has it: nobody will ask for this KV
+                return False
+            self.transfers[request_id] = transfer = Transfer.computed(request, block_ids)
+            transfer.held_by_peer = held
             return True
         transfer.prompt_computed(request, block_ids)
         self.transfer_side.computed.append(transfer)  # sent once the step's first tokens are out
         return True
 
     def on_request_aborted(self, request: Request) -> None:
+        self.transfer_side.ends_here.discard(request.request_id)
+        self.transfer_side.take_hold(request.request_id)
         transfer = self.transfers.pop(request.request_id, None)
         if transfer is not None:
             transfer.move(TransferState.ABORTED, "aborted")  # its layers still queued are not sent
+            self.transfer_side.forget(transfer)
 
     def poll(self) -> ConnectorEvents:
         """Ended transfers: the blocks of a computed prompt may go; a request the decode engine
@@ -51,4 +63,5 @@ class PrefillSchedulerSide(KVConnector):
             else:
                 continue
             del self.transfers[request_id]
+            self.transfer_side.forget(transfer)
         return events

@@ -33,6 +33,7 @@ class PrefillOptions:
     device: str = "cpu"
     stream_layers: bool = True
     curve_dir: str | None = None  # `pdserve keygen` directory: CURVE on every socket
+    hold_timeout_s: float = 600.0  # a computed prompt a decode engine has queued (KVHold) waits this long for its KVWant
 
 
 class PrefillServer(EngineServer):
@@ -54,6 +55,8 @@ class PrefillServer(EngineServer):
         room_for_more = request.num_prompt_tokens + 1 < self.engine.model_config.max_model_len
         if (max_tokens is None or max_tokens > 1) and room_for_more:
             self.continuing.add(msg.request_id)
+        else:  # the router sends such a request to no decode engine: its KV goes once computed
+            self.kv_transfer.ends_here.add(msg.request_id)
 
     def publish(self, deltas: list[TokenDelta]) -> None:
         """The step's first tokens go to the router first; then the KV of the prompts it computed."""
@@ -89,8 +92,9 @@ def build_prefill_server(model_config: ModelConfig, cache_config: CacheConfig, s
                              max_message_bytes=CONTROL_MESSAGE_BYTES)
     transfer = PrefillTransferSide(kv_server, engine_fingerprint(model_config, cache_config.block_size),
                                    want_timeout_s=options.want_timeout_s, lease_s=options.lease_s,
-                                   stream_layers=options.stream_layers)
+                                   stream_layers=options.stream_layers, hold_timeout_s=options.hold_timeout_s)
     engine = EngineCore(model_config, cache_config, scheduler_config, options.device,
                         connector=PrefillSchedulerSide(transfer), kv_transfer=transfer)
     transfer.bind_kv_cache(engine.runner.kv_cache)
+    transfer.bind_scheduler(engine.scheduler.requests.__contains__, engine.scheduler.waits_for_blocks)
     return PrefillServer(engine, transfer, options.control_address, options.engine_id, curve)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -21,7 +22,7 @@ from pdserve.control.errors import ProtocolError, WireError
 from pdserve.kvtransfer.errors import LayoutMismatchError
 from pdserve.kvtransfer.fingerprint import LayoutFingerprint, check_compatible
 from pdserve.control.messages import Abort, Error
-from pdserve.kvtransfer.messages import Hello, HelloAck, KVAck, KVWant
+from pdserve.kvtransfer.messages import Hello, HelloAck, KVAck, KVHold, KVWant
 from pdserve.control.sockets import ServerSocket
 from pdserve.prefill.host_copies import HostCopies, StreamedLayers
 from pdserve.prefill.kv_sender import KVSender
@@ -31,17 +32,27 @@ from pdserve.prefill.waiting_reads import WaitingTransferReads
 
 log = logging.getLogger("pdserve.prefill.transfer_side")
 
+MAX_REMEMBERED = 4096  # ended transfers (and holds for prompts not computed yet) remembered, newest kept
+
 
 class PrefillTransferSide(KVTransferSide):
     def __init__(self, server: ServerSocket, fingerprint: LayoutFingerprint, want_timeout_s: float = 30.0,
-                 lease_s: float = 30.0, stream_layers: bool = True) -> None:
+                 lease_s: float = 30.0, stream_layers: bool = True, hold_timeout_s: float = 600.0) -> None:
         super().__init__()
         self.server = server
         self.fingerprint = fingerprint
+        # A computed prompt's blocks wait want_timeout_s for its KVWant, or hold_timeout_s once a decode engine
+        # has said it has the request queued (KVHold): a decode engine whose KV pool is full asks late.
         self.want_timeout_s = want_timeout_s
+        self.hold_timeout_s = hold_timeout_s
         self.lease_s = lease_s
         self.stream_layers = stream_layers
         self.transfers: dict[str, Transfer] = {}  # shared with the scheduler side
+        self.holds_prompt: Callable[[str], bool] = lambda request_id: False  # queued or computing here
+        self.waits_for_blocks: Callable[[str], bool] = lambda request_id: False  # queued, no free KV blocks
+        self.ends_here: set[str] = set()  # requests their first token ends: no decode engine will ask
+        self._holds: OrderedDict[str, float] = OrderedDict()  # KVHold before the prompt was computed: when
+        self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> why its transfer ended
         self.computed: list[Transfer] = []  # prompts computed in this step and asked for: KV to send next
         self.sender = KVSender(server, self.stats)
         self.copies = HostCopies(self._send_streamed)
@@ -49,6 +60,19 @@ class PrefillTransferSide(KVTransferSide):
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.sender.bind_kv_cache(kv_cache)  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+
+    def bind_scheduler(self, holds_prompt: Callable[[str], bool], waits_for_blocks: Callable[[str], bool]) -> None:
+        """What the engine's scheduler knows of a prompt: queued or computing here; queued behind the last
+        step's want of free KV blocks."""
+        self.holds_prompt, self.waits_for_blocks = holds_prompt, waits_for_blocks
+
+    def take_hold(self, request_id: str) -> bool:
+        """Whether a decode engine said it has this request queued (KVHold) before its prompt was computed."""
+        return self._holds.pop(request_id, None) is not None
+
+    def forget(self, transfer: Transfer) -> None:
+        """An ended transfer leaves: a KVWant that comes for it later is answered at once with why."""
+        _remember(self._ended, transfer.request_id, transfer.reason or transfer.state.value)
 
     def sockets(self) -> list:
         return [self.server.socket]
@@ -96,6 +120,8 @@ class PrefillTransferSide(KVTransferSide):
             self.server.answer(peer_id, Error(code="no_hello", message="say Hello with your layout fingerprint first"))
         elif isinstance(msg, KVWant):
             self._on_want(peer_id, msg)
+        elif isinstance(msg, KVHold):
+            self._on_hold(msg.request_id)
         elif isinstance(msg, KVAck):
             self._on_ack(msg)
         else:
@@ -113,13 +139,24 @@ class PrefillTransferSide(KVTransferSide):
 
     def _on_want(self, peer_id: bytes, msg: KVWant) -> None:
         transfer = self.transfers.get(msg.request_id)
-        if transfer is None:
+        if transfer is None and msg.request_id in self._ended:
+            self.server.answer(peer_id, Error(code="kv_released", request_id=msg.request_id,
+                                              message=f"this prefill engine no longer holds that prompt's KV: "
+                                                      f"{self._ended[msg.request_id]}"[:4000]))
+        elif transfer is None:
             self.transfers[msg.request_id] = Transfer.wanted(msg.request_id, peer_id, msg.skip_tokens, msg.num_tokens)
         elif transfer.state is TransferState.WAITING_FOR_WANT:
             transfer.want(peer_id, msg.skip_tokens, msg.num_tokens)
             self.finish(transfer)
         else:
             log.warning("a second KVWant for %s (%s) ignored", msg.request_id, transfer.state.value)
+
+    def _on_hold(self, request_id: str) -> None:
+        transfer = self.transfers.get(request_id)
+        if transfer is None:
+            _remember(self._holds, request_id, time.monotonic())
+        elif transfer.state is TransferState.WAITING_FOR_WANT:
+            transfer.held_by_peer = True
 
     def _on_ack(self, msg: KVAck) -> None:
         transfer = self.transfers.get(msg.request_id)
@@ -145,16 +182,40 @@ class PrefillTransferSide(KVTransferSide):
         now = time.monotonic()
         for request_id, transfer in list(self.transfers.items()):
             waited = now - transfer.since
-            if transfer.state is TransferState.WAITING_FOR_WANT and waited > self.want_timeout_s:
-                transfer.move(TransferState.FAILED, f"no KVWant within {self.want_timeout_s:g}s")
+            if transfer.state is TransferState.WAITING_FOR_WANT:
+                limit, flag = ((self.hold_timeout_s, "--kv-hold-timeout") if transfer.held_by_peer
+                               else (self.want_timeout_s, "--kv-want-timeout"))
+                if waited > limit:
+                    transfer.move(TransferState.FAILED, f"no KVWant within {limit:g}s ({flag})")
             elif transfer.state is TransferState.AWAITING_ACK and waited > self.lease_s:
                 transfer.move(TransferState.FAILED, f"no KVAck within the {self.lease_s:g}s lease")
-            elif transfer.state is TransferState.WAITING_FOR_PROMPT and waited > self.want_timeout_s:
+            elif (transfer.state is TransferState.WAITING_FOR_PROMPT and waited > self.want_timeout_s
+                  and not self.holds_prompt(request_id)):  # a prompt queued or computing here is on its way
                 del self.transfers[request_id]  # the prompt never came: no blocks to free
                 self.server.answer(transfer.peer_id, Error(code="unknown_request", request_id=request_id,
                                                            message="this prefill engine never received that prompt"))
             elif transfer.state is TransferState.ABORTED and waited > self.want_timeout_s:
                 del self.transfers[request_id]  # no step ran meanwhile, so there was nothing to abort
+        while self._holds and now - next(iter(self._holds.values())) > self.hold_timeout_s:
+            self._holds.popitem(last=False)  # the prompt never came or was aborted before it was computed
+        self._release_for_wanted_prompt()
+
+    def _release_for_wanted_prompt(self) -> None:
+        """Break a wait that no timeout would end soon. A decode engine has blocks reserved for a prompt queued
+        here that waits for free KV blocks, while blocks here hold computed prompts that no decode engine has
+        asked for yet (those engines may be full of prompts waiting on other prefill engines, in a cycle).
+        The longest-held of them goes: its decode engine's KVWant is answered kv_released, and it recomputes.
+        One at a time: none while the blocks of an ended transfer are still to be freed."""
+        transfers = self.transfers.values()
+        if any(t.is_ended and t.request is not None for t in transfers):
+            return
+        held = [t for t in transfers if t.state is TransferState.WAITING_FOR_WANT]
+        if held and any(t.state is TransferState.WAITING_FOR_PROMPT and self.waits_for_blocks(t.request_id)
+                        for t in transfers):
+            oldest = min(held, key=lambda t: t.since)
+            log.info("released the KV of %s (not asked for yet) for a prompt that a decode engine waits on",
+                     oldest.request_id)
+            oldest.move(TransferState.FAILED, "released for a prompt that a decode engine was waiting on")
 
     # ---- sending ----
 
@@ -237,3 +298,11 @@ def _each_of(hooks: list[Callable[[int], None]]) -> Callable[[int], None] | None
             hook(layer_idx)
 
     return each
+
+
+def _remember(memory: OrderedDict, key: str, value) -> None:
+    """Keep key -> value as the newest of at most MAX_REMEMBERED entries."""
+    memory[key] = value
+    memory.move_to_end(key)
+    while len(memory) > MAX_REMEMBERED:
+        memory.popitem(last=False)

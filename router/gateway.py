@@ -57,10 +57,12 @@ class Gateway:
                                     f"{self.registry.registration_address}`) or wait until one answers")
         return limits
 
-    def route(self, token_ids: list[int], excluded: set[str], force_local: bool) -> Route:
+    def route(self, token_ids: list[int], excluded: set[str], force_local: bool,
+              first_token_only: bool = False) -> Route:
         """Engines for one attempt; engines that failed this request are avoided while others exist
-        (no prefill engine left = prefill on the decode engine)."""
+        (no prefill engine left = prefill on the decode engine). first_token_only: a prefill engine's first
+        token is the whole answer, so the decode engine will not see the prompt."""
         prefills = [link for link in self.registry.engines("prefill") if link.control_address not in excluded]
         decodes = self.registry.engines("decode")
         decodes = [link for link in decodes if link.control_address not in excluded] or decodes
-        return self.policy.route(token_ids, prefills, decodes, force_local)
+        return self.policy.route(token_ids, prefills, decodes, force_local, first_token_only)

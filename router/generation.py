@@ -12,8 +12,9 @@ EngineFailed, never an answer silently missing them.
 
 The first token comes from the prefill engine as soon as it is sampled (before its KV moves) and is
 streamed at once; the decode engine is told it (FirstToken) and its stream goes on from the second
-token: its own first token, the same one, is dropped. If that first token ends the choice (a stop token,
-a stop string, max_tokens=1), the decode engine is aborted and frees the blocks it reserved. Whichever
+token: its own first token, the same one, is dropped. A choice with max_tokens=1 goes to the prefill
+engine alone (its first token is the answer, and no KV moves); if the first token ends any other choice
+(a stop token, a stop string), the decode engine is aborted and frees the blocks it reserved. Whichever
 engine's first token comes first is the choice's; the other engine's is not used.
 
 Failures, in order of preference:
@@ -165,6 +166,8 @@ class Submission:
         self.request_id = request_id
         self.inbox = _Inbox()
         self.finished = False  # the decode engine ended the request itself: nothing to abort
+        self.decode_sent = False  # a choice that ends at the prefill engine's first token never goes to D
+        self.prefill = route.prefill  # aborted too if D does not finish: it may hold the prompt's KV for D
         # at the deadline (loop time) a timer puts (_DEADLINE, None) in the inbox: one timer per attempt
         # rather than a timeout scope around every wait for a token
         self._timer = asyncio.get_running_loop().call_at(deadline, self.inbox.put, _DEADLINE, None)
@@ -184,12 +187,15 @@ class Submission:
                                             sampling_params=params))
             except EngineUnreachable as exc:
                 raise _Retry(str(exc), exclude=prefill.control_address) from exc
+        if prefill is not None and params.max_tokens == 1:  # as Gateway.route's first_token_only
+            return  # the prefill engine's first token is the whole answer: no KV needs to move
         kv_address = prefill.info.kv_address if prefill is not None else None
         try:
             decode.send(GenerateRequest(request_id=self.request_id, prompt_token_ids=prompt,
                                         sampling_params=params, prefill_kv_address=kv_address))
         except EngineUnreachable as exc:
             raise _Retry(str(exc), exclude=decode.control_address) from exc
+        self.decode_sent = True
 
     def keep_first_token(self, delta: TokenDelta) -> None:
         """The prefill engine's first token is the client's: the decode engine continues from it, and
@@ -208,8 +214,11 @@ class Submission:
         self._timer.cancel()
         for link in filter(None, (self.route.decode, self.route.prefill)):
             link.close_stream(self.request_id)
-            if not self.finished:
-                link.try_send(Abort(request_id=self.request_id, reason="the router ended the request"))
+        if self.finished:
+            return
+        # P too once its part is over: a D that is gone or aborted no longer asks for the KV it keeps
+        for link in filter(None, (self.route.decode if self.decode_sent else None, self.prefill)):
+            link.try_send(Abort(request_id=self.request_id, reason="the router ended the request"))
 
 
 class ChoiceRunner:
@@ -239,7 +248,8 @@ class ChoiceRunner:
             started.close()
 
     def _submit(self, attempt: int, excluded: set[str], force_local: bool) -> Submission:
-        route = self.gateway.route(self.spec.prompt_token_ids, excluded, force_local)
+        route = self.gateway.route(self.spec.prompt_token_ids, excluded, force_local,
+                                   first_token_only=self.spec.sampling_params.max_tokens == 1)
         submission = Submission(route, f"{self.request_id}-{self.spec.index}.{attempt}", self.deadline)
         try:
             submission.submit(self.spec)
@@ -315,9 +325,10 @@ class ChoiceRunner:
             if delta.token_ids and delta.finish_reason is None:  # a choice over at once aborts both engines
                 submission.release_prefill()
             if delta.finish_reason is not None:  # the prefix index learns the output after the answer is written
-                asyncio.get_running_loop().call_soon(self.gateway.policy.record_output, submission.route.decode,
-                                                     self.spec.prompt_token_ids + self.token_ids,
-                                                     submission.route.prompt_hashes)
+                if submission.decode_sent:
+                    asyncio.get_running_loop().call_soon(self.gateway.policy.record_output, submission.route.decode,
+                                                         self.spec.prompt_token_ids + self.token_ids,
+                                                         submission.route.prompt_hashes)
                 yield delta
                 return
             if delta.token_ids or delta.text:

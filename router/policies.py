@@ -96,7 +96,7 @@ class RoutingPolicy:
         self._indexes: dict[str, PrefixIndex] = {}  # control address -> index
 
     def route(self, token_ids: Sequence[int], prefills: list[EngineLink], decodes: list[EngineLink],
-              force_local: bool = False) -> Route:
+              force_local: bool = False, first_token_only: bool = False) -> Route:
         if not decodes:
             raise NoEngineAvailable("no decode engine is available: start one (`pdserve decode --router-address ...`) "
                                     "or wait until a registered engine answers its heartbeats")
@@ -109,7 +109,8 @@ class RoutingPolicy:
         if prefills and not force_local and num_uncached > self.local_prefill_threshold:
             prefill = self._pick_prefill(prefills, hashes)
             self.index(prefill).add(hashes.for_block_size(_block_size(prefill)))
-        self.index(decode).add(decode_hashes)
+        if prefill is None or not first_token_only:  # else the decode engine never gets the prompt
+            self.index(decode).add(decode_hashes)
         return Route(decode, prefill, num_uncached, hashes)
 
     def index(self, link: EngineLink) -> PrefixIndex:

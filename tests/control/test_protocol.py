@@ -28,7 +28,7 @@ from pdserve.control.schema import (
     max_items,
 )
 from pdserve.kvtransfer.errors import ChecksumMismatchError
-from pdserve.kvtransfer.messages import Hello, HelloAck, KVAck, KVDone, KVLayer, KVWant
+from pdserve.kvtransfer.messages import Hello, HelloAck, KVAck, KVDone, KVHold, KVLayer, KVWant
 from pdserve.kvtransfer.payload import combine_checksums, payload_checksum
 
 FINGERPRINT = {"architecture": "LlamaForCausalLM", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
@@ -75,6 +75,7 @@ SAMPLES = [
     control.KVPeers(kv_addresses=["tcp://127.0.0.1:5700", "ipc:///tmp/p1.kv"]),
     control.FirstToken(request_id="req-2", token_id=4, logprobs={4: -0.5, 9: -2.0}),
     control.PromptLogprobs(request_id="req-2", start=1, num_positions=2, width=3, last=True),
+    KVHold(request_id="req-1"),
 ]
 
 
@@ -276,11 +277,11 @@ def test_construction_validates_locally():
 # Golden headers: the KV layer's as the hand-written validator this schema replaced wrote it; the wire
 # must not change unless a message's shape does.
 GOLDEN_KV_LAYER = (
-    "8ba474797065a86b765f6c61796572a776657273696f6e03aa726571756573745f6964a57265712d31ab6c617965725f7374"
+    "8ba474797065a86b765f6c61796572a776657273696f6e04aa726571756573745f6964a57265712d31ab6c617965725f7374"
     "61727404a96c617965725f656e6406ab746f6b656e5f737461727420aa6e756d5f746f6b656e7305a56474797065a862666c"
     "6f61743136a57368617065950202050208a66e6279746573cd0280a8636865636b73756dcf0123456789abcdef")
 GOLDEN_GENERATE = (  # SamplingParams nested (control/sampling_params.py), structured_kind/spec last
-    "86a474797065a867656e6572617465a776657273696f6e03aa726571756573745f6964a57265712d32b070726f6d70745f74"
+    "86a474797065a867656e6572617465a776657273696f6e04aa726571756573745f6964a57265712d32b070726f6d70745f74"
     "6f6b656e5f69647393010203af73616d706c696e675f706172616d73de0015a16e01ab74656d7065726174757265cb000000"
     "0000000000a5746f705f70cb3ff0000000000000a5746f705f6b00a56d696e5f70cb0000000000000000a47365656405b272"
     "657065746974696f6e5f70656e616c7479cb3ff0000000000000b070726573656e63655f70656e616c7479cb000000000000"

@@ -75,7 +75,7 @@ def assert_same_prompt_logprobs(theirs, ours_offline) -> None:
     for wire, offline in zip(theirs[1:], ours_offline[1:]):
         assert list(wire) == list(offline)
         for token_id, (logprob, rank) in wire.items():
-            assert logprob == pytest.approx(offline[token_id], abs=1e-5)
+            assert logprob == pytest.approx(offline[token_id], rel=1e-5, abs=1e-5)  # float32 over other batches
             assert rank >= 1
 
 

@@ -90,6 +90,19 @@ def test_no_prefill_engine_or_short_uncached_prompt_prefills_on_decode():
     assert conditional.route(list(range(100, 140)) + [7] * 6, prefills, decodes, force_local=True).prefill is None
 
 
+def test_a_prompt_whose_first_token_is_its_answer_is_not_learnt_on_the_decode_engine():
+    """max_tokens=1 through a prefill engine: the decode engine never gets the prompt, so the same prompt next
+    time is still uncached there (and prefilled remotely again, not locally on a cache it does not have)."""
+    conditional = policy(local_prefill_threshold=8)
+    prefills, decodes = [Link("p", "prefill")], [Link("d")]
+    prompt = list(range(100, 140))
+    assert conditional.route(prompt, prefills, decodes, first_token_only=True).prefill is not None
+    again = conditional.route(prompt, prefills, decodes)
+    assert again.num_uncached_tokens == 40 and again.prefill is not None
+    colocated = conditional.route(list(range(200, 240)), [], decodes, first_token_only=True)
+    assert colocated.prefill is None and conditional.route(list(range(200, 240)), [], decodes).num_uncached_tokens == 0
+
+
 def test_prefix_aware_follows_the_cache_unless_that_engine_is_much_busier():
     aware = policy(prefill_policy="prefix_aware")
     p0, p1 = Link("p0", "prefill", queued_prefill_tokens=900), Link("p1", "prefill", open_tokens=10)
