@@ -174,8 +174,12 @@ class CompletionFormatter(Formatter):
         self._prompt_spans: dict[int, int] = {}  # prompt index -> characters of its token strings (echo offsets)
 
     def _echo_text(self, index: int) -> str:
+        """The prompt as sent, or a token prompt as decoded with its special tokens (as vLLM echoes it): the
+        echo's text_offsets count each token's text, special ones too."""
         prompt = self.prompt_of(index)
-        return prompt.text if prompt.text is not None else self.tokenization.decode(prompt.token_ids)
+        if prompt.text is not None:
+            return prompt.text
+        return self.tokenization.decode(prompt.token_ids, skip_special_tokens=False)
 
     def _choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]],
                 finish_reason: str | None, stop_reason: Any, offset: int, with_prompt: bool) -> dict[str, Any]:

@@ -75,6 +75,24 @@ def test_echo_with_logprobs_puts_the_prompt_before_the_generated_tokens(tokeniza
     assert formatter.usage()["completion_tokens"] == 3 and formatter.usage()["prompt_tokens"] == num_prompt
 
 
+def test_an_echoed_token_prompt_keeps_its_special_tokens_so_the_offsets_point_into_the_text(tokenization):
+    """A token-id prompt is echoed as the tokenizer decodes it with its special tokens (as vLLM echoes it),
+    so each prompt token's text_offset points at that token's text in the echoed text. Skipping them (the
+    earlier echo) made the offsets run past it."""
+    special = tokenization.tokenizer.all_special_ids[0]
+    ids = tokenization.tokenizer.encode(TEXT)
+    prompt = Prompt(None, [special, *ids[:3], special, *ids[3:]])
+    formatter = completions(tokenization, prompt, num_logprobs=0, echo=True)
+    for delta in deltas(prompt):
+        formatter.totals[0].add(delta)
+    choice = formatter.body()["choices"][0]
+    text, logprobs = choice["text"], choice["logprobs"]
+    assert tokenization.token_text(special) in text
+    for token, offset in zip(logprobs["tokens"][:len(prompt.token_ids)], logprobs["text_offset"]):
+        assert text[offset:offset + len(token)] == token, (token, offset, text)
+    assert text.endswith("ABC")
+
+
 def test_a_streamed_echo_carries_the_prompt_in_each_choices_first_chunk(tokenization, prompt):
     whole = completions(tokenization, prompt, num_logprobs=1, echo=True, n=2)
     streamed = completions(tokenization, prompt, num_logprobs=1, echo=True, n=2)
