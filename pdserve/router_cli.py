@@ -47,6 +47,9 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
                              "tool calls from its output: hermes = <tool_call>{\"name\": ..., \"arguments\": ...}"
                              "</tool_call> (Qwen2.5/Qwen3, Hermes); without it \"auto\" is refused (vLLM's "
                              "--enable-auto-tool-choice --tool-call-parser)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM's command lines: tool_choice 'auto' is served whenever "
+                             "--tool-call-parser is given, which this flag needs")
     add_trust_args(parser, up=not standalone)
     if standalone:
         parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, type=str.lower,
@@ -80,6 +83,9 @@ def resolve_model(model: str | None) -> tuple[str, str]:
 def router_config(args: argparse.Namespace):
     from pdserve.router.config import RouterConfig
 
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: add --tool-call-parser hermes (the "
+                         "format of Qwen2.5/Qwen3 and Hermes models), the one parser this server has")
     model, name = resolve_model(args.model)
     registration = None if str(args.registration_address).lower() == "none" else args.registration_address
     curve_dir = curve_dir_for(args, [registration, *args.prefill_address, *args.decode_address])

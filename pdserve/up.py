@@ -130,6 +130,8 @@ def router_component(args: argparse.Namespace, model: str, name: str) -> Compone
         command.append("--allow-request-chat-template")
     if args.tool_call_parser:
         command += ["--tool-call-parser", args.tool_call_parser]
+    if args.enable_auto_tool_choice:  # the router refuses it without --tool-call-parser, naming the fix
+        command.append("--enable-auto-tool-choice")
     env = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}  # not on the command line, where ps shows it
     return Component("router", command, env)
 

@@ -348,6 +348,19 @@ def test_the_parsers_the_config_names_are_the_ones_served(tiny_model):
         RouterConfig(model=tiny_model, served_model_name="tiny", tool_call_parser="mistral")
 
 
+def test_vllms_enable_auto_tool_choice_flag_is_taken_with_a_parser_and_refused_without(tiny_model):
+    """A vLLM command line runs as it is: --enable-auto-tool-choice --tool-call-parser hermes."""
+    from pdserve.cli import build_parser
+    from pdserve.router_cli import router_config
+
+    parser = build_parser()
+    base = ["router", "--model", tiny_model, "--insecure", "--registration-address", "tcp://127.0.0.1:0"]
+    config = router_config(parser.parse_args([*base, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]))
+    assert config.tool_call_parser == "hermes"
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser: add --tool-call-parser hermes"):
+        router_config(parser.parse_args([*base, "--enable-auto-tool-choice"]))
+
+
 @pytest.mark.parametrize("fields", [{"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}])
 def test_auto_with_a_parser_reads_the_output_and_constrains_nothing(fields):
     calling = tool_calling(request(**fields), "hermes")
