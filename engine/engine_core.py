@@ -43,6 +43,7 @@ class EngineCore:
         self.kv_transfer = kv_transfer or KVTransferSide()
         self.structured_output = StructuredOutputCompiler(model_config.model_dir, model_config.vocab_size)
         self.compiling = PendingConstraints(self.structured_output)  # requests whose large constraint compiles
+        self._stepped_empty = False  # the last step scheduled nothing (has_runnable_work)
         self._compile_deltas: list[TokenDelta] = []  # aborts of compiling requests, sent with the next step
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
@@ -127,14 +128,18 @@ class EngineCore:
         return [(request_id, prompt_logprobs.join(parts)) for request_id, parts in self.scheduler.take_prompt_logprobs()]
 
     def has_runnable_work(self) -> bool:
-        """Requests that a step can advance now (not only ones waiting on a peer)."""
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        """Requests that a step can advance now: not only ones waiting on a peer, and not only queued ones
+        that the last step could not admit (no free KV blocks while the engine holds computed prompts for
+        their decode engines). Then the engine loop waits for input (bounded) instead of stepping empty
+        steps in a tight loop, which took a core from the other engine on the same machine."""
+        return bool(self.scheduler.waiting or self.scheduler.running) and not self._stepped_empty
 
     def step(self) -> list[TokenDelta]:
         """Schedule, run the model once, and report every request's new tokens and endings. A model
         or sampler error fails the step's requests only (traceback logged); the engine goes on."""
         admitted = self._admit_compiled() if self.compiling or self._compile_deltas else []
         plan = self.scheduler.schedule()
+        self._stepped_empty = plan.is_empty
         if plan.is_empty:
             return admitted + self.scheduler.take_pending()
         label = _step_label(plan) if log.isEnabledFor(logging.DEBUG) else ""
