@@ -139,7 +139,7 @@ class EngineCore:
         or sampler error fails the step's requests only (traceback logged); the engine goes on."""
         admitted = self._admit_compiled() if self.compiling or self._compile_deltas else []
         plan = self.scheduler.schedule()
-        self._stepped_empty = plan.is_empty
+        self._stepped_empty = plan.is_empty and not plan.preempted_ids  # a preemption frees blocks for the next
         if plan.is_empty:
             return admitted + self.scheduler.take_pending()
         label = _step_label(plan) if log.isEnabledFor(logging.DEBUG) else ""
