@@ -43,6 +43,10 @@ class PrefillTransferSide(KVTransferSide):
         self.fingerprint = fingerprint
         # A computed prompt's blocks wait want_timeout_s for its KVWant, or hold_timeout_s once a decode engine
         # has said it has the request queued (KVHold): a decode engine whose KV pool is full asks late.
+        for flag, seconds in (("--kv-want-timeout", want_timeout_s), ("--kv-hold-timeout", hold_timeout_s),
+                              ("--kv-lease", lease_s)):
+            if not seconds > 0:
+                raise ValueError(f"{flag} {seconds:g} must be > 0 seconds")
         self.want_timeout_s = want_timeout_s
         self.hold_timeout_s = hold_timeout_s
         self.lease_s = lease_s

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from pdserve.control.messages import Error
 from pdserve.kvtransfer.messages import KVDone, KVHold, KVLayer, KVWant
 from pdserve.prefill.scheduler_side import PrefillSchedulerSide
@@ -130,3 +132,12 @@ def test_a_request_that_ends_at_its_first_token_holds_no_blocks(link):  # noqa: 
     assert scheduler_side.on_request_finished(_computed_prompt("asked"), BLOCK_IDS)
     assert scheduler_side.on_request_finished(_computed_prompt("claimed"), BLOCK_IDS)
     assert set(side.transfers) == {"asked", "claimed"} and not side.ends_here
+
+
+def test_a_bound_that_is_not_positive_is_refused_naming_its_flag():
+    from pdserve.prefill.transfer_side import PrefillTransferSide
+
+    for keyword, flag in (("want_timeout_s", "--kv-want-timeout"), ("hold_timeout_s", "--kv-hold-timeout"),
+                          ("lease_s", "--kv-lease")):
+        with pytest.raises(ValueError, match=f"{flag} 0 must be > 0 seconds"):
+            PrefillTransferSide(None, None, **{keyword: 0})
