@@ -68,6 +68,9 @@ def _template_call(call: Any) -> Any:
         parsed = json.loads(arguments)
     except ValueError:
         return call
+    except RecursionError:  # Python's JSON reader stops near 1,000 levels
+        raise _refused("a tool call's `arguments` nest too deeply to read: send arguments nested at most a few "
+                       "hundred levels", "messages") from None
     return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 

@@ -289,6 +289,18 @@ def test_the_tool_loops_messages_render_with_the_models_template(tokenization):
     assert "<|im_start|>tool\n-3<|im_end|>" in text and token_ids
 
 
+@pytest.mark.parametrize("depth", [990, 50_000])
+def test_tool_call_arguments_nested_too_deeply_to_read_are_a_400_not_a_500(tokenization, depth):
+    """An outside probe: a RecursionError from Python's JSON reader reached the client as a 500 (and a traceback
+    in the router's log)."""
+    deep = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather",
+                                                     "arguments": '{"a":' * depth + "1" + "}" * depth}}]}]
+    with pytest.raises(InvalidRequest, match="`arguments` nest too deeply to read") as info:
+        tokenization.chat_prompt(request(messages=deep, tools=TOOLS, tool_choice="none"))
+    assert info.value.param == "messages"
+
+
 # ---- through the router's HTTP API ----
 
 def post(tiny_model, tokenization, engine_specs: list[dict], bodies: list[dict]):
