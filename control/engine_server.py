@@ -46,6 +46,19 @@ def _invalid_request(exc: Exception, request_id: str | None) -> TokenDelta | Err
     return Error(code="invalid_request", message=str(exc))
 
 
+def _poll_these(poller: zmq.Poller, registered: set, sockets: list) -> None:
+    """The poller watches exactly `sockets`: new ones (a decode engine's new KV link) are added, and ones that are
+    gone (a link dropped and closed) removed; a closed socket left in it made every poll return at once, and the
+    loop spun a core while idle (an outside probe)."""
+    for socket in registered - set(sockets):
+        poller.unregister(socket)
+        registered.discard(socket)
+    for socket in sockets:
+        if socket not in registered:
+            poller.register(socket, zmq.POLLIN)
+            registered.add(socket)
+
+
 def _refusal(exc: ProtocolError) -> TokenDelta | Error:
     """The answer to a control message that did not decode: a request refused for its values (e.g.
     sampling out of range) like any invalid request, anything else as a protocol error."""
@@ -89,10 +102,7 @@ class EngineServer:
         registered: set = set()
         try:
             while not self._stop.is_set():
-                for socket in [self.control.socket, *self.kv_transfer.sockets()]:
-                    if socket not in registered:
-                        poller.register(socket, zmq.POLLIN)
-                        registered.add(socket)
+                _poll_these(poller, registered, [self.control.socket, *self.kv_transfer.sockets()])
                 poller.poll(0 if self.engine.has_runnable_work() else IDLE_WAIT_MS)
                 self._guarded(self._drain_control)
                 self._guarded(self.kv_transfer.receive)

@@ -95,3 +95,45 @@ def test_the_loop_touches_its_progress_file_as_it_goes_round(tmp_path):
         server.stop()
         loop.join(timeout=WAIT_S)
     assert not loop.is_alive()
+
+
+class LinkThatDrops(IdleEngine):
+    """A KV transfer side with one link socket, which it drops (closes, and lists no more) on request, as a
+    decode engine drops a link to a prefill engine that took nothing for 2 s; counts the loop's rounds."""
+
+    def __init__(self) -> None:
+        self.link = zmq.Context.instance().socket(zmq.DEALER)
+        self.link.connect("tcp://127.0.0.1:9")  # nobody answers there
+        self.drop_now = threading.Event()
+        self.dropped = False
+        self.rounds = 0
+
+    def sockets(self) -> list:
+        return [] if self.dropped else [self.link]
+
+    def receive(self) -> None:  # on the loop's thread, as the real transfer side drops a link
+        self.rounds += 1
+        if self.drop_now.is_set() and not self.dropped:
+            self.link.close(linger=0)
+            self.dropped = True
+
+
+def test_an_idle_loop_waits_after_a_kv_link_was_dropped():
+    """A closed socket left in the loop's poller made every poll return at once: the idle engine spun a core
+    (an outside probe saw a decode engine at 100% for as long as it ran)."""
+    side = LinkThatDrops()
+    server = EngineServer(engine=side, kv_transfer=side, control_address="tcp://127.0.0.1:0", engine_id="e0")
+    loop = threading.Thread(target=server.run)
+    loop.start()
+    try:
+        time.sleep(0.2)  # the link is in the poller
+        side.drop_now.set()
+        time.sleep(0.1)
+        before = side.rounds
+        time.sleep(0.5)
+        rounds = side.rounds - before
+    finally:
+        server.stop()
+        loop.join(timeout=WAIT_S)
+    assert side.dropped and not loop.is_alive()
+    assert 5 <= rounds <= 0.5 / 0.020 + 5, f"{rounds} rounds in 0.5 s while idle (a round waits 20 ms for input)"
