@@ -87,6 +87,15 @@ def split_cpus(cores: list[int], num_engines: int) -> list[list[int]]:
     return [[cores[i % len(cores)]] for i in range(num_engines)]
 
 
+def cpu_threads_each(num_cores: int, num_engines: int) -> int | None:
+    """Torch threads per engine on CPU without --pin-cpus: with three engines or more, the cores shared out (at
+    least one each); with one or two, torch's default of a thread per core (None). Engines of a disaggregated
+    stack compute at the same time: 1P2D on 2 cores, each engine with 2 threads, ran 2 concurrent requests in
+    10.1 s against 0.45 s pinned. For 1P1D on 2 cores the default is a trade: one request at a time 1.5x faster,
+    8 concurrent ones 1.5x slower than with a thread each (docs/BENCHMARKS.md, "Threads per engine")."""
+    return max(1, num_cores // num_engines) if num_engines > 2 else None
+
+
 def _engine_model_args(args: argparse.Namespace, model: str) -> list[str]:
     command = ["--model", model, "--dtype", args.dtype, "--block-size", str(args.block_size),
                "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -142,7 +151,9 @@ def engine_components(args: argparse.Namespace, model: str, registration: str) -
     cuda = args.device.startswith("cuda")
     gpus = (_devices(args.prefill_devices, args.num_prefill, 0)
             + _devices(args.decode_devices, args.num_decode, args.num_prefill) if cuda else [])
-    cpu_sets = split_cpus(sorted(os.sched_getaffinity(0)), len(roles)) if args.pin_cpus and not cuda else None
+    cores = sorted(os.sched_getaffinity(0))
+    cpu_sets = split_cpus(cores, len(roles)) if args.pin_cpus and not cuda else None
+    shared_threads = cpu_threads_each(len(cores), len(roles))
     components = []
     for position, (role, index) in enumerate(zip(roles, indexes)):
         engine_id = f"{role}-{index}"
@@ -157,8 +168,11 @@ def engine_components(args: argparse.Namespace, model: str, registration: str) -
             component.cpus = cpu_sets[position]
             component.env["OMP_NUM_THREADS"] = str(len(cpu_sets[position]))
             component.where = f"cpu cores {','.join(map(str, cpu_sets[position]))}"
-        else:
+        elif shared_threads is None or "OMP_NUM_THREADS" in os.environ:  # torch's default, or the operator's own
             component.where = "cpu"
+        else:
+            component.env["OMP_NUM_THREADS"] = str(shared_threads)
+            component.where = f"cpu, {shared_threads} thread"
         components.append(component)
     return components
 

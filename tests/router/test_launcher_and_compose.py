@@ -134,6 +134,22 @@ def test_up_plans_pinned_cpu_engines_on_disjoint_cores(monkeypatch):
     assert [c.name for c in components] == ["prefill-0", "decode-0", "decode-1"]
 
 
+def test_up_shares_the_cores_out_as_threads_among_three_engines_or_more(monkeypatch):
+    """Engines compute at the same time: three or more, each with a thread per core, fought for the cores."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    components = engine_components(up_args("--num-prefill", "1", "--num-decode", "2"), "/m", "tcp://r:1")
+    assert [c.env["OMP_NUM_THREADS"] for c in components] == ["1", "1", "1"] and all(c.cpus is None for c in components)
+    assert all("OMP_NUM_THREADS" not in c.env for c in engine_components(up_args(), "/m", "tcp://r:1")), "1P1D"
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    components = engine_components(up_args("--num-prefill", "2", "--num-decode", "2"), "/m", "tcp://r:1")
+    assert [c.env["OMP_NUM_THREADS"] for c in components] == ["2"] * 4
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the operator's own choice stands
+    components = engine_components(up_args("--num-prefill", "2", "--num-decode", "2"), "/m", "tcp://r:1")
+    assert all("OMP_NUM_THREADS" not in c.env for c in components)
+
+
 def test_up_plans_one_gpu_per_engine():
     components = engine_components(up_args("--device", "cuda", "--num-prefill", "1", "--num-decode", "2"), "/m",
                                    "tcp://r:1")
