@@ -33,7 +33,9 @@ class HermesToolParser:
     A call is accepted when its JSON is an object whose "name" is one of `tool_names` and whose "arguments"
     (absent: {}) is an object; any other <tool_call> block stays text, tags included. Calls past the first
     `max_calls` are dropped. Text that may be the start of a tag is held until it is known; so is whitespace, since
-    whitespace that borders an accepted call is dropped (content "Sure." for "Sure.\\n<tool_call>...").
+    whitespace that borders an accepted call is dropped (content "Sure." for "Sure.\\n<tool_call>..."), except that
+    text on both sides of calls keeps one run of it between them ("Sure.\\nDone." for "Sure.\\n<tool_call>...
+    </tool_call>\\nDone.": the run after the calls, or else the one before them).
     A block the output ends inside (max_tokens) is read up to the end, less a partial closing tag."""
 
     def __init__(self, tool_names: frozenset[str], max_calls: int | None = None) -> None:
@@ -44,6 +46,8 @@ class HermesToolParser:
         self._inside = False  # _pending is a call's body (its start tag seen, its end tag not)
         self._space = ""  # whitespace held back after the last text handed out
         self._after_call = False  # the last piece was a call: the whitespace after it is dropped
+        self._gap = ""  # the whitespace before the calls since the last text: its separator from the next text
+        self._wrote_text = False  # text was handed out: text after calls is separated from it
 
     def feed(self, text: str) -> list[Piece]:
         """The pieces that `text` completes (none while a call or a possible tag is still open)."""
@@ -77,14 +81,18 @@ class HermesToolParser:
 
     def _text(self, text: str) -> list[Piece]:
         """Text outside calls: handed out less its trailing whitespace (held), after the whitespace held before
-        it, or, right after a call, without its leading whitespace."""
+        it; right after calls, after one run of whitespace when text came before them (none otherwise)."""
         kept = text.rstrip()
         if not kept:
             self._space += text
             return []
         trailing = text[len(kept):]
-        kept = kept.lstrip() if self._after_call else self._space + kept
-        self._space, self._after_call = trailing, False
+        if self._after_call:
+            separator = self._space + text[:len(text) - len(text.lstrip())] or self._gap
+            kept = (separator if self._wrote_text else "") + kept.lstrip()
+        else:
+            kept = self._space + kept
+        self._space, self._after_call, self._gap, self._wrote_text = trailing, False, "", True
         return [kept]
 
     def _close(self, body: str, *, closed: bool) -> list[Piece]:
@@ -93,6 +101,8 @@ class HermesToolParser:
         call = self._call_of(body if closed else body[:len(body) - _tag_start_length(body, END)])
         if call is None:
             return self._text(START + body + (END if closed else ""))
+        if not self._after_call:  # the first of calls in a row: the whitespace before it
+            self._gap = self._space
         self._space, self._after_call = "", True
         if self.max_calls is not None and self.num_calls >= self.max_calls:
             return []  # a call past parallel_tool_calls false's one: dropped, as vLLM drops it

@@ -52,9 +52,15 @@ def test_text_before_a_call_is_kept_less_the_whitespace_that_borders_the_call():
     assert parsed(f"  {WEATHER}  ") == [WEATHER_CALL]
 
 
-def test_text_between_and_after_calls_is_kept():
+def test_text_between_and_after_calls_is_kept_apart_from_the_text_before_them():
+    """An outside probe saw "Sure.Done." for "Sure.\\n<call>\\nDone.": text on both sides of calls keeps one run
+    of whitespace between them (the one after the calls, else the one before)."""
     assert parsed(f"A {WEATHER} and then {CLOCK} done.\n") == \
-        ["A", WEATHER_CALL, "and then", ParsedCall(1, "clock", '{"zone":"UTC"}'), "done.\n"]
+        ["A", WEATHER_CALL, " and then", ParsedCall(1, "clock", '{"zone":"UTC"}'), " done.\n"]
+    assert "".join(p for p in parsed(f"Sure.\n{WEATHER}\nDone.") if isinstance(p, str)) == "Sure.\nDone."
+    assert "".join(p for p in parsed(f"Sure. {WEATHER} ok {CLOCK}") if isinstance(p, str)) == "Sure. ok"
+    assert "".join(p for p in parsed(f"Sure.\n\n{WEATHER}{CLOCK}Done.") if isinstance(p, str)) == "Sure.\n\nDone."
+    assert parsed(f"{WEATHER}\n\nDone.") == [WEATHER_CALL, "Done."], "no text before: none kept"
 
 
 def test_text_without_calls_is_kept_as_it_is():
@@ -135,7 +141,7 @@ def test_a_tag_split_at_every_position_is_still_a_tag(tag):
     text = f"Hi {WEATHER} there"
     start = text.index(tag)
     for at in range(start + 1, start + len(tag)):
-        assert streamed([text[:at], text[at:]]) == ["Hi", WEATHER_CALL, "there"], at
+        assert streamed([text[:at], text[at:]]) == ["Hi", WEATHER_CALL, " there"], at
 
 
 def test_what_may_start_a_tag_is_held_until_it_is_known():

@@ -464,7 +464,7 @@ def test_auto_cut_by_max_tokens_reads_what_it_can_and_says_tool_calls_as_vllm_do
     inside_json = HERMES[:HERMES.index("CET")]  # the second call cut in its JSON: it stays text
     choice = whole(auto_formatter(tokenization), deltas([inside_json], finish_reason="length"))["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and calls_of(choice["message"]) == HERMES_CALLS[:1]
-    assert choice["message"]["content"] == "Let me look." + inside_json[inside_json.rindex("<tool_call>"):]
+    assert choice["message"]["content"] == "Let me look.\n" + inside_json[inside_json.rindex("<tool_call>"):]
     choice = whole(auto_formatter(tokenization), deltas([HERMES[:30]], finish_reason="length"))["choices"][0]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] == HERMES[:30]
 
