@@ -75,8 +75,11 @@ class PrefillTransferSide(KVTransferSide):
         return self._holds.pop(request_id, None) is not None
 
     def forget(self, transfer: Transfer) -> None:
-        """An ended transfer leaves: a KVWant that comes for it later is answered at once with why."""
+        """An ended transfer leaves: a KVWant that comes for it later is answered at once with why. A failed one
+        counts (timed out, released, nacked, a send failed), as the decode engine counts its own."""
         _remember(self._ended, transfer.request_id, transfer.reason or transfer.state.value)
+        if transfer.state is TransferState.FAILED:
+            self.stats.num_kv_transfers_failed += 1
 
     def sockets(self) -> list:
         return [self.server.socket]

@@ -59,6 +59,7 @@ def test_a_hold_after_the_prompt_is_computed_counts_too_and_ends_at_the_hold_tim
     assert side.transfers["held"].state is TransferState.FAILED
     assert "--kv-hold-timeout" in side.transfers["held"].reason
     assert scheduler_side.poll().sent == {"held"} and not side._holds
+    assert side.stats.num_kv_transfers_failed == 1 and side.stats.num_kv_transfers == 0
 
 
 def test_a_want_for_a_prompt_queued_here_waits_for_it(link):  # noqa: F811

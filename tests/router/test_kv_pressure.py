@@ -76,6 +76,7 @@ def test_prompts_the_decode_engine_cannot_take_yet_are_kept_and_moved_once(tiny_
     assert "remote prefill" not in decode_log, "no transfer failed, so no prompt was computed twice"
     assert decode.num_kv_transfers == NUM_PROMPTS and decode.num_kv_transfers_failed == 0
     assert prefill.num_kv_transfers == NUM_PROMPTS and prefill.kv_bytes_sent == decode.kv_bytes_received
+    assert prefill.num_kv_transfers_failed == 0, "no held prompt timed out"
     assert decode.kv_blocks_used == 0 and prefill.kv_blocks_used == 0, "no block leaked"
 
 
