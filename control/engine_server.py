@@ -46,6 +46,17 @@ def _invalid_request(exc: Exception, request_id: str | None) -> TokenDelta | Err
     return Error(code="invalid_request", message=str(exc))
 
 
+def let_zmq_send() -> None:
+    """Give this core to a runnable thread, the ZeroMQ I/O thread above all, before the next step.
+
+    A step's sends only queue each message for zmq's I/O thread, which writes it to the peer. That thread
+    shares the engine's core when the engine is pinned to one (`--pin-cpus`), and a loop with runnable work
+    never blocks, so the thread waited for the kernel's next tick: 4 ms on a HZ=250 kernel, in 4-6% of first
+    tokens (docs/BENCHMARKS.md, "The router's p99"). One syscall a step; with nothing else runnable on the
+    core it returns at once."""
+    os.sched_yield()
+
+
 def _poll_these(poller: zmq.Poller, registered: set, sockets: list) -> None:
     """The poller watches exactly `sockets`: new ones (a decode engine's new KV link) are added, and ones that are
     gone (a link dropped and closed) removed; a closed socket left in it made every poll return at once, and the
@@ -108,6 +119,7 @@ class EngineServer:
                 self._guarded(self.kv_transfer.receive)
                 if self.engine.has_work():
                     self.publish(self.engine.step())
+                    let_zmq_send()
                 if any(heartbeat.wants_stats() for heartbeat in self.heartbeats):
                     stats = self.stats()
                     for heartbeat in self.heartbeats:

@@ -137,3 +137,37 @@ def test_an_idle_loop_waits_after_a_kv_link_was_dropped():
         loop.join(timeout=WAIT_S)
     assert side.dropped and not loop.is_alive()
     assert 5 <= rounds <= 0.5 / 0.020 + 5, f"{rounds} rounds in 0.5 s while idle (a round waits 20 ms for input)"
+
+
+class EngineOfSteps(IdleEngine):
+    """An engine double that always has a step to run; logs each step into `events`."""
+
+    def __init__(self, events: list, server_stop) -> None:
+        self.events = events
+        self.server_stop = server_stop
+
+    def has_runnable_work(self) -> bool:
+        return True
+
+    def has_work(self) -> bool:
+        return True
+
+    def step(self) -> list:
+        self.events.append("step")
+        if self.events.count("step") == 3:
+            self.server_stop()
+        return []
+
+    def take_prompt_logprobs(self) -> list:
+        return []
+
+
+def test_the_loop_gives_up_its_core_after_each_step(monkeypatch):
+    """A loop with runnable work never blocks, so zmq's I/O thread, which writes what a step sent and shares the
+    core of an engine pinned to one, waited for the kernel's next tick (4 ms) before the first token left."""
+    events: list[str] = []
+    monkeypatch.setattr("pdserve.control.engine_server.os.sched_yield", lambda: events.append("yield"))
+    server = EngineServer(engine=None, kv_transfer=None, control_address="tcp://127.0.0.1:0", engine_id="e0")
+    server.engine = server.kv_transfer = EngineOfSteps(events, server.stop)
+    server.run()
+    assert events == ["step", "yield"] * 3
