@@ -56,9 +56,23 @@ def build_payload(sample: SampleRequest, shape: RequestShape) -> dict:
 
 def _choice_text(choice: dict) -> str:
     if "text" in choice:
-        return choice["text"] or ""
-    delta = choice.get("delta") or {}
-    return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
+        text = choice["text"]
+    else:
+        delta = choice.get("delta")
+        delta = delta if isinstance(delta, dict) else {}
+        text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+    return text if isinstance(text, str) else ""
+
+
+def _usage_problem(usage) -> str:
+    """Why a usage object cannot be counted ('' when it can): its token counts must be whole numbers >= 0."""
+    if not isinstance(usage, dict):
+        return f"usage is a JSON {type(usage).__name__}, not an object"
+    for key in ("prompt_tokens", "completion_tokens"):
+        value = usage.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            return f"usage.{key} {value!r} is not a token count"
+    return ""
 
 
 async def error_message(response: aiohttp.ClientResponse) -> str:
@@ -91,15 +105,25 @@ class _Stream:
         self.finished = False
         self.error = ""
 
-    def add(self, chunk: dict, now: float) -> None:
+    def add(self, chunk, now: float) -> None:
+        if not isinstance(chunk, dict):
+            self.error = f"bad stream chunk: a JSON {type(chunk).__name__}, not an object"
+            return
         if "error" in chunk:
             error = chunk["error"]
             self.error = "stream error: " + str(error.get("message", error) if isinstance(error, dict) else error)
             return
         if chunk.get("usage"):
+            problem = _usage_problem(chunk["usage"])
+            if problem:
+                self.error = f"bad stream chunk: {problem}"
+                return
             self.usage = chunk["usage"]
         choices = chunk.get("choices")
         if not choices:
+            return
+        if not isinstance(choices, list) or not isinstance(choices[0], dict):
+            self.error = "bad stream chunk: \"choices\" is not a list of objects"
             return
         text = _choice_text(choices[0])
         if text:

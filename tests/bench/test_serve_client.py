@@ -89,3 +89,50 @@ def test_without_usage_the_tokenizer_counts_the_output():
 def test_request_bodies_carry_what_the_server_takes(shape, expected):
     payload = build_payload(SampleRequest("a b c", 3, 4, (5, 6, 7)), shape)
     assert payload == {"model": "m", "stream": True, "temperature": 0.0, **expected}
+
+
+async def request_events(events: list[bytes]):
+    """One request to a server that streams `events` as they are, then [DONE]."""
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for raw in [*events, b"data: [DONE]\n\n"]:
+            await response.write(raw)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", stream)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = socket.create_server(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    payload = build_payload(SampleRequest("hi", 2, 3), RequestShape("/v1/completions", "m"))
+    try:
+        async with open_session(None, stall_timeout_s=10, max_concurrency=1) as session:
+            return await send_request(session, f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions", payload,
+                                      input_len=2, stall_timeout_s=10)
+    finally:
+        await runner.cleanup()
+
+
+TEXT = event({"choices": [{"index": 0, "text": " a", "finish_reason": "length"}]})
+
+
+@pytest.mark.parametrize(("bad", "reason"), [
+    (b"data: [1, 2]\n\n", "a JSON list, not an object"),
+    (event({"choices": [None]}), '"choices" is not a list of objects'),
+    (event({"choices": "abc"}), '"choices" is not a list of objects'),
+    (event({"choices": [], "usage": {"completion_tokens": "lots"}}), "usage.completion_tokens 'lots' is not a"),
+    (event({"choices": [], "usage": {"completion_tokens": 1e300}}), "usage.completion_tokens 1e+300 is not a"),
+    (event({"choices": [], "usage": {"prompt_tokens": -5, "completion_tokens": 1}}), "usage.prompt_tokens -5"),
+    (event({"choices": [], "usage": [3]}), "usage is a JSON list"),
+])
+def test_a_malformed_chunk_fails_its_request_with_a_reason_never_an_exception(bad, reason):
+    result = asyncio.run(request_events([TEXT, bad]))
+    assert not result.success and result.error.startswith("bad stream chunk: ") and reason in result.error
+
+
+def test_text_that_is_no_string_is_no_text():
+    chunks = [event({"choices": [{"index": 0, "text": 5}]}), event({"choices": [{"index": 0, "delta": "x"}]}), TEXT]
+    result = asyncio.run(request_events(chunks))
+    assert result.success and result.itls == [] and result.output_len == 1  # only " a" counted, as one chunk
