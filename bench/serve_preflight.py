@@ -52,7 +52,9 @@ async def served_models(session: aiohttp.ClientSession, base_url: str) -> list[S
     cards = body.get("data") if isinstance(body, dict) else None
     if not isinstance(cards, list):
         raise ServerCheckError(f"{url} answered without a model list: is --base-url an OpenAI-compatible server?")
-    return [ServedModel(str(card.get("id")), card.get("root")) for card in cards if isinstance(card, dict)]
+    # a card without a string id names nothing to send; a root that is no string is no path to load from
+    return [ServedModel(card["id"], card.get("root") if isinstance(card.get("root"), str) else None)
+            for card in cards if isinstance(card, dict) and isinstance(card.get("id"), str) and card["id"]]
 
 
 async def _try(session: aiohttp.ClientSession, url: str, payload: dict, timeout_s: float) -> tuple[int, str]:
