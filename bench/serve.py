@@ -90,8 +90,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--warmup {args.warmup} must be 0 or more")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency {args.max_concurrency} must be at least 1 (or left out: no cap)")
-    if not args.request_timeout > 0:
-        raise ValueError(f"--request-timeout {args.request_timeout} must be a positive number of seconds")
+    if not (args.request_timeout > 0 and math.isfinite(args.request_timeout)):
+        raise ValueError(f"--request-timeout {args.request_timeout} must be a positive, finite number of seconds "
+                         "(e.g. 3600 for an hour)")
     if args.output_len is not None and args.output_len < 1:
         raise ValueError(f"--output-len {args.output_len} must be at least 1")
     if args.dataset in ("sharegpt", "jsonl") and not args.dataset_path:

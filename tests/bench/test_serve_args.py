@@ -44,6 +44,7 @@ def test_base_urls_pasted_with_v1_or_a_slash_are_the_server_root():
     (("--dataset", "sharegpt"), "pass --dataset-path FILE"),
     (("--base-url", "127.0.0.1:8000"), "not an http"),
     (("--request-timeout", "0"), "--request-timeout"),
+    (("--request-timeout", "inf"), "--request-timeout inf must be a positive, finite number"),
 ])
 def test_bad_options_are_refused_before_anything_runs(argv, message):
     with pytest.raises(ValueError, match=message):
