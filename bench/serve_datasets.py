@@ -124,7 +124,7 @@ def _read_text(path: str | Path, what: str) -> str:
     if not file.is_file():
         raise DatasetError(f"{path}: no such file: pass --dataset-path a {what} file")
     try:
-        return file.read_text(encoding="utf-8")
+        return file.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is no JSON error
     except (OSError, UnicodeDecodeError) as exc:
         raise DatasetError(f"{path}: cannot read it as UTF-8 text ({exc}): pass a {what} file") from exc
 

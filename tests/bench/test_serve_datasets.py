@@ -134,3 +134,13 @@ def test_an_empty_jsonl_file_is_refused(tmp_path):
     path.write_text("\n\n")
     with pytest.raises(DatasetError, match="no requests in it"):
         jsonl_dataset(path, None, 3)
+
+
+def test_a_file_with_a_byte_order_mark_reads_like_one_without(tokenizer, tmp_path):
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_text('{"prompt": "Hello there", "output_len": 5}\n', encoding="utf-8-sig")  # as Windows editors save
+    assert [(s.prompt, s.output_len) for s in jsonl_dataset(jsonl, None, 1)] == [("Hello there", 5)]
+    sharegpt = tmp_path / "bom.json"
+    turns = [{"from": "human", "value": "Tell me a story about a dragon"}, {"from": "gpt", "value": "Once upon a time"}]
+    sharegpt.write_text(json.dumps([{"conversations": turns}]), encoding="utf-8-sig")
+    assert sharegpt_dataset(sharegpt, tokenizer, 1, None, seed=0)[0].prompt == "Tell me a story about a dragon"
