@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -180,7 +181,28 @@ def load_profile(path: str | Path) -> Profile:
     if profile.version != PROFILE_VERSION:
         raise ProfileError(f"{path} is a version {profile.version} profile; this pdserve reads version "
                            f"{PROFILE_VERSION}: profile the engine again")
+    problem = value_problem(profile)
+    if problem:
+        raise ProfileError(f"{path}: {problem}: a measured profile never has one (was it edited?); profile the "
+                           "engine again with `pdserve profile`")
     return profile
+
+
+def value_problem(profile: Profile) -> str:
+    """What no measured profile holds ('' when none): a fit coefficient or link CPU cost that is negative or not
+    finite (the fits keep every term >= 0), or a size below 1."""
+    for name in ("prefill_fit", "decode_fit", "transfer_fit"):
+        for term, value in getattr(profile, name).coefficients.items():
+            if not (math.isfinite(value) and value >= 0):
+                return f"{name} {term} is {value}, not a finite number >= 0"
+    for name in ("transfer_sender_cpu_per_byte", "transfer_receiver_cpu_per_byte"):
+        value = getattr(profile, name)
+        if not (math.isfinite(value) and value >= 0):
+            return f"{name} is {value}, not a finite number >= 0"
+    sizes = {"model.kv_bytes_per_token": profile.model.kv_bytes_per_token,
+             **{f"engine.{name}": getattr(profile.engine, name)
+                for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_kv_blocks")}}
+    return next((f"{name} is {value}, below 1" for name, value in sizes.items() if value < 1), "")
 
 
 def least_squares(features: list[dict[str, float]], seconds: list[float], names: list[str]) -> Fit:

@@ -97,6 +97,26 @@ def test_bad_profile_files_get_a_clear_error(tmp_path, identity):
     assert load_profile(good).model == identity
 
 
+
+@pytest.mark.parametrize(("edit", "says"), [
+    (lambda d: d["prefill_fit"]["coefficients"].update(tokens=-0.5), "prefill_fit tokens is -0.5"),
+    (lambda d: d["decode_fit"]["coefficients"].update(intercept=float("nan")), "decode_fit intercept is nan"),
+    (lambda d: d["transfer_fit"]["coefficients"].update(bytes=float("inf")), "transfer_fit bytes is inf"),
+    (lambda d: d.update(transfer_sender_cpu_per_byte=-1e-9), "transfer_sender_cpu_per_byte is -1e-09"),
+    (lambda d: d["model"].update(kv_bytes_per_token=-1), "model.kv_bytes_per_token is -1, below 1"),
+    (lambda d: d["engine"].update(num_kv_blocks=0), "engine.num_kv_blocks is 0, below 1"),
+])
+def test_a_hand_edited_profile_with_values_no_measurement_gives_is_refused(tmp_path, identity, edit, says):
+    import json
+
+    data = json.loads(synthetic_profile(identity).model_dump_json())
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))  # NaN and Infinity as Python writes them, which pydantic reads
+    with pytest.raises(ProfileError, match="profile the engine again") as error:
+        load_profile(path)
+    assert str(error.value).startswith(f"{path}: {says}")
+
 def _with_link_threads(profile, device: str):
     """The profile on `device`, its link points' engine threads at a quarter of their processes' CPU."""
     points = [p.model_copy(update={"sender_thread_cpu_s": p.sender_cpu_s / 4, "receiver_thread_cpu_s": p.receiver_cpu_s / 4})
