@@ -105,6 +105,7 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
                     for item in (flag, str(getattr(args, _dest(flag))))]
     bench = BenchOptions(model, args.num_prompts, args.seed, dataset_args, list(args.goodput or []), args.ignore_eos,
                          args.api_key, bench_args, args.metrics_interval, args.run_timeout)
+    _check_bench_command(bench)
     loads = []  # none: --find-goodput alone
     if args.request_rates or args.max_concurrencies:
         loads = list(itertools.product(args.request_rates or [math.inf], args.max_concurrencies or [None]))
@@ -125,6 +126,26 @@ def _passed_through(text: str, option: str, reserved: tuple[str, ...]) -> list[s
         raise ValueError(f"{option} sets {', '.join(taken)}, which the sweep sets for each run: use the sweep's own "
                          f"options (`pdserve sweep --help`)")
     return items
+
+
+def _check_bench_command(bench: BenchOptions) -> None:
+    """The flags every run gives `pdserve bench`, checked as bench checks them: a flag bench does not take or a
+    value it refuses is found now, not after a layout has started and each of its runs failed."""
+    from pdserve.bench.serve import add_bench_args, check_args
+    from pdserve.bench.sweep_runs import BENCH_COMMAND, bench_command
+
+    parser = argparse.ArgumentParser(prog="pdserve bench", add_help=False, exit_on_error=False)
+    add_bench_args(parser)
+    info = RunInfo("1P1D", 2, "sweep", math.inf, None)
+    command = bench_command(bench, "http://127.0.0.1:8000", info, Path("run.json"))[len(BENCH_COMMAND):]
+    try:
+        args, unknown = parser.parse_known_args(command)
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"pdserve bench would refuse what the sweep passes it: {exc}: fix that flag") from None
+    if unknown:
+        raise ValueError(f"--bench-args: pdserve bench takes no {' '.join(unknown)} (`pdserve bench --help` lists "
+                         "what it takes)")
+    check_args(args)
 
 
 def _dest(flag: str) -> str:

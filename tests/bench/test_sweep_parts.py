@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -388,3 +389,16 @@ def test_slo_factors_alone_are_enough_for_the_goodput_search():
     plan = build_plan(sweep_args("--find-goodput", "--slo-factors", "ttft:4", "tpot:1.5", "--unloaded-prompts", "3"))
     assert (plan.slos, plan.slo_factors, plan.unloaded_prompts) == ({}, {"ttft": 4.0, "tpot": 1.5}, 3)
     assert run_name(RunInfo("0P2D", 2, "unloaded", math.inf, 1, 0, 2)) == "0P2D_rateinf_conc1_unloaded"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--bench-args", "--request-timeout inf"), "--request-timeout inf must be a positive, finite number"),
+    (("--bench-args", "--bogus 3"), "pdserve bench takes no --bogus 3"),
+    (("--bench-args", "--warmup many"), "argument --warmup: invalid int value: 'many'"),
+    (("--dataset", "jsonl"), "--dataset jsonl reads a file: pass --dataset-path FILE"),
+])
+def test_flags_bench_would_refuse_are_refused_before_any_layout_starts(argv, says):
+    from pdserve.bench.sweep import build_plan
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        build_plan(sweep_args("--request-rates", "1", *argv))
