@@ -32,6 +32,7 @@ class LoadOutcome:
     results: list[RequestResult]
     duration_s: float  # from the first send to the last end
     client_cpu_s: float  # CPU this process spent meanwhile: near duration_s, the client may be the bottleneck
+    interrupted: bool = False  # Ctrl-C: results holds only the requests that had ended, duration_s runs to it
 
 
 def open_session(api_key: str | None, stall_timeout_s: float, max_concurrency: int | None) -> aiohttp.ClientSession:
@@ -46,7 +47,8 @@ def open_session(api_key: str | None, stall_timeout_s: float, max_concurrency: i
 async def run_load(session: aiohttp.ClientSession, target: LoadTarget, samples: Sequence[SampleRequest],
                    offsets: Sequence[float], max_concurrency: int | None,
                    on_done: Callable[[RequestResult], None] = lambda result: None) -> LoadOutcome:
-    """Every request's result, in sample order, and the time the load took."""
+    """Every request's result, in sample order, and the time the load took. Cancelled (Ctrl-C), the requests in
+    flight are cancelled and the outcome holds the ones that had ended, in sample order."""
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def one(sample: SampleRequest) -> RequestResult:
@@ -59,10 +61,17 @@ async def run_load(session: aiohttp.ClientSession, target: LoadTarget, samples: 
 
     start, start_cpu = time.perf_counter(), time.process_time()
     tasks = []
-    for sample, offset in zip(samples, offsets):
-        delay = start + offset - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(sample)))
-    results = await asyncio.gather(*tasks)
+    try:
+        for sample, offset in zip(samples, offsets):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(sample)))
+        results = await asyncio.gather(*tasks)
+    except asyncio.CancelledError:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        ended = [task.result() for task in tasks if not task.cancelled()]
+        return LoadOutcome(ended, time.perf_counter() - start, time.process_time() - start_cpu, interrupted=True)
     return LoadOutcome(list(results), time.perf_counter() - start, time.process_time() - start_cpu)

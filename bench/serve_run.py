@@ -112,6 +112,8 @@ async def warm_up_and_measure(session, target: LoadTarget, samples: list[SampleR
     """The first --warmup samples sent at once (not measured), then the rest on their arrival times."""
     if args.warmup:
         warm = await run_load(session, target, samples[:args.warmup], [0.0] * args.warmup, args.max_concurrency)
+        if warm.interrupted:
+            raise KeyboardInterrupt  # nothing measured yet: no results
         note(f"warmup: {args.warmup} requests sent, {sum(not r.success for r in warm.results)} failed")
     measured = samples[args.warmup:]
     offsets = arrival_offsets(len(measured), args.request_rate, args.burstiness, args.seed)
@@ -148,6 +150,10 @@ async def bench_main(args: argparse.Namespace, base_url: str, slos: dict[str, fl
         target = LoadTarget(url, shape, args.request_timeout, tokenizer.count if tokenizer.tokenizer else None)
         load = await warm_up_and_measure(session, target, samples, args)
     results = load.results
+    if load.interrupted:
+        notes.append(f"interrupted (Ctrl-C) after {len(results)} of {args.num_prompts} measured requests ended: "
+                     "the metrics cover those")
+        note(notes[-1])
     metrics = {**compute_metrics(results, load.duration_s, slos), "client_cpu_s": load.client_cpu_s}
     if load.duration_s >= MIN_BUSY_CHECK_S and load.client_cpu_s > CLIENT_BUSY_SHARE * load.duration_s:
         notes.append(f"the client was busy {100 * load.client_cpu_s / load.duration_s:.0f}% of the run on its core: "
@@ -157,4 +163,6 @@ async def bench_main(args: argparse.Namespace, base_url: str, slos: dict[str, fl
     print(format_table(metrics, settings, results), flush=True)
     if args.save_result:
         note(f"results written to {save_result(args.save_result, build_result(metrics, results, settings, metadata))}")
+    if load.interrupted:
+        return 130
     return 0 if metrics["completed"] else 1

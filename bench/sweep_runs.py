@@ -77,7 +77,11 @@ def run_bench(options: BenchOptions, url: str, info: RunInfo, runs_dir: Path, sl
     print(f"[pdserve sweep] {info.config}: bench at rate {format_rate(info.request_rate)}"
           + (f", concurrency {info.max_concurrency}" if info.max_concurrency is not None else ""), flush=True)
     with RunMetrics(url, options.api_key, options.metrics_interval_s) as metrics:
-        error = _run(command, options.timeout_s, client_cores)
+        try:
+            error = _run(command, options.timeout_s, client_cores)
+        except BaseException:  # Ctrl-C: what bench saved of its interrupted load is no run of the sweep
+            result_path.unlink(missing_ok=True)
+            raise
     result = None
     if not error:
         try:

@@ -113,3 +113,26 @@ def test_a_bad_dataset_line_is_one_error_line_naming_file_and_line(fake_url, tmp
     expected = (f'pdserve bench: error: {path}: line 2: "output_len" must be a whole number of tokens, at least 1 '
                 '(got -1): write {"prompt": "text", "output_len": N}')
     assert [line for line in run.stderr.splitlines() if "error" in line] == [expected]
+
+
+def test_ctrl_c_reports_and_saves_the_requests_that_had_ended_and_exits_130(fake_url, tmp_path):
+    import signal
+
+    out = tmp_path / "result.json"
+    prompts = ["fine one", "x [fault:stall]", "fine two", "y [fault:stall]"]  # two end at once, two never do
+    process = subprocess.Popen([sys.executable, "-m", "pdserve", "bench", "--disable-progress", "--base-url", fake_url,
+                                "--dataset", "jsonl", "--dataset-path", write_jsonl(tmp_path / "p.jsonl", prompts),
+                                "--num-prompts", "4", "--save-result", str(out)],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "no tokenizer" in process.stderr.readline()  # the run has started: the load follows in moments
+        time.sleep(3)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "Completed / failed               2 / 0" in stdout
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"], result["errors"]) == (2, 0, ["", ""])
+    assert result["notes"] == ["interrupted (Ctrl-C) after 2 of 4 measured requests ended: the metrics cover those"]
