@@ -23,6 +23,9 @@ PLAN_COLUMNS = (("config", "config", "{}"), ("request_rate", "rate/s", "{:.3g}")
                 ("goodput", "goodput/s", "{:.3g}"), ("goodput_per_engine", "per engine", "{:.3g}"))
 
 
+MAX_ENGINES = 1024  # the most engines one plan splits: 1,025 rows, each a simulation
+
+
 def run_profile(args: argparse.Namespace) -> int:
     from pdserve.bench.plan_profile import run_profile as measure
     from pdserve.bench.serve import check_save_path
@@ -91,6 +94,11 @@ def run_plan(args: argparse.Namespace) -> int:
         return run_validate(args, profile)
     if args.engines is None or args.engines < 1:
         raise ValueError("pass --engines N (at least 1): the engines to split into prefill and decode")
+    if args.engines > MAX_ENGINES:
+        raise ValueError(f"--engines {args.engines}: plan splits at most {MAX_ENGINES} engines (every split is one "
+                         "row); plan a group of identical engines behind one router and repeat the group")
+    if args.exact_up_to < 0:
+        raise ValueError(f"--exact-up-to {args.exact_up_to}: give 0 or more engines (0: always one engine per tier)")
     slos = parse_slos(args.slo, "--slo")
     if not slos:
         raise ValueError("pass --slo, e.g. --slo ttft:2000 tpot:150: a split is judged by its goodput under SLOs")
@@ -111,15 +119,23 @@ def run_plan(args: argparse.Namespace) -> int:
     smallest = smallest_engines(settings, args.target_rate, args.engines) if args.target_rate else None
     elapsed, cpu = time.perf_counter() - started, cpu_seconds() - started_cpu
     print(format_table(rows))
-    print(f"\nrecommended: {best['config']} ({best['goodput_per_engine']:.3g} req/s per engine under "
-          f"{' '.join(args.slo)}); {len(rows)} splits of {len(settings.workload)} requests simulated in {elapsed:.1f} s "
-          f"({cpu:.1f} s of CPU)")
+    print("\n" + recommendation(best, args) + f"; {len(rows)} splits of {len(settings.workload)} requests "
+          f"simulated in {elapsed:.1f} s ({cpu:.1f} s of CPU)")
     if args.target_rate:
         print(f"smallest cluster for {args.target_rate:g} req/s: " + (
             f"{smallest['num_engines']} engines as {smallest['config']}" if smallest else
             f"none up to {args.engines} engines; give more --engines"))
     write_outputs(args, profile, rows, best, smallest, elapsed, cpu)
     return 0
+
+
+def recommendation(best: dict | None, args: argparse.Namespace) -> str:
+    slos = " ".join(args.slo)
+    if best is not None:
+        return f"recommended: {best['config']} ({best['goodput_per_engine']:.3g} req/s per engine under {slos})"
+    at = ("at any rate the search tried" if args.request_rate is None
+          else f"at {args.request_rate:g} req/s; lower --request-rate, or leave it out to search each split's goodput")
+    return f"recommended: none (no split meets {slos} {at}; or loosen --slo)"
 
 
 def write_outputs(args, profile: Profile, rows: list[dict], best: dict, smallest: dict | None, elapsed: float,

@@ -83,7 +83,11 @@ def plan_splits(settings: PlanSettings, num_engines: int, rate: float) -> list[d
     return rows
 
 
-def recommend(rows: list[dict]) -> dict:
+def recommend(rows: list[dict]) -> dict | None:
+    """The split with the best goodput per engine, fewer prefill engines on a tie; None when no split has any
+    goodput (no split meets the SLOs at the rate): nothing to recommend, as `plan --validate` judges it."""
+    if not any(row["goodput_per_engine"] > 0 for row in rows):
+        return None
     return max(rows, key=lambda row: (row["goodput_per_engine"], -row["num_prefill"]))
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 
 import pytest
 
+from pdserve.bench.plan_cli import recommendation
 from pdserve.bench.plan_error_pieces import PIECES
+from pdserve.bench.plan_recommend import recommend
 from pdserve.bench.plan_fit import model_identity
 from pdserve.bench.plan_sampling import expected_sampling_error
 from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate
@@ -60,10 +64,23 @@ def test_find_goodput_and_the_smallest_cluster_for_a_target(profile_path, tmp_pa
     (["--engines", "2", "--request-rate", "1"], "pass --slo"),
     (["--engines", "2", "--slo", "ttft:1000", "--jobs", "0"], "--jobs 0"),
     (["--engines", "2", "--slo", "ttft:soon"], "--slo 'ttft:soon'"),
+    (["--engines", "100000", "--slo", "ttft:1000"], "--engines 100000: plan splits at most 1024 engines"),
+    (["--engines", "2", "--slo", "ttft:1000", "--exact-up-to", "-1"], "--exact-up-to -1: give 0 or more"),
 ])
 def test_bad_input_gets_a_clear_error(profile_path, tmp_path, capsys, extra, message):
     assert plan(profile_path, tmp_path / "plan", *extra) == 2
     assert message in capsys.readouterr().err
+
+
+def test_no_split_with_goodput_recommends_none():
+    """A plan whose every split has no goodput (no request met the SLOs) recommends nothing, as `plan --validate`
+    judges a prediction (an outside probe: --request-rate inf recommended 0P2D at 0 req/s)."""
+    rows = [{"config": config, "num_prefill": x, "goodput_per_engine": 0.0} for config, x in (("0P2D", 0), ("1P1D", 1))]
+    assert recommend(rows) is None
+    args = argparse.Namespace(slo=["ttft:100"], request_rate=math.inf)
+    assert recommendation(None, args).startswith("recommended: none (no split meets ttft:100 at inf req/s")
+    rows[1]["goodput_per_engine"] = 0.5
+    assert recommend(rows)["config"] == "1P1D"
 
 
 def test_a_profile_of_another_model_is_refused(profile_path, tmp_path, capsys, model_factory):
