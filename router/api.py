@@ -96,7 +96,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             return (f"the request body is not valid JSON ({detail} at character {error['loc'][-1]}): "
                     "send one JSON object"), None
         location = [str(part) for part in error.get("loc", ()) if part != "body"]
-        param = param or (location[0] if location else None)
+        # a refusal of the whole body's validator names its field in ctx (schemas.refused)
+        param = param or (location[0] if location else error.get("ctx", {}).get("param"))
         problems.append(f"{'.'.join(location) or 'body'}: {error.get('msg', 'invalid')}")
     return "invalid request: " + "; ".join(problems[:5]), param
 

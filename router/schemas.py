@@ -12,6 +12,7 @@ import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pdserve.control.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 
@@ -57,11 +58,38 @@ def _fields_with_a_default(model: type[BaseModel]) -> frozenset[str]:
                      if not field.is_required() and field.default is not None)
 
 
+def refused(param: str | None, message: str) -> PydanticCustomError:
+    """A refusal raised by a model validator, whose location is the whole body: the error carries the field at
+    fault (ctx "param"), which api.py puts in the 400's `param`."""
+    return PydanticCustomError("refused", "{message}", {"message": message, "param": param})
+
+
+def _without_defaulted_nulls(model: type[BaseModel], data: Any) -> Any:
+    """data less its explicit nulls in fields that have a default: null means "use the default", as in OpenAI's
+    API (its optional fields are "or null") and vLLM; clients that write every field send them. Required fields
+    and fields whose default is None are left alone."""
+    if not isinstance(data, dict) or None not in data.values():
+        return data
+    defaulted = _fields_with_a_default(model)
+    return {key: value for key, value in data.items() if value is not None or key not in defaulted}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
+    # vLLM's: every chunk carries the usage so far; it implies include_usage unless that is sent as false (vLLM's
+    # include_usage defaults to true)
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        return _without_defaulted_nulls(cls, data)
+
+    @property
+    def usage_included(self) -> bool:
+        return self.include_usage or (self.continuous_usage_stats and "include_usage" not in self.model_fields_set)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -163,13 +191,7 @@ class SamplingRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
-        """An explicit null in a field that has a default means "use the default", as in OpenAI's API (its
-        optional fields are "or null") and vLLM; clients that write every field send them. Required fields and
-        fields whose default is None are left alone."""
-        if not isinstance(data, dict) or None not in data.values():
-            return data
-        defaulted = _fields_with_a_default(cls)
-        return {key: value for key, value in data.items() if value is not None or key not in defaulted}
+        return _without_defaulted_nulls(cls, data)
 
     # vLLM fields that would change the answer and that this server does not serve: refused rather than ignored
     unserved_fields: ClassVar[dict[str, str]] = {
@@ -182,7 +204,7 @@ class SamplingRequest(BaseModel):
         if isinstance(data, dict):
             for name, fix in cls.unserved_fields.items():
                 if data.get(name) not in (None, False):
-                    raise ValueError(f"{name} is not served: {fix}")
+                    raise refused(name, f"{name} is not served: {fix}")
         return data
 
     @model_validator(mode="before")
@@ -190,9 +212,10 @@ class SamplingRequest(BaseModel):
     def _well_formed_text(cls, data: Any) -> Any:
         path = unencodable_path(data)
         if path is not None:
-            raise ValueError(f"{path.removeprefix('body.')} holds text that is not valid Unicode (a lone UTF-16 "
-                             "surrogate such as \\ud800): send well-formed text, with characters outside the BMP "
-                             "as surrogate pairs")
+            path = path.removeprefix("body.")
+            raise refused(None if path == "body" else path.split(".")[0],
+                          f"{path} holds text that is not valid Unicode (a lone UTF-16 surrogate such as \\ud800): "
+                          "send well-formed text, with characters outside the BMP as surrogate pairs")
         return data
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -208,7 +231,7 @@ class SamplingRequest(BaseModel):
 
     @property
     def include_usage_in_stream(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        return bool(self.stream_options and self.stream_options.usage_included)
 
     @property
     def continuous_usage_in_stream(self) -> bool:

@@ -15,9 +15,10 @@ from pdserve.router.structured_output import Constraint
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, param: str,
-                       default: int | None = None) -> int:
+                       default: int | None = None, requested_as: str = "max_tokens") -> int:
     """max_tokens for the engine: as asked; when not given, the default (the model's max_new_tokens)
-    within the rest of the context, or the rest of the context."""
+    within the rest of the context, or the rest of the context. requested_as: the request's field that asked
+    (chat's max_completion_tokens, when given)."""
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequest(f"the prompt has {num_prompt_tokens} tokens but the model's context length is "
                              f"{max_model_len} tokens, which leaves no room to generate: shorten the prompt",
@@ -26,9 +27,9 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_
         return min(default or max_model_len, max_model_len - num_prompt_tokens)
     if num_prompt_tokens + requested > max_model_len:
         raise InvalidRequest(f"the model's context length is {max_model_len} tokens, but the prompt has "
-                             f"{num_prompt_tokens} tokens and max_tokens asks for {requested} more: shorten the "
-                             f"prompt or lower max_tokens to at most {max_model_len - num_prompt_tokens}",
-                             param="max_tokens")
+                             f"{num_prompt_tokens} tokens and {requested_as} asks for {requested} more: shorten the "
+                             f"prompt or lower {requested_as} to at most {max_model_len - num_prompt_tokens}",
+                             param=requested_as)
     return requested
 
 
@@ -179,8 +180,9 @@ def chat_specs(request: ChatCompletionRequest, token_ids: list[int], max_model_l
     check_prompt_logprobs(request)
     check_n(request, 1, max_n)
     check_token_ids(token_ids, None, "messages")
+    requested_as = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(len(token_ids), request.max_new_tokens(), max_model_len, "messages",
-                                    defaults.max_tokens)
+                                    defaults.max_tokens, requested_as)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, max_tokens, logprobs, defaults, vocab_size, request.prompt_logprobs, constraint)
     return _specs(request, [token_ids], [params])

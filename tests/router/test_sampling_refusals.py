@@ -46,3 +46,17 @@ def test_the_stop_fields_reach_sampling_params():
     assert (params.stop, params.min_tokens, params.include_stop_str_in_output) == (("END",), 3, True)
     assert not completion_specs(CompletionRequest(prompt="x"), [[7]], 512, None, 8)[0].sampling_params \
         .include_stop_str_in_output
+
+
+def test_a_chat_requests_max_completion_tokens_past_the_context_is_named_as_sent():
+    """It said "max_tokens asks for ..." with `param: "max_tokens"`, a field the request did not send."""
+    request = ChatCompletionRequest(messages=MESSAGES, max_completion_tokens=600)
+    with pytest.raises(InvalidRequest) as refused:
+        chat_specs(request, [7] * 16, 512, 8)
+    assert refused.value.param == "max_completion_tokens"
+    assert "max_completion_tokens asks for 600 more" in refused.value.message
+    assert "lower max_completion_tokens to at most 496" in refused.value.message
+    request = ChatCompletionRequest(messages=MESSAGES, max_tokens=600)
+    with pytest.raises(InvalidRequest) as refused:
+        chat_specs(request, [7] * 16, 512, 8)
+    assert refused.value.param == "max_tokens" and "max_tokens asks for 600 more" in refused.value.message
