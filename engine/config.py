@@ -119,23 +119,24 @@ class ModelConfig:
         architectures = hf.get("architectures") or []
         if not architectures:
             raise ConfigError(f"{config_path} names no `architectures`: add e.g. [\"LlamaForCausalLM\"]")
-        num_heads = int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        max_positions = int(hf.get("max_position_embeddings", 2048))
+        hidden_size = _positive_int(hf, "hidden_size", config_path)
+        num_heads = _positive_int(hf, "num_attention_heads", config_path)
+        head_dim = _positive_int(hf, "head_dim", config_path, default=hidden_size // num_heads)
+        max_positions = _positive_int(hf, "max_position_embeddings", config_path, default=2048)
         sliding_window = _sliding_window(hf)
         model_len = _resolve_max_model_len(max_model_len, max_positions, sliding_window)
         checkpoint_dtype = hf.get("torch_dtype") or hf.get("dtype")
         return cls(
             model_dir=str(model_dir),
             architecture=architectures[0],
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
+            vocab_size=_positive_int(hf, "vocab_size", config_path),
+            hidden_size=hidden_size,
             # Only native models read it; GPT-2-style configs leave it out (n_inner=None means 4 x hidden).
-            intermediate_size=int(hf.get("intermediate_size") or 4 * int(hf["hidden_size"])),
-            num_layers=int(hf["num_hidden_layers"]),
+            intermediate_size=_positive_int(hf, "intermediate_size", config_path, default=4 * hidden_size),
+            num_layers=_positive_int(hf, "num_hidden_layers", config_path),
             num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
+            num_kv_heads=_positive_int(hf, "num_key_value_heads", config_path, default=num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(hf),
             rope_scaling=_rope_scaling(hf),
@@ -173,6 +174,22 @@ def _with_standard_names(hf: dict) -> dict:
     return {**{name: hf[alias] for name, alias in aliases.items() if alias in hf}, **hf}
 
 
+def _positive_int(hf: dict, name: str, config_path: Path, default: int | None = None) -> int:
+    """config.json's `name` as a positive integer (`default` when absent or null); ConfigError naming the field."""
+    value = hf.get(name)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise ConfigError(f"{config_path} has no `{name}`: restore the model directory's config.json (download or "
+                          f"copy it again)")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{config_path}: `{name}` is {value!r}, not a positive integer: restore the model "
+                          f"directory's config.json (download or copy it again)")
+    return value
+
+
 def _sliding_window(hf: dict) -> int | None:
     window = hf.get("sliding_window")
     if window is None or hf.get("use_sliding_window") is False:
@@ -186,12 +203,17 @@ def _resolve_max_model_len(requested: int | None, max_positions: int, sliding_wi
     limit = max_positions if sliding_window is None else min(max_positions, sliding_window)
     if requested is None:
         return limit
-    if requested > limit:
-        why = f"the sliding window ({sliding_window})" if limit == sliding_window else "max_position_embeddings"
+    if requested < 1:
+        raise ConfigError(f"max_model_len={requested} must be at least 1 token: leave it out for the model's own "
+                          f"({limit})")
+    if requested > limit and limit == sliding_window:
         raise ConfigError(
-            f"max_model_len={requested} exceeds {why} = {limit}; pdserve does not implement sliding-window "
-            f"attention yet, so pass max_model_len <= {limit}"
+            f"max_model_len={requested} exceeds the sliding window ({sliding_window}); pdserve does not implement "
+            f"sliding-window attention yet, so pass max_model_len <= {limit}"
         )
+    if requested > limit:
+        raise ConfigError(f"max_model_len={requested} exceeds the model's max_position_embeddings = {limit}: pass "
+                          f"max_model_len <= {limit}, or leave it out for the model's own")
     return requested
 
 
@@ -210,13 +232,19 @@ def _read_json_object(path: Path) -> dict:
 
 def _eos_token_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
     """generation_config.json wins over config.json; either may hold one id or a list."""
-    eos = hf.get("eos_token_id")
+    eos, source = hf.get("eos_token_id"), model_dir / "config.json"
     generation = model_dir / "generation_config.json"
     if generation.is_file():
-        eos = _read_json_object(generation).get("eos_token_id", eos)
+        generation_config = _read_json_object(generation)
+        if "eos_token_id" in generation_config:
+            eos, source = generation_config["eos_token_id"], generation
     if eos is None:
         return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"{source}: `eos_token_id` is {eos!r}, not a token id or a list of them: restore the "
+                          f"file (download or copy it again), or set it to the id(s) of the end token")
+    return tuple(ids)
 
 
 @dataclass(frozen=True)

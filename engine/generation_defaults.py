@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
@@ -43,12 +44,22 @@ class GenerationDefaults:
 
     @classmethod
     def from_dict(cls, generation: dict) -> GenerationDefaults:
+        from pdserve.control.errors import InvalidSamplingParams
+        from pdserve.control.sampling_params import SamplingParams
+
         values = {}
         for key, name in _KEYS.items():
             value = generation.get(key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue  # absent, null or malformed: the model does not set it
-            values[name] = int(value) if name in ("max_tokens", "top_k") else float(value)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue  # absent, null or malformed (JSON's NaN, Infinity): the model does not set it
+            value = int(value) if name in ("max_tokens", "top_k") else float(value)
+            try:  # out of range, it would turn every request that leaves it unset into a 400
+                SamplingParams(**{name: value})
+            except InvalidSamplingParams as exc:
+                logger.warning("ignoring generation_config.json's %s=%s (%s): requests that do not set %s get "
+                               "pdserve's default", key, value, exc, name)
+                continue
+            values[name] = value
         return cls(**values)
 
 

@@ -116,6 +116,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             raise ModelLoadError(f"checkpoint has unexpected tensor {name}: it does not belong to {type(model).__name__}")
         if (target, shard_id) in loaded:
             raise ModelLoadError(f"checkpoint holds tensor {name} twice; the model directory is inconsistent")
+        if param.is_floating_point() and not tensor.is_floating_point():  # a cast would load garbage silently
+            raise ModelLoadError(f"checkpoint tensor {name} is {str(tensor.dtype).replace('torch.', '')}, not a "
+                                 f"floating-point weight: pdserve loads float32, bfloat16 and float16 checkpoints "
+                                 f"(quantized ones are not supported): use the model's unquantized weights")
         param.weight_loader(param, tensor, shard_id, name)
         loaded.add((target, shard_id))
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in _expected_loads(model) - loaded)

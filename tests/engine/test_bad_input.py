@@ -200,3 +200,67 @@ def test_a_hub_id_without_a_resolvable_hub_fails_at_once(monkeypatch, tmp_path):
     # one look per fetch (and one of transformers' own, which it does not retry); the hub client's retries
     # looked the host up five times per file
     assert 2 <= len(lookups) <= 3 and set(lookups) == {"huggingface.co"}, lookups
+
+
+def _edit_json(path, edit):
+    value = json.loads(path.read_text())
+    edit(value)
+    path.write_text(json.dumps(value))
+
+
+@pytest.mark.parametrize("field, value, word", [
+    ("num_attention_heads", None, "has no `num_attention_heads`"),  # None: the field is deleted
+    ("num_hidden_layers", "two", "`num_hidden_layers` is 'two', not a positive integer"),
+    ("max_position_embeddings", 0, "`max_position_embeddings` is 0, not a positive integer"),
+    ("vocab_size", -5, "`vocab_size` is -5"),
+])
+def test_a_config_field_missing_or_not_a_count_is_named(model_factory, tmp_path, field, value, word):
+    """Was a bare KeyError traceback, "invalid literal for int() with base 10: 'two'", or (for 0) an engine that
+    refused every request for its context of 0 tokens."""
+    model_dir = _copy_model(model_factory, tmp_path)
+    _edit_json(model_dir / "config.json", lambda c: c.pop(field) if value is None else c.update({field: value}))
+    with pytest.raises(ConfigError, match=f"config.json.*{word}.*restore the model directory's config.json"):
+        ModelConfig.from_hf(model_dir)
+
+
+@pytest.mark.parametrize("eos", ["x", [1, None], True])
+def test_an_eos_token_id_that_is_no_token_id_is_named(model_factory, tmp_path, eos):
+    """Was "invalid literal for int()" at load, or a sampling_params error on every request."""
+    model_dir = _copy_model(model_factory, tmp_path)
+    _edit_json(model_dir / "generation_config.json", lambda c: c.update({"eos_token_id": eos}))
+    with pytest.raises(ConfigError, match="generation_config.json: `eos_token_id` is .*not a token id"):
+        ModelConfig.from_hf(model_dir)
+
+
+@pytest.mark.parametrize("max_model_len", [0, -3])
+def test_a_max_model_len_below_one_is_refused(model_factory, max_model_len):
+    """Was accepted: the engine then failed its registration ("register.max_model_len=0 is out of bounds")."""
+    with pytest.raises(ConfigError, match=f"max_model_len={max_model_len} must be at least 1 token.*512"):
+        ModelConfig.from_hf(model_factory("llama"), max_model_len=max_model_len)
+
+
+def test_a_max_model_len_beyond_the_model_does_not_blame_a_sliding_window(model_factory):
+    with pytest.raises(ConfigError, match="max_position_embeddings = 512") as refused:
+        ModelConfig.from_hf(model_factory("llama"), max_model_len=100_000)
+    assert "sliding" not in str(refused.value), "this model has no sliding window"
+
+
+def test_integer_weights_are_refused_not_cast(model_factory, tmp_path):
+    """An int32 tensor in a float model (a quantized or broken checkpoint) was cast and loaded as garbage."""
+    model_dir = _copy_model(model_factory, tmp_path)
+    _rewrite_weights(model_dir, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.int32)}))
+    with pytest.raises(ModelLoadError, match="tensor model.norm.weight is int32, not a floating-point weight"):
+        LLM(str(model_dir), num_kv_blocks=8)
+
+
+def test_a_directory_without_tokenizer_files_says_so_in_one_line(model_factory, tmp_path):
+    """Was transformers' multi-line error about sentencepiece and tiktoken."""
+    from pdserve.engine.tokenizer import TokenizerLoadError, load_tokenizer
+
+    model_dir = _copy_model(model_factory, tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (model_dir / name).unlink(missing_ok=True)
+    with pytest.raises(TokenizerLoadError, match="holds no tokenizer .tokenizer.json, tokenizer.model, vocab.json.: "
+                                                 "copy") as refused:
+        load_tokenizer(model_dir)
+    assert "\n" not in str(refused.value) and "sentencepiece" not in str(refused.value)

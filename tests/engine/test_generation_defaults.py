@@ -72,3 +72,20 @@ def test_offline_generate_without_params_uses_the_model_defaults(model_with_defa
     assert len(output.token_ids) == 5 and output.finish_reason == "length"
     output = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0]
     assert len(output.token_ids) == 3, "the caller's SamplingParams win"
+
+
+def test_out_of_range_or_non_finite_model_defaults_are_ignored_with_a_warning(tmp_path, caplog):
+    """A generation_config.json value out of SamplingParams' range made every request that left it unset a 400
+    naming a value the client never sent; JSON's Infinity crashed the router at start (OverflowError)."""
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": -1, "top_p": 5, "top_k": -7, "max_new_tokens": 0, "repetition_penalty": 0.5}')
+    with caplog.at_level("WARNING"):
+        defaults = load_generation_defaults(tmp_path)
+    assert defaults == GenerationDefaults(repetition_penalty=0.5), "the valid value is kept"
+    assert "generation_config.json's temperature=-1" in caplog.text and "top_p=5" in caplog.text
+    assert "max_new_tokens=0" in caplog.text and "top_k=-7" in caplog.text
+    params = chat_specs(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), [1, 2, 3], 512, 8,
+                        defaults)[0].sampling_params
+    assert (params.temperature, params.top_p, params.repetition_penalty) == (1.0, 1.0, 0.5)
+    (tmp_path / "generation_config.json").write_text('{"max_new_tokens": Infinity, "temperature": NaN}')
+    assert load_generation_defaults(tmp_path) == GenerationDefaults()
