@@ -93,6 +93,9 @@ class DecodeTransferSide(KVTransferSide):
         """Send the KVWant (opening the link first if this is its first request), without waiting."""
         try:
             link = self._link(incoming.address)
+        except KVTransferError as exc:  # refused already: the same reason as the transfers it failed then
+            self._fail(incoming, str(exc))
+            return
         except WireError as exc:
             self._fail(incoming, f"cannot reach prefill engine {incoming.address}: {exc}")
             return
@@ -117,7 +120,7 @@ class DecodeTransferSide(KVTransferSide):
             hello = Hello(fingerprint=self.fingerprint.to_dict(), role="decode", engine_id=self.engine_id)
             link.outbox.append(_Outgoing(hello, None, time.monotonic()))
         if link.refused:
-            raise KVTransferError(f"the link was refused: {link.refused}")
+            raise KVTransferError(f"prefill engine refused the KV link: {link.refused}")
         return link
 
     def _flush(self, link: _PrefillLink) -> None:

@@ -165,3 +165,28 @@ def test_aborting_on_a_dead_link_never_waits(pair):
     for _ in range(50):  # as if 50 requests in flight on that link were aborted one after another
         side.abort(incoming, "aborted on decode")
     assert time.monotonic() - started < 0.5, "each Abort to a dead peer must be dropped at once, not waited on"
+
+
+def test_a_request_after_a_refused_link_fails_with_the_same_reason():
+    """Which requests a refusal finds asked depends on timing (a request's KVWant may come after the HelloAck
+    was read): each gets the prefill engine's reason in the same words, not 'cannot reach' for the later ones."""
+    fingerprint = LayoutFingerprint(architecture="LlamaForCausalLM", num_layers=NUM_LAYERS, num_kv_heads=KV_HEADS,
+                                    head_dim=HEAD_DIM, dtype="float32", block_size=BLOCK_SIZE, weights_hash="w")
+    prefill = ServerSocket("tcp://127.0.0.1:0")
+    side = DecodeTransferSide(fingerprint, "d0", timeout_s=5)
+    side.bind_kv_cache(torch.zeros(NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM))
+    scheduler_side = DecodeSchedulerSide(side)
+    try:
+        for request_id, blocks in (("first", [0, 1]), ("later", [2, 3])):
+            request = Request(request_id, list(range(PROMPT_LEN)), SamplingParams(max_tokens=2), max_tokens=2)
+            request.prefill_kv_address = prefill.address
+            scheduler_side.on_blocks_allocated(request, blocks, PROMPT_LEN)
+            if request_id == "first":
+                hello = recv_flushing(prefill, side)
+                prefill.send(hello.peer_id, HelloAck(ok=False, reason="KV layout mismatch"))
+                _receive_until(side, lambda: side.transfers["first"].state is IncomingState.FAILED)
+        failed = scheduler_side.poll().failed
+        assert failed == {name: "prefill engine refused the KV link: KV layout mismatch" for name in ("first", "later")}
+    finally:
+        side.close()
+        prefill.close()
