@@ -74,15 +74,21 @@ def _template_call(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 
+# content part types that hold text, and the key of their text: OpenAI's chat parts, its Responses API's
+# input_text / output_text (which vLLM takes in chat too), and an assistant's refusal
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 def _part_text(part: Any, index: int) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind != "text":
+    key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+    if key is None:
         raise _refused(f"messages[{index}] has a {kind!r} content part: the models served are text-only, so send "
-                       "text parts only", "messages")
-    if not isinstance(part.get("text"), str):
-        raise _refused(f"messages[{index}] has a text content part without `text`: give each text part its text, "
-                       'as {"type": "text", "text": "..."}', "messages")
-    return part["text"]
+                       f"parts of the text types only ({', '.join(TEXT_PARTS)})", "messages")
+    if not isinstance(part.get(key), str):
+        raise _refused(f"messages[{index}] has a {kind} content part without `{key}`: give each such part its "
+                       f'text, as {{"type": "{kind}", "{key}": "..."}}', "messages")
+    return part[key]
 
 
 def _refused(message: str, field: str) -> InvalidRequestError:

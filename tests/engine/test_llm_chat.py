@@ -38,6 +38,23 @@ def test_several_conversations_answer_in_order_and_text_parts_join(llm):
     assert outputs[1].prompt == outputs[2].prompt and outputs[1].outputs[0].token_ids == outputs[2].outputs[0].token_ids
 
 
+def test_the_responses_apis_text_parts_are_text(llm):
+    """input_text / output_text (OpenAI's Responses API, taken in chat by vLLM) and an assistant's refusal part
+    render as the same text in a text part; an outside probe got "the models served are text-only" for them."""
+    def conversation(user_part: dict, assistant_part: dict) -> list[dict]:
+        return [{"role": "user", "content": [user_part]}, {"role": "assistant", "content": [assistant_part]},
+                {"role": "user", "content": "Again."}]
+
+    plain = llm.chat(conversation({"type": "text", "text": "Name a colour."}, {"type": "text", "text": "No."}),
+                     GREEDY)[0]
+    for user_part, assistant_part in (({"type": "input_text", "text": "Name a colour."},
+                                       {"type": "output_text", "text": "No."}),
+                                      ({"type": "text", "text": "Name a colour."}, {"type": "refusal", "refusal": "No."})):
+        assert llm.chat(conversation(user_part, assistant_part), GREEDY)[0].prompt == plain.prompt
+    with pytest.raises(InvalidRequestError, match="refusal content part without `refusal`"):
+        llm.chat(conversation({"type": "text", "text": "x"}, {"type": "refusal", "text": "No."}), GREEDY)
+
+
 @pytest.mark.parametrize("conversation, says", [
     ([], "conversation is empty"),
     (["hello"], "is not a dict with a 'role'"),
