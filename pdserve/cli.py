@@ -5,22 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.cli_help import seed_arg, use_defaults_help
+from pdserve.cli_help import dtype_arg, positive_int, seed_arg, unrecognized_message, use_defaults_help
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="Hugging Face model directory or hub id (default: the built-in demo model)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights and KV cache dtype; auto: float32 on CPU, the checkpoint's dtype on a GPU")
+    parser.add_argument("--dtype", default="auto", type=dtype_arg, choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and KV cache dtype; auto: float32 on CPU, the checkpoint's dtype on a GPU "
+                             "(vLLM's half and float are float16 and float32)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    parser.add_argument("--num-kv-blocks", type=int, default=None,
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV cache block")
+    parser.add_argument("--num-kv-blocks", type=positive_int, default=None,
                         help="KV cache size in blocks (default: 1 GiB on CPU; on CUDA, 90%% of the GPU memory left "
                              "after the weights)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    parser.add_argument("--max-model-len", type=int, default=None,
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256, help="most requests in one batch")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget of one step")
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="context length in tokens, prompt included (default: the model's)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="do not reuse the KV blocks of prompt prefixes seen before")
@@ -107,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[command]
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -159,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str] | None) -> int:
     from pdserve.control.errors import TransportError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, and what pdserve takes instead of a vLLM or SGLang flag
+        _subcommand_parser(parser, args.command).error(unrecognized_message(unknown))
     try:
         if args.command == "demo-model":
             from pdserve.demo_model import run_demo_model_command

@@ -21,6 +21,79 @@ def seed_arg(text: str) -> int:
     return value
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a size or count that must be at least 1 (blocks, tokens, sequences)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
+def dtype_arg(text: str) -> str:
+    """argparse type of --dtype: vLLM's spellings `half` and `float` mean float16 and float32, as there."""
+    return {"half": "float16", "float": "float32"}.get(text.lower(), text.lower())
+
+
+_SCALE_OUT = ("pdserve runs each engine on one device: scale out with engines (`pdserve up --num-prefill N "
+              "--num-decode M`)")
+_USE = "pdserve's name for it is "
+# Flags of vLLM's and SGLang's servers that pdserve does not take, and what to do instead.
+FOREIGN_FLAGS = {
+    **dict.fromkeys(["--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--tp-size", "--tp",
+                     "--pp-size", "--data-parallel-size", "-dp", "--dp-size", "--dp"], _SCALE_OUT),
+    **dict.fromkeys(["--gpu-memory-utilization", "--mem-fraction-static"],
+                    "pdserve sizes the KV cache with --num-kv-blocks (default on CUDA: 90% of the GPU memory left "
+                    "after the weights)"),
+    "--kv-cache-dtype": "the KV cache takes the weights' --dtype (no fp8 KV cache)",
+    "--trust-remote-code": "pdserve runs no code from a model repository: it serves transformers' own "
+                           "architectures (natively, or with --model-impl transformers)",
+    **dict.fromkeys(["--quantization", "-q"], "quantized checkpoints are not supported: serve the model's float16 "
+                                              "or bfloat16 weights"),
+    "--enable-prefix-caching": "prefix caching is on by default (--no-prefix-caching turns it off): leave it out",
+    **dict.fromkeys(["--no-enable-prefix-caching", "--disable-radix-cache"], _USE + "--no-prefix-caching"),
+    "--enable-chunked-prefill": "chunked prefill is always on (--max-num-batched-tokens is a step's token budget): "
+                                "leave it out",
+    "--chunked-prefill-size": _USE + "--max-num-batched-tokens",
+    "--max-running-requests": _USE + "--max-num-seqs",
+    "--context-length": _USE + "--max-model-len",
+    "--page-size": _USE + "--block-size",
+    "--model-path": _USE + "--model",
+    **dict.fromkeys(["--tokenizer", "--tokenizer-path"], "the tokenizer comes from --model's directory"),
+    "--chat-template": "the chat template comes from --model's directory (tokenizer_config.json or "
+                       "chat_template.jinja): put yours there",
+    "--revision": "download that revision with huggingface_hub and pass its directory as --model",
+    "--download-dir": "set HF_HOME (or HF_HUB_CACHE) for where hub models are kept",
+    "--swap-space": "preempted requests are recomputed, never swapped to the CPU: leave it out",
+    **dict.fromkeys(["--disable-log-requests", "--disable-log-stats", "--uvicorn-log-level"], _USE + "--log-level"),
+    "--seed": "send `seed` in a request for reproducible sampling",
+    "--disaggregation-mode": "run `pdserve prefill` or `pdserve decode`, or `pdserve up --num-prefill N "
+                             "--num-decode M`",
+    **dict.fromkeys(["--host", "--port"], "an engine listens on --control-address (a prefill engine's KV on "
+                                          "--kv-address); the router and `pdserve up` take --host and --port"),
+}
+
+
+def unrecognized_message(unknown: list[str]) -> str:
+    """argparse's "unrecognized arguments" plus, for each flag vLLM or SGLang users bring along (or a model given
+    as a positional argument, as `vllm serve MODEL` takes it), what pdserve takes instead."""
+    hints = []
+    previous_flag = False
+    for token in unknown:
+        if token.startswith("-"):
+            flag = token.split("=", 1)[0]
+            previous_flag = "=" not in token
+            if flag in FOREIGN_FLAGS:
+                hints.append(f"{flag}: {FOREIGN_FLAGS[flag]}")
+        elif not previous_flag:
+            hints.append(f"{token}: give the model as --model {token} (not as a positional argument)")
+        else:
+            previous_flag = False
+    return "; ".join([f"unrecognized arguments: {' '.join(unknown)}", *hints])
+
+
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" to an option's help unless the help already says its default, or there is
     no default worth showing (None, False, an empty list)."""

@@ -20,6 +20,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 POLL_S = 0.1
 STOP_TIMEOUT_S = 15.0
 LOG_TAIL_LINES = 30
+MIN_FREE_LOG_BYTES = 1 << 20  # below this, a failure message says the disk of the logs is full
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,20 @@ def log_tail(path: Path, num_lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
+def full_disk_note(log_dir: Path) -> str:
+    """A note for a failure message when the disk holding the logs is (nearly) full: a component whose log
+    cannot be written dies at its first line, or cannot print the ready line `up` waits for. Else ''."""
+    try:
+        stat = os.statvfs(log_dir)
+    except OSError:
+        return ""
+    free = (stat.f_bfree if os.geteuid() == 0 else stat.f_bavail) * stat.f_frsize  # root may use the reserve
+    if free >= MIN_FREE_LOG_BYTES:
+        return ""
+    return (f" (note: the disk holding {log_dir} has {free} bytes free: a component cannot write its log there, "
+            f"nor the ready line `up` waits for; free space there, or give --log-dir on another disk)")
+
+
 def say(message: str, error: bool = False) -> None:
     print(f"[pdserve up] {message}", file=sys.stderr if error else sys.stdout, flush=True)
 
@@ -115,8 +130,11 @@ class Supervisor:
     def _spawn(self, component: Component, mode: str) -> None:
         with open(component.log_path, mode) as log_file:
             if mode == "a":
-                log_file.write(f"\n---- [pdserve up] restart {len(component.restart_times)} ----\n")
-                log_file.flush()
+                header = f"\n---- [pdserve up] restart {len(component.restart_times)} ----\n"
+                try:  # unbuffered: a full disk fails this write, not the close
+                    os.write(log_file.fileno(), header.encode())
+                except OSError:
+                    pass  # the restart goes on; if it fails for want of space, its failure says so
             component.log_offset = log_file.tell()
             component.process = subprocess.Popen(
                 component.command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -182,7 +200,10 @@ class Supervisor:
             if now >= component.restart_at:
                 component.restart_at = None
                 component.restart_times.append(now)
-                self._spawn(component, "a")
+                try:
+                    self._spawn(component, "a")
+                except OSError as exc:  # its log cannot be opened, or no process can start: a failed restart
+                    self._on_failure(component, f"could not be restarted ({exc})", now)
             return
         why = self._failure(component, now)
         if why is not None:
@@ -219,6 +240,7 @@ class Supervisor:
         component.process.wait()
 
     def _on_failure(self, component: Component, why: str, now: float) -> None:
+        why += full_disk_note(self.log_dir)
         say(f"warning: {component.name} (pid {component.process.pid}) {why}. Its last log lines "
             f"({component.log_path}):\n{log_tail(component.log_path, 10)}", error=True)
         policy = self.policy

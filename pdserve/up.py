@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pdserve.cli_help import DeprecatedFlag
 from pdserve.router_cli import LOG_LEVELS, resolve_model
-from pdserve.supervisor import Component, ComponentFailed, RestartPolicy, Supervisor, log_tail
+from pdserve.supervisor import Component, ComponentFailed, RestartPolicy, Supervisor, full_disk_note, log_tail
 from pdserve.trust import check_cluster_keys, curve_dir_for, default_cluster_keys
 
 KEPT_LOG_DIRS = 10
@@ -249,6 +249,29 @@ def new_log_dir(keep: int = KEPT_LOG_DIRS) -> Path:
     return log_dir
 
 
+def lock_log_dir(log_dir: Path):
+    """An exclusive lock on `log_dir` while this `up` runs (the open lock file; closing it unlocks): a second `up`
+    given the same --log-dir would overwrite the first's logs and share its engines' progress files, so that its
+    supervisor took one stack's engines for the other's."""
+    import fcntl
+
+    handle = open(log_dir / "up.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "unknown"
+        handle.close()
+        raise ValueError(f"--log-dir {log_dir} is in use by another `pdserve up` (pid {owner}): give each its own "
+                         f"--log-dir, or leave it out (each run gets a new folder)") from None
+    try:  # unbuffered: on a full disk the lock holds without the pid
+        os.ftruncate(handle.fileno(), 0)
+        os.write(handle.fileno(), f"{os.getpid()}\n".encode())
+    except OSError:
+        pass
+    return handle
+
+
 def restart_policy(args: argparse.Namespace) -> RestartPolicy:
     if args.max_restarts < 0 or args.restart_window <= 0 or args.stall_timeout < 0:
         raise ValueError(f"--max-restarts {args.max_restarts}, --restart-window {args.restart_window:g}, "
@@ -299,10 +322,11 @@ def run_up(args: argparse.Namespace) -> int:
     name = args.served_model_name or default_name
     log_dir = Path(args.log_dir).expanduser() if args.log_dir else new_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
+    _log_dir_lock = lock_log_dir(log_dir)  # held until `up` returns
     print(f"[pdserve up] serving {name} with {args.num_prefill} prefill + {args.num_decode} decode engine(s); "
           f"logs in {log_dir}", flush=True)
     print(f"[pdserve up] {'CURVE keys in ' + args.curve_dir if args.curve_dir else 'warning: --insecure: no CURVE'}"
-          f" on every plane", flush=True)
+          f" on {'every' if args.curve_dir else 'any'} plane", flush=True)
     supervisor = Supervisor(log_dir, policy)
 
     def on_signal(*_: object) -> None:
@@ -319,7 +343,7 @@ def run_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     except ComponentFailed as exc:
-        print(f"[pdserve up] error: {exc}; its last log lines ({exc.component.log_path}):\n"
+        print(f"[pdserve up] error: {exc}{full_disk_note(log_dir)}; its last log lines ({exc.component.log_path}):\n"
               f"{log_tail(exc.component.log_path)}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -4,6 +4,9 @@ the fix and a non-zero exit, before anything starts."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from pdserve.cli import build_parser, main
@@ -95,3 +98,82 @@ def test_up_refuses_a_startup_timeout_that_cannot_be_met(tmp_path, capsys, value
                  "--startup-timeout", value]) == 2
     assert "--startup-timeout" in one_line_error(capsys, "up")
     assert not (tmp_path / "logs").exists(), "nothing was started"
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["up", "--tensor-parallel-size", "2"], "--tensor-parallel-size: pdserve runs each engine on one device: scale "
+                                            "out with engines (`pdserve up --num-prefill N --num-decode M`)"),
+    (["up", "--gpu-memory-utilization=0.8"], "--gpu-memory-utilization: pdserve sizes the KV cache with "
+                                             "--num-kv-blocks"),
+    (["up", "--enable-prefix-caching"], "prefix caching is on by default"),
+    (["prefill", "--trust-remote-code"], "pdserve runs no code from a model repository"),
+    (["decode", "--port", "8001"], "--port: an engine listens on --control-address"),
+    (["up", "--context-length", "4096"], "--context-length: pdserve's name for it is --max-model-len"),
+    (["up", "Qwen/Qwen2.5-0.5B-Instruct"], "give the model as --model Qwen/Qwen2.5-0.5B-Instruct"),
+])
+def test_a_vllm_or_sglang_flag_is_refused_naming_what_pdserve_takes(capsys, argv, hint):
+    """Was argparse's bare "pdserve: error: unrecognized arguments: ..." under the top-level usage."""
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--insecure"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"pdserve {argv[0]}: error: unrecognized arguments: {' '.join(argv[1:])}" in err and hint in err, err
+
+
+def test_an_unknown_flag_of_no_other_server_is_refused_as_before(capsys):
+    with pytest.raises(SystemExit):
+        main(["up", "--bogus", "3"])
+    assert capsys.readouterr().err.splitlines()[-1] == "pdserve up: error: unrecognized arguments: --bogus 3"
+
+
+@pytest.mark.parametrize("command", ["up", "prefill", "decode", "generate"])
+@pytest.mark.parametrize("flag", ["--num-kv-blocks", "--block-size", "--max-num-seqs", "--max-num-batched-tokens",
+                                  "--max-model-len"])
+def test_sizes_below_one_are_refused_at_parse_time(capsys, command, flag):
+    """`up` started its router (and waited on it) before the engines refused these; --max-model-len 0 was
+    refused as a wire message ("register.max_model_len=0 is out of bounds")."""
+    for value in ("0", "-4"):
+        with pytest.raises(SystemExit) as exited:
+            build_parser().parse_args([command, flag, value])
+        assert exited.value.code == 2
+        assert f"argument {flag}: {value} must be at least 1" in capsys.readouterr().err
+
+
+def test_vllm_dtype_spellings_mean_what_they_mean_there():
+    parser = build_parser()
+    assert parser.parse_args(["up", "--dtype", "half"]).dtype == "float16"
+    assert parser.parse_args(["decode", "--dtype", "float"]).dtype == "float32"
+    assert parser.parse_args(["prefill", "--dtype", "BFloat16"]).dtype == "bfloat16"
+
+
+def test_a_log_dir_in_use_by_another_up_is_refused(tmp_path, capsys):
+    """Two `up` given one --log-dir overwrote each other's logs and shared their engines' progress files."""
+    from pdserve.up import lock_log_dir
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    held = lock_log_dir(logs)  # the other `up`
+    try:
+        assert main(["up", "--model", str(tmp_path / "m"), "--insecure", "--log-dir", str(logs)]) == 2
+        err = one_line_error(capsys, "up")
+        assert f"--log-dir {logs} is in use by another `pdserve up` (pid {os.getpid()})" in err
+        assert not (logs / "router.log").exists(), "nothing was started"
+    finally:
+        held.close()
+
+
+def test_insecure_up_says_no_plane_has_curve(tmp_path, capsys, monkeypatch):
+    import pdserve.up
+
+    def stop_at_once(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pdserve.up, "_start_all", stop_at_once)
+    # run_up installs its own handlers: the test's come back after
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert main(["up", "--model", str(tmp_path), "--insecure", "--log-dir", str(tmp_path / "logs")]) == 0
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert "[pdserve up] warning: --insecure: no CURVE on any plane" in capsys.readouterr().out

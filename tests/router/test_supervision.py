@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -49,6 +50,65 @@ def test_a_decode_engine_that_keeps_dying_is_given_up_and_up_ends(tmp_path, caps
     assert "restarting decode-0 in 0.1s (restart 2 of at most 2" in err
     assert "decode-0 is not restarted: 2 restarts within 600s are used up" in err
     assert (tmp_path / "decode-0.log").read_text().count("---- [pdserve up] restart") == 2
+
+
+FULL_LOG_SCENARIO = """
+import resource, signal, sys
+from pathlib import Path
+from pdserve.supervisor import Component, ComponentFailed, RestartPolicy, Supervisor
+
+log_dir = Path(sys.argv[1])
+supervisor = Supervisor(log_dir, RestartPolicy(max_restarts=2, backoff_s=0.05))
+supervisor.start(Component("decode-0", [sys.executable, "-c", "import sys; sys.exit(3)"]))
+supervisor.components[0].process.wait()
+(log_dir / "decode-0.log").write_text("x" * 999 + "\\n")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as one on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))  # the log cannot grow
+try:
+    supervisor.watch()
+except ComponentFailed as exc:
+    print("ENDED:", exc, len(supervisor.components[0].restart_times))
+"""
+
+
+def test_a_restart_whose_log_cannot_grow_is_a_failed_restart_not_the_end_of_up(tmp_path):
+    """A full disk: the restart header's write raised out of watch() ("pdserve up: error: [Errno 28] No space left
+    on device") and `up` stopped the router and every engine still serving. Here the log cannot grow (a file size
+    limit, EFBIG) in a process of its own."""
+    result = subprocess.run([sys.executable, "-c", FULL_LOG_SCENARIO, str(tmp_path)], capture_output=True,
+                            text=True, timeout=60)
+    assert "ENDED: decode-0 failed, and so did every decode engine, restarts used up 2" in result.stdout, (
+        result.stdout + result.stderr)
+    assert "Traceback" not in result.stderr
+
+
+def test_a_restart_whose_log_cannot_be_opened_is_a_failed_restart(tmp_path, capsys):
+    supervisor = Supervisor(tmp_path, RestartPolicy(max_restarts=2, backoff_s=0.05))
+    supervisor.start(Component("decode-0", [sys.executable, "-c", "import sys; sys.exit(3)"]))
+    supervisor.components[0].process.wait()
+    (tmp_path / "decode-0.log").unlink()
+    (tmp_path / "decode-0.log").mkdir()  # open() fails: IsADirectoryError (it raised out of watch())
+    with pytest.raises(ComponentFailed, match="every decode engine"):
+        supervisor.watch()
+    assert len(supervisor.components[0].restart_times) == 2 and supervisor.components[0].given_up
+    err = capsys.readouterr().err
+    assert err.count("could not be restarted ([Errno 21] Is a directory") == 2, err
+
+
+def test_a_failure_says_when_the_disk_of_the_logs_is_full(tmp_path, capsys, monkeypatch):
+    from pdserve import supervisor as supervision
+
+    full = os.statvfs_result((4096, 4096, 100, 0, 0, 10, 0, 0, 0, 255))  # no block free
+    monkeypatch.setattr(supervision.os, "statvfs", lambda path: full)
+    assert supervision.full_disk_note(tmp_path).startswith(f" (note: the disk holding {tmp_path} has 0 bytes free")
+    watcher = Supervisor(tmp_path, RestartPolicy(max_restarts=0))
+    watcher.start(Component("decode-0", [sys.executable, "-c", "import sys; sys.exit(1)"]))
+    with pytest.raises(ComponentFailed):
+        watcher.watch()
+    err = capsys.readouterr().err
+    assert "exited with code 1 (note: the disk holding" in err and "give --log-dir on another disk" in err
+    monkeypatch.undo()
+    assert supervision.full_disk_note(tmp_path) == "", "this test's own disk has room"
 
 
 # ---- `pdserve up` with real processes ----
