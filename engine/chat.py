@@ -32,7 +32,8 @@ def render_chat(tokenizer, conversation: Conversation, *, add_generation_prompt:
                        "add_generation_prompt to false to continue the last message", "continue_final_message")
     if tokenizer.chat_template is None and template_kwargs.get("chat_template") is None:
         raise _refused("this model has no chat template: send a plain prompt instead (/v1/completions, or "
-                       "LLM.generate), or give a chat_template", "messages")
+                       "LLM.generate), or give one (the server's --chat-template FILE; LLM.chat's chat_template)",
+                       "messages")
     messages = [template_message(message, index) for index, message in enumerate(conversation)]
     if tools:
         template_kwargs["tools"] = tools

@@ -62,8 +62,7 @@ FOREIGN_FLAGS = {
     "--page-size": _USE + "--block-size",
     "--model-path": _USE + "--model",
     **dict.fromkeys(["--tokenizer", "--tokenizer-path"], "the tokenizer comes from --model's directory"),
-    "--chat-template": "the chat template comes from --model's directory (tokenizer_config.json or "
-                       "chat_template.jinja): put yours there",
+    "--chat-template": "the router renders chats: give --chat-template to `pdserve router` or `pdserve up`",
     "--revision": "download that revision with huggingface_hub and pass its directory as --model",
     "--download-dir": "set HF_HOME (or HF_HUB_CACHE) for where hub models are kept",
     "--swap-space": "preempted requests are recomputed, never swapped to the CPU: leave it out",

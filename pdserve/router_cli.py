@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from pdserve.cli_help import DeprecatedFlag
 from pdserve.trust import add_trust_args, check_cluster_keys, curve_dir_for
@@ -40,6 +41,9 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
     parser.add_argument("--preprocess-timeout", type=float, default=5.0,
                         help="seconds the chat template and tokenizer may take for one request (then 400); a request "
                              "waits up to 6x this for a tokenizer thread (then 503)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template file (or the template itself) used instead of the model's, e.g. "
+                             "for a model that has none (vLLM's --chat-template)")
     parser.add_argument("--allow-request-chat-template", action="store_true",
                         help="accept a `chat_template` in the request body (a template is code run on the router)")
     parser.add_argument("--tool-call-parser", default=None, choices=["hermes"],
@@ -99,7 +103,33 @@ def router_config(args: argparse.Namespace):
         max_retries=args.max_retries, request_timeout_s=args.request_timeout, log_level=args.log_level,
         max_request_bytes=args.max_request_bytes, preprocess_timeout_s=args.preprocess_timeout,
         allow_request_chat_template=args.allow_request_chat_template, tool_call_parser=args.tool_call_parser,
+        chat_template=read_chat_template(args.chat_template),
         curve_dir=curve_dir)
+
+
+def read_chat_template(given: str | None) -> str | None:
+    """--chat-template's text: a file's, or the argument itself when it is a template (it holds Jinja's braces or a
+    newline, as vLLM reads it); a ValueError naming the problem when it is neither or does not parse."""
+    if given is None:
+        return None
+    path = Path(given).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {given}: cannot read it ({exc}): give a readable UTF-8 text file") from None
+    elif any(char in given for char in "{}\n"):
+        text = given
+    else:
+        raise ValueError(f"--chat-template {given}: no such file: give a Jinja template file, or the template itself")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template {given}: not a Jinja template ({exc.message}, line {exc.lineno}): fix the "
+                         "template") from None
+    return text
 
 
 def run_router(args: argparse.Namespace) -> int:

@@ -135,6 +135,8 @@ def router_component(args: argparse.Namespace, model: str, name: str) -> Compone
                "--request-timeout", str(args.request_timeout), "--log-level", args.log_level,
                "--max-request-bytes", str(args.max_request_bytes), "--preprocess-timeout", str(args.preprocess_timeout),
                *trust_flags(args)]
+    if args.chat_template is not None:
+        command += ["--chat-template", args.chat_template]
     if args.allow_request_chat_template:
         command.append("--allow-request-chat-template")
     if args.tool_call_parser:

@@ -31,6 +31,7 @@ class RouterConfig:
     preprocess_timeout_s: float = 5.0  # chat template + tokenization of one request, off the event loop
     num_preprocess_threads: int = 4  # tokenizer threads; more jobs wait for one (503 after 6 x the timeout)
     allow_request_chat_template: bool = False  # a `chat_template` in the request body replaces the model's
+    chat_template: str | None = None  # the operator's template (--chat-template, its text): replaces the model's
     tool_call_parser: str | None = None  # serves tool_choice "auto" by reading the model's calls; None: "auto" is a 400
     max_n: int = 16  # choices (n x prompts) one HTTP request may ask for
     log_level: str = "info"

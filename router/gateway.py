@@ -16,7 +16,7 @@ from pdserve.router.tokenization import Tokenization
 class Gateway:
     def __init__(self, config: RouterConfig, tokenization: Tokenization | None = None) -> None:
         self.config = config
-        self.tokenization = tokenization or Tokenization(config.model)
+        self.tokenization = tokenization or Tokenization(config.model, config.chat_template)
         self.generation_defaults = load_generation_defaults(config.model)  # generation_config.json's sampling
         self.preprocessor = Preprocessor(config.num_preprocess_threads, config.preprocess_timeout_s,
                                          max_waiting=config.max_concurrent_requests)

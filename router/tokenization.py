@@ -17,8 +17,10 @@ from pdserve.router.tool_calls import template_tools
 
 
 class Tokenization:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, chat_template: str | None = None) -> None:
         self.tokenizer = load_tokenizer(model)
+        if chat_template is not None:  # the operator's (--chat-template) replaces the model's, as vLLM's does
+            self.tokenizer.chat_template = chat_template
         # apply_chat_template's own parameters (tokenize, return_tensors, ...): not template variables
         signature = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
         self.renderer_params = {p.name for p in signature if p.kind is not p.VAR_KEYWORD} - {"conversation"}
