@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import pytest
 from aiohttp import web
@@ -14,6 +13,7 @@ from aiohttp import web
 from pdserve.bench.serve_client import RequestShape, build_payload, send_request
 from pdserve.bench.serve_datasets import SampleRequest
 from pdserve.bench.serve_load import open_session
+from tests.bench.loopback_app import loopback_app
 
 GAP_S = 0.15
 
@@ -44,21 +44,12 @@ async def scripted_chat(request: web.Request) -> web.StreamResponse:
 
 
 async def request_scripted(include_usage: bool):
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", scripted_chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    sock = socket.create_server(("127.0.0.1", 0))
-    await web.SockSite(runner, sock).start()
-    port = sock.getsockname()[1]
     shape = RequestShape("/v1/chat/completions", "m", include_usage=include_usage)
     payload = build_payload(SampleRequest("hi", 2, 3), shape)
-    try:
-        async with open_session(None, stall_timeout_s=10, max_concurrency=1) as session:
-            return await send_request(session, f"http://127.0.0.1:{port}/v1/chat/completions", payload,
-                                      input_len=2, stall_timeout_s=10, count_tokens=lambda text: len(text.split()))
-    finally:
-        await runner.cleanup()
+    async with loopback_app("POST", "/v1/chat/completions", scripted_chat) as url, \
+            open_session(None, stall_timeout_s=10, max_concurrency=1) as session:
+        return await send_request(session, f"{url}/v1/chat/completions", payload,
+                                  input_len=2, stall_timeout_s=10, count_tokens=lambda text: len(text.split()))
 
 
 def test_ttft_and_itls_are_taken_at_chunks_that_carry_text():
@@ -100,19 +91,10 @@ async def request_events(events: list[bytes]):
             await response.write(raw)
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    sock = socket.create_server(("127.0.0.1", 0))
-    await web.SockSite(runner, sock).start()
     payload = build_payload(SampleRequest("hi", 2, 3), RequestShape("/v1/completions", "m"))
-    try:
-        async with open_session(None, stall_timeout_s=10, max_concurrency=1) as session:
-            return await send_request(session, f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions", payload,
-                                      input_len=2, stall_timeout_s=10)
-    finally:
-        await runner.cleanup()
+    async with loopback_app("POST", "/v1/completions", stream) as url, \
+            open_session(None, stall_timeout_s=10, max_concurrency=1) as session:
+        return await send_request(session, f"{url}/v1/completions", payload, input_len=2, stall_timeout_s=10)
 
 
 TEXT = event({"choices": [{"index": 0, "text": " a", "finish_reason": "length"}]})

@@ -35,18 +35,27 @@ def recv_flushing(server: ServerSocket, side: DecodeTransferSide, timeout_s: flo
     raise TimeoutError(f"the decode side sent nothing to {server.address} within {timeout_s}s")
 
 
+def decode_sides() -> tuple[DecodeSchedulerSide, DecodeTransferSide]:
+    fingerprint = LayoutFingerprint(architecture="LlamaForCausalLM", num_layers=NUM_LAYERS, num_kv_heads=KV_HEADS,
+                                    head_dim=HEAD_DIM, dtype="float32", block_size=BLOCK_SIZE, weights_hash="w")
+    side = DecodeTransferSide(fingerprint, "d0", timeout_s=5)
+    side.bind_kv_cache(torch.zeros(NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM))
+    return DecodeSchedulerSide(side), side
+
+
+def ask_for(scheduler_side: DecodeSchedulerSide, request_id: str, prefill: ServerSocket, blocks: list[int]) -> None:
+    """Blocks allocated for a request whose prompt `prefill` computes: its KVWant goes out."""
+    request = Request(request_id, list(range(PROMPT_LEN)), SamplingParams(max_tokens=2), max_tokens=2)
+    request.prefill_kv_address = prefill.address
+    scheduler_side.on_blocks_allocated(request, blocks, PROMPT_LEN)
+
+
 @pytest.fixture
 def pair():
     """(decode scheduler side, decode transfer side, stand-in prefill server, D's peer id there)."""
-    fingerprint = LayoutFingerprint(architecture="LlamaForCausalLM", num_layers=NUM_LAYERS, num_kv_heads=KV_HEADS,
-                                    head_dim=HEAD_DIM, dtype="float32", block_size=BLOCK_SIZE, weights_hash="w")
     prefill = ServerSocket("tcp://127.0.0.1:0")
-    side = DecodeTransferSide(fingerprint, "d0", timeout_s=5)
-    side.bind_kv_cache(torch.zeros(NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM))
-    scheduler_side = DecodeSchedulerSide(side)
-    request = Request("r", list(range(PROMPT_LEN)), SamplingParams(max_tokens=2), max_tokens=2)
-    request.prefill_kv_address = prefill.address
-    scheduler_side.on_blocks_allocated(request, [3, 1], PROMPT_LEN)
+    scheduler_side, side = decode_sides()
+    ask_for(scheduler_side, "r", prefill, [3, 1])
     hello = recv_flushing(prefill, side)
     assert isinstance(hello.msg, Hello)
     prefill.send(hello.peer_id, HelloAck(ok=True))
@@ -128,9 +137,7 @@ def _receive_for(side, seconds: float, until) -> None:
 def _open_second_link(scheduler_side, request_id: str) -> tuple[ServerSocket, bytes]:
     """Another stand-in prefill engine, which D links to for a request of its own."""
     other = ServerSocket("tcp://127.0.0.1:0")
-    request = Request(request_id, list(range(PROMPT_LEN)), SamplingParams(max_tokens=2), max_tokens=2)
-    request.prefill_kv_address = other.address
-    scheduler_side.on_blocks_allocated(request, [0, 2], PROMPT_LEN)
+    ask_for(scheduler_side, request_id, other, [0, 2])
     hello = recv_flushing(other, scheduler_side.transfer_side)
     other.send(hello.peer_id, HelloAck(ok=True))
     assert isinstance(recv_flushing(other, scheduler_side.transfer_side).msg, KVWant)
@@ -170,21 +177,14 @@ def test_aborting_on_a_dead_link_never_waits(pair):
 def test_a_request_after_a_refused_link_fails_with_the_same_reason():
     """Which requests a refusal finds asked depends on timing (a request's KVWant may come after the HelloAck
     was read): each gets the prefill engine's reason in the same words, not 'cannot reach' for the later ones."""
-    fingerprint = LayoutFingerprint(architecture="LlamaForCausalLM", num_layers=NUM_LAYERS, num_kv_heads=KV_HEADS,
-                                    head_dim=HEAD_DIM, dtype="float32", block_size=BLOCK_SIZE, weights_hash="w")
     prefill = ServerSocket("tcp://127.0.0.1:0")
-    side = DecodeTransferSide(fingerprint, "d0", timeout_s=5)
-    side.bind_kv_cache(torch.zeros(NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM))
-    scheduler_side = DecodeSchedulerSide(side)
+    scheduler_side, side = decode_sides()
     try:
-        for request_id, blocks in (("first", [0, 1]), ("later", [2, 3])):
-            request = Request(request_id, list(range(PROMPT_LEN)), SamplingParams(max_tokens=2), max_tokens=2)
-            request.prefill_kv_address = prefill.address
-            scheduler_side.on_blocks_allocated(request, blocks, PROMPT_LEN)
-            if request_id == "first":
-                hello = recv_flushing(prefill, side)
-                prefill.send(hello.peer_id, HelloAck(ok=False, reason="KV layout mismatch"))
-                _receive_until(side, lambda: side.transfers["first"].state is IncomingState.FAILED)
+        ask_for(scheduler_side, "first", prefill, [0, 1])
+        hello = recv_flushing(prefill, side)
+        prefill.send(hello.peer_id, HelloAck(ok=False, reason="KV layout mismatch"))
+        _receive_until(side, lambda: side.transfers["first"].state is IncomingState.FAILED)
+        ask_for(scheduler_side, "later", prefill, [2, 3])
         failed = scheduler_side.poll().failed
         assert failed == {name: "prefill engine refused the KV link: KV layout mismatch" for name in ("first", "later")}
     finally:
