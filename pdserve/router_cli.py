@@ -87,9 +87,7 @@ def resolve_model(model: str | None) -> tuple[str, str]:
 def router_config(args: argparse.Namespace):
     from pdserve.router.config import RouterConfig
 
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: add --tool-call-parser hermes (the "
-                         "format of Qwen2.5/Qwen3 and Hermes models), the one parser this server has")
+    chat_template = check_router_flags(args)
     model, name = resolve_model(args.model)
     registration = None if str(args.registration_address).lower() == "none" else args.registration_address
     curve_dir = curve_dir_for(args, [registration, *args.prefill_address, *args.decode_address])
@@ -103,8 +101,17 @@ def router_config(args: argparse.Namespace):
         max_retries=args.max_retries, request_timeout_s=args.request_timeout, log_level=args.log_level,
         max_request_bytes=args.max_request_bytes, preprocess_timeout_s=args.preprocess_timeout,
         allow_request_chat_template=args.allow_request_chat_template, tool_call_parser=args.tool_call_parser,
-        chat_template=read_chat_template(args.chat_template),
+        chat_template=chat_template,
         curve_dir=curve_dir)
+
+
+def check_router_flags(args: argparse.Namespace) -> str | None:
+    """The router's flags that it would refuse at start, checked (by `pdserve up` too, before it starts anything);
+    the --chat-template text."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: add --tool-call-parser hermes (the "
+                         "format of Qwen2.5/Qwen3 and Hermes models), the one parser this server has")
+    return read_chat_template(args.chat_template)
 
 
 def read_chat_template(given: str | None) -> str | None:

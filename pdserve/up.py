@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from pdserve.cli_help import DeprecatedFlag
-from pdserve.router_cli import LOG_LEVELS, resolve_model
+from pdserve.router_cli import LOG_LEVELS, check_router_flags, resolve_model
 from pdserve.supervisor import Component, ComponentFailed, RestartPolicy, Supervisor, full_disk_note, log_tail
 from pdserve.trust import check_cluster_keys, curve_dir_for, default_cluster_keys
 
@@ -316,6 +316,7 @@ def _start_all(args: argparse.Namespace, supervisor: Supervisor, model: str, nam
 
 def run_up(args: argparse.Namespace) -> int:
     _check_counts(args)
+    check_router_flags(args)  # what the router would refuse once started: refused before anything starts
     check_ports(args)
     resolve_keys(args)
     check_cluster_keys(args.curve_dir)

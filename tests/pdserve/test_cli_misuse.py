@@ -100,6 +100,18 @@ def test_up_refuses_a_startup_timeout_that_cannot_be_met(tmp_path, capsys, value
     assert not (tmp_path / "logs").exists(), "nothing was started"
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["--chat-template", "/nowhere/chat.jinja"], "--chat-template /nowhere/chat.jinja: no such file"),
+    (["--chat-template", "{% if %}"], "not a Jinja template"),
+])
+def test_up_refuses_what_its_router_would_before_anything_starts(tmp_path, capsys, flags, says):
+    """These were refused by the router once `up` had started it: an exit code 1 and a log to read."""
+    assert main(["up", "--model", str(tmp_path), "--insecure", "--log-dir", str(tmp_path / "logs"), *flags]) == 2
+    assert says in one_line_error(capsys, "up")
+    assert not (tmp_path / "logs").exists(), "nothing was started"
+
+
 @pytest.mark.parametrize("argv, hint", [
     (["up", "--tensor-parallel-size", "2"], "--tensor-parallel-size: pdserve runs each engine on one device: scale "
                                             "out with engines (`pdserve up --num-prefill N --num-decode M`)"),
