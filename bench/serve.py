@@ -82,7 +82,7 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    from pdserve.bench.serve_arrivals import check_arrival_args
+    from pdserve.bench.serve_arrivals import check_arrival_args, check_arrival_span
 
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts {args.num_prompts} must be at least 1")
@@ -102,6 +102,7 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.base_url.startswith(("http://", "https://")):
         raise ValueError(f"--base-url {args.base_url!r} is not an http(s) URL: write e.g. http://127.0.0.1:8000")
     check_arrival_args(args.request_rate, args.burstiness)
+    check_arrival_span(args.num_prompts, args.request_rate)
 
 
 def check_save_path(path: str, flag: str = "--save-result") -> None:

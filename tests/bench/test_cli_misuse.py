@@ -43,6 +43,19 @@ def test_bench_refuses_a_save_result_path_it_could_not_write_before_any_load(tmp
     assert "--save-result" in err and ("is a directory" in err or "is a file" in err)
 
 
+def test_bench_refuses_a_rate_whose_arrivals_would_take_more_than_a_day(capsys):
+    # was: taken, then a wait of about 1e300 s for the second request; nothing listens on the port
+    assert main(["bench", "--base-url", "http://127.0.0.1:9", "--request-rate", "1e-300", "--num-prompts", "5"]) == 2
+    err = error_line(capsys, "bench")
+    assert "--request-rate 1e-300" in err and "4e+300 s" in err and "raise --request-rate, or use inf" in err
+
+
+def test_plan_simulates_a_rate_whose_arrivals_take_more_than_a_day(profile_path, tmp_path, capsys):
+    # bench's one-day bound is not plan's: a simulated day costs nothing
+    assert main(["plan", "--profile", str(profile_path), "--engines", "2", "--slo", "ttft:5000", "--no-plots",
+                 "--num-prompts", "5", "--output-dir", str(tmp_path / "out"), "--request-rate", "1e-5"]) == 0
+
+
 @pytest.mark.parametrize("rate", ["-1", "0"])
 def test_plan_names_target_rate_when_it_is_not_a_rate(profile_path, tmp_path, capsys, rate):
     assert main(["plan", "--profile", str(profile_path), "--engines", "2", "--slo", "ttft:5000", "--no-plots",

@@ -45,10 +45,21 @@ def test_base_urls_pasted_with_v1_or_a_slash_are_the_server_root():
     (("--base-url", "127.0.0.1:8000"), "not an http"),
     (("--request-timeout", "0"), "--request-timeout"),
     (("--request-timeout", "inf"), "--request-timeout inf must be a positive, finite number"),
+    (("--request-rate", "1e-300", "--num-prompts", "5"),
+     r"--request-rate 1e-300 spreads --num-prompts 5 over about 4e\+300 s of arrivals, more than a day \(86400 s\): "
+     "raise --request-rate, or use inf for all at once"),
+    (("--request-rate", "0.01"), r"--num-prompts 1000 over about 9\.99e\+04 s"),  # the default 1000 prompts
 ])
 def test_bad_options_are_refused_before_anything_runs(argv, message):
     with pytest.raises(ValueError, match=message):
         check_args(bench_args(*argv))
+
+
+@pytest.mark.parametrize(("rate", "num_prompts"), [("inf", "1000000"), ("0.1", "50"), ("0.1", "8641"),
+                                                   ("1e-300", "1")])
+def test_rates_whose_arrivals_end_within_a_day_are_taken(rate, num_prompts):
+    # the last of N arrivals comes after N - 1 gaps: 8641 at 0.1/s is exactly a day, and 1 request is sent at once
+    check_args(bench_args("--request-rate", rate, "--num-prompts", num_prompts))
 
 
 def test_defaults_follow_vllm_bench_serve():
