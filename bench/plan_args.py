@@ -88,6 +88,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-scale", nargs=2, type=float, default=(1.0, 1.0), metavar=("PREFILL", "DECODE"),
                         help="multiply the profile's prefill and decode step times (e.g. a profile measured on a "
                              "busier machine than the one planned for); transfers are not scaled")
+    parser.add_argument("--per-point-speed", action="store_true",
+                        help="--validate: scale the profile's prefill and decode steps at each point by the sweep's "
+                             "reference runs around it (`pdserve sweep --reference-requests K`): the model's error "
+                             "at the machine's speed of the moment, without its drift since the profile")
     parser.add_argument("--jobs", type=int, default=2, metavar="J",
                         help="--find-goodput: processes searching the splits at once (the result is the same for any J)")
     parser.add_argument("--output-dir", default="plan-results", help="where the JSON and PNG go")

@@ -42,11 +42,12 @@ def cluster_spec(args: argparse.Namespace, profile: Profile) -> ClusterSpec:
                        args.local_prefill_threshold, args.kv_streaming == "on")
 
 
-def step_model(args: argparse.Namespace, profile: Profile) -> StepModel:
+def step_model(args: argparse.Namespace, profile: Profile, speed: tuple[float, float] = (1.0, 1.0)) -> StepModel:
+    """The profile's step model times --step-scale, times `speed` (prefill, decode) on top."""
     prefill_scale, decode_scale = args.step_scale
     if not (prefill_scale > 0 and decode_scale > 0):
         raise ValueError(f"--step-scale {prefill_scale:g} {decode_scale:g}: both scales must be above 0 (1 = as profiled)")
-    return StepModel.from_profile(profile, prefill_scale, decode_scale)
+    return StepModel.from_profile(profile, prefill_scale * speed[0], decode_scale * speed[1])
 
 
 def check_slos_reachable(settings: PlanSettings) -> None:
@@ -92,6 +93,8 @@ def run_plan(args: argparse.Namespace) -> int:
         from pdserve.bench.plan_validate import run_validate
 
         return run_validate(args, profile)
+    if args.per_point_speed:
+        raise ValueError("--per-point-speed reads a sweep's reference runs: it goes with --validate SWEEP_DIR")
     if args.engines is None or args.engines < 1:
         raise ValueError("pass --engines N (at least 1): the engines to split into prefill and decode")
     if args.engines > MAX_ENGINES:

@@ -2,7 +2,8 @@
 with its own lengths, rate, burstiness and seed, and the prediction set against what the run measured:
 SLO attainment, p50/p90 TTFT and TPOT, and the p50 first ITL (the wait for the second token, where a 1P1D
 request's KV transfer sits) per (config, rate), goodput per config, and the issue's goals. The sweep's unloaded
-passes are set against the simulator's prediction for one request alone on their layout."""
+passes are set against the simulator's prediction for one request alone on their layout, and so are its reference
+runs around each point (plan_speed.py), which --per-point-speed applies to the profile."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pdserve.bench.plan_metrics import predicted_metrics
 from pdserve.bench.plan_recommend import PlanSettings, simulate_split
 from pdserve.bench.plan_sampling import sampling_floor_pp
 from pdserve.bench.plan_simulator import ClusterSpec, SimRequest, StepModel, simulate
+from pdserve.bench.plan_speed import ReferenceSpeed, reference_speeds, speed_around
 from pdserve.bench.plan_step_check import step_ratio
 from pdserve.bench.plan_workload import Workload
 from pdserve.bench.sweep_results import ATTAINMENT_TARGET, parse_slos, request_latencies_ms, slo_attainment
@@ -38,6 +40,7 @@ COLUMNS = (("config", "config", "{}"), ("request_rate", "rate", "{:g}"),
            *[(f"{side}_{FIRST_ITL}", f"p50_itl1 {'meas' if side == 'measured' else 'pred'}", "{:.0f}")
              for side in ("measured", "predicted")],
            ("measured_step_ratio", "step meas/prof", "{:.2f}"))
+REFERENCE_COLUMNS = (("reference_speed_prefill", "ref P", "{:.2f}"), ("reference_speed_decode", "ref D", "{:.2f}"))
 
 
 def load_runs(sweep_dir: Path) -> list[dict]:
@@ -181,12 +184,22 @@ def measured_metrics(run: dict, slos: dict[str, float]) -> dict:
     return metrics
 
 
-def replay(run: dict, profile: Profile, args: argparse.Namespace, slos_override: dict[str, float]) -> dict:
-    """One run against its simulation, judged by slos_override or else by the SLOs the run was judged by."""
+def replay(run: dict, profile: Profile, args: argparse.Namespace, slos_override: dict[str, float],
+           references: list[ReferenceSpeed] = ()) -> dict:
+    """One run against its simulation, judged by slos_override or else by the SLOs the run was judged by; with
+    --per-point-speed, the profile's steps scaled by the reference runs around it."""
     sweep = run["sweep"]
     slos = slos_override or run_slos(run)
     workload = Workload([int(n) for n in run["input_lens"]], [int(n) for n in run["output_lens"]])
-    settings = PlanSettings(step_model(args, profile), workload, slos, cluster_spec(args, profile),
+    speed = speed_around(run, list(references))
+    scale = (1.0, 1.0)
+    if args.per_point_speed:
+        if speed is None:
+            raise ValueError(f"--per-point-speed: {run['config']} at {float(run['request_rate']):g} req/s has no "
+                             "reference run around it; run the sweep with --reference-requests K, or drop "
+                             "--per-point-speed")
+        scale = (speed.prefill, speed.decode or 1.0)
+    settings = PlanSettings(step_model(args, profile, scale), workload, slos, cluster_spec(args, profile),
                             float(run.get("burstiness") or 1.0), int(run.get("seed") or 0), exact_up_to=1 << 30)
     requests = simulate_split(settings, int(sweep["num_prefill"]), int(sweep["num_decode"]), float(run["request_rate"]))
     predicted = predicted_metrics(requests, slos)
@@ -198,6 +211,8 @@ def replay(run: dict, profile: Profile, args: argparse.Namespace, slos_override:
         row[f"measured_{key}"], row[f"predicted_{key}"] = measured[key], predicted[key]
     row["slo_attainment_with_measured"] = attainment_with_measured(run, requests, slos)
     row["measured_step_ratio"] = step_ratio(run, settings.model, int(sweep["num_decode"]))
+    row["reference_speed_prefill"] = speed.prefill if speed else None
+    row["reference_speed_decode"] = speed.decode if speed else None
     return row
 
 
@@ -221,6 +236,9 @@ def summarize_errors(rows: list[dict]) -> dict:
     summary["attainment_mae_pp_with_measured"] = mae_with_measured(with_slo)
     ratios = [r["measured_step_ratio"] for r in rows if r["measured_step_ratio"] is not None]
     summary["step_ratio_range"] = [min(ratios), max(ratios)] if ratios else None
+    for side in ("prefill", "decode"):
+        speeds = [r[f"reference_speed_{side}"] for r in rows if r[f"reference_speed_{side}"] is not None]
+        summary[f"reference_speed_{side}_range"] = [min(speeds), max(speeds)] if speeds else None
     summary["goodput"] = goodput_agreement(rows)
     return summary
 
@@ -272,10 +290,14 @@ def run_validate(args: argparse.Namespace, profile: Profile) -> int:
     for run in runs:
         check_run_model(profile, run)
     slos_override = parse_slos(args.slo, "--slo")
-    rows = [replay(run, profile, args, slos_override) for run in runs]
+    if args.per_point_speed and tuple(args.step_scale) != (1.0, 1.0):
+        raise ValueError("--per-point-speed and --step-scale both scale the profile: give one of them")
+    references = reference_speeds(all_runs, step_model(args, profile), cluster_spec(args, profile))
+    rows = [replay(run, profile, args, slos_override, references) for run in runs]
     summary = summarize_errors(rows)
+    summary["per_point_speed"] = bool(args.per_point_speed)
     summary["unloaded"] = unloaded_drift(read_unloaded(all_runs), step_model(args, profile), cluster_spec(args, profile))
-    print(format_table(rows, COLUMNS))
+    print(format_table(rows, COLUMNS + (REFERENCE_COLUMNS if references else ())))
     print_summary(summary)
     print_drift(summary["unloaded"])
     out = Path(args.output_dir)
@@ -312,6 +334,12 @@ def print_summary(summary: dict) -> None:
         low, high = summary["step_ratio_range"]
         print(f"  decode steps under load against the profile's step for their batch (plan_step_check.py): "
               f"x{low:.2f} to x{high:.2f} (the machine's drift and the step model's error)")
+    if summary["reference_speed_prefill_range"]:
+        ranges = {side: summary[f"reference_speed_{side}_range"] for side in ("prefill", "decode")}
+        print("  the reference runs around each point against the profile (the machine's speed of the moment): "
+              + ", ".join(f"{side} x{low:.2f} to x{high:.2f}" for side, (low, high) in
+                          ((side, r) for side, r in ranges.items() if r))
+              + ("; the steps were scaled by them (--per-point-speed)" if summary["per_point_speed"] else ""))
     for group in summary["goodput"]:
         print(f"  goodput measured {group['measured']} predicted {group['predicted']}: best "
               f"{group['measured_best'] or 'none'} vs {group['predicted_best'] or 'none'}"

@@ -48,7 +48,10 @@ SET_FOR_BENCH = ("--base-url", "--model", "--num-prompts", "--request-rate", "--
 
 UNLOADED_SEED_INDEX = 10_000  # the unloaded runs' prompts: seed + this, apart from every load's
 WARMUP_SEED_INDEX = 20_000  # the shaped warm-up runs' prompts, apart from every measured run's
+REFERENCE_SEED_INDEX = 30_000  # the n-th reference run's prompts: seed + this + n
 WARMUP_PHASE = "warmup"
+REFERENCE_PHASE = "reference"
+NOT_LOADS = (UNLOADED_PHASE, REFERENCE_PHASE)  # one request at a time: rows kept out of the plots
 
 
 class SearchStopped(Exception):
@@ -71,6 +74,8 @@ class SweepPlan:
     plots: bool = True
     slo_factors: dict[str, float] = field(default_factory=dict)  # with these, SLOs come from an unloaded pass
     unloaded_prompts: int = 4
+    reference_requests: int = 0  # per reference run, before each load and after a server's last (0: none)
+    reference_output_len: int = 32
 
 
 def build_plan(args: argparse.Namespace) -> SweepPlan:
@@ -85,6 +90,10 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
         raise ValueError("--goodput and --slo-factors both set the SLOs: give one of them")
     if slo_factors and args.unloaded_prompts < 1:
         raise ValueError(f"--unloaded-prompts {args.unloaded_prompts}: give 1 or more")
+    if args.reference_requests < 0 or args.reference_output_len < 1:
+        raise ValueError(f"--reference-requests {args.reference_requests} --reference-output-len "
+                         f"{args.reference_output_len}: give 0 or more requests (0 = no reference runs) of 1 or "
+                         "more tokens")
     _check_loads(args, bool(slos or slo_factors))
     if not args.no_plots:
         from pdserve.bench.sweep_plots import pyplot
@@ -112,7 +121,7 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
     output_dir = Path(args.output_dir or f"sweep-results/{time.strftime('%Y%m%d-%H%M%S')}")
     return SweepPlan(layouts, externals, loads, slos, cluster, bench, output_dir, args.warmup, args.find_goodput,
                      args.goodput_start_rate, args.goodput_steps, not args.no_plots, slo_factors,
-                     args.unloaded_prompts)
+                     args.unloaded_prompts, args.reference_requests, args.reference_output_len)
 
 
 def _passed_through(text: str, option: str, reserved: tuple[str, ...]) -> list[str]:
@@ -187,6 +196,8 @@ class Sweep:
         self.goodputs: list[dict] = []
         self.client_cores: list[int] | None = None  # the running layout's spare cores, for bench
         self.runs_dir = plan.output_dir / "runs"
+        self.order = itertools.count()  # each run's place among its server's runs (references between loads)
+        self.references_run = 0  # the running server's reference runs so far
 
     def run(self) -> None:
         self.runs_dir.mkdir(parents=True, exist_ok=True)
@@ -254,6 +265,7 @@ class Sweep:
 
     def run_server(self, url: str, base: RunInfo, client_cores: list[int] | None = None) -> None:
         self.client_cores = client_cores
+        self.order, self.references_run = itertools.count(), 0
         self.warm_up_server(url, base, client_cores, before=base.phase)
         for index, (rate, concurrency) in enumerate(self.plan.loads):
             self.run_one(url, replace(base, request_rate=rate, max_concurrency=concurrency), index)
@@ -261,11 +273,29 @@ class Sweep:
             self.search_goodput(url, base)
         elif self.plan.slos:
             self.goodput_from_loads(base)
+        self.run_reference(url, base)  # after the last load: every load has a reference on each side
 
     def run_one(self, url: str, info: RunInfo, run_index: int) -> dict:
-        row, _ = run_bench(self.plan.bench, url, info, self.runs_dir, self.plan.slos, run_index, self.client_cores)
+        self.run_reference(url, info)
+        row, _ = run_bench(self.plan.bench, url, info, self.runs_dir, self.plan.slos, run_index, self.client_cores,
+                           order=next(self.order))
         self.rows.append(row)
         return row
+
+    def run_reference(self, url: str, base: RunInfo) -> None:
+        """--reference-requests requests one at a time, --reference-output-len tokens each (prompts of their own):
+        how fast the machine is just before a load (and after the last), which `plan --validate` can read around
+        each point. Saved as runs/<config>_reference<n>.json, n counting the server's reference runs."""
+        if not self.plan.reference_requests:
+            return
+        number = self.references_run
+        self.references_run += 1
+        options = replace(self.plan.bench, num_prompts=self.plan.reference_requests, goodput=[],
+                          dataset_args=with_output_len(self.plan.bench.dataset_args, self.plan.reference_output_len))
+        info = replace(base, phase=REFERENCE_PHASE, request_rate=math.inf, max_concurrency=1)
+        row, _ = run_bench(options, url, info, self.runs_dir, {}, REFERENCE_SEED_INDEX + number, self.client_cores,
+                           name=f"{base.config}_reference{number}", order=next(self.order))
+        self.rows.append(row)
 
     def search_goodput(self, url: str, base: RunInfo) -> None:
         """Probes at rates of its choosing (no concurrency cap), seeded from this server's listed rates."""
@@ -310,6 +340,13 @@ class Sweep:
         return [row for row in self.rows if row.get("error")]
 
 
+def with_output_len(dataset_args: list[str], output_len: int) -> list[str]:
+    """bench's dataset flags with --output-len set to output_len (replacing the sweep's)."""
+    kept = [item for i, item in enumerate(dataset_args)
+            if item != "--output-len" and (i == 0 or dataset_args[i - 1] != "--output-len")]
+    return [*kept, "--output-len", str(output_len)]
+
+
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
@@ -332,7 +369,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if plan.plots and sweep.rows:
         from pdserve.bench.sweep_plots import write_plots
 
-        loaded = [row for row in sweep.rows if row.get("phase") != UNLOADED_PHASE]
+        loaded = [row for row in sweep.rows if row.get("phase") not in NOT_LOADS]
         for path in write_plots(loaded, sweep.goodputs, plan.output_dir):
             print(f"[pdserve sweep] wrote {path}", flush=True)
     failures = sweep.failures()

@@ -45,6 +45,12 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
                              "times the lowest median among the servers (instead of --goodput)")
     parser.add_argument("--unloaded-prompts", type=int, default=4,
                         help="requests of each server's unloaded run, with --slo-factors")
+    parser.add_argument("--reference-requests", type=int, default=0, metavar="K",
+                        help="before each load and after a layout's last: K requests one at a time, "
+                             "--reference-output-len tokens each, its own prompts: how fast the machine was around "
+                             "every point, for `pdserve plan --validate --per-point-speed` (0 = none)")
+    parser.add_argument("--reference-output-len", type=int, default=32,
+                        help="output tokens of each reference request")
     parser.add_argument("--find-goodput", action="store_true",
                         help="per layout, search the highest rate at which >= 90%% of requests "
                              "meet every SLO (needs --goodput or --slo-factors)")

@@ -70,8 +70,9 @@ class RunInfo:
     """Where a run sits in the sweep: which server, which load."""
     config: str
     num_engines: int
-    phase: str  # "sweep" (a listed load), "search" (a goodput-search probe), "unloaded" (one at a time, for SLOs)
-    # or "warmup_<phase>" (unmeasured, before a server's first run of that phase)
+    phase: str  # "sweep" (a listed load), "search" (a goodput-search probe), "unloaded" (one at a time, for SLOs),
+    # "reference" (one at a time around each load: the machine's speed) or "warmup_<phase>" (unmeasured, before a
+    # server's first run of that phase)
     request_rate: float
     max_concurrency: int | None
     num_prefill: int | None = None  # None for an external server

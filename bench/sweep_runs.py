@@ -68,10 +68,12 @@ def bench_command(options: BenchOptions, url: str, info: RunInfo, result_path: P
 
 
 def run_bench(options: BenchOptions, url: str, info: RunInfo, runs_dir: Path, slos: dict[str, float],
-              run_index: int = 0, client_cores: list[int] | None = None) -> tuple[dict, dict | None]:
+              run_index: int = 0, client_cores: list[int] | None = None, name: str | None = None,
+              order: int | None = None) -> tuple[dict, dict | None]:
     """(summary row, bench's JSON or None when it failed); a failed run is a row with its error, not a crash.
-    `client_cores`: where bench runs (cores the engines do not have), when there are any."""
-    result_path = runs_dir / f"{run_name(info)}.json"
+    `client_cores`: where bench runs (cores the engines do not have), when there are any. `name`: the run file's
+    name instead of run_name(info); `order`: the run's place among its server's runs, kept in its JSON."""
+    result_path = runs_dir / f"{name or run_name(info)}.json"
     result_path.unlink(missing_ok=True)
     command = bench_command(options, url, info, result_path, run_index)
     print(f"[pdserve sweep] {info.config}: bench at rate {format_rate(info.request_rate)}"
@@ -92,7 +94,8 @@ def run_bench(options: BenchOptions, url: str, info: RunInfo, runs_dir: Path, sl
     if result is not None:
         result["sweep"] = {"config": info.config, "phase": info.phase, "request_rate": format_rate(info.request_rate),
                            "max_concurrency": info.max_concurrency, "num_engines": info.num_engines,
-                           "num_prefill": info.num_prefill, "num_decode": info.num_decode}
+                           "num_prefill": info.num_prefill, "num_decode": info.num_decode,
+                           **({} if order is None else {"order": order})}
         result["server_metrics"] = figures
         result_path.write_text(json.dumps(result, indent=2))
     if error:

@@ -45,27 +45,45 @@ def synthetic_profile(identity: ModelIdentity, noise: float = 0.0) -> Profile:
     return build_profile(identity, machine, EngineSettings(num_kv_blocks=4096), prefill, decode, transfer)
 
 
-def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0, later_shift: float = 0.0) -> None:
+def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0, later_shift: float = 0.0,
+                speed: tuple[float, float] = (1.0, 1.0), references: int = 0) -> None:
     """A sweep directory in `pdserve sweep`'s run format whose 'measured' arrays are the simulator's own
     prediction (times 1 + shift; the ITLs after the first also times 1 + later_shift), so a replay must find
-    them again."""
+    them again. `speed`: the 'machine' ran the profile's prefill and decode steps that much slower; `references`:
+    with that many requests, a reference run (one request at a time, at that speed) before each load and after
+    the last, as `pdserve sweep --reference-requests` writes them."""
     runs = sweep_dir / "runs"
     runs.mkdir(parents=True)
     workload = random_workload(30, 200, 20, range_ratio=0.3, seed=0)
+    machine = StepModel.from_profile(profile, *speed)
     for config, (x, y) in (("1P1D", (1, 1)), ("0P2D", (0, 2))):
-        for rate in (2.0, 6.0):
-            spec = ClusterSpec(x, y, profile.engine, profile.model.kv_bytes_per_token)
-            done = simulate(spec, StepModel.from_profile(profile), workload.arrivals(rate, seed=0),
-                            workload.prompt_lens, workload.output_lens)
+        spec = ClusterSpec(x, y, profile.engine, profile.model.kv_bytes_per_token)
+        layout = {"config": config, "num_prefill": x, "num_decode": y, "num_engines": x + y}
+        for index, rate in enumerate((2.0, 6.0)):
+            done = simulate(spec, machine, workload.arrivals(rate, seed=0), workload.prompt_lens, workload.output_lens)
             run = {"model_id": str(model_dir), "config": config, "request_rate": rate, "burstiness": 1.0, "seed": 0,
-                   "max_concurrency": None, "goodput": {"ttft": 300.0, "tpot": 40.0},
-                   "sweep": {"config": config, "num_prefill": x, "num_decode": y, "num_engines": x + y},
+                   "max_concurrency": None, "goodput": {"ttft": 300.0, "tpot": 40.0}, "sweep": dict(layout),
                    "input_lens": workload.prompt_lens, "output_lens": workload.output_lens,
                    "ttfts": [r.ttft * (1 + shift) for r in done], "errors": [""] * len(done),
                    "itls": [[itl * (1 + shift) * (1 + later_shift * (k > 0)) for k, itl in enumerate(simulated_itls(r))]
                             for r in done]}
             run["e2els"] = [ttft + sum(itls) for ttft, itls in zip(run["ttfts"], run["itls"])]
+            if references:
+                run["sweep"]["order"] = 2 * index + 1
             (runs / f"{config}_rate{rate}.json").write_text(json.dumps(run))
+        for number in range(3 if references else 0):
+            reference = reference_run(spec, machine, references, 200, 20)
+            reference.update(model_id=str(model_dir), config=config,
+                             sweep={**layout, "phase": "reference", "order": 2 * number})
+            (runs / f"{config}_reference{number}.json").write_text(json.dumps(reference))
+
+
+def reference_run(spec: ClusterSpec, machine: StepModel, count: int, prompt_len: int, output_len: int) -> dict:
+    """`count` requests of these lengths one at a time on `machine`, in bench's run format."""
+    alone = [simulate(spec, machine, [0.0], [prompt_len], [output_len])[0] for _ in range(count)]
+    return {"request_rate": "inf", "max_concurrency": 1, "burstiness": 1.0, "seed": 30_000,
+            "input_lens": [prompt_len] * count, "output_lens": [output_len] * count,
+            "ttfts": [r.ttft for r in alone], "itls": [simulated_itls(r) for r in alone], "errors": [""] * count}
 
 
 def simulated_itls(request) -> list[float]:

@@ -157,6 +157,44 @@ def test_slos_come_from_the_unloaded_pass_of_the_same_sweep(model_factory, tmp_p
     assert unloaded["slo_attainment"] in (0.5, 1.0) and loaded["slo_attainment"] is not None
 
 
+@pytest.mark.timeout(180)
+def test_reference_runs_around_every_load_and_plan_reads_them(model_factory, tmp_path):
+    """--reference-requests: before each load and after the last, a few requests one at a time of their own
+    length, numbered in the server's order; `plan --validate --per-point-speed` scales each point by them."""
+    model = model_factory("llama")
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--configs", "0P1D", "--request-rates", "8", "16", "--model", model, "--num-prompts", "3",
+                 "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--goodput", "ttft:60000",
+                 "--reference-requests", "2", "--reference-output-len", "6", "--warmup", "1",
+                 "--output-dir", str(out), "--up-args", UP_ARGS])
+    assert code == 0, (out / "summary.csv").read_text()
+    rows = read_csv(out / "summary.csv")
+    assert [(row["phase"], row["request_rate"]) for row in rows] == [
+        ("reference", math.inf), ("sweep", 8.0), ("reference", math.inf), ("sweep", 16.0), ("reference", math.inf)]
+    runs = {path.stem: json.loads(path.read_text()) for path in (out / "runs").glob("*.json")}
+    assert sorted(runs) == ["0P1D_rate16", "0P1D_rate8", "0P1D_reference0", "0P1D_reference1", "0P1D_reference2"]
+    for number in range(3):
+        reference = runs[f"0P1D_reference{number}"]
+        assert (reference["completed"], reference["max_concurrency"]) == (2, 1)
+        assert reference["output_lens"] == [6, 6] and reference["input_lens"] == [INPUT_LEN] * 2
+        assert reference["sweep"]["order"] == 2 * number
+    assert (runs["0P1D_rate8"]["sweep"]["order"], runs["0P1D_rate16"]["sweep"]["order"]) == (1, 3)
+    assert runs["0P1D_rate8"]["output_lens"] == [OUTPUT_LEN] * 3  # the loads keep their own length
+    assert [g["goodput"] for g in read_csv(out / "goodput.csv")] == [16.0]  # references are no load
+
+    from pdserve.bench.plan_fit import EngineSettings, model_identity
+    from tests.bench.plan_helpers import synthetic_profile
+
+    profile = synthetic_profile(model_identity(model)).model_copy(
+        update={"engine": EngineSettings(block_size=4, num_kv_blocks=512, max_num_batched_tokens=64)})
+    (tmp_path / "profile.json").write_text(profile.model_dump_json())
+    assert main(["plan", "--profile", str(tmp_path / "profile.json"), "--validate", str(out), "--per-point-speed",
+                 "--output-dir", str(tmp_path / "validation"), "--no-plots"]) == 0
+    points = json.loads((tmp_path / "validation" / "validation.json").read_text())["points"]
+    assert sorted(p["request_rate"] for p in points) == [8.0, 16.0]
+    assert all(p["reference_speed_prefill"] > 0 and p["reference_speed_decode"] > 0 for p in points)
+
+
 @pytest.mark.timeout(120)
 def test_a_layout_that_cannot_start_and_a_dead_server_are_rows_with_errors(tmp_path):
     out = tmp_path / "sweep"

@@ -302,6 +302,8 @@ def sweep_args(*argv: str):
     (("--request-rates", "1", "--up-args", "--dtype float32 --port=9000"), "--up-args sets --port"),
     (("--request-rates", "1", "--bench-args", "--seed 3 --request-rate 2"), "sets --request-rate, --seed"),
     (("--request-rates", "1", "--bench-args", "--tokenizer 'unclosed"), "quote it"),
+    (("--request-rates", "1", "--reference-requests", "-1"), "--reference-requests -1"),
+    (("--request-rates", "1", "--reference-requests", "2", "--reference-output-len", "0"), "of 1 or more tokens"),
 ])
 def test_the_plan_is_checked_before_anything_starts(argv, says):
     from pdserve.bench.sweep import build_plan
@@ -402,3 +404,11 @@ def test_flags_bench_would_refuse_are_refused_before_any_layout_starts(argv, say
 
     with pytest.raises(ValueError, match=re.escape(says)):
         build_plan(sweep_args("--request-rates", "1", *argv))
+
+
+def test_reference_runs_take_their_own_output_length():
+    from pdserve.bench.sweep import with_output_len
+
+    given = ["--dataset", "random", "--output-len", "256", "--input-len", "128"]
+    assert with_output_len(given, 32) == ["--dataset", "random", "--input-len", "128", "--output-len", "32"]
+    assert with_output_len(["--input-len", "128"], 8) == ["--input-len", "128", "--output-len", "8"]
