@@ -24,8 +24,7 @@ class PrefillSchedulerSide(KVConnector):
         """Whether the finished prompt's blocks wait for a decode engine (True) or may go now."""
         request_id = request.request_id
         transfer = self.transfers.get(request_id)
-        ends_here = request_id in self.transfer_side.ends_here
-        self.transfer_side.ends_here.discard(request_id)
+        ends_here = self.transfer_side.first_token_ends(request_id)
         held = self.transfer_side.take_hold(request_id)
         if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR) or (
                 transfer is not None and transfer.is_ended):
@@ -43,7 +42,6 @@ class PrefillSchedulerSide(KVConnector):
         return True
 
     def on_request_aborted(self, request: Request) -> None:
-        self.transfer_side.ends_here.discard(request.request_id)
         self.transfer_side.take_hold(request.request_id)
         transfer = self.transfers.pop(request.request_id, None)
         if transfer is not None:

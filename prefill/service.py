@@ -42,6 +42,8 @@ class PrefillServer(EngineServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.continuing: set[str] = set()  # requests whose first token does not end them: D goes on
+        # every other request's first token ends it: the scheduler side asks, when its prompt is computed
+        self.kv_transfer.first_token_ends = lambda request_id: request_id not in self.continuing
 
     def handle(self, peer_id: bytes, msg: Any) -> None:
         if not isinstance(msg, PrefillRequest):
@@ -55,8 +57,7 @@ class PrefillServer(EngineServer):
         room_for_more = request.num_prompt_tokens + 1 < self.engine.model_config.max_model_len
         if (max_tokens is None or max_tokens > 1) and room_for_more:
             self.continuing.add(msg.request_id)
-        else:  # the router sends such a request to no decode engine: its KV goes once computed
-            self.kv_transfer.ends_here.add(msg.request_id)
+        # else the router sends it to no decode engine: its KV goes once computed (first_token_ends)
 
     def publish(self, deltas: list[TokenDelta]) -> None:
         """The step's first tokens go to the router first; then the KV of the prompts it computed."""

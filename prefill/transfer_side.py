@@ -54,7 +54,9 @@ class PrefillTransferSide(KVTransferSide):
         self.transfers: dict[str, Transfer] = {}  # shared with the scheduler side
         self.holds_prompt: Callable[[str], bool] = lambda request_id: False  # queued or computing here
         self.waits_for_blocks: Callable[[str], bool] = lambda request_id: False  # queued, no free KV blocks
-        self.ends_here: set[str] = set()  # requests their first token ends: no decode engine will ask
+        # whether a request's first token ends it (no decode engine will ask): PrefillServer answers, from its
+        # set of the requests that go on; unbound, every request goes on
+        self.first_token_ends: Callable[[str], bool] = lambda request_id: False
         self._holds: OrderedDict[str, float] = OrderedDict()  # KVHold before the prompt was computed: when
         self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> why its transfer ended
         self.computed: list[Transfer] = []  # prompts computed in this step and asked for: KV to send next

@@ -125,14 +125,14 @@ def test_a_request_that_ends_at_its_first_token_holds_no_blocks(link):  # noqa: 
     asked for it all the same (its KVHold or KVWant came), it is served."""
     side, client, _ = link
     scheduler_side = PrefillSchedulerSide(side)
-    side.ends_here.update({"alone", "asked", "claimed"})
+    side.first_token_ends = {"alone", "asked", "claimed"}.__contains__
     assert not scheduler_side.on_request_finished(_computed_prompt("alone"), BLOCK_IDS)
     client.send(KVHold(request_id="claimed"))
     client.send(KVWant(request_id="asked", skip_tokens=0, num_tokens=PROMPT_LEN))
     _wait_until(lambda: side.receive() or "asked" in side.transfers)
     assert scheduler_side.on_request_finished(_computed_prompt("asked"), BLOCK_IDS)
     assert scheduler_side.on_request_finished(_computed_prompt("claimed"), BLOCK_IDS)
-    assert set(side.transfers) == {"asked", "claimed"} and not side.ends_here
+    assert set(side.transfers) == {"asked", "claimed"}
 
 
 def test_a_bound_that_is_not_positive_is_refused_naming_its_flag():
