@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from pdserve.bench.serve_arrivals import check_arrival_span
 from pdserve.bench.sweep_args import DATASET_FLAGS
 from pdserve.bench.sweep_cluster import Cluster, ClusterError, ClusterSpec
 from pdserve.bench.sweep_goodput import find_goodput
@@ -173,6 +174,8 @@ def _check_loads(args: argparse.Namespace, has_slos: bool) -> None:
                          f"{args.goodput_start_rate:g}: give counts >= 0 and a start rate > 0")
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts {args.num_prompts}: give 1 or more")
+    for rate in args.request_rates or []:
+        check_arrival_span(args.num_prompts, rate)  # bench would refuse each run, after its layout had started
     if args.find_goodput and not has_slos:
         raise ValueError("--find-goodput needs SLOs: add --goodput ttft:MS tpot:MS, or --slo-factors ttft:4 tpot:1.5")
     if args.devices and not args.device.startswith("cuda"):

@@ -302,6 +302,7 @@ def sweep_args(*argv: str):
     (("--request-rates", "1", "--up-args", "--dtype float32 --port=9000"), "--up-args sets --port"),
     (("--request-rates", "1", "--bench-args", "--seed 3 --request-rate 2"), "sets --request-rate, --seed"),
     (("--request-rates", "1", "--bench-args", "--tokenizer 'unclosed"), "quote it"),
+    (("--request-rates", "1", "0.0001", "--num-prompts", "50"), "more than a day"),
     (("--request-rates", "1", "--reference-requests", "-1"), "--reference-requests -1"),
     (("--request-rates", "1", "--reference-requests", "2", "--reference-output-len", "0"), "of 1 or more tokens"),
 ])
