@@ -118,6 +118,10 @@ class EngineSettings(BaseModel):
     # context term is batch x longest; else the sum of the contexts. Profiles written before this field were
     # all taken on the CPU backend when it still padded (before it grouped sequences by length).
     decode_pads_to_longest: bool = True
+    # It groups the sequences by length and pads each group to its longest (kernels.length_groups.group_by_length):
+    # the sum of the contexts plus the groups' padding. None (profiles before this field): grouped where the
+    # backend did not pad to the longest on a CPU, as the CPU backend has since it stopped padding.
+    decode_groups_by_length: bool | None = None
     dtype: str = "float32"  # the engine's weights and KV (profiles before this field: all float32 on CPU)
 
 
@@ -149,6 +153,15 @@ class Profile(BaseModel):
         """The same while another engine of the host runs decode steps (machine["decode_corun"]["beside_decode"])."""
         beside = (self.machine.get("decode_corun") or {}).get("beside_decode")
         return corun_terms(beside, self.decode_fit.coefficients.get("context", 0.0))
+
+    @property
+    def decode_groups_by_length(self) -> bool:
+        """Whether the engine's decode reads each group of similar lengths padded to its longest
+        (EngineSettings.decode_groups_by_length; for a profile without the field, a CPU one that did not pad)."""
+        grouped = self.engine.decode_groups_by_length
+        if grouped is None:
+            return not self.engine.decode_pads_to_longest and str(self.machine.get("device", "cpu")) == "cpu"
+        return grouped
 
     def link_cpu_per_byte(self, side: str) -> float:
         """CPU seconds per byte that one side ("sender", "receiver") of the KV link takes from its engine's steps.

@@ -150,6 +150,7 @@ def measure_engine(args, model: str) -> tuple[list[PrefillPoint], list[DecodePoi
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               max_num_seqs=probe.engine.scheduler.config.max_num_seqs, num_kv_blocks=runner.num_blocks,
                               decode_pads_to_longest=runner.attn_backend.decode_pads_to_longest,
+                              decode_groups_by_length=runner.attn_backend.decode_groups_by_length,
                               dtype=str(probe.llm.model_config.dtype).removeprefix("torch."))
     return prefill, decode, settings, max_len
 

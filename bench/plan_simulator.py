@@ -44,6 +44,7 @@ except ImportError as exc:  # an extra of the bench tools
 
 from pdserve.bench.plan_corun_fit import NO_CORUN, CoRun
 from pdserve.bench.plan_fit import EngineSettings, Profile
+from pdserve.kernels.length_groups import group_padding
 
 PREFILL_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 IDLE, DECODING, PREFILLING = "idle", "decoding", "prefilling"  # an engine's step under way (the co-run factors)
@@ -66,6 +67,7 @@ class StepModel:
     decode_corun: CoRun = NO_CORUN  # a decode step's slow-down while another engine on the host computes a prefill
     decode_beside_decode: CoRun = NO_CORUN  # ... while another engine on the host runs decode steps
     decode_pads_to_longest: bool = False  # the decode context term counts batch x the longest (a padding backend)
+    decode_groups_by_length: bool = False  # ... the sum plus each length group's padding (the CPU backend)
 
     @classmethod
     def from_profile(cls, profile: Profile, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> StepModel:
@@ -77,7 +79,8 @@ class StepModel:
                    d["intercept"] * decode_scale, d["batch"] * decode_scale, d["context"] * decode_scale,
                    max(t["intercept"], 0.0), t["bytes"], profile.link_cpu_per_byte("sender"),
                    profile.link_cpu_per_byte("receiver"), profile.decode_corun,
-                   profile.decode_beside_decode, profile.engine.decode_pads_to_longest)
+                   profile.decode_beside_decode, profile.engine.decode_pads_to_longest,
+                   profile.decode_groups_by_length)
 
     def step_seconds(self, num_decodes: int, context: int, prefill_tokens: int, attention: float,
                      slowdown: CoRun = NO_CORUN) -> float:
@@ -257,6 +260,7 @@ class SimEngine:
         self.clock = 0
         self._context_base = 0  # sum over decoding of (tokens at join - clock at join)
         self._longest: list[tuple[int, int]] = []  # max-heap of (-(tokens at join - clock at join), index), lazy
+        self._group_padding: int | None = None  # a grouping backend's padding, from when the batch last changed
         self.fixed_tokens = 0  # KV of prefilling requests, requests waiting for KV, prompts held for a transfer
         self.waiting_tokens = 0  # prompt tokens not yet admitted (the router counts them: queued or pending)
         self.queued_tokens = 0  # tokens of the prompts not yet computed in full (waiting and prefilling)
@@ -300,7 +304,15 @@ class SimEngine:
 
     def attended_tokens(self) -> int:
         """The context the next decode step's attention reads: the sum of the contexts, or batch x the longest
-        where the backend pads (StepModel.decode_pads_to_longest). Both grow by the batch size per step."""
+        where the backend pads (StepModel.decode_pads_to_longest), or the sum plus each length group's padding
+        where it groups (decode_groups_by_length). All grow by the batch size per step: a group's padding is set by
+        the differences between its contexts, which stay as they are while every context grows by one (the groups
+        are taken when a request joins or leaves; the backend's 10% bound, which grows with the contexts, may merge
+        two of them sooner)."""
+        if self.model.decode_groups_by_length and self.decoding:
+            if self._group_padding is None:  # the groups as of now; kept until a request joins or leaves
+                self._group_padding = group_padding([_join_key(r) + self.clock for r in self.decoding.values()])
+            return self.context_tokens() + self._group_padding
         if not self.model.decode_pads_to_longest or not self.decoding:
             return self.context_tokens()
         longest = self._longest
@@ -514,12 +526,14 @@ class SimEngine:
         if request.second_token is None:
             self._second_pending.append(request)
         self._context_base += request.prompt_len + num_generated - self.clock
+        self._group_padding = None
         if self.model.decode_pads_to_longest:
             heapq.heappush(self._longest, (-_join_key(request), request.index))
         heapq.heappush(self._finishes, (self.clock + request.output_len - num_generated, request.index, request))
 
     def _leave_decoding(self, request: SimRequest) -> None:
         del self.decoding[request.index]
+        self._group_padding = None
         request.num_generated += self.clock - request.join_clock
         self._context_base -= request.prompt_len + request.num_generated - self.clock
 

@@ -5,15 +5,17 @@ A run records when each request was sent (its arrival, from the seed as bench dr
 so the time of every token is known. At the middle of each later ITL (the second token's wait holds the KV
 transfer) the requests between their first and last token are the decode batch, and each one's context is its
 prompt plus the tokens it had. The profile's decode step for that batch (its context term as the backend reads
-it: the sum, or batch x the longest) against the ITL measured is the step model's error plus the machine's
-drift; the median over the run's ITLs is one figure per point. With several decode engines, which request sat
-on which is not recorded: the batch and the summed context are split evenly and the longest is the run's."""
+it: the sum, batch x the longest, or the sum plus the padding of its length groups) against the ITL measured is
+the step model's error plus the machine's drift; the median over the run's ITLs is one figure per point. With
+several decode engines, which request sat on which is not recorded: the batch, the summed context and the whole
+batch's group padding are split evenly and the longest is the run's."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from pdserve.bench.plan_simulator import StepModel
+from pdserve.kernels.length_groups import group_padding
 from pdserve.bench.serve_arrivals import arrival_offsets
 
 
@@ -38,23 +40,25 @@ def step_ratio(run: dict, model: StepModel, num_decode: int) -> float | None:
     if not any(len(gaps) for gaps in measured):
         return None
     middles_all, measured_all = np.concatenate(middles), np.concatenate(measured)
-    batch, summed, longest = _batch_at(times, run["input_lens"], middles_all)
+    contexts = _contexts_at(times, run["input_lens"], middles_all)
+    batch, summed, longest = (contexts > 0).sum(axis=0), contexts.sum(axis=0), contexts.max(axis=0)
     per_engine = np.maximum(batch / num_decode, 1.0)
-    attended = per_engine * longest if model.decode_pads_to_longest else summed / num_decode
+    if model.decode_pads_to_longest:
+        attended = per_engine * longest
+    elif model.decode_groups_by_length:  # the whole batch's grouping, split evenly like the rest
+        padding = np.array([group_padding([int(c) for c in column[column > 0]]) for column in contexts.T])
+        attended = (summed + padding) / num_decode
+    else:
+        attended = summed / num_decode
     return float(np.median(measured_all / model.decode_seconds(per_engine, attended)))
 
 
-def _batch_at(times: list[np.ndarray], prompt_lens: list[int], moments: np.ndarray) -> tuple[np.ndarray, ...]:
-    """At each moment: how many requests were decoding, the sum of their contexts and the longest."""
-    batch = np.zeros(len(moments))
-    summed = np.zeros(len(moments))
-    longest = np.zeros(len(moments))
-    for stamps, prompt_len in zip(times, prompt_lens):
+def _contexts_at(times: list[np.ndarray], prompt_lens: list[int], moments: np.ndarray) -> np.ndarray:
+    """[requests, moments]: each request's context at each moment while it was decoding, else 0."""
+    contexts = np.zeros((len(times), len(moments)), dtype=np.int64)
+    for row, (stamps, prompt_len) in enumerate(zip(times, prompt_lens)):
         if len(stamps) < 2:
             continue
         active = (stamps[0] <= moments) & (moments <= stamps[-1])
-        context = prompt_len + np.searchsorted(stamps, moments, side="right")
-        batch += active
-        summed += np.where(active, context, 0)
-        longest = np.maximum(longest, np.where(active, context, 0))
-    return batch, summed, longest
+        contexts[row] = np.where(active, prompt_len + np.searchsorted(stamps, moments, side="right"), 0)
+    return contexts

@@ -13,16 +13,11 @@ if __name__ != "pdserve.kernels":
 
     hand_over(__name__, __file__)
 else:
-    from pdserve.kernels.dispatch import build as _build
-    from pdserve.kernels.dispatch import kernel_backend
+    # The kernels are built on first use (kernels.dispatch imports torch); a bad PDSERVE_KERNELS fails here, at
+    # import. Torch-free modules of the package (torch_paged's length groups, for `pdserve plan`) import without it.
+    from pdserve.kernels.forced_backend import read_forced_backend as _read_forced_backend
 
-    store_kv = _build("store_kv")
-    paged_decode_attention = _build("paged_decode_attention")
-    paged_prefill_attention = _build("paged_prefill_attention")
-    kv_pack = _build("kv_pack")
-    kv_unpack = _build("kv_unpack")
-    add_rms_norm = _build("add_rms_norm")
-    rotary_embedding = _build("rotary_embedding")
+    _read_forced_backend()
 
     __all__ = [
         "add_rms_norm",
@@ -34,3 +29,12 @@ else:
         "rotary_embedding",
         "store_kv",
     ]
+
+    def __getattr__(name: str):
+        if name not in __all__:
+            raise AttributeError(f"module 'pdserve.kernels' has no attribute {name!r}")
+        from pdserve.kernels import dispatch
+
+        value = dispatch.kernel_backend if name == "kernel_backend" else dispatch.build(name)
+        globals()[name] = value
+        return value

@@ -15,15 +15,13 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import os
 from typing import Callable
 
 import torch
 
 from pdserve.kernels import reference, reference_extra
+from pdserve.kernels.forced_backend import read_forced_backend
 
-ENV_VAR = "PDSERVE_KERNELS"
-BACKENDS = ("torch", "triton")
 
 # kernel name -> (torch implementation, module holding the Triton implementation of the same name)
 KERNELS: dict[str, tuple[Callable, str]] = {
@@ -35,19 +33,6 @@ KERNELS: dict[str, tuple[Callable, str]] = {
     "add_rms_norm": (reference_extra.add_rms_norm, "pdserve.kernels.triton_norm"),
     "rotary_embedding": (reference_extra.rotary_embedding, "pdserve.kernels.triton_rotary"),
 }
-
-
-def read_forced_backend(environ: dict | os._Environ = os.environ) -> str | None:
-    """The backend PDSERVE_KERNELS forces, or None to choose by device."""
-    value = environ.get(ENV_VAR, "").strip().lower()
-    if value in ("", "auto"):
-        return None
-    if value not in BACKENDS:
-        raise ValueError(
-            f"{ENV_VAR}={environ[ENV_VAR]!r} is not a kernel backend: set it to 'torch' or 'triton', "
-            f"or leave it unset to use Triton on CUDA tensors and torch elsewhere"
-        )
-    return value
 
 
 FORCED_BACKEND = read_forced_backend()

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.length_groups import group_by_length
+
 
 @dataclass(frozen=True)
 class StorePlan:
@@ -44,49 +46,6 @@ def store_kv_planned(
     # view (never a copy): the writes must land in the cache itself
     key_cache.view(num_slots, *key_cache.shape[2:]).index_copy_(0, plan.slots, key.to(key_cache.dtype))
     value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, plan.slots, value.to(value_cache.dtype))
-
-
-# Decode groups: sequences of similar length share one gather and one SDPA, so a step's attention costs
-# about the sum of its contexts rather than batch x its longest context (docs/BENCHMARKS.md, "CPU decode
-# attention without padding", has the measurements behind these numbers).
-MAX_PADDING_FRACTION = 0.1  # a group's padding stays within this fraction of its real tokens,
-MIN_PADDING_TOKENS = 256  # or within this many tokens (a group costs ~ as much as this many padded tokens)
-MAX_DECODE_GROUPS = 6  # attention calls per layer at most (plus one for empty sequences, if any)
-
-
-def group_by_length(
-    seq_lens: list[int],
-    max_padding: float = MAX_PADDING_FRACTION,
-    max_groups: int = MAX_DECODE_GROUPS,
-    min_padding: int = MIN_PADDING_TOKENS,
-) -> list[list[int]]:
-    """Split a decode step's sequences (by index) into groups that each run as one attention call
-    padded to the group's longest context.
-
-    Rule: take the sequences longest first (equal lengths in step order). The next sequence joins the
-    current group unless that would make the group's padding, sum(longest - length), exceed both
-    max_padding x the group's real tokens, sum(length), and min_padding; then it opens a new group
-    (a group costs an attention call: a few hundred padded tokens are cheaper). Once max_groups
-    groups are open, the last one takes every remaining non-empty sequence (the shortest), whatever its
-    padding. Sequences of length 0 attend to nothing: they form one more group of their own, last.
-    Every index is in exactly one group; equal lengths make one group.
-    """
-    if max_groups < 1:
-        raise ValueError(f"max_groups must be at least 1, got {max_groups}")
-    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
-    groups: list[list[int]] = []
-    longest = real = 0  # of the last group
-    for index in (i for i in order if seq_lens[i] > 0):
-        length = seq_lens[index]
-        padding = longest * (len(groups[-1]) + 1) - (real + length) if groups else 0
-        if groups and (len(groups) == max_groups or padding <= max(max_padding * (real + length), min_padding)):
-            groups[-1].append(index)
-            real += length
-        else:
-            groups.append([index])
-            longest = real = length
-    empty = [i for i in order if seq_lens[i] == 0]
-    return groups + [empty] if empty else groups
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,9 @@ class AttentionBackend(ABC, Generic[MetadataT]):
     # A decode step reads every sequence's KV padded to the step's longest context: its attention costs
     # batch x longest, not the sum of the contexts (what `pdserve profile` records for the planner).
     decode_pads_to_longest: ClassVar[bool] = False
+    # A decode step groups its sequences by length (kernels.length_groups.group_by_length) and reads each group padded
+    # to its longest: it costs the sum of the contexts plus the groups' padding.
+    decode_groups_by_length: ClassVar[bool] = False
 
     @abstractmethod
     def prepare(self, context: ForwardContext) -> MetadataT:

@@ -22,9 +22,10 @@ class TorchPagedMetadata:
 class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
     name = "torch-paged"
     supports_cuda_graphs = False  # the plans read sequence lengths on the host
-    # Decode groups the step's sequences by length (kernels.torch_paged.group_by_length bounds each group's
-    # padding to 10% of its tokens or 256 tokens), so a step reads about the sum of its contexts.
+    # Decode groups the step's sequences by length (kernels.length_groups.group_by_length bounds each group's
+    # padding to 10% of its tokens or 256 tokens), so a step reads the sum of its contexts and that padding.
     decode_pads_to_longest = False
+    decode_groups_by_length = True
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size

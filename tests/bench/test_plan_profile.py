@@ -49,7 +49,8 @@ def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_pat
     assert profile.model == model_identity(model)
     assert profile.machine["pinned_core"] is not None and profile.machine["torch"]
     assert {p.batch for p in profile.decode_points} >= {1, 4}
-    assert not profile.engine.decode_pads_to_longest  # the CPU backend groups by length: about the sum
+    assert not profile.engine.decode_pads_to_longest  # the CPU backend groups by length: the sum and the padding
+    assert profile.engine.decode_groups_by_length and profile.decode_groups_by_length
     assert all(p.longest * p.batch == p.context for p in profile.decode_points)  # uniform batches
     assert any(p.batch > 1 for p in profile.prefill_points)
     assert all(p.seconds > 0 and p.cpu_seconds > 0 for p in profile.prefill_points + profile.decode_points)
@@ -104,7 +105,8 @@ def test_on_a_gpu_every_shape_runs_once_untimed_first(monkeypatch):
             self.engine = argparse.Namespace(cache_config=argparse.Namespace(block_size=16),
                                              scheduler=argparse.Namespace(config=argparse.Namespace(max_num_seqs=8)),
                                              runner=argparse.Namespace(num_blocks=64, attn_backend=argparse.Namespace(
-                                                 decode_pads_to_longest=False)))
+                                                 decode_pads_to_longest=False,
+                                                 decode_groups_by_length=False)))
 
         def prefill_points(self, prompt_len, batch):
             calls.append(("prefill", prompt_len, batch))

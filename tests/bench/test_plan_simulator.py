@@ -61,6 +61,21 @@ def test_a_padding_backend_pays_for_the_longest_context_until_it_leaves(pads):
                                                                             for c in alone), rel=1e-9)
 
 
+@pytest.mark.parametrize("long_prompt, padded", [(300, True), (700, False)])
+def test_a_grouping_backend_pays_for_the_padding_of_each_length_group(long_prompt, padded):
+    """The CPU backend (kernels.length_groups.group_by_length) pads a group to its longest when that costs at most
+    256 tokens (or 10% of the group's): 301 and 101 tokens share one group and read 2 x 301; 701 and 101 run as two
+    groups and read their sum. The difference between the two contexts stays as each grows by one a step."""
+    d0, per_seq, per_context = 0.02, 0.001, 1e-5
+    step_model = model(decode_intercept=d0, decode_per_seq=per_seq, decode_per_context=per_context,
+                       decode_groups_by_length=True)
+    long_request, short_request = simulate(ClusterSpec(0, 1), step_model, [0.0, 0.0], [long_prompt, 100], [10, 30])
+    together = [2 * (long_prompt + 1 + j) if padded else (long_prompt + 1 + j) + (101 + j) for j in range(9)]
+    assert long_request.finish == pytest.approx(sum(d0 + 2 * per_seq + per_context * c for c in together), rel=1e-9)
+    assert short_request.finish == pytest.approx(long_request.finish + sum(d0 + per_seq + per_context * (101 + j)
+                                                                            for j in range(9, 29)), rel=1e-9)
+
+
 def test_an_arrival_in_a_decode_run_joins_at_the_next_step_boundary():
     step = 0.05
     requests = simulate(ClusterSpec(0, 1), model(decode_intercept=step), [0.0, 0.123], [16, 16], [20, 5])

@@ -35,6 +35,9 @@ def test_steps_on_the_profile_read_as_one_and_a_slower_machine_as_its_factor():
 def test_the_context_term_follows_the_backend():
     run = lockstep_run([300, 100], [20, 24])  # together for most steps: the padding is most of the context
     assert step_ratio(run, replace(STEP, decode_pads_to_longest=False), 1) > 1.05  # the sum under-predicts
+    # a grouping backend puts 300 and 100 tokens in one group (200 tokens of padding): it reads what padding does
+    grouped = replace(STEP, decode_pads_to_longest=False, decode_groups_by_length=True)
+    assert step_ratio(run, grouped, 1) == pytest.approx(1.0)
 
 
 def test_a_run_without_later_itls_has_no_ratio():

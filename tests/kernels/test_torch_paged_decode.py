@@ -139,3 +139,25 @@ def test_empty_sequences_form_the_last_group():
 def test_grouping_refuses_no_groups():
     with pytest.raises(ValueError, match="max_groups must be at least 1"):
         torch_paged.group_by_length([1, 2], max_groups=0)
+
+
+def test_group_padding_is_what_the_groups_read_beyond_their_contexts():
+    from pdserve.kernels.length_groups import group_by_length, group_padding
+
+    lens = [129, 150, 171, 192, 213, 235, 256, 277, 298, 319, 341, 362, 0, 385]
+    groups = group_by_length(lens)
+    assert group_padding(lens) == sum(max(lens[i] for i in g) * len(g) - sum(lens[i] for i in g) for g in groups
+                                      if any(lens[i] for i in g)) > 0
+    assert group_padding([300, 300, 300]) == 0 and group_padding([]) == 0 and group_padding([0, 5]) == 0
+    assert group_padding([701, 101]) == 0  # two groups: 600 tokens of padding would cost more than a call
+    assert group_padding([301, 101]) == 200  # one group: within 256 tokens
+
+
+def test_the_planner_reads_the_length_groups_without_importing_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport pdserve.kernels.length_groups, pdserve.bench.plan_simulator\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"]
