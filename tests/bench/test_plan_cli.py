@@ -18,18 +18,6 @@ from pdserve.cli import main
 from tests.bench.plan_helpers import synthetic_profile, write_sweep
 
 
-@pytest.fixture
-def tiny_model(model_factory):
-    return model_factory()
-
-
-@pytest.fixture
-def profile_path(tmp_path, tiny_model):
-    path = tmp_path / "profile.json"
-    path.write_text(synthetic_profile(model_identity(tiny_model)).model_dump_json())
-    return str(path)
-
-
 def plan(profile_path, out, *extra) -> int:
     return main(["plan", "--profile", profile_path, "--num-prompts", "200", "--input-len", "256", "--output-len", "32",
                  "--output-dir", str(out), *extra])

@@ -6,23 +6,11 @@ import json
 
 import pytest
 
-from pdserve.bench.plan_fit import load_profile, model_identity
+from pdserve.bench.plan_fit import load_profile
 from pdserve.bench.plan_simulator import ClusterSpec, StepModel
 from pdserve.bench.plan_speed import ReferenceSpeed, Speed, reference_speed, speed_around
 from pdserve.cli import main
-from tests.bench.plan_helpers import reference_run, synthetic_profile, write_sweep
-
-
-@pytest.fixture
-def tiny_model(model_factory):
-    return model_factory()
-
-
-@pytest.fixture
-def profile_path(tmp_path, tiny_model):
-    path = tmp_path / "profile.json"
-    path.write_text(synthetic_profile(model_identity(tiny_model)).model_dump_json())
-    return str(path)
+from tests.bench.plan_helpers import reference_run, write_sweep
 
 
 @pytest.mark.parametrize("layout", [(1, 1), (0, 2)])
