@@ -14,7 +14,7 @@ if __name__ != "pdserve.kernels":
     hand_over(__name__, __file__)
 else:
     # The kernels are built on first use (kernels.dispatch imports torch); a bad PDSERVE_KERNELS fails here, at
-    # import. Torch-free modules of the package (torch_paged's length groups, for `pdserve plan`) import without it.
+    # import. Torch-free modules of the package (length_groups, which `pdserve plan` prices) import without it.
     from pdserve.kernels.forced_backend import read_forced_backend as _read_forced_backend
 
     _read_forced_backend()
