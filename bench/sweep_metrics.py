@@ -21,6 +21,7 @@ COUNTERS = {
     "pdserve_num_preemptions_total": ("preemptions", None),
     "pdserve_prefix_cache_queries_total": ("prefix_cache_queries", None),
     "pdserve_prefix_cache_hits_total": ("prefix_cache_hits", None),
+    "process_cpu_seconds_total": ("server_cpu_s", None),  # the process serving /metrics: pdserve's router
 }
 TRANSFER_SECONDS = "pdserve_kv_transfer_seconds_total"
 TRANSFERS = "pdserve_kv_transfers_total"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -80,6 +80,7 @@ class EngineCollector(Collector):
 class RouterMetrics:
     def __init__(self, links: dict[str, EngineLink]) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total and the rest: the router's own CPU
         self.requests = Counter("pdserve_requests", "HTTP API requests by endpoint and status code",
                                 ["endpoint", "status"], registry=self.registry)
         self.finished = Counter("pdserve_finished_choices", "choices finished, by finish reason",

@@ -82,6 +82,7 @@ def test_sweep_two_layouts_two_rates(model_factory, tmp_path):
             assert row["kv_bytes_sent"] == 0
         assert (row["mean_kv_transfer_ms"] is not None) == disaggregated
         assert row["prefix_cache_queries"] >= NUM_PROMPTS * INPUT_LEN
+        assert row["server_cpu_s"] > 0  # the router's own CPU (process_cpu_seconds_total) over the run
 
         result = json.loads(Path(row["result_file"]).read_text())
         assert DOCUMENTED_KEYS <= set(result), DOCUMENTED_KEYS - set(result)

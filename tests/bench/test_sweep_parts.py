@@ -167,6 +167,8 @@ pdserve_prefix_cache_queries_total{engine="decode-0",role="decode"} 100.0
 # TYPE pdserve_prefix_cache_hits counter
 pdserve_prefix_cache_hits_total{engine="prefill-0",role="prefill"} 10.0
 pdserve_prefix_cache_hits_total{engine="decode-0",role="decode"} 50.0
+# TYPE process_cpu_seconds counter
+process_cpu_seconds_total 12.5
 """
 AFTER = """\
 # TYPE pdserve_kv_bytes_sent counter
@@ -188,6 +190,8 @@ pdserve_prefix_cache_hits_total{engine="decode-0",role="decode"} 3.0
 # TYPE pdserve_num_requests_waiting gauge
 pdserve_num_requests_waiting{engine="prefill-0",role="prefill"} 3.0
 pdserve_num_requests_waiting{engine="decode-0",role="decode"} 1.0
+# TYPE process_cpu_seconds counter
+process_cpu_seconds_total 14.0
 """
 
 
@@ -207,6 +211,7 @@ def test_metrics_differences_per_run():
     # the decode engine restarted (its counters went down): it counts from zero
     assert summary["prefix_cache_queries"] == 200 + 30 and summary["prefix_cache_hits"] == 50 + 3
     assert summary["prefix_cache_hit_rate"] == pytest.approx(53 / 230)
+    assert summary["server_cpu_s"] == pytest.approx(1.5)  # the router's own CPU during the run
     assert summarize_counters({})["mean_kv_transfer_ms"] is None
 
 
