@@ -11,13 +11,13 @@ profile and the hour of the sweep (docs/BENCHMARKS.md, windows 6-9)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from pdserve.bench.plan_simulator import ClusterSpec, StepModel, simulate
-
-REFERENCE_PHASE = "reference"
+from pdserve.bench.sweep_results import REFERENCE_PHASE
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def reference_speeds(all_runs: list[dict], model: StepModel, cluster: ClusterSpe
     return found
 
 
-def speed_around(run: dict, references: list[ReferenceSpeed]) -> Speed | None:
+def speed_around(run: dict, references: Sequence[ReferenceSpeed]) -> Speed | None:
     """The geometric mean of the nearest reference run before this run and the nearest after it (one side when
     the other is missing); None when the run has no order or its server has no reference run."""
     order = (run.get("sweep") or {}).get("order")

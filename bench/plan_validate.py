@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from pdserve.bench.plan_speed import ReferenceSpeed, reference_speeds, speed_aro
 from pdserve.bench.plan_step_check import step_ratio
 from pdserve.bench.plan_workload import Workload
 from pdserve.bench.sweep_results import ATTAINMENT_TARGET, parse_slos, request_latencies_ms, slo_attainment
+from pdserve.bench.sweep_unloaded import UNLOADED_PHASE
 
 COMPARED = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms")  # the issue's goals
 FIRST_ITL = "median_first_itl_ms"  # compared too, outside the goals: the KV's path to the second token
@@ -87,7 +89,7 @@ def read_runs(all_runs: list[dict], sweep_dir: Path) -> list[dict]:
 def read_unloaded(all_runs: list[dict]) -> list[dict]:
     """The sweep's unloaded passes (one request at a time per layout): how fast the machine was in the sweep's
     window, to hold against the profile's own figures."""
-    return [run for run in all_runs if run.get("phase") == "unloaded" and run.get("ttfts")]
+    return [run for run in all_runs if run.get("phase") == UNLOADED_PHASE and run.get("ttfts")]
 
 
 def unloaded_drift(runs: list[dict], model: StepModel, cluster: ClusterSpec) -> list[dict]:
@@ -185,13 +187,13 @@ def measured_metrics(run: dict, slos: dict[str, float]) -> dict:
 
 
 def replay(run: dict, profile: Profile, args: argparse.Namespace, slos_override: dict[str, float],
-           references: list[ReferenceSpeed] = ()) -> dict:
+           references: Sequence[ReferenceSpeed] = ()) -> dict:
     """One run against its simulation, judged by slos_override or else by the SLOs the run was judged by; with
     --per-point-speed, the profile's steps scaled by the reference runs around it."""
     sweep = run["sweep"]
     slos = slos_override or run_slos(run)
     workload = Workload([int(n) for n in run["input_lens"]], [int(n) for n in run["output_lens"]])
-    speed = speed_around(run, list(references))
+    speed = speed_around(run, references)
     scale = (1.0, 1.0)
     if args.per_point_speed:
         if speed is None:

@@ -29,6 +29,7 @@ from pdserve.bench.sweep_layouts import (
 )
 from pdserve.bench.sweep_results import (
     GOODPUT_COLUMNS,
+    REFERENCE_PHASE,
     SUMMARY_COLUMNS,
     RunInfo,
     goodput_from_rows,
@@ -51,7 +52,6 @@ UNLOADED_SEED_INDEX = 10_000  # the unloaded runs' prompts: seed + this, apart f
 WARMUP_SEED_INDEX = 20_000  # the shaped warm-up runs' prompts, apart from every measured run's
 REFERENCE_SEED_INDEX = 30_000  # the n-th reference run's prompts: seed + this + n
 WARMUP_PHASE = "warmup"
-REFERENCE_PHASE = "reference"
 NOT_LOADS = (UNLOADED_PHASE, REFERENCE_PHASE)  # one request at a time: rows kept out of the plots
 
 
