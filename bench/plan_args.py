@@ -88,6 +88,18 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-scale", nargs=2, type=float, default=(1.0, 1.0), metavar=("PREFILL", "DECODE"),
                         help="multiply the profile's prefill and decode step times (e.g. a profile measured on a "
                              "busier machine than the one planned for); transfers are not scaled")
+    parser.add_argument("--host-cpu-per-token", type=float, default=None, metavar="US",
+                        help="microseconds of host CPU (router, clients) per streamed token that a CPU host runs on "
+                             "the engines' cores once none is idle (one core per engine); default: 0 for plan, and "
+                             "for --validate with a CPU profile what the sweep measured (its server_cpu_s and "
+                             "client_cpu_s, fitted with --host-background-cpu)")
+    parser.add_argument("--host-background-cpu", type=float, default=None, metavar="CORES",
+                        help="the share of one core the host's processes take whatever the load (0.01 = 1%%), also "
+                             "on the engines' cores once none is idle; default as --host-cpu-per-token")
+    parser.add_argument("--host-cpu-from", default=None, metavar="SWEEP_DIR",
+                        help="--validate: fit the host's CPU figures to this sweep's runs (the same layouts on the "
+                             "same machine) instead of the validated sweep's own, e.g. for a sweep that did not "
+                             "record server_cpu_s")
     parser.add_argument("--per-point-speed", action="store_true",
                         help="--validate: scale the profile's prefill and decode steps at each point by the sweep's "
                              "reference runs around it (`pdserve sweep --reference-requests K`): the model's error "

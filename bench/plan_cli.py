@@ -8,9 +8,11 @@ import json
 import math
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from pdserve.bench.plan_fit import Profile, load_profile, model_identity
+from pdserve.bench.plan_host_cpu import HostCpu, plan_host_cpu
 from pdserve.bench.plan_recommend import PlanSettings, plan_splits, recommend, run_split, smallest_engines
 from pdserve.bench.plan_search import search_splits
 from pdserve.bench.plan_simulator import ClusterSpec, StepModel
@@ -42,12 +44,16 @@ def cluster_spec(args: argparse.Namespace, profile: Profile) -> ClusterSpec:
                        args.local_prefill_threshold, args.kv_streaming == "on")
 
 
-def step_model(args: argparse.Namespace, profile: Profile, speed: tuple[float, float] = (1.0, 1.0)) -> StepModel:
-    """The profile's step model times --step-scale, times `speed` (prefill, decode) on top."""
+def step_model(args: argparse.Namespace, profile: Profile, speed: tuple[float, float] = (1.0, 1.0),
+               host: HostCpu | None = None) -> StepModel:
+    """The profile's step model times --step-scale, times `speed` (prefill, decode) on top, with the host's CPU per
+    streamed token (default: plan's, --host-cpu-per-token or none)."""
     prefill_scale, decode_scale = args.step_scale
     if not (prefill_scale > 0 and decode_scale > 0):
         raise ValueError(f"--step-scale {prefill_scale:g} {decode_scale:g}: both scales must be above 0 (1 = as profiled)")
-    return StepModel.from_profile(profile, prefill_scale * speed[0], decode_scale * speed[1])
+    host = plan_host_cpu(args) if host is None else host
+    return StepModel.from_profile(profile, prefill_scale * speed[0], decode_scale * speed[1], host.seconds_per_token,
+                                  host.background_cores)
 
 
 def check_slos_reachable(settings: PlanSettings) -> None:
@@ -95,6 +101,9 @@ def run_plan(args: argparse.Namespace) -> int:
         return run_validate(args, profile)
     if args.per_point_speed:
         raise ValueError("--per-point-speed reads a sweep's reference runs: it goes with --validate SWEEP_DIR")
+    if args.host_cpu_from:
+        raise ValueError("--host-cpu-from fits the host's CPU to a sweep for --validate; for a plan give "
+                         "--host-cpu-per-token US and --host-background-cpu CORES")
     if args.engines is None or args.engines < 1:
         raise ValueError("pass --engines N (at least 1): the engines to split into prefill and decode")
     if args.engines > MAX_ENGINES:
@@ -111,7 +120,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--target-rate {args.target_rate:g}: give the requests per second the cluster must serve, "
                          f"a number above 0")
     started, started_cpu = time.perf_counter(), cpu_seconds()
-    settings = PlanSettings(step_model(args, profile), workload_from_args(args), slos,
+    host = plan_host_cpu(args)
+    settings = PlanSettings(step_model(args, profile, host=host), workload_from_args(args), slos,
                             cluster_spec(args, profile), args.burstiness, args.seed, args.exact_up_to)
     check_slos_reachable(settings)
     if args.request_rate is None:
@@ -124,6 +134,8 @@ def run_plan(args: argparse.Namespace) -> int:
     print(format_table(rows))
     print("\n" + recommendation(best, args) + f"; {len(rows)} splits of {len(settings.workload)} requests "
           f"simulated in {elapsed:.1f} s ({cpu:.1f} s of CPU)")
+    if host.seconds_per_token:
+        print(f"{host.describe()}, charged to the engines' steps while none is idle (one core per engine)")
     if args.target_rate:
         print(f"smallest cluster for {args.target_rate:g} req/s: " + (
             f"{smallest['num_engines']} engines as {smallest['config']}" if smallest else
@@ -149,7 +161,7 @@ def write_outputs(args, profile: Profile, rows: list[dict], best: dict, smallest
               "engines": args.engines, "slos_ms": parse_slos(args.slo, "--slo"), "request_rate": args.request_rate,
               "dataset": {k: getattr(args, k) for k in ("dataset", "dataset_path", "num_prompts", "input_len",
                                                          "output_len", "range_ratio", "burstiness", "seed")},
-              "step_scale": list(args.step_scale), "splits": rows, "recommended": best, "smallest": smallest,
+              "step_scale": list(args.step_scale), "host_cpu": asdict(plan_host_cpu(args)), "splits": rows, "recommended": best, "smallest": smallest,
               "seconds": elapsed, "cpu_seconds": cpu}
     (out / "plan.json").write_text(json.dumps(result, indent=1, default=str))
     if not args.no_plots:

@@ -155,20 +155,24 @@ class Profile(BaseModel):
         return corun_terms(beside, self.decode_fit.coefficients.get("context", 0.0))
 
     @property
+    def on_cpu(self) -> bool:
+        """Whether the profiled engine ran on CPU cores (the machine's device)."""
+        return str(self.machine.get("device", "cpu")) == "cpu"
+
+    @property
     def decode_groups_by_length(self) -> bool:
         """Whether the engine's decode reads each group of similar lengths padded to its longest
         (EngineSettings.decode_groups_by_length; for a profile without the field, a CPU one that did not pad)."""
         grouped = self.engine.decode_groups_by_length
         if grouped is None:
-            return not self.engine.decode_pads_to_longest and str(self.machine.get("device", "cpu")) == "cpu"
+            return not self.engine.decode_pads_to_longest and self.on_cpu
         return grouped
 
     def link_cpu_per_byte(self, side: str) -> float:
         """CPU seconds per byte that one side ("sender", "receiver") of the KV link takes from its engine's steps.
         A CPU engine has one core, which zmq's I/O thread shares: all of the process's link CPU counts. On a GPU
         host the I/O thread runs on another core: only the engine thread's own part, where the profile took it."""
-        on_cpu = str(self.machine.get("device", "cpu")) == "cpu"
-        if on_cpu or any(getattr(p, f"{side}_thread_cpu_s") is None for p in self.transfer_points):
+        if self.on_cpu or any(getattr(p, f"{side}_thread_cpu_s") is None for p in self.transfer_points):
             return getattr(self, f"transfer_{side}_cpu_per_byte")
         return cpu_per_byte(self.transfer_points, f"{side}_thread")
 

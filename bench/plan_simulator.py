@@ -68,11 +68,16 @@ class StepModel:
     decode_beside_decode: CoRun = NO_CORUN  # ... while another engine on the host runs decode steps
     decode_pads_to_longest: bool = False  # the decode context term counts batch x the longest (a padding backend)
     decode_groups_by_length: bool = False  # ... the sum plus each length group's padding (the CPU backend)
+    host_cpu_per_token: float = 0.0  # seconds of host CPU (router, clients) per streamed token: SimCluster.on_host
+    host_background_cores: float = 0.0  # ... and its CPU seconds per second whatever the load
 
     @classmethod
-    def from_profile(cls, profile: Profile, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> StepModel:
+    def from_profile(cls, profile: Profile, prefill_scale: float = 1.0, decode_scale: float = 1.0,
+                     host_cpu_per_token: float = 0.0, host_background_cores: float = 0.0) -> StepModel:
         """The profile's fits; the scales multiply its prefill and decode step times (a profile taken on a
-        busier or slower machine than the one planned for)."""
+        busier or slower machine than the one planned for); the host's CPU per streamed token and in the background:
+        what it takes from the engines' cores when none of them is idle (CPU hosts; 0 where the host has cores of its
+        own)."""
         p, d, t = (profile.prefill_fit.coefficients, profile.decode_fit.coefficients,
                    profile.transfer_fit.coefficients)
         return cls(p["intercept"] * prefill_scale, p["tokens"] * prefill_scale, p["attention"] * prefill_scale,
@@ -80,7 +85,7 @@ class StepModel:
                    max(t["intercept"], 0.0), t["bytes"], profile.link_cpu_per_byte("sender"),
                    profile.link_cpu_per_byte("receiver"), profile.decode_corun,
                    profile.decode_beside_decode, profile.engine.decode_pads_to_longest,
-                   profile.decode_groups_by_length)
+                   profile.decode_groups_by_length, host_cpu_per_token, host_background_cores)
 
     def step_seconds(self, num_decodes: int, context: int, prefill_tokens: int, attention: float,
                      slowdown: CoRun = NO_CORUN) -> float:
@@ -427,8 +432,8 @@ class SimEngine:
             return
         tokens = sum(n for _, n in chunks)
         attention = sum(n * (n + 2 * r.num_computed) for r, n in chunks)
-        seconds = self.model.step_seconds(num_decodes, self.attended_tokens(), tokens, attention,
-                                          self.cluster.slowdown(self))
+        step = self.model.step_seconds(num_decodes, self.attended_tokens(), tokens, attention, self.cluster.slowdown(self))
+        seconds = self.cluster.on_host(step, num_decodes, chunks)
         if self._second_pending:
             self._second_token_at(now + seconds)
         self.sim.at(now + seconds, self._step_done, chunks)
@@ -576,9 +581,9 @@ class SimEngine:
         batch = len(self.decoding)
         room = (self.capacity - self.used_tokens()) // batch
         num_steps = max(1, min(self._finishes[0][0] - self.clock, room))
-        slowdown = self.cluster.slowdown(self)  # a change cuts the run (SimCluster.set_activity)
-        first = self.model.step_seconds(batch, self.attended_tokens(), 0, 0.0, slowdown)
-        growth = self.model.decode_per_context * batch * slowdown.kv_reads  # each step reads one more token per request
+        slowdown = self.cluster.slowdown(self)  # a change cuts the run (SimCluster.set_activity), as for on_host
+        first = self.cluster.on_host(self.model.step_seconds(batch, self.attended_tokens(), 0, 0.0, slowdown), batch)
+        growth = self.cluster.on_host(self.model.decode_per_context * batch * slowdown.kv_reads, 0)  # a token each
         if self.knows_ahead:
             num_steps = self._steps_before_input(now, num_steps, first, growth)
         if self._second_pending:
@@ -671,7 +676,12 @@ class SimCluster:
     engine's decode steps take the profile's decode_corun factors times as long (one for the weights part, one for
     the KV reads); while another runs decode steps, its decode_beside_decode factors (CPU engines on cores of one
     host share its caches and memory bandwidth; term by term the larger factor where both apply). A step is timed
-    when it starts, and a decode run is cut at its next step boundary when what the others do changes."""
+    when it starts, and a decode run is cut at its next step boundary when what the others do changes.
+
+    The host's cores are the engines' (one each, as `pdserve sweep` pins them on CPU). The router and the clients
+    take StepModel.host_cpu_per_token per token streamed and host_background_cores all along: on an idle engine's
+    core while there is one, else from the busy engines, each paying for the tokens its own step streams and its
+    share of the background (on_host)."""
 
     def __init__(self, spec: ClusterSpec, model: StepModel, budget: MissBudget | None = None) -> None:
         self.spec, self.model, self.budget = spec, model, budget
@@ -681,7 +691,16 @@ class SimCluster:
         self._next = {"prefill": 0, "decode": 0}
         self.factors = {PREFILLING: model.decode_corun.at_least(NO_CORUN),  # a neighbour never speeds a step up
                         DECODING: model.decode_beside_decode.at_least(NO_CORUN)}
-        self.corun = spec.num_prefill + spec.num_decode > 1 and any(f != NO_CORUN for f in self.factors.values())
+        num_engines = spec.num_prefill + spec.num_decode
+        self.host_cpu_per_token = model.host_cpu_per_token
+        share = model.host_background_cores / num_engines  # of each busy core
+        if not 0 <= share < 1:
+            raise ValueError(f"host background CPU {model.host_background_cores:g} cores on {num_engines} engines' "
+                             "cores: give less than one core per engine")
+        self.host_stretch = 1.0 / (1.0 - share)
+        self.host_charged = self.host_cpu_per_token > 0 or self.host_stretch > 1.0
+        self.corun = (num_engines > 1 and any(f != NO_CORUN for f in self.factors.values())
+                      or self.host_charged)  # engines report their activity (set_activity)
         self.num_at = {PREFILLING: 0, DECODING: 0, IDLE: spec.num_prefill + spec.num_decode}  # engines by activity
 
     def slowdown(self, engine: SimEngine) -> CoRun:
@@ -692,6 +711,15 @@ class SimCluster:
                 if self.num_at[activity] > (engine.activity == activity):
                     slowdown = factor if slowdown is NO_CORUN else slowdown.at_least(factor)
         return slowdown
+
+    def on_host(self, seconds: float, num_decodes: int, chunks: list[tuple[SimRequest, int]] = ()) -> float:
+        """A step of `seconds` with the host's CPU on its core: as it is while an engine (its core) is idle, else
+        stretched by its core's share of the background, plus the CPU for the tokens it streams (one per decode, one
+        per prompt its chunks complete). Called once the engine has set its own activity."""
+        if self.num_at[IDLE] or not self.host_charged:
+            return seconds
+        first_tokens = sum(r.num_computed + n >= r.recompute_len for r, n in chunks) if chunks else 0
+        return seconds * self.host_stretch + (num_decodes + first_tokens) * self.host_cpu_per_token
 
     def set_activity(self, engine: SimEngine, activity: str) -> None:
         """engine starts a step (or a run) of this activity; the others' decode runs end at their next step
@@ -710,7 +738,10 @@ class SimCluster:
 
     def _others_see_a_change(self, activity: str, count_before: int, count_after: int) -> bool:
         """Whether the engines with decode runs (DECODING ones) see "another engine does this" flip: a count
-        moving 0 <-> 1 for what they do not do, 1 <-> 2 for decoding, which they do (their own step counts)."""
+        moving 0 <-> 1 for what they do not do, 1 <-> 2 for decoding, which they do (their own step counts); for
+        IDLE, 0 <-> 1 where the host's CPU is charged (a core free for it, or none)."""
+        if activity == IDLE:
+            return self.host_charged and min(count_before, count_after) == 0
         if self.factors.get(activity, NO_CORUN) == NO_CORUN:
             return False
         return min(count_before, count_after) == (1 if activity == DECODING else 0)
@@ -818,7 +849,8 @@ def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], p
     pool) holding its blocks."""
     check_requests(spec, prompt_lens, output_lens)
     # which engines of a large cluster share a host is not known
-    model = replace(model, decode_corun=NO_CORUN, decode_beside_decode=NO_CORUN)
+    model = replace(model, decode_corun=NO_CORUN, decode_beside_decode=NO_CORUN, host_cpu_per_token=0.0,
+                    host_background_cores=0.0)
     x, y = spec.num_prefill, spec.num_decode
     threshold = spec.local_prefill_threshold
     decode_stream = [SimRequest(i, float(arrivals[i]), int(prompt_lens[i]), int(output_lens[i]))

@@ -11,7 +11,7 @@ import argparse
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ import numpy as np
 from pdserve.bench.plan_cli import cluster_spec, format_table, step_model
 from pdserve.bench.plan_error_pieces import PIECE_TITLES, PIECES, attainment_with_measured
 from pdserve.bench.plan_fit import Profile, model_identity
+from pdserve.bench.plan_host_cpu import NO_HOST_CPU, HostCpu, given_host_cpu, validate_host_cpu
 from pdserve.bench.plan_metrics import predicted_metrics
 from pdserve.bench.plan_recommend import PlanSettings, simulate_split
 from pdserve.bench.plan_sampling import sampling_floor_pp
@@ -84,6 +85,10 @@ def read_runs(all_runs: list[dict], sweep_dir: Path) -> list[dict]:
     if not runs:
         raise ValueError(f"{sweep_dir}/runs has no pdserve layout run at a finite request rate to replay")
     return runs
+
+
+def of_config(runs: list[dict], config: str) -> list[dict]:
+    return [run for run in runs if run.get("config") == config]
 
 
 def read_unloaded(all_runs: list[dict]) -> list[dict]:
@@ -187,9 +192,10 @@ def measured_metrics(run: dict, slos: dict[str, float]) -> dict:
 
 
 def replay(run: dict, profile: Profile, args: argparse.Namespace, slos_override: dict[str, float],
-           references: Sequence[ReferenceSpeed] = ()) -> dict:
+           references: Sequence[ReferenceSpeed] = (), host: HostCpu = NO_HOST_CPU) -> dict:
     """One run against its simulation, judged by slos_override or else by the SLOs the run was judged by; with
-    --per-point-speed, the profile's steps scaled by the reference runs around it."""
+    --per-point-speed, the profile's steps scaled by the reference runs around it; the host's CPU per streamed token
+    charged as `host` says."""
     sweep = run["sweep"]
     slos = slos_override or run_slos(run)
     workload = Workload([int(n) for n in run["input_lens"]], [int(n) for n in run["output_lens"]])
@@ -201,7 +207,7 @@ def replay(run: dict, profile: Profile, args: argparse.Namespace, slos_override:
                              "reference run around it; run the sweep with --reference-requests K, or drop "
                              "--per-point-speed")
         scale = (speed.prefill, speed.decode or 1.0)
-    settings = PlanSettings(step_model(args, profile, scale), workload, slos, cluster_spec(args, profile),
+    settings = PlanSettings(step_model(args, profile, scale, host), workload, slos, cluster_spec(args, profile),
                             float(run.get("burstiness") or 1.0), int(run.get("seed") or 0), exact_up_to=1 << 30)
     requests = simulate_split(settings, int(sweep["num_prefill"]), int(sweep["num_decode"]), float(run["request_rate"]))
     predicted = predicted_metrics(requests, slos)
@@ -294,13 +300,21 @@ def run_validate(args: argparse.Namespace, profile: Profile) -> int:
     slos_override = parse_slos(args.slo, "--slo")
     if args.per_point_speed and tuple(args.step_scale) != (1.0, 1.0):
         raise ValueError("--per-point-speed and --step-scale both scale the profile: give one of them")
-    references = reference_speeds(all_runs, step_model(args, profile), cluster_spec(args, profile))
-    rows = [replay(run, profile, args, slos_override, references) for run in runs]
+    hosts = host_cpu_of(args, profile, all_runs, sweep_dir)
+    models = {config: step_model(args, profile, host=host) for config, host in hosts.items()}
+    cluster = cluster_spec(args, profile)
+    references = [ref for config, model in models.items()
+                  for ref in reference_speeds(of_config(all_runs, config), model, cluster)]
+    rows = [replay(run, profile, args, slos_override, references, hosts[run["config"]]) for run in runs]
     summary = summarize_errors(rows)
     summary["per_point_speed"] = bool(args.per_point_speed)
-    summary["unloaded"] = unloaded_drift(read_unloaded(all_runs), step_model(args, profile), cluster_spec(args, profile))
+    summary["host_cpu"] = {config: asdict(host) for config, host in hosts.items()}
+    summary["unloaded"] = [row for config, model in models.items()
+                           for row in unloaded_drift(read_unloaded(of_config(all_runs, config)), model, cluster)]
     print(format_table(rows, COLUMNS + (REFERENCE_COLUMNS if references else ())))
     print_summary(summary)
+    for config, host in hosts.items():
+        print(f"  {config}: {host.describe()}")
     print_drift(summary["unloaded"])
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -315,6 +329,18 @@ def run_validate(args: argparse.Namespace, profile: Profile) -> int:
         plot_validation(rows, out / "validation.png")
     print(f"wrote {out / 'validation.json'}" + ("" if args.no_plots else f" and {out / 'validation.png'}"))
     return 0
+
+
+def host_cpu_of(args: argparse.Namespace, profile: Profile, all_runs: list[dict], sweep_dir: Path
+                ) -> dict[str, HostCpu]:
+    """The host's CPU figures per config of the sweep: fitted to its own runs, or to --host-cpu-from's."""
+    configs = sorted({run["config"] for run in all_runs if run.get("config")})
+    if args.host_cpu_from:
+        if given_host_cpu(args) is not None:
+            raise ValueError("--host-cpu-from fits the host's figures that --host-cpu-per-token and "
+                             "--host-background-cpu give: pass one or the other")
+        return validate_host_cpu(args, profile, configs, load_runs(Path(args.host_cpu_from)), args.host_cpu_from)
+    return validate_host_cpu(args, profile, configs, all_runs, str(sweep_dir))
 
 
 def print_summary(summary: dict) -> None:

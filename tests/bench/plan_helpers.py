@@ -46,16 +46,20 @@ def synthetic_profile(identity: ModelIdentity, noise: float = 0.0) -> Profile:
 
 
 def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0, later_shift: float = 0.0,
-                speed: tuple[float, float] = (1.0, 1.0), references: int = 0) -> None:
+                speed: tuple[float, float] = (1.0, 1.0), references: int = 0,
+                host: tuple[float, float] | None = None) -> None:
     """A sweep directory in `pdserve sweep`'s run format whose 'measured' arrays are the simulator's own
     prediction (times 1 + shift; the ITLs after the first also times 1 + later_shift), so a replay must find
     them again. `speed`: the 'machine' ran the profile's prefill and decode steps that much slower; `references`:
     with that many requests, a reference run (one request at a time, at that speed) before each load and after
-    the last, as `pdserve sweep --reference-requests` writes them."""
+    the last, as `pdserve sweep --reference-requests` writes them. `host` (CPU seconds per streamed token, cores in
+    the background): the 'machine' charged them to its busy engines, and each run records that CPU over its tokens
+    and duration (two thirds the router's server_cpu_s, a third the client's client_cpu_s); None: runs without
+    those figures (a sweep before them)."""
     runs = sweep_dir / "runs"
     runs.mkdir(parents=True)
     workload = random_workload(30, 200, 20, range_ratio=0.3, seed=0)
-    machine = StepModel.from_profile(profile, *speed)
+    machine = StepModel.from_profile(profile, *speed, *(host or (0.0, 0.0)))
     for config, (x, y) in (("1P1D", (1, 1)), ("0P2D", (0, 2))):
         spec = ClusterSpec(x, y, profile.engine, profile.model.kv_bytes_per_token)
         layout = {"config": config, "num_prefill": x, "num_decode": y, "num_engines": x + y}
@@ -68,6 +72,8 @@ def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0, later_shift: 
                    "itls": [[itl * (1 + shift) * (1 + later_shift * (k > 0)) for k, itl in enumerate(simulated_itls(r))]
                             for r in done]}
             run["e2els"] = [ttft + sum(itls) for ttft, itls in zip(run["ttfts"], run["itls"])]
+            if host is not None:
+                record_host_cpu(run, host, max(r.finish for r in done))
             if references:
                 run["sweep"]["order"] = 2 * index + 1
             (runs / f"{config}_rate{rate}.json").write_text(json.dumps(run))
@@ -75,7 +81,17 @@ def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0, later_shift: 
             reference = reference_run(spec, machine, references, 200, 20)
             reference.update(model_id=str(model_dir), config=config,
                              sweep={**layout, "phase": "reference", "order": 2 * number})
+            if host is not None:
+                record_host_cpu(reference, host, sum(t + sum(i) for t, i in zip(reference["ttfts"], reference["itls"])))
             (runs / f"{config}_reference{number}.json").write_text(json.dumps(reference))
+
+
+def record_host_cpu(run: dict, host: tuple[float, float], duration: float) -> None:
+    """The run's host CPU as a sweep records it: per token and per second of `host`, two thirds the router's."""
+    tokens = sum(run["output_lens"])
+    cpu = host[0] * tokens + host[1] * duration
+    run.update(total_output_tokens=tokens, duration=duration, client_cpu_s=cpu / 3,
+               server_metrics={"server_cpu_s": cpu * 2 / 3})
 
 
 def reference_run(spec: ClusterSpec, machine: StepModel, count: int, prompt_len: int, output_len: int) -> dict:
