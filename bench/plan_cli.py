@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pdserve.bench.plan_fit import Profile, load_profile, model_identity
-from pdserve.bench.plan_host_cpu import HostCpu, plan_host_cpu
+from pdserve.bench.plan_host_cpu import NO_HOST_CPU, HostCpu, plan_host_cpu
 from pdserve.bench.plan_recommend import PlanSettings, plan_splits, recommend, run_split, smallest_engines
 from pdserve.bench.plan_search import search_splits
 from pdserve.bench.plan_simulator import ClusterSpec, StepModel
@@ -134,13 +134,14 @@ def run_plan(args: argparse.Namespace) -> int:
     print(format_table(rows))
     print("\n" + recommendation(best, args) + f"; {len(rows)} splits of {len(settings.workload)} requests "
           f"simulated in {elapsed:.1f} s ({cpu:.1f} s of CPU)")
-    if host.seconds_per_token:
-        print(f"{host.describe()}, charged to the engines' steps while none is idle (one core per engine)")
+    if host is not NO_HOST_CPU:
+        print(f"{host.describe()}: charged to the engines' steps while none is idle (one core per engine), in the "
+              f"splits simulated whole (up to --exact-up-to {args.exact_up_to} engines)")
     if args.target_rate:
         print(f"smallest cluster for {args.target_rate:g} req/s: " + (
             f"{smallest['num_engines']} engines as {smallest['config']}" if smallest else
             f"none up to {args.engines} engines; give more --engines"))
-    write_outputs(args, profile, rows, best, smallest, elapsed, cpu)
+    write_outputs(args, profile, rows, best, smallest, elapsed, cpu, host)
     return 0
 
 
@@ -154,14 +155,15 @@ def recommendation(best: dict | None, args: argparse.Namespace) -> str:
 
 
 def write_outputs(args, profile: Profile, rows: list[dict], best: dict, smallest: dict | None, elapsed: float,
-                  cpu: float) -> None:
+                  cpu: float, host: HostCpu) -> None:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"profile": str(args.profile), "model": profile.model.model_dump(), "machine": profile.machine,
               "engines": args.engines, "slos_ms": parse_slos(args.slo, "--slo"), "request_rate": args.request_rate,
               "dataset": {k: getattr(args, k) for k in ("dataset", "dataset_path", "num_prompts", "input_len",
                                                          "output_len", "range_ratio", "burstiness", "seed")},
-              "step_scale": list(args.step_scale), "host_cpu": asdict(plan_host_cpu(args)), "splits": rows, "recommended": best, "smallest": smallest,
+              "step_scale": list(args.step_scale), "host_cpu": asdict(host), "splits": rows, "recommended": best,
+              "smallest": smallest,
               "seconds": elapsed, "cpu_seconds": cpu}
     (out / "plan.json").write_text(json.dumps(result, indent=1, default=str))
     if not args.no_plots:

@@ -207,3 +207,24 @@ def test_conflicting_host_flags_are_refused(profile_path, tmp_path, tiny_model, 
     extra = [str(sweep_dir) if arg == "SWEEP" else arg for arg in extra]
     assert main(["plan", "--profile", profile_path, *extra, "--output-dir", str(tmp_path / "out"), "--no-plots"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_charges_the_host_only_when_given(profile_path, tmp_path, capsys):
+    """`pdserve plan` charges nothing by default; with the flags its whole-cluster splits are slower and say so."""
+    def plan_rows(out, *extra):
+        assert main(["plan", "--profile", profile_path, "--engines", "2", "--slo", "ttft:1000", "tpot:100",
+                     "--request-rate", "8", "--num-prompts", "200", "--input-len", "256", "--output-len", "32",
+                     "--no-plots", "--output-dir", str(out), *extra]) == 0
+        result = json.loads((out / "plan.json").read_text())
+        return result, {row["config"]: row for row in result["splits"]}
+
+    plain, plain_rows = plan_rows(tmp_path / "plain")
+    assert plain["host_cpu"]["seconds_per_token"] == 0.0
+    assert "charged to the engines' steps" not in capsys.readouterr().out
+    charged, charged_rows = plan_rows(tmp_path / "charged", "--host-cpu-per-token", "2000", "--host-background-cpu",
+                                      "0.1")
+    assert (charged["host_cpu"]["seconds_per_token"], charged["host_cpu"]["background_cores"]) == \
+        (pytest.approx(0.002), 0.1)
+    assert "2000 us per streamed token + 10.00% of a core (given): charged to the engines' steps" in \
+        capsys.readouterr().out
+    assert charged_rows["0P2D"]["median_tpot_ms"] > plain_rows["0P2D"]["median_tpot_ms"]
