@@ -44,14 +44,12 @@ def cluster_spec(args: argparse.Namespace, profile: Profile) -> ClusterSpec:
                        args.local_prefill_threshold, args.kv_streaming == "on")
 
 
-def step_model(args: argparse.Namespace, profile: Profile, speed: tuple[float, float] = (1.0, 1.0),
-               host: HostCpu | None = None) -> StepModel:
-    """The profile's step model times --step-scale, times `speed` (prefill, decode) on top, with the host's CPU per
-    streamed token (default: plan's, --host-cpu-per-token or none)."""
+def step_model(args: argparse.Namespace, profile: Profile, host: HostCpu, speed: tuple[float, float] = (1.0, 1.0)
+               ) -> StepModel:
+    """The profile's step model times --step-scale, times `speed` (prefill, decode) on top, with the host's CPU."""
     prefill_scale, decode_scale = args.step_scale
     if not (prefill_scale > 0 and decode_scale > 0):
         raise ValueError(f"--step-scale {prefill_scale:g} {decode_scale:g}: both scales must be above 0 (1 = as profiled)")
-    host = plan_host_cpu(args) if host is None else host
     return StepModel.from_profile(profile, prefill_scale * speed[0], decode_scale * speed[1], host.seconds_per_token,
                                   host.background_cores)
 
@@ -121,7 +119,7 @@ def run_plan(args: argparse.Namespace) -> int:
                          f"a number above 0")
     started, started_cpu = time.perf_counter(), cpu_seconds()
     host = plan_host_cpu(args)
-    settings = PlanSettings(step_model(args, profile, host=host), workload_from_args(args), slos,
+    settings = PlanSettings(step_model(args, profile, host), workload_from_args(args), slos,
                             cluster_spec(args, profile), args.burstiness, args.seed, args.exact_up_to)
     check_slos_reachable(settings)
     if args.request_rate is None:

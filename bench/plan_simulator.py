@@ -701,7 +701,7 @@ class SimCluster:
         self.host_charged = self.host_cpu_per_token > 0 or self.host_stretch > 1.0
         self.corun = (num_engines > 1 and any(f != NO_CORUN for f in self.factors.values())
                       or self.host_charged)  # engines report their activity (set_activity)
-        self.num_at = {PREFILLING: 0, DECODING: 0, IDLE: spec.num_prefill + spec.num_decode}  # engines by activity
+        self.num_at = {PREFILLING: 0, DECODING: 0, IDLE: num_engines}  # engines by activity
 
     def slowdown(self, engine: SimEngine) -> CoRun:
         """How many times as long engine's decode part takes, term by term, with what the other engines do now."""

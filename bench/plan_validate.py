@@ -207,7 +207,7 @@ def replay(run: dict, profile: Profile, args: argparse.Namespace, slos_override:
                              "reference run around it; run the sweep with --reference-requests K, or drop "
                              "--per-point-speed")
         scale = (speed.prefill, speed.decode or 1.0)
-    settings = PlanSettings(step_model(args, profile, scale, host), workload, slos, cluster_spec(args, profile),
+    settings = PlanSettings(step_model(args, profile, host, scale), workload, slos, cluster_spec(args, profile),
                             float(run.get("burstiness") or 1.0), int(run.get("seed") or 0), exact_up_to=1 << 30)
     requests = simulate_split(settings, int(sweep["num_prefill"]), int(sweep["num_decode"]), float(run["request_rate"]))
     predicted = predicted_metrics(requests, slos)
@@ -301,7 +301,7 @@ def run_validate(args: argparse.Namespace, profile: Profile) -> int:
     if args.per_point_speed and tuple(args.step_scale) != (1.0, 1.0):
         raise ValueError("--per-point-speed and --step-scale both scale the profile: give one of them")
     hosts = host_cpu_of(args, profile, all_runs, sweep_dir)
-    models = {config: step_model(args, profile, host=host) for config, host in hosts.items()}
+    models = {config: step_model(args, profile, host) for config, host in hosts.items()}
     cluster = cluster_spec(args, profile)
     references = [ref for config, model in models.items()
                   for ref in reference_speeds(of_config(all_runs, config), model, cluster)]
