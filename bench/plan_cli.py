@@ -90,6 +90,9 @@ def format_table(rows: list[dict], columns=PLAN_COLUMNS) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from pdserve.bench.serve import check_output_dir
+
+    check_output_dir(args.output_dir)  # before the simulations (a 100,000-request plan runs for a minute)
     profile = load_profile(args.profile)
     if args.model:
         profile.check_model(model_identity(args.model), args.model)

@@ -117,6 +117,18 @@ def check_save_path(path: str, flag: str = "--save-result") -> None:
         raise ValueError(f"{flag} {path}: {taken} is a file, not a directory: give a path in a directory")
 
 
+def check_output_dir(path: str, flag: str = "--output-dir") -> None:
+    """The output directory can be made: checked before the work, whose results would otherwise be lost."""
+    from pathlib import Path
+
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{flag} {path} is a file: give a directory (it is made if missing)")
+    taken = next((parent for parent in out.parents if parent.exists()), None)
+    if taken is not None and not taken.is_dir():
+        raise ValueError(f"{flag} {path}: {taken} is a file, not a directory: give a path in a directory")
+
+
 def base_url_of(url: str) -> str:
     """The server's root: without a trailing slash or /v1 (both are often pasted from client configs)."""
     url = url.rstrip("/")

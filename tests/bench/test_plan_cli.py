@@ -61,6 +61,17 @@ def test_bad_input_gets_a_clear_error(profile_path, tmp_path, capsys, extra, mes
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("under", ["", "x"])
+def test_an_output_dir_that_is_a_file_is_refused_before_simulating(profile_path, tmp_path, capsys, under):
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    out = taken / under if under else taken
+    assert plan(profile_path, out, "--engines", "2", "--slo", "ttft:1000", "--request-rate", "1") == 2
+    captured = capsys.readouterr()
+    assert f"--output-dir {out}" in captured.err and "recommended" not in captured.out
+    assert taken.read_text() == ""
+
+
 def test_no_split_with_goodput_recommends_none():
     """A plan whose every split has no goodput (no request met the SLOs) recommends nothing, as `plan --validate`
     judges a prediction (an outside probe: --request-rate inf recommended 0P2D at 0 req/s)."""
