@@ -283,6 +283,10 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.device == "cpu" and args.dtype not in ("auto", "float32"):
         raise ValueError(f"--dtype {args.dtype} on CPU: the served engine and the co-run step of a CPU profile run "
                          "float32, as `pdserve up` does on CPU by default; drop --dtype, or profile a GPU with it")
+    if args.device != "cpu":
+        from pdserve.engine.config import check_device
+
+        check_device(args.device)  # a clear error, not torch's, where there is no GPU
     model = args.model or str(default_demo_model())
     identity = model_identity(model)
     if args.add_corun_to:

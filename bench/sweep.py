@@ -356,6 +356,10 @@ def _interrupt(*_: object) -> None:
 
 def run_sweep(args: argparse.Namespace) -> int:
     plan = build_plan(args)
+    if plan.layouts and args.device != "cpu":
+        from pdserve.engine.config import check_device
+
+        check_device(args.device)  # before a layout starts, whose engines would each refuse it
     sweep = Sweep(plan)
     interrupted = False
     # SIGTERM (kill, timeout, a CI job cancelled) stops like Ctrl-C: each `pdserve up` in its own session is

@@ -227,7 +227,11 @@ def _health_engines(url: str) -> dict | None:
         return None
 
 
-def _check_counts(args: argparse.Namespace) -> None:
+def _check_engines(args: argparse.Namespace) -> None:
+    if args.device != "cpu":  # each engine would refuse it after the router started
+        from pdserve.engine.config import check_device
+
+        check_device(args.device)
     if args.num_prefill < 0:
         raise ValueError(f"--num-prefill {args.num_prefill}: give 0 or more prefill engines")
     if args.num_decode < 1:
@@ -315,7 +319,7 @@ def _start_all(args: argparse.Namespace, supervisor: Supervisor, model: str, nam
 
 
 def run_up(args: argparse.Namespace) -> int:
-    _check_counts(args)
+    _check_engines(args)
     check_router_flags(args)  # what the router would refuse once started: refused before anything starts
     check_ports(args)
     resolve_keys(args)

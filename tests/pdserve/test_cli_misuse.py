@@ -8,6 +8,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from pdserve.cli import build_parser, main
 
@@ -110,6 +111,21 @@ def test_up_refuses_what_its_router_would_before_anything_starts(tmp_path, capsy
     assert main(["up", "--model", str(tmp_path), "--insecure", "--log-dir", str(tmp_path / "logs"), *flags]) == 2
     assert says in one_line_error(capsys, "up")
     assert not (tmp_path / "logs").exists(), "nothing was started"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU runs --device cuda")
+@pytest.mark.parametrize("command", [["up", "--insecure"], ["profile", "--out", "p.json"],
+                                     ["sweep", "--configs", "1P1D", "--request-rates", "1"]])
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", "tpu"])
+def test_a_device_this_machine_lacks_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch, command,
+                                                                       device):
+    """Was torch's bare AssertionError for `profile`, and a started router and a dead engine for `up` and `sweep`."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    assert main([command[0], "--model", str(tmp_path), "--device", device, *command[1:]]) == 2
+    err = one_line_error(capsys, command[0])
+    assert f"device='{device}'" in err and ("--device cpu" in err or "use cpu, cuda or cuda:N" in err)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["config.json"], "nothing was started or written"
 
 
 @pytest.mark.parametrize("argv, hint", [
