@@ -89,6 +89,17 @@ def format_table(rows: list[dict], columns=PLAN_COLUMNS) -> str:
     return "\n".join("  ".join(text.rjust(width) for text, width in zip(line, widths)) for line in table)
 
 
+def check_nothing_validate_ignores(args: argparse.Namespace) -> None:
+    """--validate replays the sweep's own layouts, rates and datasets: a flag that would choose them is refused, not
+    silently dropped."""
+    given = [flag for flag, value in (("--engines", args.engines), ("--request-rate", args.request_rate),
+                                      ("--target-rate", args.target_rate), ("--find-goodput", args.find_goodput or None))
+             if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} with --validate: the replay runs the sweep's own layouts and request "
+                         "rates; drop them, or plan without --validate")
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from pdserve.bench.serve import check_output_dir
 
@@ -99,6 +110,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.validate:
         from pdserve.bench.plan_validate import run_validate
 
+        check_nothing_validate_ignores(args)
         return run_validate(args, profile)
     if args.per_point_speed:
         raise ValueError("--per-point-speed reads a sweep's reference runs: it goes with --validate SWEEP_DIR")

@@ -194,6 +194,14 @@ def test_validate_refuses_a_sweep_of_another_model(tmp_path, model_factory, caps
     assert "another model" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra, named", [(["--engines", "4"], "--engines"), (["--request-rate", "3"], "--request-rate"),
+                                          (["--find-goodput", "--target-rate", "2"], "--target-rate, --find-goodput")])
+def test_validate_refuses_what_it_would_ignore(profile_path, tmp_path, capsys, extra, named):
+    """The replay takes layouts and rates from the sweep: these flags were silently dropped."""
+    assert main(["plan", "--profile", profile_path, "--validate", str(tmp_path), *extra]) == 2
+    assert f"{named} with --validate: the replay runs the sweep's own" in capsys.readouterr().err
+
+
 def test_validate_needs_a_sweep_directory(profile_path, tmp_path, capsys):
     assert main(["plan", "--profile", profile_path, "--validate", str(tmp_path)]) == 2
     assert "runs/*.json" in capsys.readouterr().err
