@@ -40,6 +40,9 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def cluster_spec(args: argparse.Namespace, profile: Profile) -> ClusterSpec:
+    if args.local_prefill_threshold < 0:
+        raise ValueError(f"--local-prefill-threshold {args.local_prefill_threshold}: give 0 or more tokens (0: every "
+                         "prompt goes to a prefill engine), as the router takes it")
     return ClusterSpec(0, 1, profile.engine, profile.model.kv_bytes_per_token, args.prefill_policy, args.decode_policy,
                        args.local_prefill_threshold, args.kv_streaming == "on")
 

@@ -111,7 +111,27 @@ def check_router_flags(args: argparse.Namespace) -> str | None:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: add --tool-call-parser hermes (the "
                          "format of Qwen2.5/Qwen3 and Hermes models), the one parser this server has")
+    check_router_numbers(args)
     return read_chat_template(args.chat_template)
+
+
+# RouterConfig's fields that `pdserve router` and `pdserve up` both take, by flag
+SHARED_NUMBERS = {"local_prefill_threshold": "local_prefill_threshold", "heartbeat_timeout": "heartbeat_timeout_s",
+                  "max_concurrent_requests": "max_concurrent_requests", "request_timeout": "request_timeout_s",
+                  "max_request_bytes": "max_request_bytes", "preprocess_timeout": "preprocess_timeout_s",
+                  "port": "port"}
+
+
+def check_router_numbers(args: argparse.Namespace) -> None:
+    """RouterConfig's own range checks on the flags' values, one flag at a time, without the model or the addresses."""
+    from pdserve.router.config import RouterConfig
+
+    for flag, field in SHARED_NUMBERS.items():
+        if hasattr(args, flag):
+            try:
+                RouterConfig(model="-", served_model_name="-", **{field: getattr(args, flag)})
+            except ValueError as exc:
+                raise ValueError(f"--{flag.replace('_', '-')}: {exc}") from None
 
 
 def read_chat_template(given: str | None) -> str | None:

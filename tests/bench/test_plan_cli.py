@@ -55,6 +55,7 @@ def test_find_goodput_and_the_smallest_cluster_for_a_target(profile_path, tmp_pa
     (["--engines", "100000", "--slo", "ttft:1000"], "--engines 100000: plan splits at most 1024 engines"),
     (["--engines", "2", "--slo", "ttft:1000", "--exact-up-to", "-1"], "--exact-up-to -1: give 0 or more"),
     (["--engines", "2", "--slo", "ttft:1000", "--host-cpu-per-token", "-5"], "--host-cpu-per-token -5: give the"),
+    (["--engines", "2", "--slo", "ttft:1000", "--local-prefill-threshold", "-5"], "--local-prefill-threshold -5: give"),
 ])
 def test_bad_input_gets_a_clear_error(profile_path, tmp_path, capsys, extra, message):
     assert plan(profile_path, tmp_path / "plan", *extra) == 2

@@ -105,6 +105,12 @@ def test_up_refuses_a_startup_timeout_that_cannot_be_met(tmp_path, capsys, value
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     (["--chat-template", "/nowhere/chat.jinja"], "--chat-template /nowhere/chat.jinja: no such file"),
     (["--chat-template", "{% if %}"], "not a Jinja template"),
+    (["--heartbeat-timeout", "-1"], "--heartbeat-timeout: heartbeat timeout -1.0 must be > 0 seconds"),
+    (["--heartbeat-timeout", "nan"], "--heartbeat-timeout: heartbeat timeout nan must be > 0"),
+    (["--max-concurrent-requests", "0"], "--max-concurrent-requests: max concurrent requests 0 must be a positive"),
+    (["--local-prefill-threshold", "-5"], "--local-prefill-threshold: local prefill threshold -5 must be >= 0"),
+    (["--request-timeout", "0"], "--request-timeout: request timeout 0.0 must be > 0 seconds"),
+    (["--port", "70000"], "--port: port 70000 must be in 0..65535"),
 ])
 def test_up_refuses_what_its_router_would_before_anything_starts(tmp_path, capsys, flags, says):
     """These were refused by the router once `up` had started it: an exit code 1 and a log to read."""
