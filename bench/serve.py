@@ -112,9 +112,7 @@ def check_save_path(path: str, flag: str = "--save-result") -> None:
     out = Path(path).expanduser()
     if out.is_dir():
         raise ValueError(f"{flag} {path} is a directory: give a file path, e.g. {out / 'result.json'}")
-    taken = next((parent for parent in out.parents if parent.exists()), None)
-    if taken is not None and not taken.is_dir():
-        raise ValueError(f"{flag} {path}: {taken} is a file, not a directory: give a path in a directory")
+    _check_no_file_above(out, path, flag)
 
 
 def check_output_dir(path: str, flag: str = "--output-dir") -> None:
@@ -124,6 +122,11 @@ def check_output_dir(path: str, flag: str = "--output-dir") -> None:
     out = Path(path).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"{flag} {path} is a file: give a directory (it is made if missing)")
+    _check_no_file_above(out, path, flag)
+
+
+def _check_no_file_above(out, path: str, flag: str) -> None:
+    """The nearest existing folder above `out` is a folder, not a file."""
     taken = next((parent for parent in out.parents if parent.exists()), None)
     if taken is not None and not taken.is_dir():
         raise ValueError(f"{flag} {path}: {taken} is a file, not a directory: give a path in a directory")
