@@ -35,6 +35,7 @@ def _split(address: str) -> tuple[str, str, str]:
 
 
 def is_loopback_host(host: str) -> bool:
+    """127.x.x.x, ::1 or localhost; a host name or a wildcard (0.0.0.0, *) is reachable from elsewhere."""
     if host == "localhost":
         return True
     try:

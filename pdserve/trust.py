@@ -5,11 +5,8 @@ operator says `--insecure` and every address is loopback. `pdserve up` makes key
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import sys
 from pathlib import Path
-
-LOOPBACK_NAMES = ("localhost",)
 
 
 def add_trust_args(parser: argparse.ArgumentParser, up: bool = False) -> None:
@@ -26,13 +23,9 @@ def is_loopback(address: str) -> bool:
     scheme, _, rest = address.partition("://")
     if scheme == "ipc":
         return True
-    host = rest.rpartition(":")[0].strip("[]")
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name or a wildcard (0.0.0.0, *): reachable from elsewhere
-        return False
+    from pdserve.control.heartbeat import is_loopback_host
+
+    return is_loopback_host(rest.rpartition(":")[0].strip("[]"))
 
 
 def check_addresses(addresses: list[str | None]) -> None:

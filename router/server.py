@@ -15,6 +15,7 @@ import socket
 
 import uvicorn
 
+from pdserve.control.heartbeat import is_loopback_host
 from pdserve.router.api import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.gateway import Gateway
@@ -46,11 +47,19 @@ def _url(host: str, port: int) -> str:
     return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
 
 
+def warn_if_open(config: RouterConfig, port: int) -> None:
+    """No API key on an address other machines (or containers) can reach: say so once, at start."""
+    if config.api_key is None and not is_loopback_host(config.host.strip("[]")):
+        log.warning("no API key and HTTP on %s: any client that reaches port %d can use the model; set --api-key "
+                    "or PDSERVE_API_KEY (or --host 127.0.0.1)", config.host or "every interface", port)
+
+
 def run(config: RouterConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s router %(name)s %(levelname)s %(message)s")
     sock = bind_http(config.host, config.port)
     port = sock.getsockname()[1]
     gateway = Gateway(config)  # loads the tokenizer now: a bad model fails before READY
+    warn_if_open(config, port)
 
     def ready(gateway: Gateway) -> None:
         address = gateway.registry.registration_address

@@ -127,6 +127,11 @@ def test_stack_runs_non_root_and_publishes_only_the_http_port(stack, url):
         published = {port: bindings for port, bindings in (stack.inspect(name)["NetworkSettings"]["Ports"] or {}).items()
                      if bindings}
         assert set(published) == ({"8000/tcp"} if service == "router" else set()), (service, published)
+        # on loopback only, as PDSERVE_PUBLISH_IP defaults: this stack has no API key
+        assert all(binding["HostIp"] == "127.0.0.1" for bindings in published.values() for binding in bindings)
+    (router,) = stack.names("router")
+    logs = podman("logs", router)
+    assert "no API key and HTTP on 0.0.0.0" in logs.stdout + logs.stderr
     (decode,) = stack.names("decode")
     # the engine is PID 1 (the entrypoint execs it); the compose file leaves OMP_NUM_THREADS empty
     environ = podman("exec", decode, "sh", "-c", "tr '\\0' '\\n' < /proc/1/environ; nproc").stdout.split()

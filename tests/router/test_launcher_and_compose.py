@@ -63,9 +63,18 @@ def test_compose_services_use_real_cli_flags_and_find_each_other(name):
         assert engine.model == parsed["router"].model, "router tokenizer and engine weights come from one model"
     assert parsed["prefill"].kv_address.startswith("tcp://0.0.0.0:")
     published = [interpolate(p) for p in services["router"]["ports"]]
-    assert published == [f"8000:{parsed['router'].port}"]
+    assert published == [f"127.0.0.1:8000:{parsed['router'].port}"], "loopback unless PDSERVE_PUBLISH_IP widens it"
     for spec in services.values():
         assert f"hf-cache:{HF_HOME}" in spec["volumes"]
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml"])
+def test_compose_publishes_every_port_on_loopback_by_default(name):
+    ports = {service: [interpolate(port) for port in spec.get("ports", [])]
+             for service, spec in load_compose(name)["services"].items()}
+    assert {service for service, published in ports.items() if published} == {"router", "prometheus", "grafana"}
+    for service, published in ports.items():
+        assert all(port.startswith("127.0.0.1:") for port in published), (service, published)
 
 
 @pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -14,6 +15,8 @@ import urllib.request
 import pytest
 
 from pdserve.local_cluster import EngineProcess
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import warn_if_open
 from pdserve.trust import curve_dir_for, default_cluster_keys, is_loopback
 from tests.router.conftest import ENGINE_ARGS, REPO, UpProcess
 from tests.router.test_launcher_and_compose import up_args
@@ -26,6 +29,19 @@ from tests.router.test_launcher_and_compose import up_args
 ])
 def test_loopback_addresses(address, loopback):
     assert is_loopback(address) is loopback
+
+
+@pytest.mark.parametrize("host,api_key,warns", [
+    ("0.0.0.0", None, True), ("::", None, True), ("10.0.0.3", None, True), ("127.0.0.1", None, False),
+    ("localhost", None, False), ("[::1]", None, False), ("0.0.0.0", "k3y", False),
+])
+def test_router_warns_when_it_serves_beyond_loopback_without_a_key(caplog, host, api_key, warns):
+    config = RouterConfig(model="unused", served_model_name="m", host=host, api_key=api_key)
+    with caplog.at_level(logging.WARNING, logger="pdserve.router"):
+        warn_if_open(config, port=8123)
+    expected = [f"no API key and HTTP on {host}: any client that reaches port 8123 can use the model; set "
+                "--api-key or PDSERVE_API_KEY (or --host 127.0.0.1)"] if warns else []
+    assert [record.getMessage() for record in caplog.records] == expected
 
 
 def _trust(curve_dir=None, insecure=False) -> argparse.Namespace:
