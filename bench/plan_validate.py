@@ -21,6 +21,7 @@ from pdserve.bench.plan_error_pieces import PIECE_TITLES, PIECES, attainment_wit
 from pdserve.bench.plan_fit import Profile, model_identity
 from pdserve.bench.plan_host_cpu import NO_HOST_CPU, HostCpu, given_host_cpu, validate_host_cpu
 from pdserve.bench.plan_metrics import predicted_metrics
+from pdserve.bench.plan_prefill_check import prefill_busy_ratio
 from pdserve.bench.plan_recommend import PlanSettings, simulate_split
 from pdserve.bench.plan_sampling import sampling_floor_pp
 from pdserve.bench.plan_simulator import ClusterSpec, SimRequest, StepModel, simulate
@@ -42,7 +43,7 @@ COLUMNS = (("config", "config", "{}"), ("request_rate", "rate", "{:g}"),
               "{:.0f}" if "ttft" in key else "{:.1f}") for key in COMPARED for side in ("measured", "predicted")],
            *[(f"{side}_{FIRST_ITL}", f"p50_itl1 {'meas' if side == 'measured' else 'pred'}", "{:.0f}")
              for side in ("measured", "predicted")],
-           ("measured_step_ratio", "step meas/prof", "{:.2f}"))
+           ("measured_step_ratio", "step meas/prof", "{:.2f}"), ("prefill_busy_ratio", "busy P meas/sim", "{:.2f}"))
 REFERENCE_COLUMNS = (("reference_speed_prefill", "ref P", "{:.2f}"), ("reference_speed_decode", "ref D", "{:.2f}"))
 
 
@@ -219,6 +220,7 @@ def replay(run: dict, profile: Profile, args: argparse.Namespace, slos_override:
         row[f"measured_{key}"], row[f"predicted_{key}"] = measured[key], predicted[key]
     row["slo_attainment_with_measured"] = attainment_with_measured(run, requests, slos)
     row["measured_step_ratio"] = step_ratio(run, settings.model, int(sweep["num_decode"]))
+    row["prefill_busy_ratio"] = prefill_busy_ratio(run, requests, int(sweep["num_prefill"]))
     row["reference_speed_prefill"] = speed.prefill if speed else None
     row["reference_speed_decode"] = speed.decode if speed else None
     return row
@@ -242,8 +244,9 @@ def summarize_errors(rows: list[dict]) -> dict:
                **{f"{key}_mean_relative_error": float(np.mean(v)) for key, v in relative.items() if v},
                **{f"{key}_within_15pct": sum(e <= GOAL_P50_RELATIVE for e in v) for key, v in relative.items() if v}}
     summary["attainment_mae_pp_with_measured"] = mae_with_measured(with_slo)
-    ratios = [r["measured_step_ratio"] for r in rows if r["measured_step_ratio"] is not None]
-    summary["step_ratio_range"] = [min(ratios), max(ratios)] if ratios else None
+    for key, name in (("measured_step_ratio", "step_ratio_range"), ("prefill_busy_ratio", "prefill_busy_ratio_range")):
+        ratios = [r[key] for r in rows if r.get(key) is not None]
+        summary[name] = [min(ratios), max(ratios)] if ratios else None
     for side in ("prefill", "decode"):
         speeds = [r[f"reference_speed_{side}"] for r in rows if r[f"reference_speed_{side}"] is not None]
         summary[f"reference_speed_{side}_range"] = [min(speeds), max(speeds)] if speeds else None
@@ -362,6 +365,10 @@ def print_summary(summary: dict) -> None:
         low, high = summary["step_ratio_range"]
         print(f"  decode steps under load against the profile's step for their batch (plan_step_check.py): "
               f"x{low:.2f} to x{high:.2f} (the machine's drift and the step model's error)")
+    if summary.get("prefill_busy_ratio_range"):
+        low, high = summary["prefill_busy_ratio_range"]
+        print(f"  the prefill engine's busy time under load against the simulated (one prefill engine; "
+              f"plan_prefill_check.py): x{low:.2f} to x{high:.2f} (the machine's drift and the prefill model's error)")
     if summary["reference_speed_prefill_range"]:
         ranges = {side: summary[f"reference_speed_{side}_range"] for side in ("prefill", "decode")}
         print("  the reference runs around each point against the profile (the machine's speed of the moment): "

@@ -66,6 +66,12 @@ def test_per_point_speed_takes_the_machines_drift_out_of_the_validation(profile_
     assert as_profiled["reference_speed_prefill_range"] == pytest.approx([1.4, 1.4])
     assert as_profiled["reference_speed_decode_range"] == pytest.approx([1.25, 1.25])
     assert "ref P" in capsys.readouterr().out  # the speeds are in the table
+    busy = {(p["config"], p["request_rate"]): p["prefill_busy_ratio"] for p in before["points"]}
+    assert {key: ratio for key, ratio in busy.items() if key[0] == "0P2D"} == {("0P2D", 2.0): None, ("0P2D", 6.0): None}
+    for key in (("1P1D", 2.0), ("1P1D", 6.0)):  # the prefill engine's 40%, whatever its queue did
+        assert busy[key] == pytest.approx(1.4, rel=0.01), busy
+    measured = [ratio for ratio in busy.values() if ratio is not None]
+    assert as_profiled["prefill_busy_ratio_range"] == [min(measured), max(measured)]
 
     result = validate(profile_path, sweep_dir, tmp_path / "per-point", "--per-point-speed")
     summary = result["summary"]
@@ -76,6 +82,7 @@ def test_per_point_speed_takes_the_machines_drift_out_of_the_validation(profile_
     # the step check now sets the measured steps against the scaled ones
     assert [p["measured_step_ratio"] for p in result["points"]] == pytest.approx(
         [p["measured_step_ratio"] / 1.25 for p in before["points"]])
+    assert [p["prefill_busy_ratio"] for p in result["points"] if p["config"] == "1P1D"] == pytest.approx([1.0, 1.0])
     assert "scaled by them (--per-point-speed)" in capsys.readouterr().out
 
 
