@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from pdserve.cli_help import DeprecatedFlag
+from pdserve.router.config import open_api_warning
 from pdserve.router_cli import LOG_LEVELS, check_router_flags, resolve_model
 from pdserve.supervisor import Component, ComponentFailed, RestartPolicy, Supervisor, full_disk_note, log_tail
 from pdserve.trust import check_cluster_keys, curve_dir_for, default_cluster_keys
@@ -334,6 +335,9 @@ def run_up(args: argparse.Namespace) -> int:
           f"logs in {log_dir}", flush=True)
     print(f"[pdserve up] {'CURVE keys in ' + args.curve_dir if args.curve_dir else 'warning: --insecure: no CURVE'}"
           f" on {'every' if args.curve_dir else 'any'} plane", flush=True)
+    open_api = open_api_warning(args.host, args.port, args.api_key)
+    if open_api:
+        print(f"[pdserve up] warning: {open_api}", flush=True)
     supervisor = Supervisor(log_dir, policy)
 
     def on_signal(*_: object) -> None:

@@ -65,3 +65,13 @@ class RouterConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+
+def open_api_warning(host: str, port: int, api_key: str | None) -> str | None:
+    """What to warn of when the HTTP API has no key on an address other machines (or containers) can reach."""
+    from pdserve.control.heartbeat import is_loopback_host
+
+    if api_key or is_loopback_host(host.strip("[]")):
+        return None
+    return (f"no API key and HTTP on {host or 'every interface'}: any client that reaches port {port} can use the "
+            "model; set --api-key or PDSERVE_API_KEY (or --host 127.0.0.1)")

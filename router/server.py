@@ -15,9 +15,8 @@ import socket
 
 import uvicorn
 
-from pdserve.control.heartbeat import is_loopback_host
 from pdserve.router.api import create_app
-from pdserve.router.config import RouterConfig
+from pdserve.router.config import RouterConfig, open_api_warning
 from pdserve.router.gateway import Gateway
 from pdserve.router.header_deadline import HeaderDeadlineProtocol
 
@@ -49,9 +48,9 @@ def _url(host: str, port: int) -> str:
 
 def warn_if_open(config: RouterConfig, port: int) -> None:
     """No API key on an address other machines (or containers) can reach: say so once, at start."""
-    if config.api_key is None and not is_loopback_host(config.host.strip("[]")):
-        log.warning("no API key and HTTP on %s: any client that reaches port %d can use the model; set --api-key "
-                    "or PDSERVE_API_KEY (or --host 127.0.0.1)", config.host or "every interface", port)
+    warning = open_api_warning(config.host, port, config.api_key)
+    if warning:
+        log.warning(warning)
 
 
 def run(config: RouterConfig) -> int:
