@@ -83,6 +83,21 @@ def _installed_version() -> str:
 
 # ---- errors ----
 
+SERVED_ENDPOINTS = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics and "
+                    "GET /version")
+
+
+def _route_message(request: Request, exc: StarletteHTTPException) -> str | None:
+    """Starlette's bare "Not Found" / "Method Not Allowed" for a path or method the router has no route for,
+    said with what it serves; None for any other HTTP error."""
+    path = request.url.path[:100]
+    if exc.status_code == 404 and exc.detail == "Not Found":
+        return f"{request.method} {path} is not an endpoint of this server: it serves {SERVED_ENDPOINTS}"
+    if exc.status_code == 405 and exc.headers and "Allow" in exc.headers:
+        return f"{path} takes {exc.headers['Allow']}, not {request.method}"
+    return None
+
+
 def _error_response(gateway: Gateway, request: Request, error: APIError) -> JSONResponse:
     gateway.metrics.count_request(endpoint_label(request), str(error.status_code))
     return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
@@ -136,9 +151,11 @@ def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
             reason = f"{type(cause).__name__}: {str(cause).split(';')[0][:120]}"  # not the server-side hint
             message = f"the request body could not be read as JSON ({reason}): send one UTF-8 JSON object"
             return _error_response(gateway, request, InvalidRequest(message))
-        error = APIError(str(exc.detail))
+        error = APIError(_route_message(request, exc) or str(exc.detail))
         error.status_code, error.error_type = exc.status_code, "invalid_request_error"
-        return _error_response(gateway, request, error)
+        response = _error_response(gateway, request, error)
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -234,6 +234,15 @@ def test_metrics_and_openapi_need_the_api_key(tiny_model, tokenization):
             assert "/v1/completions" in (await client.get("/openapi.json", headers=auth)).json()["paths"]
             for path in ("/docs", "/redoc"):
                 assert (await client.get(path)).status_code == 404
+            missing = await client.post("/v1/embeddings", json={"input": "hi"})
+            assert_openai_error(missing, 404)
+            assert missing.json()["error"]["message"] == (
+                "POST /v1/embeddings is not an endpoint of this server: it serves POST /v1/completions, POST "
+                "/v1/chat/completions, GET /v1/models, GET /health, GET /metrics and GET /version")
+            wrong_method = await client.get("/v1/completions", headers=auth)
+            assert_openai_error(wrong_method, 405)
+            assert wrong_method.json()["error"]["message"] == "/v1/completions takes POST, not GET"
+            assert wrong_method.headers["allow"] == "POST"
             assert (await client.get("/health")).status_code == 503  # open, and says no engine yet
     run(scenario())
 
