@@ -20,8 +20,10 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--core", type=int, default=None,
                         help="CPU core to pin the engine to (default: the first this process may use)")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="measurements of each shape (a second gave no better predictions: docs/BENCHMARKS.md, "
-                             "window 8)")
+                        help="measurements of each shape; the served decode shapes are timed in passes of "
+                             "alternating order and each shape's median is fitted (against a slow stretch of a shared "
+                             "host, docs/BENCHMARKS.md window 14), the other points are all fitted (window 8: a second "
+                             "pass gave no better predictions on a steady host)")
     parser.add_argument("--quick", action="store_true", help="a handful of small shapes (tests, smoke runs)")
     decode = parser.add_mutually_exclusive_group()
     decode.add_argument("--served-decode", action="store_true",

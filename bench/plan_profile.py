@@ -186,7 +186,7 @@ def measure_served(args, model: str, core: int, machine: dict, max_len: int) -> 
     --in-process-decode, the decode points (else [])."""
     from pdserve.bench.plan_served import (
         REFERENCE_PROMPT_LEN,
-        served_decode_points,
+        served_decode_passes,
         served_engine,
         served_prefill_reference,
     )
@@ -196,7 +196,7 @@ def measure_served(args, model: str, core: int, machine: dict, max_len: int) -> 
         if served_decode(args):
             shapes = QUICK_DECODE if args.quick else DECODE_SHAPES
             with timed_phase(machine, "served_decode"):
-                decode = [point for _ in range(args.repeats) for point in served_decode_points(session, shapes)]
+                decode = served_decode_passes(session, shapes, args.repeats)
             machine["decode_points"] = "served: a pdserve decode process with CURVE, its CPU time per step"
         prompt_len = min(QUICK_REFERENCE_LEN if args.quick else REFERENCE_PROMPT_LEN, max_len - 1)
         with timed_phase(machine, "reference"):

@@ -68,6 +68,22 @@ def served_decode_points(session: tuple, shapes: list[tuple[int, int]], warm_up:
     return points[len(warm):]
 
 
+def served_decode_passes(session: tuple, shapes: list[tuple[int, int]], passes: int) -> list[DecodePoint]:
+    """Each shape timed `passes` times, every other pass in reverse order, and each shape's median point: a slow
+    stretch of the machine (minutes, on a shared host) that falls on one pass moves no shape, where fitting every
+    pass would move the plane by its share. Later passes find their prompts in the prefix cache and cost their
+    decode steps."""
+    runs = [served_decode_points(session, shapes[::-1] if n % 2 else shapes, warm_up=n == 0) for n in range(passes)]
+    in_order = [run[::-1] if n % 2 else run for n, run in enumerate(runs)]
+    return [median_point(timings) for timings in zip(*in_order, strict=True)]
+
+
+def median_point(timings: tuple[DecodePoint, ...]) -> DecodePoint:
+    """One shape's timings (same batch and context) as one point: the median wall and CPU seconds per step."""
+    return timings[0].model_copy(update={"seconds": statistics.median(t.seconds for t in timings),
+                                         "cpu_seconds": statistics.median(t.cpu_seconds for t in timings)})
+
+
 def served_prefill_reference(session: tuple, prompt_len: int, repeats: int = REFERENCE_REPEATS) -> dict:
     """Median CPU and wall seconds of one prompt alone (max_tokens=1) through the served engine."""
     driver, pid, prompts = session

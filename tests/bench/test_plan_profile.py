@@ -184,3 +184,29 @@ def test_a_co_run_process_that_dies_loading_stops_the_step_with_its_reason(tmp_p
     with busy_loop(PREFILL, str(tmp_path / "no-model"), min(os.sched_getaffinity(0)), 64, 16) as loop:
         with pytest.raises(RuntimeError, match="co-run process stopped"):
             loop.wait_ready()  # and no step is timed "alone" while it would still be loading
+
+
+def test_served_decode_passes_alternate_their_order_and_fit_each_shapes_median(monkeypatch):
+    """A slow stretch that falls on one pass (x1.5 on its first two shapes) moves no shape's point."""
+    from pdserve.bench import plan_served
+    from pdserve.bench.plan_fit import DecodePoint
+
+    shapes, calls = [(1, 16), (4, 16), (8, 64)], []
+    slow_pass = 1
+
+    def timed(session, order, warm_up=True):
+        calls.append((list(order), warm_up))
+        slow = {tuple(shape) for shape in order[:2]} if len(calls) - 1 == slow_pass else set()
+        return [DecodePoint(batch=b, context=b * (n + 8), seconds=0.01 * b * (1.5 if (b, n) in slow else 1.0),
+                            cpu_seconds=0.02 * b * (1.5 if (b, n) in slow else 1.0) + 0.001 * len(calls))
+                for b, n in order]
+
+    monkeypatch.setattr(plan_served, "served_decode_points", timed)
+    points = plan_served.served_decode_passes(None, shapes, passes=3)
+    assert calls == [(shapes, True), (shapes[::-1], False), (shapes, False)]  # the warm-up once
+    assert [(p.batch, p.context) for p in points] == [(1, 24), (4, 96), (8, 576)]
+    assert [p.seconds for p in points] == pytest.approx([0.01, 0.04, 0.08])  # the slow pass's two shapes left out
+    assert [p.cpu_seconds for p in points] == pytest.approx([0.022, 0.083, 0.163])  # medians: no slowed value
+    calls.clear()
+    once = plan_served.served_decode_passes(None, shapes, passes=1)
+    assert calls == [(shapes, True)] and [p.seconds for p in once] == pytest.approx([0.01, 0.04, 0.08])
