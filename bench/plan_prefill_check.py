@@ -19,7 +19,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from pdserve.bench.plan_simulator import SimRequest
-from pdserve.bench.serve_arrivals import arrival_offsets
 
 
 def busy_seconds(arrivals: Sequence[float], first_tokens: Sequence[float]) -> float:
@@ -41,8 +40,7 @@ def prefill_busy_ratio(run: dict, requests: Sequence[SimRequest], num_prefill: i
     if (num_prefill != 1 or any(errors) or len(requests) != len(errors)
             or not all(r.remote and r.first_token is not None for r in requests)):
         return None
-    arrivals = arrival_offsets(len(run["ttfts"]), float(run["request_rate"]), float(run.get("burstiness") or 1.0),
-                               int(run.get("seed") or 0))
-    measured_busy = busy_seconds(arrivals, arrivals + np.asarray(run["ttfts"], dtype=float))
-    simulated_busy = busy_seconds([r.arrival for r in requests], [r.first_token for r in requests])
+    arrivals = [r.arrival for r in requests]  # the run's own: the replay draws them from its rate and seed
+    measured_busy = busy_seconds(arrivals, [arrival + ttft for arrival, ttft in zip(arrivals, run["ttfts"])])
+    simulated_busy = busy_seconds(arrivals, [r.first_token for r in requests])
     return measured_busy / simulated_busy if simulated_busy > 0 else None
