@@ -1,5 +1,5 @@
 """`pdserve profile` and `pdserve plan`: flags -> profile, workload and cluster settings -> every xPyD split
-simulated (or a sweep replayed with --validate) -> table, JSON and PNG (docs/planning.md)."""
+simulated (or a sweep replayed with --validate) -> table, JSON and PNG (docs/benchmarking/plan.md)."""
 
 from __future__ import annotations
 

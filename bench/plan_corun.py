@@ -4,7 +4,7 @@ process either computes prompts, or runs decode steps of a batch that keeps goin
 working at a time). The medians of each round's ratios (co-run over alone, seconds apart) give the profile's
 decode_corun_factor (machine["decode_corun"]["factor"]) and its decode_beside_decode_factor
 (machine["decode_corun"]["beside_decode"]["factor"]): how much slower a decode step is while another engine of the
-host computes a prefill, or decodes (docs/planning.md)."""
+host computes a prefill, or decodes (docs/benchmarking/plan.md)."""
 
 from __future__ import annotations
 

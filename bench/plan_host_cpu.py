@@ -4,7 +4,7 @@ and the benchmark client (`client_cpu_s`) spent around each run, fitted over the
 scrapes, the engines' per-step messages) plus a cost per streamed token. On a CPU host whose cores are
 all the engines' (`pdserve sweep` pins one engine per core, and the client has no core left), that work runs on an
 engine's core whenever none is idle; the simulator charges it there (StepModel.host_cpu_per_token and
-host_background_cores, SimCluster.on_host; docs/planning.md)."""
+host_background_cores, SimCluster.on_host; docs/benchmarking/plan.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`pdserve plan --find-goodput`: each split's goodput (the highest rate at which >= 90% of requests meet every
 SLO) on a fixed grid of rates, searched from its neighbouring split's goodput; the splits in fixed chains that a
-pool of processes searches side by side, with the same result for any number of workers (docs/planning.md)."""
+pool of processes searches side by side, with the same result for any number of workers (docs/benchmarking/plan.md)."""
 
 from __future__ import annotations
 

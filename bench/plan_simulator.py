@@ -1,7 +1,7 @@
 """A discrete-event simulator of a pdserve cluster: xPyD engines behind the router's policies, each a
 continuous-batching scheduler with a token budget, chunked prefill and a KV pool that preempts.
 
-What it models (docs/planning.md says why each choice):
+What it models (docs/benchmarking/plan.md says why each choice):
 - the router: prefill policy (round_robin; least_loaded and prefix_aware both as least queued prefill
   tokens, since no prefix cache is simulated), decode policy (round_robin, least_kv), and local prefill
   on the decode engine when there are no prefill engines or the prompt is <= local_prefill_threshold;
@@ -19,7 +19,7 @@ What it models (docs/planning.md says why each choice):
   bandwidth (streamed: only latency after the prefill), and takes the sending and receiving CPU time of
   the profile's link from the engines' own cores: the prefill engine's next step and the decode
   engine's next step are that much later. The prefill engine publishes the first token as soon as the
-  step that completes the prompt samples it, before the KV moves (docs/wire-protocol.md); the decode
+  step that completes the prompt samples it, before the KV moves (docs/design/wire-protocol.md); the decode
   engine's stream goes on from the second token once the KV has landed.
 
 Events run on simpy's queue (a plain heapq loop was 1.4x faster, 2.5 against 3.6 CPU-seconds for 64 splits

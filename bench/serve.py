@@ -1,5 +1,5 @@
 """`pdserve bench`: an online load against any OpenAI-compatible server, with vLLM bench serve's metrics
-(docs/benchmarking.md).
+(docs/benchmarking/bench.md).
 
 Order of a run: check the server (before any load), load the tokenizer and the prompts, find which
 request fields the server takes, warm up, send the measured load, print the table, save the JSON.

@@ -1,5 +1,5 @@
 """What one benchmark request measured (RequestResult), and the run's metrics under vLLM bench serve's
-names and definitions (docs/benchmarking.md).
+names and definitions (docs/benchmarking/bench.md).
 
 Times in a RequestResult are seconds; the metrics are milliseconds (`*_ms`) or per second.
 """

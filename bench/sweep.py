@@ -1,6 +1,6 @@
 """`pdserve sweep`: `pdserve bench` across xPyD layouts of `pdserve up` (and external servers) at each load,
 with the router's /metrics around every run, an optional goodput search per layout, and one output
-directory: runs/*.json, summary.csv, goodput.csv, PNGs (docs/benchmarking.md)."""
+directory: runs/*.json, summary.csv, goodput.csv, PNGs (docs/benchmarking/bench.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Encode and decode one message: [msgpack header, *raw payload frames], validated and bounded
-before anything sized by the peer is built (layout: docs/wire-protocol.md)."""
+before anything sized by the peer is built (layout: docs/design/wire-protocol.md)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 256  # samples of one prompt; the router and LLM fan them out as n requests of n=1 each
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
-# Bounds that keep the sampler's float32 arithmetic finite (docs/sampling.md): a temperature or penalty
+# Bounds that keep the sampler's float32 arithmetic finite (docs/serving/sampling.md): a temperature or penalty
 # beyond them rounds to 0 or inf in float32, or divides logits past float32's range.
 MAX_TEMPERATURE = 100.0
 # a JSON schema, regex, grammar or choice list of one request (the wire header holds it whole: 1 MiB)
@@ -52,7 +52,7 @@ class SamplingParams(WireModel):
     """Per-request sampling knobs. temperature == 0 means greedy; top_k <= 0, top_p == 1 and min_p == 0
     disable those filters. Lists are frozen into tuples; copy with changes through `replace`.
     stop strings, include_stop_str_in_output, n and skip_special_tokens are the router's (or LLM's): engines
-    see token ids only (engine/detokenizer.py applies them, docs/sampling.md)."""
+    see token ids only (engine/detokenizer.py applies them, docs/serving/sampling.md)."""
 
     model_config = ConfigDict(allow_inf_nan=False)  # merged into WireModel's
     type_name: ClassVar[str] = "sampling_params"  # names its fields in errors: "sampling_params.top_k"

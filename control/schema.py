@@ -1,5 +1,5 @@
 """Message schemas of the wire protocol: pydantic v2 models, strict, frozen, bounded, whose
-validation errors become ProtocolError naming the field (rules: docs/wire-protocol.md)."""
+validation errors become ProtocolError naming the field (rules: docs/design/wire-protocol.md)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 router registration and links, heartbeats) is made by `open_socket`, which sets its options and CURVE
 and binds or connects it. `ServerSocket` (bound ROUTER) and `ClientSocket` (connected DEALER) add
 bounded sync send/recv; the router uses the factory's asyncio sockets directly.
-Why these socket types and bounds: docs/wire-protocol.md."""
+Why these socket types and bounds: docs/design/wire-protocol.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """One prompt's KV transfer on the decode engine: one object, one explicit state, shared by the
-connector's scheduler side and its transfer side (the state diagram is in docs/kv-link.md)."""
+connector's scheduler side and its transfer side (the state diagram is in docs/design/kv-link.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """KV layout fingerprint: what two engines must agree on before one accepts the other's KV,
 exchanged once per link (Hello / HelloAck); a mismatch refuses the link naming every differing
-field. `hash_weights_file` fingerprints weights cheaply (how: docs/kv-link.md)."""
+field. `hash_weights_file` fingerprints weights cheaply (how: docs/design/kv-link.md)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--router-address", action="append", default=[], metavar="ADDRESS",
                         help="register with the router at this address (its --registration-address, e.g. "
                              "tcp://router:7000) and heartbeat load figures to it; repeat it for every router "
-                             "replica serving this engine (docs/deploy.md)")
+                             "replica serving this engine (docs/serving/deploy.md)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
     parser.add_argument("--stall-timeout", type=float, default=120.0,
                         help="stop heartbeating when the engine loop made no progress for this many seconds, so "

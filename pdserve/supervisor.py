@@ -2,7 +2,7 @@
 PDSERVE_READY line, restart one that exits or whose loop stops making progress (exponential backoff,
 a bounded number of restarts per window), and stop them all in order. An engine's loop touches its
 progress file as it goes round; a file older than the stall bound means the loop is stuck.
-Policy and bounds: docs/supervision.md.
+Policy and bounds: docs/serving/supervision.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Which keys a process runs with: the cluster's CURVE keys (`--curve-dir`), or plaintext only when the
 operator says `--insecure` and every address is loopback. `pdserve up` makes keys on first start
-(threat model: docs/security.md)."""
+(threat model: docs/serving/security.md)."""
 
 from __future__ import annotations
 

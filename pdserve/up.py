@@ -4,7 +4,7 @@ Start order: the router (its PDSERVE_READY line names the registration address),
 at once (`python -m pdserve prefill|decode --router-address ...`, each waited for by its own
 PDSERVE_READY line), then until the router routes to all of them. One progress line per component.
 A component that dies at start makes `up` stop the rest and exit non-zero with its last log lines;
-once serving, pdserve.supervisor restarts what exits or stops making progress (docs/supervision.md).
+once serving, pdserve.supervisor restarts what exits or stops making progress (docs/serving/supervision.md).
 Ctrl-C / SIGTERM stops engines then the router, each within a bound.
 """
 

@@ -1,2 +1,2 @@
 """The HTTP gateway: OpenAI-compatible API, tokenizer and chat template, engine discovery and routing
-(one line per module: docs/structure.md)."""
+(one line per module: docs/design/structure.md)."""

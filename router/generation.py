@@ -466,7 +466,7 @@ async def _next(inbox: _Inbox) -> tuple[str, Any]:
 def _one_seed_for_both(params: SamplingParams) -> SamplingParams:
     """An unseeded random choice sent to two engines gets a random seed, so that a decode engine that
     samples the first token itself (it prefills locally, before the prefill engine's FirstToken has come)
-    draws the same token as the prefill engine (stateless seeds: docs/sampling.md)."""
+    draws the same token as the prefill engine (stateless seeds: docs/serving/sampling.md)."""
     if params.seed is not None or params.temperature == 0:
         return params
     return params.replace(seed=random.getrandbits(63))

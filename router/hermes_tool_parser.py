@@ -2,7 +2,7 @@
 format of Qwen2.5/Qwen3, Hermes and many other models, free text in which each call is
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. HermesToolParser reads the text as it streams (a
 whole answer is one feed) and hands out pieces in order: text, for the message's content, and ParsedCall, for its
-tool_calls. Streamed and whole answers therefore agree by construction. docs/api.md has the rules."""
+tool_calls. Streamed and whole answers therefore agree by construction. docs/serving/api.md has the rules."""
 
 from __future__ import annotations
 

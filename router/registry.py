@@ -18,7 +18,7 @@ Deregister for that engine are taken from that connection only (a spoofed Deregi
 peer is refused). The entry passes to a new connection only once its owner has been silent for the
 heartbeat timeout or the engine left routing (a restarted engine registers again from a new socket).
 Every decode engine that registers gets KVPeers back on its registration link: the KV addresses of
-the prefill engines the router knows, the only ones it will pull KV from (docs/security.md).
+the prefill engines the router knows, the only ones it will pull KV from (docs/serving/security.md).
 
 The registration socket takes any number of peers: it tracks at most MAX_REGISTRATION_PEERS of them
 (the least recently heard are forgotten) and holds at most MAX_PENDING_ENGINES links to engines that

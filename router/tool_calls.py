@@ -3,7 +3,7 @@ schema, tool_choice "required" to a JSON array of calls, each {"name": ..., "par
 JSON becomes the message's tool_calls (router/responses.py's ToolCallFormatter), with any model. tool_choice
 "auto", the default with tools, needs a parser of the model's own tool-call format (--tool-call-parser, as vLLM's
 --enable-auto-tool-choice): the output is free, and the parser reads its calls (AutoToolCallFormatter); without
-one it is a 400 naming the fix. docs/api.md has the rules."""
+one it is a 400 naming the fix. docs/serving/api.md has the rules."""
 
 from __future__ import annotations
 

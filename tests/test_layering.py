@@ -1,4 +1,4 @@
-"""Dependencies point one way (docs/structure.md): each package imports only the packages below it."""
+"""Dependencies point one way (docs/design/structure.md): each package imports only the packages below it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One token per sequence from a step's logits: penalties, min_tokens, greedy or temperature /
 min-p / top-k / top-p sampling with stateless per-request seeds, and logprobs, vectorized over the
-batch (pipeline and choices: docs/sampling.md)."""
+batch (pipeline and choices: docs/serving/sampling.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`pdserve bench` (a subprocess) against a real `pdserve up` 1P1D cluster on the tiny model, random
 prompts with --ignore-eos: every request completes with exactly the prompt and output tokens asked,
-and the JSON has every key docs/benchmarking.md documents."""
+and the JSON has every key docs/benchmarking/bench.md documents."""
 
 from __future__ import annotations
 

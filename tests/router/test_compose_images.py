@@ -120,6 +120,6 @@ def test_kv_link_doc_names_the_metrics_router_metrics_shows():
     registry.register(EngineCollector({"decode-0": link}))
     shown = {line.split("{")[0] for line in generate_latest(registry).decode().splitlines()
              if line and not line.startswith("#")}
-    documented = set(re.findall(r"`(pdserve_[a-z_]+)`", (REPO / "docs" / "kv-link.md").read_text()))
+    documented = set(re.findall(r"`(pdserve_[a-z_]+)`", (REPO / "docs" / "design" / "kv-link.md").read_text()))
     assert len(documented) >= 8
-    assert documented <= shown, f"named in docs/kv-link.md but not in /metrics: {sorted(documented - shown)}"
+    assert documented <= shown, f"named in docs/design/kv-link.md but not in /metrics: {sorted(documented - shown)}"

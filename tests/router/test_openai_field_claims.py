@@ -1,4 +1,4 @@
-"""docs/api.md's claims about request fields, checked as a vLLM user meets them (found by probing a running
+"""docs/serving/api.md's claims about request fields, checked as a vLLM user meets them (found by probing a running
 `pdserve up` against the doc): a refusal's `param` names the field even when the whole body's validator refuses
 it, null inside stream_options means its default, and vLLM's continuous_usage_stats alone is not ignored."""
 
@@ -22,7 +22,7 @@ def run(coro):
 @pytest.mark.parametrize("fast_path", [True, False])
 def test_refusals_of_the_whole_body_name_their_field(tiny_model, tokenization, fast_path):
     """Fields refused by a validator of the whole body (chat's echo, guided_whitespace_pattern, text that is not
-    valid Unicode) had `param: null`; docs/api.md promises the field in `param`."""
+    valid Unicode) had `param: null`; docs/serving/api.md promises the field in `param`."""
     cases = [
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "echo": true}', "echo"),
         ("/v1/completions", b'{"prompt": "hi", "guided_whitespace_pattern": " "}', "guided_whitespace_pattern"),
