@@ -72,6 +72,8 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         # Chosen once: every layer's attention, norms and rotary run this backend's kernels.
         self.attn_backend = get_attn_backend(self.device, self.block_size)
+        logger.info("computing in %s (%s)", str(model_config.dtype).removeprefix("torch."),
+                    model_config.dtype_reason or "given")
         self.model = load_model(model_config, self.device)
         self.attn_backend.bind_layer_kernels(self.model)
         self.sampler = Sampler()

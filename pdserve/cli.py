@@ -12,7 +12,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="Hugging Face model directory or hub id (default: the built-in demo model)")
     parser.add_argument("--dtype", default="auto", type=dtype_arg, choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights and KV cache dtype; auto: float32 on CPU, the checkpoint's dtype on a GPU "
+                        help="compute and KV cache dtype; auto: bfloat16 on a CPU with native bf16 (avx512_bf16 or AMX), "
+                             "float32 on other CPUs, the checkpoint's dtype on a GPU "
                              "(vLLM's half and float are float16 and float32)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV cache block")
