@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.config import CacheConfig, ModelConfig
+from pdserve.engine.config import CacheConfig, ModelConfig, cpu_has_native_bf16
 from pdserve.engine.loader import ModelLoadError, resolve_model_dir, safetensors_files
 from pdserve.engine.model_runner import kv_cache_num_blocks
 from tests.engine.parity import assert_greedy_match, hf_greedy
@@ -53,10 +53,12 @@ def test_missing_shard_is_named(model_factory, tmp_path):
 
 
 @pytest.mark.parametrize("dtype, expected", [("bfloat16", torch.bfloat16), ("float16", torch.float16),
-                                             ("auto", torch.float32)])
+                                             ("auto", None)])
 def test_dtypes(model_factory, dtype, expected):
     """Weights and KV cache in the asked dtype, and greedy output equal to transformers run in that same
-    dtype (ties and logprobs within two rounding steps of the largest logit: tests/engine/parity.py)."""
+    dtype (ties and logprobs within two rounding steps of the largest logit: tests/engine/parity.py).
+    auto: this CPU's native choice (bf16 with avx512_bf16 or AMX, else float32)."""
+    expected = expected or (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
     model_dir = model_factory("llama")
     llm = LLM(model_dir, dtype=dtype, block_size=4, num_kv_blocks=256)
     assert llm.engine.runner.kv_cache.dtype == expected
