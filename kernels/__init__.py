@@ -1,5 +1,5 @@
 """pdserve's kernels: paged KV cache store, paged decode/prefill attention, KV pack/unpack for
-transfer, fused residual-add + RMSNorm and rotary embedding.
+transfer, fused residual-add + RMSNorm, rotary embedding, and the grouped GEMM of mixture-of-experts layers.
 
 The engine chooses its kernels once: a model runner picks its attention backend (engine/attention),
 the KV transfer path picks its copy kernels when it binds the cache (dispatch.kernel_for). The names
@@ -21,6 +21,7 @@ else:
 
     __all__ = [
         "add_rms_norm",
+        "grouped_gemm",
         "kernel_backend",
         "kv_pack",
         "kv_unpack",

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from pdserve.kernels import reference, reference_extra
+from pdserve.kernels import reference, reference_extra, reference_moe
 from pdserve.kernels.forced_backend import read_forced_backend
 
 
@@ -32,6 +32,7 @@ KERNELS: dict[str, tuple[Callable, str]] = {
     "kv_unpack": (reference.kv_unpack, "pdserve.kernels.triton_kv_transfer"),
     "add_rms_norm": (reference_extra.add_rms_norm, "pdserve.kernels.triton_norm"),
     "rotary_embedding": (reference_extra.rotary_embedding, "pdserve.kernels.triton_rotary"),
+    "grouped_gemm": (reference_moe.grouped_gemm, "pdserve.kernels.triton_grouped_gemm"),
 }
 
 
