@@ -6,6 +6,9 @@ Shapes (T = tokens in the step, S = sequences, N = blocks in the pool, B = block
   kv_cache                 [num_layers, 2, N, B, num_kv_heads, head_dim]   (all layers, K then V)
   block_tables             [S, max_blocks] int32, slot s of a sequence lives in
                            block block_tables[seq, s // B] at offset s % B
+Attention options: sliding_window W (the query at position p sees keys (p - W, p]), soft_cap
+(logits become cap * tanh(logit / cap)), sinks ([num_heads] logits that join each head's softmax
+denominator with no value).
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [S, max_blocks] int32
     seq_lens: torch.Tensor,  # [S] int32, context length including the new token
     scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [S, num_heads, head_dim]
-    """Attention of one query token per sequence over that sequence's whole cached context."""
-    plan = torch_paged.plan_decode(block_tables, seq_lens, key_cache.shape[1])
-    return torch_paged.decode_attention_planned(query, key_cache, value_cache, plan, scale)
+    """Attention of one query token per sequence over that sequence's cached context (or its window)."""
+    plan = torch_paged.plan_decode(block_tables, seq_lens, key_cache.shape[1], sliding_window=sliding_window)
+    return torch_paged.decode_attention_planned(query, key_cache, value_cache, plan, scale, soft_cap, sinks)
 
 
 def paged_prefill_attention(
@@ -47,14 +53,17 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [S + 1] int32, sequence i owns query rows [loc[i], loc[i+1])
     seq_lens: torch.Tensor,  # [S] int32, context length including this step's new tokens
     scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its cached prefix plus themselves.
 
-    Query row j of a sequence with q new tokens and context length L sits at position L - q + j and
-    attends to positions [0, L - q + j].
+    Query row j of a sequence with q new tokens and context length L sits at position p = L - q + j and
+    attends to positions [0, p], or (p - sliding_window, p] with a window.
     """
-    plan = torch_paged.plan_prefill(block_tables, query_start_loc, seq_lens, key_cache.shape[1])
-    return torch_paged.prefill_attention_planned(query, key_cache, value_cache, plan, scale)
+    plan = torch_paged.plan_prefill(block_tables, query_start_loc, seq_lens, key_cache.shape[1], sliding_window)
+    return torch_paged.prefill_attention_planned(query, key_cache, value_cache, plan, scale, soft_cap, sinks)
 
 
 def kv_pack(

@@ -8,6 +8,9 @@ length (group_by_length), so padding to a group's longest context stays small. k
 composes plan + run into the plain kernel signatures that the Triton kernels are tested against.
 
 Shapes as in kernels.reference: caches [N, B, num_kv_heads, head_dim], block tables [S, max_blocks].
+A sliding window W lets the query at position p see keys (p - W, p]; the plans for a window gather only
+the blocks a window can reach. Soft-capped logits (cap * tanh(logit / cap)) and sinks (one extra logit
+per head in the softmax denominator, with no value) leave SDPA for an explicit softmax.
 """
 
 from __future__ import annotations
@@ -52,8 +55,13 @@ def store_kv_planned(
 class DecodeGroup:
     num_seqs: int
     max_len: int  # the group's longest context; 0: sequences with no context (attend to nothing: zeros)
-    block_ids: torch.Tensor  # [num_seqs * ceil(max_len / B)] int64, the group's blocks, row by row
-    mask: torch.Tensor | None  # [num_seqs, 1, 1, max_len] float32, 0 or -inf; None: every context is max_len
+    first_pos: int  # context position of the first gathered key (a multiple of B; 0 without a window)
+    block_ids: torch.Tensor  # [num_seqs * blocks] int64, the group's blocks from first_pos // B, row by row
+    mask: torch.Tensor | None  # [num_seqs, 1, 1, max_len - first_pos] float32, 0 or -inf; None: all visible
+
+    @property
+    def span(self) -> int:  # gathered positions per sequence
+        return self.max_len - self.first_pos
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,7 @@ def plan_decode(
     seq_lens: torch.Tensor,  # [S] int32, context including the new token
     block_size: int,
     groups: list[list[int]] | None = None,  # sequence indices per group; None: group_by_length's
+    sliding_window: int | None = None,  # None: each query sees its whole context
 ) -> DecodePlan:
     """The step's sequences in groups (by default group_by_length's), each group's gather indices and
     mask. One group keeps the step's order (nothing to reorder)."""
@@ -89,22 +98,30 @@ def plan_decode(
         restore[order] = torch.arange(len(order_list), device=seq_lens.device)
     single = len(index_groups) == 1 and order is None  # the whole step as it is: no index tensors needed
     groups = tuple(_plan_group(block_tables, seq_lens, None if single else group, [lens[i] for i in group],
-                               block_size) for group in index_groups)
+                               block_size, sliding_window) for group in index_groups)
     return DecodePlan(len(lens), groups, order, restore)
 
 
 def _plan_group(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, indices: list[int] | None, lens: list[int], block_size: int
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, indices: list[int] | None, lens: list[int], block_size: int,
+    sliding_window: int | None,
 ) -> DecodeGroup:  # indices None: every sequence of the step, in step order
     max_len = max(lens)
     num_blocks = (max_len + block_size - 1) // block_size
+    window = sliding_window if sliding_window is not None and sliding_window < max_len else None
+    first_block = 0 if window is None else max(0, min(lens) - window) // block_size
+    first_pos = first_block * block_size
     rows = block_tables if indices is None else block_tables[torch.tensor(indices, device=block_tables.device)]
     group_lens = seq_lens if indices is None else seq_lens[torch.tensor(indices, device=seq_lens.device)]
     mask = None
-    if min(lens) != max_len:  # shorter sequences must not see the padded tail (additive: SDPA needs no cast)
-        padded = torch.arange(max_len, device=seq_lens.device)[None, :] >= group_lens[:, None]
-        mask = torch.zeros(padded.shape, device=seq_lens.device).masked_fill_(padded, float("-inf"))[:, None, None]
-    return DecodeGroup(len(lens), max_len, rows[:, :num_blocks].reshape(-1).long(), mask)
+    if min(lens) != max_len or window is not None:  # hide the padded tail and what left the window
+        positions = torch.arange(first_pos, max_len, device=seq_lens.device)[None, :]
+        hidden = positions >= group_lens[:, None]
+        if window is not None:
+            hidden |= positions < group_lens[:, None] - window
+        # additive: SDPA needs no cast
+        mask = torch.zeros(hidden.shape, device=seq_lens.device).masked_fill_(hidden, float("-inf"))[:, None, None]
+    return DecodeGroup(len(lens), max_len, first_pos, rows[:, first_block:num_blocks].reshape(-1).long(), mask)
 
 
 def decode_attention_planned(
@@ -113,6 +130,8 @@ def decode_attention_planned(
     value_cache: torch.Tensor,
     plan: DecodePlan,
     scale: float,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads], one logit per head
 ) -> torch.Tensor:  # [S, num_heads, head_dim]
     num_seqs, num_heads, head_dim = query.shape
     if not plan.groups:
@@ -129,10 +148,9 @@ def decode_attention_planned(
             continue
         # Whole blocks of the group's sequences in one gather, viewed [s, num_kv_heads, max_len, head_dim];
         # SDPA (4-D, so torch's fused CPU kernel) does the rest, GQA included.
-        keys = _gather_padded(key_cache, group.block_ids, group.num_seqs, group.max_len)
-        values = _gather_padded(value_cache, group.block_ids, group.num_seqs, group.max_len)
-        outs.append(F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=scale,
-                                                   enable_gqa=gqa))  # [s, num_heads, 1, head_dim]
+        keys = _gather_padded(key_cache, group.block_ids, group.num_seqs, group.span)
+        values = _gather_padded(value_cache, group.block_ids, group.num_seqs, group.span)
+        outs.append(attend(q, keys, values, group.mask, False, scale, soft_cap, sinks, gqa))  # [s, num_heads, 1, head_dim]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     if plan.restore is not None:
         out = out.index_select(0, plan.restore)
@@ -143,10 +161,10 @@ def _gather_padded(
     cache: torch.Tensor,  # [N, B, num_kv_heads, head_dim]
     block_ids: torch.Tensor,  # [S * num_blocks] int64
     num_seqs: int,
-    max_len: int,
-) -> torch.Tensor:  # [S, num_kv_heads, max_len, head_dim] float32 (a view when the cache is float32)
+    span: int,  # positions to keep per sequence, from its first gathered block
+) -> torch.Tensor:  # [S, num_kv_heads, span, head_dim] float32 (a view when the cache is float32)
     blocks = cache.index_select(0, block_ids)  # [S * num_blocks, B, num_kv_heads, head_dim]
-    per_seq = blocks.view(num_seqs, -1, *cache.shape[2:])[:, :max_len]
+    per_seq = blocks.view(num_seqs, -1, *cache.shape[2:])[:, :span]
     return per_seq.transpose(1, 2).float()
 
 
@@ -155,8 +173,9 @@ class PrefillSequence:
     begin: int  # the sequence's query rows are [begin, end) of the prefill tokens
     end: int
     context_len: int  # cached prefix + this step's new tokens
-    block_ids: torch.Tensor  # [ceil(context_len / B)] int64
-    mask: torch.Tensor | None  # [1, 1, q, context_len] bool; None = plain causal (no cached prefix)
+    first_pos: int  # context position of the first gathered key (a multiple of B; 0 without a window)
+    block_ids: torch.Tensor  # [ceil(context_len / B) - first_pos // B] int64
+    mask: torch.Tensor | None  # [1, 1, q, context_len - first_pos] bool; None = plain causal from position 0
 
 
 def plan_prefill(
@@ -164,9 +183,10 @@ def plan_prefill(
     query_start_loc: torch.Tensor,  # [S + 1] int32
     seq_lens: torch.Tensor,  # [S] int32
     block_size: int,
+    sliding_window: int | None = None,  # None: each query sees its whole context
 ) -> list[PrefillSequence]:
-    """Query row j of a sequence with q new tokens and context length L sits at position L - q + j and
-    attends to positions [0, L - q + j]."""
+    """Query row j of a sequence with q new tokens and context length L sits at position p = L - q + j and
+    attends to positions [0, p], or (p - sliding_window, p] with a window."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     plan = []
     for i, context_len in enumerate(lens):
@@ -175,11 +195,19 @@ def plan_prefill(
             continue
         num_blocks = (context_len + block_size - 1) // block_size
         prefix_len = context_len - (end - begin)
+        window = sliding_window if sliding_window is not None and sliding_window < context_len else None
+        first_block = 0 if window is None else max(0, prefix_len - window + 1) // block_size
+        first_pos = first_block * block_size
         mask = None
-        if prefix_len > 0:  # torch's is_causal aligns to the top left, so a prefix needs a real mask
+        if prefix_len > 0 or window is not None:  # torch's is_causal aligns to the top left: a real mask
             rows = torch.arange(end - begin, device=seq_lens.device)[:, None] + prefix_len
-            mask = (torch.arange(context_len, device=seq_lens.device)[None, :] <= rows)[None, None]
-        plan.append(PrefillSequence(begin, end, context_len, block_tables[i, :num_blocks].long(), mask))
+            keys = torch.arange(first_pos, context_len, device=seq_lens.device)[None, :]
+            visible = keys <= rows
+            if window is not None:
+                visible &= keys > rows - window
+            mask = visible[None, None]
+        block_ids = block_tables[i, first_block:num_blocks].long()
+        plan.append(PrefillSequence(begin, end, context_len, first_pos, block_ids, mask))
     return plan
 
 
@@ -189,16 +217,17 @@ def prefill_attention_planned(
     value_cache: torch.Tensor,
     plan: list[PrefillSequence],
     scale: float,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads], one logit per head
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     out = torch.empty_like(query)
     gqa = query.shape[1] != key_cache.shape[2]
     for seq in plan:
         q = query[seq.begin:seq.end].transpose(0, 1)[None]  # [1, num_heads, q, head_dim]
-        k = _gather_context(key_cache, seq.block_ids, seq.context_len).to(query.dtype)  # [1, Hkv, L, D]
-        v = _gather_context(value_cache, seq.block_ids, seq.context_len).to(query.dtype)
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=gqa
-        )  # [1, num_heads, q, head_dim]; 4-D inputs take torch's fused CPU kernel
+        span = seq.context_len - seq.first_pos
+        k = _gather_context(key_cache, seq.block_ids, span).to(query.dtype)  # [1, Hkv, span, D]
+        v = _gather_context(value_cache, seq.block_ids, span).to(query.dtype)
+        o = attend(q, k, v, seq.mask, seq.mask is None, scale, soft_cap, sinks, gqa)  # [1, num_heads, q, head_dim]
         out[seq.begin:seq.end] = o[0].transpose(0, 1)
     return out
 
@@ -206,7 +235,40 @@ def prefill_attention_planned(
 def _gather_context(
     cache: torch.Tensor,  # [N, B, num_kv_heads, head_dim]
     block_ids: torch.Tensor,  # [num_blocks] int64 (one sequence)
-    context_len: int,
-) -> torch.Tensor:  # [1, num_kv_heads, context_len, head_dim]
+    span: int,  # positions to keep, from the first block
+) -> torch.Tensor:  # [1, num_kv_heads, span, head_dim]
     blocks = cache.index_select(0, block_ids)
-    return blocks.flatten(0, 1)[:context_len].transpose(0, 1)[None]
+    return blocks.flatten(0, 1)[:span].transpose(0, 1)[None]
+
+
+def attend(
+    q: torch.Tensor,  # [s, num_heads, q, head_dim]
+    k: torch.Tensor,  # [s, num_kv_heads, L, head_dim]
+    v: torch.Tensor,  # [s, num_kv_heads, L, head_dim]
+    mask: torch.Tensor | None,  # broadcast to [s, num_heads, q, L]: bool (True = visible) or additive
+    causal: bool,  # no mask: query row i sees keys [0, i] (True) or every key (False)
+    scale: float,
+    soft_cap: float | None,
+    sinks: torch.Tensor | None,  # [num_heads]
+    gqa: bool,
+) -> torch.Tensor:  # [s, num_heads, q, head_dim]
+    """SDPA (4-D inputs take torch's fused CPU kernel), or an explicit softmax for soft-caps and sinks."""
+    if soft_cap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [s, H, q, L]
+    if soft_cap is not None:
+        logits = torch.tanh(logits / soft_cap) * soft_cap
+    if mask is None and causal:
+        mask = torch.ones(logits.shape[-2:], dtype=torch.bool, device=q.device).tril_()
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+        probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(logits, dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)

@@ -9,6 +9,9 @@ Layout of the work:
   * K/V tiles of BLOCK_N positions are gathered through the block table position by position, so any
     cache block size works and a tile may span several cache blocks.
 Scores are kept in the log2 domain (scale * log2(e) folded in) so the kernels use exp2.
+Options (kernels.reference): a sliding window skips the positions before it (whole partitions too);
+a soft cap bends each logit before the softmax; a sink starts the softmax with its logit and no value
+(in the final merge when the context is split).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.checks import check_last_dim_contiguous, check_paged_attention_args, check_shape
+from pdserve.kernels.triton_attention_options import LOG2E_CONST, AttentionOptions, soft_cap_logits
 from pdserve.kernels.triton_utils import (
     LOG2E, cdiv, dot_precision, launch_options, load_kv_tile, next_pow2, upcast_for_dot,
 )
@@ -29,9 +33,9 @@ MAX_PARTITIONS = 16  # bounds the partial-result buffers for very long contexts
 
 @triton.jit
 def _decode_partition_kernel(
-    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-    qk_scale, num_partitions,
+    qk_scale, num_partitions, window, cap_in, cap_out,
     stride_q_s, stride_q_h,
     stride_k_n, stride_k_b, stride_k_h,
     stride_v_n, stride_v_b, stride_v_h,
@@ -41,6 +45,7 @@ def _decode_partition_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -61,6 +66,11 @@ def _decode_partition_kernel(
             tl.store(out_rows + dims[None, :], zeros, mask=out_mask)
         return
     end = tl.minimum(start + PARTITION_SIZE, seq_len)
+    if HAS_WINDOW:
+        window_start = tl.maximum(seq_len - window, 0)
+        if end <= window_start:  # the whole partition left the window: the merge skips it
+            return
+        start = tl.maximum(start, window_start)
 
     q_rows = query_ptr + seq.to(tl.int64) * stride_q_s + heads[:, None] * stride_q_h
     q = tl.load(q_rows + dims[None, :], mask=out_mask, other=0.0)  # [GROUP_PAD, HEAD_DIM_PAD]
@@ -69,6 +79,9 @@ def _decode_partition_kernel(
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(score - max)
+    if HAS_SINKS and not SPLIT:  # the sink is a first score with weight 1 and no value
+        m_i = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * LOG2E_CONST
+        l_i += 1.0
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
     for tile_start in range(start, end, BLOCK_N):
@@ -78,7 +91,11 @@ def _decode_partition_kernel(
                             kv_head, stride_k_n, stride_k_b, stride_k_h, stride_v_n, stride_v_b, stride_v_h,
                             BLOCK_SIZE, UPCAST)  # [BLOCK_N, HEAD_DIM_PAD] each
 
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUP_PAD, BLOCK_N]
+        if SOFT_CAP:
+            scores = soft_cap_logits(scores, cap_in, cap_out)
+        else:
+            scores = scores * qk_scale
         scores = tl.where(pos_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -101,10 +118,10 @@ def _decode_partition_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr,
-    num_partitions, stride_o_s, stride_o_h,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, sinks_ptr,
+    num_partitions, window, stride_o_s, stride_o_h,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # One program per (sequence, query head): merges that row's partials with an online softmax.
     seq = tl.program_id(0)
@@ -117,8 +134,14 @@ def _decode_reduce_kernel(
 
     m = tl.full([], float("-inf"), dtype=tl.float32)
     total = tl.full([], 0.0, dtype=tl.float32)
+    if HAS_SINKS:  # the sink is a first partial with weight 1 and no value
+        m = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_CONST
+        total += 1.0
     acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
-    for part in range(0, num_used):
+    first_used = 0
+    if HAS_WINDOW:  # partitions before the window wrote nothing
+        first_used = tl.maximum(seq_len - window, 0) // PARTITION_SIZE
+    for part in range(first_used, num_used):
         part_max = tl.load(part_max_ptr + base + part)
         part_sum = tl.load(part_sum_ptr + base + part)
         part_out = tl.load(part_out_ptr + (base + part) * HEAD_DIM + dims, mask=dim_mask, other=0.0)
@@ -156,11 +179,15 @@ def launch_decode_attention(
     out: torch.Tensor,  # [S, num_heads, head_dim], written
     partition_size: int,  # multiple of block_n; >= max context means no split
     block_n: int = DEFAULT_BLOCK_N,
-    num_warps: int | None = None,  # None: Triton's default; bench/gpu_kernels.py --sweep tries others
+    num_warps: int | None = None,  # None: Triton's default; experiments/gpu_kernels.py --sweep tries others
     num_stages: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> None:
     """Run the kernels into `out` with explicit tiling (tests force small partitions here)."""
     num_seqs, num_heads, head_dim = query.shape
+    options = AttentionOptions.checked(sliding_window, soft_cap, sinks, query, scale)
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     check_shape("out", out, tuple(query.shape), "same as query")
     check_last_dim_contiguous("out", out)
@@ -181,9 +208,9 @@ def launch_decode_attention(
     else:
         part_out = part_max = part_sum = out  # unused by the kernel when SPLIT is False
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        query, key_cache, value_cache, block_tables, seq_lens,
+        query, key_cache, value_cache, block_tables, seq_lens, options.sinks,
         out, part_out, part_max, part_sum,
-        float(scale) * LOG2E, num_partitions,
+        float(scale) * LOG2E, num_partitions, options.window, options.cap_in, options.cap_out,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -193,20 +220,22 @@ def launch_decode_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, PARTITION_SIZE=partition_size, SPLIT=split,
         UPCAST=upcast_for_dot(query.dtype), PRECISION=dot_precision(query.dtype),
+        HAS_WINDOW=options.has_window, SOFT_CAP=options.has_soft_cap, HAS_SINKS=options.has_sinks,
         **launch_options(num_warps, num_stages),
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_max, part_sum, seq_lens,
-            num_partitions, out.stride(0), out.stride(1),
+            out, part_out, part_max, part_sum, seq_lens, options.sinks,
+            num_partitions, options.window, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            PARTITION_SIZE=partition_size,
+            PARTITION_SIZE=partition_size, HAS_WINDOW=options.has_window, HAS_SINKS=options.has_sinks,
         )
 
 
 def paged_decode_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float
+    seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernel of kernels.reference.paged_decode_attention (arguments, shapes and result as there).
 
@@ -221,5 +250,6 @@ def paged_decode_attention(
     launch_decode_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale, out,
         partition_size=choose_partition_size(max_context, block_n), block_n=block_n,
+        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
     )
     return out

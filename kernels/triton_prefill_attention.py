@@ -9,7 +9,9 @@ Layout of the work:
     [loc[i] // BLOCK_Q + i, loc[i + 1] // BLOCK_Q + i + 1), which always covers its rows; a program
     finds its sequence by binary search and exits if its tile is one of the spare ones;
   * K/V tiles are gathered through the block table position by position and combined with an online
-    softmax in the log2 domain; keys past the tile's last query position are never read.
+    softmax in the log2 domain; keys past the tile's last query position are never read, nor (with a
+    sliding window) keys before its first query's window.
+Options as in kernels.reference: a soft cap bends each logit; a sink starts each row's softmax.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pdserve.kernels.checks import (
     check_shape,
     check_tensor,
 )
+from pdserve.kernels.triton_attention_options import LOG2E_CONST, AttentionOptions, soft_cap_logits
 from pdserve.kernels.triton_utils import LOG2E, dot_precision, launch_options, load_kv_tile, next_pow2, upcast_for_dot
 
 DEFAULT_BLOCK_M = 64  # query rows (tokens x group heads) per tile
@@ -48,8 +51,8 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(
-    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    qk_scale, num_seqs,
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, sinks_ptr,
+    out_ptr, qk_scale, num_seqs, window, cap_in, cap_out,
     stride_q_t, stride_q_h,
     stride_k_n, stride_k_b, stride_k_h,
     stride_v_n, stride_v_b, stride_v_h,
@@ -58,6 +61,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -83,22 +87,34 @@ def _prefill_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Keys up to the tile's last query position: [0, kv_end).
+    # Keys up to the tile's last query position: [kv_begin, kv_end).
     kv_end = tl.minimum(prefix_len + tl.minimum(tile_begin + BLOCK_Q, q_end) - q_start, seq_len)
+    kv_begin = 0
+    if HAS_WINDOW:  # the window of the tile's first query
+        kv_begin = tl.maximum(prefix_len + tile_begin - q_start - window + 1, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # the sink is a first score with weight 1 and no value
+        m_i = tl.load(sinks_ptr + heads).to(tl.float32) * LOG2E_CONST
+        l_i += 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
-    for kv_start in range(0, kv_end, BLOCK_N):
+    for kv_start in range(kv_begin, kv_end, BLOCK_N):
         positions = kv_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         pos_mask = positions < kv_end
         k, v = load_kv_tile(table_row, key_cache_ptr, value_cache_ptr, positions, pos_mask, dims, dim_mask,
                             kv_head, stride_k_n, stride_k_b, stride_k_h, stride_v_n, stride_v_b, stride_v_h,
                             BLOCK_SIZE, UPCAST)  # [BLOCK_N, HEAD_DIM_PAD] each
 
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        causal = (positions[None, :] <= q_positions[:, None]) & pos_mask[None, :]
-        scores = tl.where(causal, scores, float("-inf"))
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        if SOFT_CAP:
+            scores = soft_cap_logits(scores, cap_in, cap_out)
+        else:
+            scores = scores * qk_scale
+        visible = (positions[None, :] <= q_positions[:, None]) & pos_mask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (positions[None, :] > q_positions[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
         # Rows of spare tokens may see no key at all: keep their max finite so no NaN appears.
         m_new = tl.maximum(tl.maximum(m_i, tl.max(scores, 1)), -1e30)
         alpha = tl.exp2(m_i - m_new)
@@ -143,9 +159,13 @@ def launch_prefill_attention(
     block_n: int = DEFAULT_BLOCK_N,
     num_warps: int | None = None,  # None: Triton's default
     num_stages: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> None:
     """Run the kernel into `out` with explicit tile sizes (tests use small ones)."""
     num_tokens, num_heads, head_dim = query.shape
+    options = AttentionOptions.checked(sliding_window, soft_cap, sinks, query, scale)
     num_seqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
     check_shape("out", out, tuple(query.shape), "same as query")
     check_last_dim_contiguous("out", out)
@@ -156,8 +176,8 @@ def launch_prefill_attention(
     block_q = block_m // group
     num_tiles = num_tokens // block_q + num_seqs
     _prefill_kernel[(num_tiles, num_kv_heads)](
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
-        float(scale) * LOG2E, num_seqs,
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, options.sinks,
+        out, float(scale) * LOG2E, num_seqs, options.window, options.cap_in, options.cap_out,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -166,23 +186,26 @@ def launch_prefill_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim), BLOCK_SIZE=key_cache.shape[1],
         UPCAST=upcast_for_dot(query.dtype), PRECISION=dot_precision(query.dtype),
+        HAS_WINDOW=options.has_window, SOFT_CAP=options.has_soft_cap, HAS_SINKS=options.has_sinks,
         **launch_options(num_warps, num_stages),
     )
 
 
 def paged_prefill_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+    soft_cap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernel of kernels.reference.paged_prefill_attention (arguments, shapes and result as there).
 
-    Query row j of a sequence with q new tokens and context length L sits at position L - q + j and
-    attends to positions [0, L - q + j].
+    Query row j of a sequence with q new tokens and context length L sits at position p = L - q + j and
+    attends to positions [0, p], or (p - sliding_window, p] with a window.
     """
     _check_prefill_args(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     block_m, block_n = choose_tiles(query.shape[2], query.dtype)
     launch_prefill_attention(
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out, block_m, block_n
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out, block_m, block_n,
+        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
     )
     return out
