@@ -157,7 +157,7 @@ async def bench_main(args: argparse.Namespace, base_url: str, slos: dict[str, fl
     metrics = {**compute_metrics(results, load.duration_s, slos), "client_cpu_s": load.client_cpu_s}
     if load.duration_s >= MIN_BUSY_CHECK_S and load.client_cpu_s > CLIENT_BUSY_SHARE * load.duration_s:
         notes.append(f"the client was busy {100 * load.client_cpu_s / load.duration_s:.0f}% of the run on its core: "
-                     "it may have been the bottleneck (docs/BENCHMARKS.md has its ceiling)")
+                     "it may have been the bottleneck (docs/results.md has its ceiling)")
         note(notes[-1])
     settings = settings_of(args, model, tokenizer.name, shape, slos, notes)
     print(format_table(metrics, settings, results), flush=True)

@@ -18,7 +18,7 @@ _CONTEXT_TOKENS = 5  # prompt tokens decoded along with the first output tokens,
 def decoder_of(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """ids -> text, exactly as `tokenizer.decode(ids, skip_special_tokens=...)`. For a fast tokenizer that
     does no clean-up of spaces, that is its Rust backend's decode: transformers' wrapper adds ~12 us a call
-    in Python, and the router decodes twice per streamed token (docs/BENCHMARKS.md, issue #17)."""
+    in Python, and the router decodes twice per streamed token (docs/results.md, router overhead)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)

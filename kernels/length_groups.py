@@ -4,8 +4,8 @@ costs. No torch here: `pdserve plan` prices the same padding in its simulator.""
 from __future__ import annotations
 
 # Decode groups: sequences of similar length share one gather and one SDPA, so a step's attention costs
-# about the sum of its contexts rather than batch x its longest context (docs/BENCHMARKS.md, "CPU decode
-# attention without padding", has the measurements behind these numbers).
+# about the sum of its contexts rather than batch x its longest context (docs/results.md, "Engine
+# features", has the measurements behind these numbers).
 MAX_PADDING_FRACTION = 0.1  # a group's padding stays within this fraction of its real tokens,
 MIN_PADDING_TOKENS = 256  # or within this many tokens (a group costs ~ as much as this many padded tokens)
 MAX_DECODE_GROUPS = 6  # attention calls per layer at most (plus one for empty sequences, if any)

@@ -52,7 +52,7 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--kv-streaming", choices=["auto", "on", "off"], default="auto",
                             help="send each layer's KV while the prompt computes (on) or all of it after (off); "
                                  "auto: on with a CUDA --device, off on CPU, where the sending competes with the "
-                                 "prefill for the same cores (measured in docs/BENCHMARKS.md)")
+                                 "prefill for the same cores (measured in docs/results.md)")
     else:
         parser.add_argument("--kv-timeout", type=float, default=30.0,
                             help="seconds to wait for a prompt's KV once the prefill engine has computed the prompt "

@@ -93,7 +93,7 @@ def cpu_threads_each(num_cores: int, num_engines: int) -> int | None:
     least one each); with one or two, torch's default of a thread per core (None). Engines of a disaggregated
     stack compute at the same time: 1P2D on 2 cores, each engine with 2 threads, ran 2 concurrent requests in
     10.1 s against 0.45 s pinned. For 1P1D on 2 cores the default is a trade: one request at a time 1.5x faster,
-    8 concurrent ones 1.5x slower than with a thread each (docs/BENCHMARKS.md, "Threads per engine")."""
+    8 concurrent ones 1.5x slower than with a thread each (docs/results.md, "CPU threads and a full KV pool")."""
     return max(1, num_cores // num_engines) if num_engines > 2 else None
 
 

@@ -4,7 +4,7 @@ A POST to /v1/completions or /v1/chat/completions skips FastAPI's telemetry chec
 stack (server errors, telemetry, body limits, exception handling, an exit stack) and its router, and goes
 straight to the endpoint (router/lean_routes.py). On this shared 2-core machine those layers cost ~0.3 ms between the
 request's bytes and the endpoint: code run once per request is slow here because every request finds
-the caches cold (docs/BENCHMARKS.md, issue #17). What the layers did for these routes is done here:
+the caches cold (docs/results.md, router overhead). What the layers did for these routes is done here:
 the body cap (router/body_limit.py), and errors answered by the app's own exception handlers, looked
 up as Starlette looks them up. Every other request goes through the whole stack.
 

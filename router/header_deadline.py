@@ -2,8 +2,8 @@
 
 uvicorn bounds the idle time between requests on a kept-alive connection (--timeout-keep-alive), but
 not a new connection that sends nothing, nor headers that trickle in: about 20,000 such sockets used
-up the router's file descriptors, and it answered no one until they closed (docs/BENCHMARKS.md, "The
-HTTP API under a careless client and an attacker"). Here the headers of each request must be whole
+up the router's file descriptors, and it answered no one until they closed (docs/results.md, "The
+HTTP API under hostile clients"). Here the headers of each request must be whole
 within HEADER_TIMEOUT_S of the connection opening (or of the request's first byte on a kept-alive
 connection); else the client gets a 408 and the connection is closed. Bodies have their own limit
 (router/lean_routes.py).

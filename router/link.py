@@ -1,7 +1,7 @@
 """EngineLink: the router's DEALER socket to one engine's control ROUTER, on the asyncio loop.
 
 A reader callback on the socket's file descriptor (not a task awaiting pyzmq's asyncio futures: that
-machinery cost more router CPU per streamed token than decoding it, docs/BENCHMARKS.md issue #17) decodes
+machinery cost more router CPU per streamed token than decoding it, docs/results.md, router overhead) decodes
 what the engine sends and routes each TokenDelta (and a prompt's PromptLogprobs, read into a
 PromptLogprobsChunk) by request id to the request waiting for it (the sink given to open_stream).
 Sends never wait: a message the engine cannot take right now (not connected, or its queue is full)

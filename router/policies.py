@@ -11,7 +11,7 @@ engine, counted when it sends a prompt, grown by every token that comes back, an
 They are exact at the moment of each choice. The engines' heartbeats are not: an engine reports between steps,
 its heartbeat repeats the last report during a step (seconds, for a long prompt on CPU), and a report says
 nothing of the prompts sent or the requests ended since. Routing on reports put a burst of prompts on one
-colocated engine mid-step and kept counting requests that had ended (docs/BENCHMARKS.md, window 8). Reports
+colocated engine mid-step and kept counting requests that had ended. Reports
 still give each engine's KV capacity. Router replicas each balance the requests they route.
 The prefix index mirrors each engine's cache with the engines' own block hashes
 (engine.block_pool.compute_block_hashes), so router and engines agree on what a block is.

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 # On CPU, linears run on oneDNN with their weight reordered once into oneDNN's blocked layout
 # (pack_linear_weights). torch's F.linear hands fp32 products to MKL, which repacks the whole weight on
 # every call: on the 2-core benchmark box the prepacked products of this model's shapes ran 1.7-1.9x
-# faster at 1-32 rows and 1.45x faster at 2048 rows (docs/BENCHMARKS.md, offline throughput section).
+# faster at 1-32 rows and 1.45x faster at 2048 rows (docs/results.md, offline throughput).
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 

@@ -1,7 +1,7 @@
 """An engine whose queued prompts cannot get KV blocks (they are held for a peer, as a prefill engine holds
 computed prompts for their decode engines) has no runnable work, so its loop waits for input instead of
 stepping empty steps in a tight loop; the engine on the other core of a 2-core machine then ran 10x slower
-(docs/BENCHMARKS.md, "A decode engine with a full KV pool")."""
+(docs/results.md, "CPU threads and a full KV pool")."""
 
 from __future__ import annotations
 
