@@ -55,6 +55,7 @@ COPY prefill ./prefill
 COPY decode ./decode
 COPY router ./router
 COPY bench ./bench
+COPY planner ./planner
 RUN --mount=type=bind,source=pip-local,target=/pip-local \
     PIP_CONFIG_FILE=/pip-local/pip.conf pip install --no-deps . && rm -rf build
 COPY docker/entrypoint.sh /usr/local/bin/pdserve-entrypoint

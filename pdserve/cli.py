@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep = commands.add_parser("sweep", help="benchmark xPyD layouts of `pdserve up` across loads; CSV and plots")
     add_sweep_args(sweep)
-    from pdserve.bench.plan_args import add_plan_args, add_profile_args
+    from pdserve.planner.args import add_plan_args, add_profile_args
 
     add_profile_args(commands.add_parser("profile", help="measure one engine's step and KV transfer times for "
                                                          "`pdserve plan`"))
@@ -203,7 +203,7 @@ def _run(argv: list[str] | None) -> int:
 
             return run_sweep(args)
         if args.command in ("profile", "plan"):
-            from pdserve.bench.plan_cli import run_plan, run_profile
+            from pdserve.planner.cli import run_plan, run_profile
 
             return run_profile(args) if args.command == "profile" else run_plan(args)
     except (ValueError, MemoryError, FileNotFoundError, FileExistsError, TransportError) as exc:

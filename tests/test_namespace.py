@@ -13,7 +13,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ("engine", "engine.attention", "engine.layers", "engine.models", "kernels", "control", "kvtransfer",
-               "prefill", "decode", "router", "bench")
+               "prefill", "decode", "router", "bench", "planner", "planner.profile", "planner.model", "planner.search",
+               "planner.validate")
 
 
 def _python(code: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
@@ -45,7 +46,11 @@ def test_the_wheel_holds_only_the_pdserve_package(wheel):
     assert {name for name in top_level if not name.endswith(".dist-info")} == {"pdserve"}
     for package in SUBPACKAGES:
         assert f"pdserve/{package.replace('.', '/')}/__init__.py" in names, package
-    assert {"pdserve/bench/gpu_session.sh", "pdserve/bench/gpu_common.sh", "pdserve/bench/gpu_followup.sh"} <= names
+    # only pdserve's own modules: no experiment, no shell script, no data file
+    folders = {name.rsplit("/", 1)[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert folders == {"pdserve"} | {f"pdserve/{package.replace('.', '/')}" for package in SUBPACKAGES}
+    assert [name for name in names if not name.endswith(".py") and ".dist-info/" not in name] == []
+    assert not any("experiments" in name for name in names)
 
 
 def test_the_installed_wheel_imports_every_subpackage_from_itself(wheel, tmp_path):
@@ -66,7 +71,8 @@ def test_the_installed_wheel_imports_every_subpackage_from_itself(wheel, tmp_pat
 def test_outside_the_checkout_only_pdserve_imports(tmp_path):
     # The generic names of the repository's folders do not reach pdserve's folders once it is installed
     # (`kernels` may be Hugging Face's package, a dependency of transformers >= 5.25).
-    for name in ("engine", "kernels", "router", "bench", "kvtransfer", "prefill", "decode", "control"):
+    for name in ("engine", "kernels", "router", "bench", "planner", "experiments", "kvtransfer", "prefill", "decode",
+                 "control"):
         result = _python(f"import importlib.util; spec = importlib.util.find_spec({name!r}); "
                          "print(spec.origin if spec else None)", tmp_path)
         assert result.returncode == 0 and str(REPO) not in result.stdout, (name, result.stdout, result.stderr)

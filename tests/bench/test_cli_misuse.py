@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import main
-from tests.bench.plan_helpers import synthetic_profile
+from tests.planner.helpers import synthetic_profile
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def error_line(capsys, command: str) -> str:
 
 @pytest.fixture
 def profile_path(tmp_path) -> Path:
-    from pdserve.bench.plan_fit import model_identity
+    from pdserve.planner.profile.fit import model_identity
     from pdserve.demo_model import make_demo_model
 
     model = make_demo_model(tmp_path / "model", size="tiny")
@@ -126,12 +126,12 @@ def test_sigterm_stops_a_sweep_like_ctrl_c(tmp_path):
 
 @pytest.mark.parametrize("argv, says", [(["--out", "."], "--out . is a directory"), (["--repeats", "0"], "--repeats 0")])
 def test_profile_refuses_what_would_waste_its_measurements_before_measuring(tmp_path, capsys, monkeypatch, argv, says):
-    import pdserve.bench.plan_profile
+    import pdserve.planner.profile.measure
 
     def measured(_args):
         raise AssertionError("measured before the arguments were checked")
 
-    monkeypatch.setattr(pdserve.bench.plan_profile, "run_profile", measured)
+    monkeypatch.setattr(pdserve.planner.profile.measure, "run_profile", measured)
     monkeypatch.chdir(tmp_path)
     assert main(["profile", "--model", str(tmp_path), *argv]) == 2
     assert says in error_line(capsys, "profile")

@@ -1,4 +1,4 @@
-"""`pdserve bench` as a subprocess against the synthetic server (bench/fake_openai_server.py): 500s,
+"""`pdserve bench` as a subprocess against the synthetic server (bench/mock_server.py): 500s,
 dropped connections and stalls are counted with their reasons and the run ends; refused fields are
 dropped with a note; an unreachable server or a bad file is one error line before any load."""
 
@@ -17,7 +17,7 @@ READY_TIMEOUT_S = 30
 
 
 def start_fake_server(*args: str) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, "-m", "pdserve.bench.fake_openai_server", "--port", "0", *args],
+    process = subprocess.Popen([sys.executable, "-m", "pdserve.bench.mock_server", "--port", "0", *args],
                                cwd=REPO, stdout=subprocess.PIPE, text=True)
     line = process.stdout.readline()
     if not line.startswith("FAKE_OPENAI_READY"):

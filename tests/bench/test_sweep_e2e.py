@@ -114,8 +114,8 @@ def test_sweep_two_layouts_two_rates(model_factory, tmp_path):
 
 def validate_with_plan(model: str, sweep_dir: Path, tmp_path: Path) -> None:
     """`pdserve plan --validate` replays this sweep: every (config, rate) point, predicted against measured."""
-    from pdserve.bench.plan_fit import EngineSettings, model_identity
-    from tests.bench.plan_helpers import synthetic_profile
+    from pdserve.planner.profile.fit import EngineSettings, model_identity
+    from tests.planner.helpers import synthetic_profile
 
     profile = synthetic_profile(model_identity(model)).model_copy(
         update={"engine": EngineSettings(block_size=4, num_kv_blocks=512, max_num_batched_tokens=64)})
@@ -183,8 +183,8 @@ def test_reference_runs_around_every_load_and_plan_reads_them(model_factory, tmp
     assert runs["0P1D_rate8"]["output_lens"] == [OUTPUT_LEN] * 3  # the loads keep their own length
     assert [g["goodput"] for g in read_csv(out / "goodput.csv")] == [16.0]  # references are no load
 
-    from pdserve.bench.plan_fit import EngineSettings, model_identity
-    from tests.bench.plan_helpers import synthetic_profile
+    from pdserve.planner.profile.fit import EngineSettings, model_identity
+    from tests.planner.helpers import synthetic_profile
 
     profile = synthetic_profile(model_identity(model)).model_copy(
         update={"engine": EngineSettings(block_size=4, num_kv_blocks=512, max_num_batched_tokens=64)})

@@ -1,4 +1,4 @@
-"""Structured output and prompt logprobs on a CUDA device (bench/gpu_followup.sh runs this on a lent GPU): the
+"""Structured output and prompt logprobs on a CUDA device (experiments/gpu_followup.sh runs this on a lent GPU): the
 bitmask is unpacked on the device, prompt-logprob tables come back to the host, and both equal the CPU
 engine's."""
 

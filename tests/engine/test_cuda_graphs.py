@@ -314,14 +314,18 @@ def test_padded_path_with_the_triton_kernels(model_factory):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA this would run the real benchmark")
 def test_gpu_engine_bench_without_cuda_explains_and_exits_zero(capsys):
-    from pdserve.bench import gpu_engine
+    from tests.experiments import load_experiment
+
+    gpu_engine = load_experiment("gpu_engine")
 
     assert gpu_engine.main([]) == 0
     assert "no CUDA device" in capsys.readouterr().out
 
 
 def test_gpu_engine_bench_table():
-    from pdserve.bench.gpu_engine import format_results
+    from tests.experiments import load_experiment
+
+    format_results = load_experiment("gpu_engine").format_results
 
     seconds = {("eager", 1): 2.0, ("graphs", 1): 0.5, ("eager", 32): 4.0, ("graphs", 32): 2.0}
     table = format_results(seconds, [1, 32], 100)

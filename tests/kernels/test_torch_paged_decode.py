@@ -157,7 +157,7 @@ def test_the_planner_reads_the_length_groups_without_importing_torch():
     import subprocess
     import sys
 
-    code = ("import sys\nimport pdserve.kernels.length_groups, pdserve.bench.plan_simulator\n"
+    code = ("import sys\nimport pdserve.kernels.length_groups, pdserve.planner.model.simulator\n"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False"]

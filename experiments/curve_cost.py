@@ -1,0 +1,81 @@
+"""What CURVE-by-default costs: the same `pdserve bench` load against `pdserve up` with the cluster's keys
+(every plane encrypted and authenticated) and with `--insecure` (plaintext), in one run, the two modes
+alternating (ABBA ...) so that drift on a shared machine falls on both. Prints medians over the repeats
+and the CURVE/plaintext ratio of each figure.
+
+    python experiments/curve_cost.py --model DIR --layout 1P1D --repeats 2 \
+        --num-prompts 24 --input-len 256 --output-len 32 --max-concurrency 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from pdserve.bench.sweep_cluster import Cluster, ClusterSpec
+from pdserve.bench.sweep_layouts import parse_layout
+from pdserve.bench.sweep_results import RunInfo
+from pdserve.bench.sweep_runs import BenchOptions, run_bench, warm_up
+
+from ab_runs import median_table  # experiments/ab_runs.py, beside this script
+from ab_runs import mode_order as ab_order
+
+MODES = {"curve": [], "insecure": ["--insecure"]}
+FIGURES = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "median_itl_ms", "output_throughput")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory")
+    parser.add_argument("--layout", default="1P1D", help="xPyD layout of each `pdserve up`")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per mode (alternating: ABBA ...)")
+    parser.add_argument("--num-prompts", type=int, default=24)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--max-concurrency", type=int, default=4)
+    parser.add_argument("--output-dir", default=None, help="where runs and logs go (default: a new temp dir)")
+    return parser.parse_args(argv)
+
+
+def mode_order(repeats: int) -> list[str]:
+    return ab_order(("curve", "insecure"), repeats)
+
+
+def one_run(args: argparse.Namespace, mode: str, index: int, out: Path) -> dict:
+    layout = parse_layout(args.layout)
+    spec = ClusterSpec(model=args.model, up_args=MODES[mode])
+    options = BenchOptions(model=args.model, num_prompts=args.num_prompts, seed=index,
+                           dataset_args=["--dataset", "random", "--input-len", str(args.input_len),
+                                         "--output-len", str(args.output_len)])
+    info = RunInfo(config=f"{layout.name}-{mode}-{index}", num_engines=layout.num_engines, phase="sweep",
+                   request_rate=float("inf"), max_concurrency=args.max_concurrency,
+                   num_prefill=layout.num_prefill, num_decode=layout.num_decode)
+    with Cluster(spec, layout, out / f"{mode}-{index}") as cluster:
+        warm_up(options, cluster.url, count=4)
+        _, result = run_bench(options, cluster.url, info, out, slos={}, client_cores=cluster.client_cores)
+    if result is None or result["failed"]:
+        raise RuntimeError(f"the {mode} run {index} did not complete every request: see {out}")
+    return {figure: result[figure] for figure in FIGURES}
+
+
+def report(results: dict[str, list[dict]]) -> str:
+    return median_table(results, ("curve", "insecure"), ("CURVE", "--insecure"), FIGURES)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.output_dir or tempfile.mkdtemp(prefix="pdserve-curve-cost-"))
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for index, mode in enumerate(mode_order(args.repeats)):
+        results[mode].append(one_run(args, mode, index, out))
+    (out / "curve_cost.json").write_text(json.dumps(results, indent=2))
+    print(report(results))
+    print(f"runs and logs: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

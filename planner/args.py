@@ -1,0 +1,112 @@
+"""`pdserve profile` and `pdserve plan` flags (argparse only, so building the CLI parser stays cheap)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.cli_help import seed_arg
+
+DATASETS = ("random", "sharegpt", "prefix", "jsonl")
+
+
+def add_profile_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model directory (default: the built-in demo model)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--out", default="profile.json", help="where to write the profile JSON")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the engine's dtype, as `pdserve up` takes it; auto: float32 on CPU, the checkpoint's "
+                             "dtype on a GPU")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the engine's step token budget")
+    parser.add_argument("--core", type=int, default=None,
+                        help="CPU core to pin the engine to (default: the first this process may use)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measurements of each shape; the served decode shapes are timed in passes of "
+                             "alternating order and each shape's median is fitted (against a slow stretch of a shared "
+                             "host, docs/results.md), the other points are all fitted (window 8: a second "
+                             "pass gave no better predictions on a steady host)")
+    parser.add_argument("--quick", action="store_true", help="a handful of small shapes (tests, smoke runs)")
+    decode = parser.add_mutually_exclusive_group()
+    decode.add_argument("--served-decode", action="store_true",
+                        help="time decode steps through a served engine process (CURVE control socket, all its "
+                             "threads' CPU, as sweeps and `pdserve up` run engines): the default on CPU; CPU only")
+    decode.add_argument("--in-process-decode", action="store_true",
+                        help="time decode steps in this process, the engine thread's own CPU (the default on GPUs; "
+                             "on CPU it misses the serving loop's share of each step)")
+    parser.add_argument("--no-corun", action="store_true",
+                        help="skip the co-run step (CPU, two cores or more: decode steps timed while another core "
+                             "computes prompts); the profile's decode_corun_factor is then 1.0")
+    parser.add_argument("--add-corun-to", default=None, metavar="P.json",
+                        help="measure only the co-run step and write P.json with it to --out (a profile taken "
+                             "before the step existed)")
+    parser.add_argument("--refit", default=None, metavar="P.json",
+                        help="measure nothing: fit P.json's points again with this pdserve's fitting and write the "
+                             "profile to --out (a profile taken before the fitting changed)")
+    parser.add_argument("--clock", default=None, choices=["wall", "cpu"],
+                        help="time the fits use: cpu (the default on CPU) counts only the engine thread's own CPU "
+                             "time, what a step takes on a core of its own even on a shared machine; wall on GPUs")
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", required=True, metavar="P.json", help="from `pdserve profile`")
+    parser.add_argument("--engines", type=int, default=None, metavar="N", help="engines to split into xPyD")
+    parser.add_argument("--slo", nargs="+", default=None, metavar="METRIC:MS",
+                        help="SLOs, e.g. ttft:2000 tpot:150 (also e2el); with --validate, every run is judged by "
+                             "these instead of the SLOs the sweep ran with")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--request-rate", type=float, default=None, help="requests per second (Poisson)")
+    load.add_argument("--find-goodput", action="store_true",
+                      help="per split, the highest rate at which >= 90%% of requests meet every SLO (the default)")
+    parser.add_argument("--target-rate", type=float, default=None,
+                        help="also find the smallest number of engines whose best split meets this rate")
+    parser.add_argument("--validate", default=None, metavar="SWEEP_DIR",
+                        help="replay a `pdserve sweep` directory (its runs/*.json) and compare with what it measured")
+    parser.add_argument("--model", default=None, help="check that the profile was measured on this model")
+    data = parser.add_argument_group("dataset (as `pdserve bench`)")
+    data.add_argument("--dataset", default="random", choices=DATASETS, help="which prompts and lengths to simulate")
+    data.add_argument("--dataset-path", default=None, help="the file of a sharegpt or jsonl dataset")
+    data.add_argument("--tokenizer", default=None, help="tokenizer for sharegpt/prefix/jsonl (default: --model)")
+    data.add_argument("--num-prompts", type=int, default=1000, help="simulated requests per split and rate")
+    data.add_argument("--input-len", type=int, default=1024, help="random dataset: prompt tokens")
+    data.add_argument("--output-len", type=int, default=128, help="random dataset: output tokens")
+    data.add_argument("--range-ratio", type=float, default=0.0,
+                      help="random dataset: lengths drawn uniformly within this fraction around the given ones")
+    data.add_argument("--prefix-len", type=int, default=None, help="prefix dataset: tokens shared within a group")
+    data.add_argument("--num-prefix-groups", type=int, default=4, help="prefix dataset: groups of prompts")
+    data.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma arrivals' shape: 1 = Poisson, below 1 burstier, above 1 steadier")
+    data.add_argument("--seed", type=seed_arg, default=0, help="seed of the prompts and arrivals (as bench's)")
+    cluster = parser.add_argument_group("cluster (as `pdserve up`)")
+    cluster.add_argument("--prefill-policy", default="prefix_aware",
+                         choices=["round_robin", "least_loaded", "prefix_aware"],
+                         help="the router's choice of prefill engine (prefix_aware is simulated as least_loaded)")
+    cluster.add_argument("--decode-policy", default="least_kv", choices=["round_robin", "least_kv"],
+                         help="the router's choice of decode engine")
+    cluster.add_argument("--local-prefill-threshold", type=int, default=0,
+                         help="prompts up to this many tokens are prefilled on the decode engine (0 = none)")
+    cluster.add_argument("--kv-streaming", default="off", choices=["on", "off"],
+                         help="off: KV sent after the prefill (pdserve's default on CPU); on: layer by layer")
+    cluster.add_argument("--exact-up-to", type=int, default=8, metavar="N",
+                         help="simulate every engine behind the router up to N engines; above, one engine per tier")
+    parser.add_argument("--step-scale", nargs=2, type=float, default=(1.0, 1.0), metavar=("PREFILL", "DECODE"),
+                        help="multiply the profile's prefill and decode step times (e.g. a profile measured on a "
+                             "busier machine than the one planned for); transfers are not scaled")
+    parser.add_argument("--host-cpu-per-token", type=float, default=None, metavar="US",
+                        help="microseconds of host CPU (router, clients) per streamed token that a CPU host runs on "
+                             "the engines' cores once none is idle (one core per engine); default: 0 for plan, and "
+                             "for --validate with a CPU profile what the sweep measured (its server_cpu_s and "
+                             "client_cpu_s, fitted with --host-background-cpu)")
+    parser.add_argument("--host-background-cpu", type=float, default=None, metavar="CORES",
+                        help="the share of one core the host's processes take whatever the load (0.01 = 1%%), also "
+                             "on the engines' cores once none is idle; default as --host-cpu-per-token")
+    parser.add_argument("--host-cpu-from", default=None, metavar="SWEEP_DIR",
+                        help="--validate: fit the host's CPU figures to this sweep's runs (the same layouts on the "
+                             "same machine) instead of the validated sweep's own, e.g. for a sweep that did not "
+                             "record server_cpu_s")
+    parser.add_argument("--per-point-speed", action="store_true",
+                        help="--validate: scale the profile's prefill and decode steps at each point by the sweep's "
+                             "reference runs around it (`pdserve sweep --reference-requests K`): the model's error "
+                             "at the machine's speed of the moment, without its drift since the profile")
+    parser.add_argument("--jobs", type=int, default=2, metavar="J",
+                        help="--find-goodput: processes searching the splits at once (the result is the same for any J)")
+    parser.add_argument("--output-dir", default="plan-results", help="where the JSON and PNG go")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG")

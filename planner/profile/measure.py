@@ -1,0 +1,409 @@
+"""`pdserve profile`: one engine measured in-process, step by step, and the KV link between two processes;
+the fits of planner/profile/fit.py over the points, written as the profile JSON `pdserve plan` reads.
+
+On CPU the engine runs pinned to one core with one thread, as each engine of `pdserve sweep` does.
+Prefill points: prompts of several lengths, alone and batched (chunked at the token budget). Decode
+points: batches of several sizes over several prompt lengths, a few decode steps each. Transfer points:
+KV messages of several sizes over loopback tcp with CURVE, sender and receiver on a core each
+(planner/profile/kv_link.py's processes). With two cores or more on CPU, the co-run factor of decode steps
+(planner/profile/corun.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.planner.profile.corun_fit import CoRun
+from pdserve.planner.profile.fit import (
+    DecodePoint,
+    EngineSettings,
+    ModelIdentity,
+    PrefillPoint,
+    Profile,
+    TransferPoint,
+    build_profile,
+    load_profile,
+    model_identity,
+)
+
+# (prompt length, prompts in one batch): single prompts trace the quadratic, batches the chunking.
+PREFILL_SHAPES = [(16, 1), (64, 1), (256, 1), (512, 1), (1024, 1), (1536, 1), (2000, 1), (256, 4), (1000, 2),
+                  (1000, 3)]
+# (batch, prompt length): decode steps timed after the batch's prompts are computed. Mid batches over mid contexts
+# (12 and 24 x 256) are where served decode engines run; without them the plane over-predicted a step of 24 x 256 by
+# 6-10% (docs/design/planner-model.md).
+DECODE_SHAPES = [(1, 16), (4, 16), (16, 16), (32, 16), (64, 16), (1, 512), (4, 512), (8, 512), (1, 1500), (4, 1000),
+                 (12, 256), (24, 256)]
+DECODE_STEPS = 4
+TRANSFER_MIB = [1, 4, 16, 44]
+TRANSFER_REQUESTS = 3
+QUICK_PREFILL = [(16, 1), (64, 1), (128, 1), (64, 2)]
+QUICK_DECODE = [(1, 16), (2, 16), (4, 16), (2, 64)]
+QUICK_TRANSFER_MIB = [1, 2]
+QUICK_REFERENCE_LEN = 64
+
+
+@contextlib.contextmanager
+def one_core(core: int | None):
+    """This process on one core with one torch thread while measuring (as a sweep engine runs), then back."""
+    import torch
+
+    allowed = sorted(os.sched_getaffinity(0))
+    chosen = allowed[0] if core is None else core
+    if chosen not in allowed:
+        raise ValueError(f"--core {core} is not one this process may use ({allowed})")
+    threads = torch.get_num_threads()
+    os.sched_setaffinity(0, {chosen})
+    torch.set_num_threads(1)
+    try:
+        yield chosen
+    finally:
+        os.sched_setaffinity(0, allowed)
+        torch.set_num_threads(threads)
+
+
+def timed_step(engine) -> tuple[float, float, list]:
+    """One engine step as EngineCore.step runs it: (wall s, this thread's CPU s, [(new tokens, computed
+    before)] per request)."""
+    start, start_cpu = time.perf_counter(), time.thread_time()
+    plan = engine.scheduler.schedule()
+    shapes = [(s.num_new_tokens, s.request.num_computed_tokens) for s in plan.scheduled]
+    sampled = engine.runner.execute(plan, engine.kv_transfer.layer_hook(plan)).sampled
+    engine.scheduler.update_from_output(plan, sampled)
+    return time.perf_counter() - start, time.thread_time() - start_cpu, shapes
+
+
+class EngineProbe:
+    """The engine and fresh random prompts (no prefix-cache hits between measurements)."""
+
+    def __init__(self, model: str, device: str, max_num_batched_tokens: int, dtype: str = "auto") -> None:
+        from pdserve import LLM
+
+        self.llm = LLM(model, dtype=dtype, device=device, max_num_batched_tokens=max_num_batched_tokens,
+                       enable_prefix_caching=False)
+        self.engine = self.llm.engine
+        self.vocab = self.llm.model_config.vocab_size
+        self.rng = np.random.default_rng(0)
+        self.count = 0
+
+    def add(self, prompt_len: int, max_tokens: int) -> None:
+        from pdserve import SamplingParams
+
+        ids = self.rng.integers(10, self.vocab, size=prompt_len).tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.count += 1
+        self.engine.add_request(self.engine.make_request(f"p{self.count}", ids, params))
+
+    def drain(self) -> None:
+        while self.engine.has_work():
+            self.engine.step()
+
+    def prefill_points(self, prompt_len: int, batch: int) -> list[PrefillPoint]:
+        for _ in range(batch):
+            self.add(prompt_len, 1)
+        points = []
+        while self.engine.has_work():
+            seconds, cpu_seconds, shapes = timed_step(self.engine)
+            if shapes:
+                points.append(PrefillPoint(prompt_len=prompt_len, batch=batch, tokens=sum(n for n, _ in shapes),
+                                           attention=float(sum(n * (n + 2 * c) for n, c in shapes)), seconds=seconds,
+                                           cpu_seconds=cpu_seconds))
+        return points
+
+    def decode_points(self, batch: int, prompt_len: int) -> list[DecodePoint]:
+        for _ in range(batch):
+            self.add(prompt_len, DECODE_STEPS + 2)
+        points = []
+        while self.engine.has_work():
+            seconds, cpu_seconds, shapes = timed_step(self.engine)
+            if shapes and all(n == 1 for n, _ in shapes) and len(shapes) == batch:
+                points.append(DecodePoint(batch=batch, context=sum(c + 1 for _, c in shapes),
+                                          longest=max(c + 1 for _, c in shapes), seconds=seconds,
+                                          cpu_seconds=cpu_seconds))
+        return points
+
+
+def measure_engine(args, model: str) -> tuple[list[PrefillPoint], list[DecodePoint], EngineSettings]:
+    probe = EngineProbe(model, args.device, args.max_num_batched_tokens, args.dtype)
+    probe.prefill_points(64, 1)  # warm-up: first-step allocations
+    probe.decode_points(2, 16)
+    prefill_shapes, decode_shapes = (QUICK_PREFILL, QUICK_DECODE) if args.quick else (PREFILL_SHAPES, DECODE_SHAPES)
+    if served_decode(args):
+        decode_shapes = []  # timed through a served engine instead (plan_served.py)
+    max_len = probe.llm.model_config.max_model_len
+    if args.device != "cpu":
+        # Triton compiles a kernel for each new specialization of its arguments on first use (about 3 s each
+        # on an H200, three of the eleven prefill points of the first GPU profile): every shape once, untimed.
+        measure_shapes(probe, prefill_shapes, decode_shapes, max_len)
+    prefill, decode = [], []
+    for _ in range(args.repeats):
+        shape_prefill, shape_decode = measure_shapes(probe, prefill_shapes, decode_shapes, max_len)
+        prefill += shape_prefill
+        decode += shape_decode
+    runner = probe.engine.runner
+    settings = EngineSettings(block_size=probe.engine.cache_config.block_size,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_num_seqs=probe.engine.scheduler.config.max_num_seqs, num_kv_blocks=runner.num_blocks,
+                              decode_pads_to_longest=runner.attn_backend.decode_pads_to_longest,
+                              decode_groups_by_length=runner.attn_backend.decode_groups_by_length,
+                              dtype=str(probe.llm.model_config.dtype).removeprefix("torch."))
+    return prefill, decode, settings, max_len
+
+
+def measure_shapes(probe: EngineProbe, prefill_shapes, decode_shapes, max_len: int):
+    """One pass over the shapes that fit the model: (prefill points, decode points)."""
+    prefill, decode = [], []
+    for prompt_len, batch in prefill_shapes:
+        if prompt_len + 1 <= max_len:
+            prefill += probe.prefill_points(prompt_len, batch)
+    for batch, prompt_len in decode_shapes:
+        if prompt_len + DECODE_STEPS + 2 <= max_len:
+            decode += probe.decode_points(batch, prompt_len)
+    return prefill, decode
+
+
+def served_decode(args: argparse.Namespace) -> bool:
+    """Decode points from a served engine process: on CPU unless --in-process-decode (a served engine's step
+    includes its serving loop, ZeroMQ and CURVE, about 4% on the demo model, docs/design/planner-model.md); never on a GPU."""
+    if args.device != "cpu":
+        if args.served_decode:
+            raise ValueError(f"--served-decode times a served engine pinned to a CPU core; on --device {args.device} "
+                             "decode steps are timed in-process: drop the flag")
+        return False
+    return not args.in_process_decode
+
+
+def measure_served(args, model: str, core: int, machine: dict, max_len: int) -> list[DecodePoint]:
+    """Through a served engine on the same core: the reference prefill (into machine["reference"]) and, unless
+    --in-process-decode, the decode points (else [])."""
+    from pdserve.planner.profile.served import (
+        REFERENCE_PROMPT_LEN,
+        served_decode_passes,
+        served_engine,
+        served_prefill_reference,
+    )
+
+    decode = []
+    with served_engine(model, core, args.max_num_batched_tokens) as session:
+        if served_decode(args):
+            shapes = QUICK_DECODE if args.quick else DECODE_SHAPES
+            with timed_phase(machine, "served_decode"):
+                decode = served_decode_passes(session, shapes, args.repeats)
+            machine["decode_points"] = "served: a pdserve decode process with CURVE, its CPU time per step"
+        prompt_len = min(QUICK_REFERENCE_LEN if args.quick else REFERENCE_PROMPT_LEN, max_len - 1)
+        with timed_phase(machine, "reference"):
+            machine["reference"] = served_prefill_reference(session, prompt_len)
+        with timed_phase(machine, "corun"):
+            machine["decode_corun"] = measure_corun(args, model, core, session, prompt_len,
+                                                    args.max_num_batched_tokens, max_len)
+    return decode
+
+
+def measure_corun(args, model: str, core: int, session: tuple, prompt_len: int, max_num_batched_tokens: int,
+                  max_len: int) -> dict:
+    """The served engine's decode steps alone, beside prompts computed on another core, and beside decode steps
+    run there (plan_corun.py); on one core, or with --no-corun, factor 1.0 and why."""
+    from pdserve.planner.profile.corun import (
+        CORUN_REPEATS,
+        CORUN_SHAPES,
+        DECODE,
+        PREFILL,
+        QUICK_CORUN_SHAPES,
+        fitting_shapes,
+        measure_decode_corun,
+        other_core,
+    )
+
+    if args.no_corun:
+        return {"factor": 1.0, "skipped": "--no-corun"}
+    second = other_core(core, os.sched_getaffinity(0))
+    if second is None:
+        print("  co-run factor skipped: one core, no other engine can share this host (factor 1.0)")
+        return {"factor": 1.0, "skipped": "one core: no second core to compute prompts on"}
+    shapes, repeats = (QUICK_CORUN_SHAPES, 1) if args.quick else (CORUN_SHAPES, CORUN_REPEATS)
+    shapes = fitting_shapes(shapes, max_len)
+    measured = measure_decode_corun(session, model, second, max_num_batched_tokens, prompt_len, shapes, repeats)
+    return {**measured[PREFILL], "beside_decode": measured[DECODE]}
+
+
+def measure_transfer(sizes_mib: list[int], num_requests: int) -> list[TransferPoint]:
+    """Seconds per request of pdserve's KV messages (tcp loopback, CURVE) and the CPU each side spent."""
+    from pdserve.planner.profile.kv_link import MIB, messages_per_request, run_scenarios
+
+    scenarios = [("tcp", "kv", size, messages_per_request("kv", size, 4), num_requests, "tcp://127.0.0.1:0")
+                 for size in sizes_mib]
+    results = run_scenarios(scenarios, pin=True, curve=True)
+    wall = {index: seconds for role, index, seconds, _, _ in results if role == "send"}
+    cpu = {(role, index): cpu_s for role, index, _, cpu_s, _ in results}
+    thread_cpu = {(role, index): cpu_s for role, index, _, _, cpu_s in results}
+    return [TransferPoint(bytes=size * MIB, seconds=wall[i] / num_requests,
+                          sender_cpu_s=cpu[("send", i)] / num_requests, receiver_cpu_s=cpu[("recv", i)] / num_requests,
+                          sender_thread_cpu_s=thread_cpu[("send", i)] / num_requests,
+                          receiver_thread_cpu_s=thread_cpu[("recv", i)] / num_requests)
+            for i, size in enumerate(sizes_mib)]
+
+
+@contextlib.contextmanager
+def timed_phase(machine: dict, name: str):
+    """The seconds a step of the profile took, kept in machine["phase_seconds"] (printed with the fits)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        machine.setdefault("phase_seconds", {})[name] = round(time.perf_counter() - started, 1)
+
+
+def machine_info(device: str, core: int | None) -> dict:
+    import torch
+
+    cpu_name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    info = {"cpu": cpu_name, "cores": os.cpu_count(), "pinned_core": core, "torch": torch.__version__,
+            "python": platform.python_version(), "device": device, "load_average": list(os.getloadavg()),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from pdserve.demo_model import default_demo_model
+
+    if args.refit:
+        return refit(args)
+    served_decode(args)  # refuses --served-decode on a GPU before anything is measured
+    if args.device == "cpu" and args.dtype not in ("auto", "float32"):
+        raise ValueError(f"--dtype {args.dtype} on CPU: the served engine and the co-run step of a CPU profile run "
+                         "float32, as `pdserve up` does on CPU by default; drop --dtype, or profile a GPU with it")
+    if args.device != "cpu":
+        from pdserve.engine.config import check_device
+
+        check_device(args.device)  # a clear error, not torch's, where there is no GPU
+    model = args.model or str(default_demo_model())
+    identity = model_identity(model)
+    if args.add_corun_to:
+        return add_corun(args, model, identity)
+    started = time.perf_counter()
+    pinned = one_core(args.core) if args.device == "cpu" else contextlib.nullcontext(None)
+    with pinned as core:
+        machine = machine_info(args.device, core)
+        with timed_phase(machine, "engine"):
+            prefill, decode, settings, max_len = measure_engine(args, model)
+    if args.device == "cpu":
+        with timed_phase(machine, "served"):
+            decode = measure_served(args, model, core, machine, max_len) or decode
+    else:  # a host CPU effect: engines on GPUs of their own do not slow each other's steps through it
+        machine["decode_corun"] = {"factor": 1.0, "skipped": f"device {args.device}"}
+    with timed_phase(machine, "transfer"):
+        transfer = measure_transfer(QUICK_TRANSFER_MIB if args.quick else TRANSFER_MIB, TRANSFER_REQUESTS)
+    clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
+    profile = note_reference(build_profile(identity, machine, settings, prefill, decode, transfer, clock))
+    Path(args.out).write_text(profile.model_dump_json(indent=1))
+    print_fits(profile, f"profiled {profile.model.architecture} ({profile.model.num_layers} layers, hidden "
+               f"{profile.model.hidden_size}) on {profile.machine['device']} in {time.perf_counter() - started:.0f} s "
+               f"-> {args.out}")
+    return 0
+
+
+def note_reference(profile: Profile) -> Profile:
+    """What the prefill fit says for the served engine's reference prompt, beside that engine's time."""
+    reference = profile.machine.get("reference")
+    if reference is not None:
+        length = reference["prompt_len"]
+        reference["profile_prefill_s"] = profile.prefill_fit.predict(
+            {"intercept": 1.0, "tokens": length, "attention": float(length * length)})
+    return profile
+
+
+def refuse_overwrite(out: str, source: str, flag: str, what: str) -> None:
+    """--out must not be the profile that `flag` reads: the profile read is kept as it was measured."""
+    if Path(out).resolve() == Path(source).resolve():
+        raise ValueError(f"--out {out} is the profile {flag} reads: write {what} elsewhere")
+
+
+def refit(args: argparse.Namespace) -> int:
+    """--refit P.json: P's points fitted again (on P's clock unless --clock says otherwise), written to --out."""
+    refuse_overwrite(args.out, args.refit, "--refit", "the new one")
+    old = load_profile(args.refit)
+    profile = note_reference(build_profile(old.model, old.machine, old.engine, old.prefill_points, old.decode_points,
+                                           old.transfer_points, args.clock or old.clock))
+    Path(args.out).write_text(profile.model_dump_json(indent=1))
+    print_fits(profile, f"refitted the points of {args.refit} -> {args.out}")
+    return 0
+
+
+def add_corun(args: argparse.Namespace, model: str, identity: ModelIdentity) -> int:
+    """--add-corun-to P.json: only the co-run step, written into a copy of P (at --out)."""
+    from pdserve.planner.profile.served import REFERENCE_PROMPT_LEN, served_engine
+    from pdserve.engine.config import ModelConfig
+
+    if args.device != "cpu":
+        raise ValueError(f"--add-corun-to measures CPU engines sharing a host, not --device {args.device}: "
+                         "a GPU profile keeps factor 1.0")
+    refuse_overwrite(args.out, args.add_corun_to, "--add-corun-to", "the copy")
+    profile = load_profile(args.add_corun_to)
+    profile.check_model(identity, model)
+    started = time.perf_counter()
+    core = args.core if args.core is not None else min(os.sched_getaffinity(0))
+    prompt_len = (profile.machine.get("reference") or {}).get("prompt_len", REFERENCE_PROMPT_LEN)
+    budget = profile.engine.max_num_batched_tokens  # the profiled engine's, not the flag's default
+    max_len = ModelConfig.from_hf(model).max_model_len
+    with served_engine(model, core, budget) as session:
+        corun = measure_corun(args, model, core, session, prompt_len, budget, max_len)
+    machine = {**profile.machine, "decode_corun": {**corun, "pinned_core": core}}
+    profile = profile.model_copy(update={"machine": machine})
+    Path(args.out).write_text(profile.model_dump_json(indent=1))
+    print_fits(profile, f"co-run step in {time.perf_counter() - started:.0f} s: {args.add_corun_to} -> {args.out}")
+    return 0
+
+
+def print_fits(profile: Profile, headline: str) -> None:
+    print(f"{headline}; fits on the {profile.clock} clock")
+    for name in ("prefill", "decode", "transfer"):
+        fit = getattr(profile, f"{name}_fit")
+        terms = ", ".join(f"{k} {v:.3g}" for k, v in fit.coefficients.items())
+        print(f"  {name:<8} {terms}  (R^2 {fit.r2:.3f}, mean relative error {fit.mean_relative_error:.1%}, "
+              f"{fit.num_points} points)")
+    reference = profile.machine.get("reference")
+    if reference is not None:
+        print(f"  reference: a {reference['prompt_len']}-token prompt alone through a served engine took "
+              f"{reference['served_prefill_wall_s']:.3f} s ({reference['served_prefill_cpu_s']:.3f} s CPU); "
+              f"the prefill fit says {reference['profile_prefill_s']:.3f} s")
+    corun = profile.machine.get("decode_corun")
+    if corun is not None and "skipped" not in corun:
+        print_corun(corun, f"prompts on core {corun['prefill_core']}", profile.decode_corun)
+        beside = corun.get("beside_decode")
+        if beside is not None:
+            print_corun(beside, f"decode steps on core {beside['decode_core']}", profile.decode_beside_decode)
+    phases = profile.machine.get("phase_seconds")
+    if phases:
+        print("  time: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in phases.items()))
+    print(f"  KV link CPU: sender {profile.transfer_sender_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB, receiver "
+          f"{profile.transfer_receiver_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB" + link_thread_share(profile))
+
+
+def link_thread_share(profile: Profile) -> str:
+    """How much of each side's link CPU its own sending/receiving thread spent (the rest: zmq's I/O thread)."""
+    points = profile.transfer_points
+    if not points or any(p.sender_thread_cpu_s is None for p in points):
+        return ""
+    shares = [sum(getattr(p, f"{side}_thread_cpu_s") for p in points) / max(sum(getattr(p, f"{side}_cpu_s")
+                                                                               for p in points), 1e-12)
+              for side in ("sender", "receiver")]
+    return f"; of that, the sending thread {shares[0]:.0%}, the receiving thread {shares[1]:.0%}"
+
+
+def print_corun(measured: dict, beside: str, factors: CoRun) -> None:
+    """One line per kind of neighbour: each shape's ratio, and the factors of the step's two parts."""
+    ratios = ", ".join(f"{shape} x{row['cpu_ratio']:.2f}" for shape, row in measured["batches"].items())
+    print(f"  co-run: decode steps beside {beside}: {ratios}; factors: weights x{factors.weights:.2f}, "
+          f"KV reads x{factors.kv_reads:.2f}")
+
