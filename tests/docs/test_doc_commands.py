@@ -256,3 +256,16 @@ def test_every_relative_link_resolves():
             elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
                 broken.append(f"{path.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_docs_results_holds_only_what_results_md_cites():
+    """Raw files stay small and current: each folder of docs/results is linked from docs/results.md, the whole is
+    at most 5 MB, and no run's lock, progress or start/finish marker is kept."""
+    folder = REPO / "docs" / "results"
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) <= 5 * 2**20
+    markers = [p.name for p in files if p.suffix in (".lock", ".progress") or p.name in ("started", "finished")]
+    assert not markers, markers
+    cited = set(LINK.findall((REPO / "docs" / "results.md").read_text()))
+    for sub in folder.iterdir():
+        assert any(target.startswith(f"results/{sub.name}/") for target in cited), f"{sub.name} is cited nowhere"
