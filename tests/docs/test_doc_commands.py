@@ -207,7 +207,8 @@ def test_the_quick_blocks_run(tmp_path):
     pdserve = Path(sys.executable).with_name("pdserve")
     env = {"HOME": str(tmp_path), "PDSERVE_CACHE": str(tmp_path / "cache"), "PATH": f"{pdserve.parent}:/usr/bin:/bin"}
     for block in quick:
-        result = subprocess.run(["bash", "-euo", "pipefail", "-c", block.body], cwd=tmp_path, env=env,
+        body = block.body.replace("/tmp/", f"{tmp_path}/")  # the docs' scratch paths, private to this run
+        result = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=tmp_path, env=env,
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"{block.where()} failed:\n{result.stdout}\n{result.stderr}"
 
