@@ -1,6 +1,7 @@
 """A structured-output constraint (SamplingParams.structured_kind / structured_spec) as llguidance's
 grammar text, checked. Torch-free: the router checks a request's constraint with it before any engine
-sees the request, and each engine again against its tokenizer (engine/structured_output.py)."""
+sees the request (`check_isolated`: the bounds, then a compile in a worker process), and each engine
+again, isolated, before its own compile against its tokenizer (engine/structured_output.py)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,30 @@ import json
 from typing import Any
 
 from pdserve.control.errors import InvalidRequestError
+from pdserve.engine.grammar_limits import check_bounds
+from pdserve.engine.grammar_sandbox import shared_sandbox
 
 # llguidance's JSON options: no free whitespace between tokens (compact JSON), so a weak model cannot
 # spend its max_tokens on spaces.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
+def check_isolated(kind: str, spec: str) -> None:
+    """An InvalidRequestError naming the problem when the constraint is over a bound (engine/grammar_limits.py)
+    or does not compile in a worker process (engine/grammar_sandbox.py), whose crash fails only this check."""
+    check_bounds(kind, spec)
+    problem = shared_sandbox().check(kind, spec)
+    if problem:
+        raise InvalidRequestError(problem)
+
+
 def checked_grammar(kind: str, spec: str, tokenizer: Any = None) -> str:
-    """The constraint's grammar text; an InvalidRequestError naming the problem when it does not compile
-    (against `tokenizer`, an llguidance LLTokenizer, when given; else the grammar alone)."""
+    """The constraint's grammar text, compiled in this process: check_isolated it first; an
+    InvalidRequestError naming the problem when it is over a bound or does not compile (against
+    `tokenizer`, an llguidance LLTokenizer, when given; else the grammar alone)."""
     from llguidance import LLMatcher
 
+    check_bounds(kind, spec)
     grammar = grammar_of(kind, spec)
     problem = LLMatcher.validate_grammar(grammar, tokenizer)
     if problem:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.grammar import checked_grammar
+from pdserve.engine.grammar import check_isolated, checked_grammar
 from pdserve.engine.request import Request, SamplingParams
 
 _BITS = torch.arange(32, dtype=torch.int32)  # one bit per token of a 32-token bitmask word
@@ -101,8 +101,11 @@ class StructuredOutputCompiler:
                 or (params.structured_kind, params.structured_spec) in self._compiled)
 
     def _compile(self, kind: str, spec: str) -> Any:
+        """The constraint's matcher, compiled here once a worker process has compiled it first (a crash of
+        the compiler there fails this request, not the engine)."""
         from llguidance import LLMatcher
 
+        check_isolated(kind, spec)
         tokenizer = self._ll_tokenizer()
         # log_level 0: a matcher's errors reach the client in the request's error, not the engine's stderr
         matcher = LLMatcher(tokenizer, checked_grammar(kind, spec, tokenizer), log_level=0)

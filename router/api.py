@@ -42,7 +42,7 @@ from pdserve.router.responses import (
 )
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.specs import chat_specs, check_n, completion_specs
-from pdserve.router.structured_output import checked_constraint
+from pdserve.router.structured_output import checked_constraint, origin_of
 from pdserve.router.tool_calls import ToolCalling, tool_calling, with_tags_shown
 from pdserve.router.streaming import CLIENT_CLOSED_REQUEST, endpoint_label, respond
 
@@ -234,7 +234,7 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
         check_model(body.model)
         max_model_len, vocab_size = gateway.context_limits()
         check_n(body, body.num_prompts(), config.max_n)  # before any tokenizing: a 4 MiB batch is refused at once
-        constraint = await checked_constraint(body, gateway.preprocessor)
+        constraint = await checked_constraint(body, gateway.preprocessor, origin=origin_of(request))
         if body.has_text_prompt():
             tokenized = await gateway.preprocessor.run(gateway.tokenization.completion_prompts, body)
         else:  # token ids: nothing to tokenize, so no hop to the tokenizer's threads
@@ -255,7 +255,7 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
         max_model_len, vocab_size = gateway.context_limits()
         tools = tool_calling(body, config.tool_call_parser)
         body = with_tags_shown(body, tools)
-        constraint = await checked_constraint(body, gateway.preprocessor, tools)
+        constraint = await checked_constraint(body, gateway.preprocessor, tools, origin_of(request))
         text, token_ids = await gateway.preprocessor.run(gateway.tokenization.chat_prompt, body,
                                                          config.allow_request_chat_template)
         specs = chat_specs(body, token_ids, max_model_len, config.max_n, gateway.generation_defaults, vocab_size,

@@ -2,18 +2,19 @@
 and structured_spec). Asked for by OpenAI's response_format, vLLM's structured_outputs, or vLLM's older
 guided_json / guided_regex / guided_choice / guided_grammar, or by tools with tool_choice "required" or naming
 a tool (router/tool_calls.py; tool_choice "auto" constrains nothing); one constraint per request. The router
-checks it with the engines' own grammar check (engine/grammar.py) before any engine sees the request;
-each engine checks it again against its tokenizer."""
+checks it against the grammar bounds and compiles it in a worker process (engine/grammar.py check_isolated)
+before any engine sees the request, logging who sent it first; each engine checks it again."""
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.control.errors import InvalidRequestError
 from pdserve.control.sampling_params import MAX_STRUCTURED_SPEC_CHARS
-from pdserve.engine.grammar import checked_grammar
+from pdserve.engine.grammar import check_isolated
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.preprocess import Preprocessor, PreprocessTimeout
 from pdserve.router.schemas import ONE_STRUCTURED_OUTPUT, SamplingRequest
@@ -22,6 +23,8 @@ from pdserve.router.tool_calls import ToolCalling
 # vLLM's older fields: field -> the kind of constraint it asks for
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
+
+log = logging.getLogger("pdserve.router.structured_output")
 
 
 @dataclass(frozen=True)
@@ -63,23 +66,36 @@ def asked_constraint(request: SamplingRequest, tools: ToolCalling | None = None)
     return constraint
 
 
-def check_constraint(constraint: Constraint) -> None:
-    """The engines' check of the constraint (does it compile?), as a 400 naming the request's field."""
+def check_constraint(constraint: Constraint, origin: str = "a client") -> None:
+    """The engines' check of the constraint (within the bounds? does it compile, in a worker process?), as
+    a 400 naming the request's field; `origin` (who sent it) is logged before anything compiles it."""
+    log.info("request from %s: checking its structured output (%s, %s, %d characters)", origin,
+             constraint.source, constraint.kind, len(constraint.spec))
     try:
-        checked_grammar(constraint.kind, constraint.spec)
+        check_isolated(constraint.kind, constraint.spec)
     except InvalidRequestError as exc:
+        log.info("request from %s: its structured output (%s) is refused: %s", origin, constraint.source, exc)
         raise InvalidRequest(f"{constraint.source}: {exc}", param=constraint.param) from None
 
 
+def origin_of(http_request: Any) -> str:
+    """Who sent a request, for the log: its client address, and its X-Request-Id when it has one."""
+    client = http_request.client
+    address = f"{client.host}:{client.port}" if client is not None else "an unknown address"
+    request_id = http_request.headers.get("x-request-id")
+    return f"{address} (x-request-id {request_id[:64]!r})" if request_id else address
+
+
 async def checked_constraint(request: SamplingRequest, preprocessor: Preprocessor,
-                             tools: ToolCalling | None = None) -> Constraint | None:
+                             tools: ToolCalling | None = None, origin: str = "a client") -> Constraint | None:
     """The request's constraint (`tools`: its tool calling, when it has one), checked, or None. Off the event
-    loop, on a preprocessing thread: a schema of megabytes takes a while to write as text and to compile."""
+    loop, on a preprocessing thread: a schema of megabytes takes a while to write as text and to compile, and
+    the compile in a worker process is waited for there."""
     tools = _constraining(tools)
     if tools is None and not _asks(request):
         return None
     try:
-        return await preprocessor.run(_checked, request, tools)
+        return await preprocessor.run(_checked, request, tools, origin)
     except PreprocessTimeout:
         raise PreprocessTimeout(f"checking the request's structured output took longer than the server's limit of "
                                 f"{preprocessor.timeout_s:g}s: send a smaller constraint (operators: "
@@ -100,10 +116,10 @@ def _asks(request: SamplingRequest) -> bool:
             or request.guided_grammar is not None)
 
 
-def _checked(request: SamplingRequest, tools: ToolCalling | None) -> Constraint | None:
+def _checked(request: SamplingRequest, tools: ToolCalling | None, origin: str) -> Constraint | None:
     constraint = asked_constraint(request, tools)
     if constraint is not None:
-        check_constraint(constraint)
+        check_constraint(constraint, origin)
     return constraint
 
 

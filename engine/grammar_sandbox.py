@@ -1,0 +1,186 @@
+"""Structured-output constraints compiled first in worker processes (engine/grammar_worker.py), so a
+compiler crash, a runaway allocation or an endless compile ends a worker and fails one request, never
+the router or an engine. A small pool of workers, each one job at a time, replaced when it dies;
+verdicts cached by the constraint's hash. Blocking calls: the router calls it from a preprocessing
+thread, an engine before its own compile."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pdserve.engine.grammar_worker import frame
+
+log = logging.getLogger("pdserve.grammar")
+
+_LENGTH_BYTES = 4
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    num_workers: int = 2
+    timeout_s: float = 4.0  # one check's wall time (the router's preprocessing limit is 5 s by default)
+    cpu_s: int = 4  # one check's CPU time
+    memory_bytes: int = 2 << 30  # each worker's address space
+    # The compiling thread's stack: a quarter of the usual 8 MiB, so a constraint the worker compiles also
+    # compiles on any thread of the router or an engine
+    stack_bytes: int = 2 << 20
+    cache_size: int = 4096  # verdicts kept
+
+
+class WorkerDied(Exception):
+    """The worker ended (crashed, or was killed past a limit) while it checked a constraint. `lasting`:
+    whether the same constraint would do it again (a wall-clock timeout may be the machine's load)."""
+
+    def __init__(self, reason: str, lasting: bool = True) -> None:
+        super().__init__(reason)
+        self.lasting = lasting
+
+
+class _Worker:
+    def __init__(self, config: SandboxConfig) -> None:
+        self.config = config
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.engine.grammar_worker", str(config.memory_bytes), str(config.cpu_s),
+             str(config.stack_bytes)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def check(self, kind: str, spec: str) -> str | None:
+        """The compiler's problem with the constraint, or None; WorkerDied when the worker ends or passes
+        the time limit (it is then killed)."""
+        deadline = time.monotonic() + self.config.timeout_s
+        try:
+            self.process.stdin.write(frame({"kind": kind, "spec": spec}))
+            self.process.stdin.flush()
+            head = self._read(_LENGTH_BYTES, deadline)
+            body = self._read(int.from_bytes(head, "big"), deadline)
+        except OSError as exc:  # BrokenPipeError: it had died
+            raise WorkerDied(self._death()) from exc
+        return json.loads(body)["problem"]
+
+    def _read(self, size: int, deadline: float) -> bytes:
+        fd, data = self.process.stdout.fileno(), b""
+        while len(data) < size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                self.kill()
+                raise WorkerDied(f"took longer than {self.config.timeout_s:g}s to compile", lasting=False)
+            chunk = os.read(fd, size - len(data))
+            if not chunk:
+                raise WorkerDied(self._death())
+            data += chunk
+        return data
+
+    def _death(self) -> str:
+        code = self.process.wait()
+        if code < 0 and -code == signal.SIGXCPU:
+            return f"took more than {self.config.cpu_s}s of CPU to compile"
+        if code < 0:
+            return f"crashed the grammar compiler ({signal.Signals(-code).name})"
+        return f"ended the grammar compiler (exit status {code})"
+
+    def kill(self) -> None:
+        if self.alive():
+            self.process.kill()
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            stream.close()
+
+
+class GrammarSandbox:
+    """check(kind, spec) -> the compiler's problem with a constraint (None: it compiles), run in a worker."""
+
+    def __init__(self, config: SandboxConfig = SandboxConfig()) -> None:
+        self.config = config
+        self._idle: queue.Queue[_Worker | None] = queue.Queue()
+        for _ in range(config.num_workers):
+            self._idle.put(None)  # a slot: its worker starts on first use
+        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_checks = 0  # checks run in a worker (a cached verdict runs none)
+        self.num_worker_deaths = 0
+
+    def cached(self, kind: str, spec: str) -> bool:
+        with self._lock:
+            return _key(kind, spec) in self._verdicts
+
+    def check(self, kind: str, spec: str) -> str | None:
+        key = _key(kind, spec)
+        with self._lock:
+            if key in self._verdicts:
+                self._verdicts.move_to_end(key)
+                return self._verdicts[key]
+        problem, lasting = self._run(kind, spec)
+        if lasting:
+            with self._lock:
+                self._verdicts[key] = problem
+                if len(self._verdicts) > self.config.cache_size:
+                    self._verdicts.popitem(last=False)
+        return problem
+
+    def _run(self, kind: str, spec: str) -> tuple[str | None, bool]:
+        """(problem, whether the verdict lasts): a timeout may be the machine's load, so it is not kept."""
+        worker = self._idle.get()
+        try:
+            if worker is None or not worker.alive():
+                worker = _Worker(self.config)
+            self.num_checks += 1
+            return worker.check(kind, spec), True
+        except WorkerDied as exc:
+            self.num_worker_deaths += 1
+            log.warning("grammar check worker %d died checking a %s of %d characters: it %s; starting another",
+                        worker.pid, kind, len(spec), exc)
+            worker.kill()
+            worker = None
+            return f"the structured output's {kind} {exc}: send a smaller, simpler constraint", exc.lasting
+        finally:
+            self._idle.put(worker)
+
+    def worker_pids(self) -> list[int]:
+        """The live workers' process ids (tests kill one)."""
+        with self._idle.mutex:
+            return [worker.pid for worker in self._idle.queue if worker is not None and worker.alive()]
+
+    def close(self) -> None:
+        while True:
+            try:
+                worker = self._idle.get_nowait()
+            except queue.Empty:
+                return
+            if worker is not None:
+                worker.kill()
+
+
+def _key(kind: str, spec: str) -> bytes:
+    return hashlib.sha256(kind.encode() + b"\0" + spec.encode("utf-8", "surrogatepass")).digest()
+
+
+_shared: GrammarSandbox | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_sandbox() -> GrammarSandbox:
+    """This process's sandbox, made on first use."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = GrammarSandbox()
+        return _shared
