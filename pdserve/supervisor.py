@@ -1,6 +1,7 @@
 """`pdserve up`'s process supervision: start each component with its log file, wait for its
 PDSERVE_READY line, restart one that exits or whose loop stops making progress (exponential backoff,
-a bounded number of restarts per window), and stop them all in order. An engine's loop touches its
+a bounded number of restarts per window for an engine; the router, which every client reaches, past the
+bound at the longest backoff), and stop them all in order. An engine's loop touches its
 progress file as it goes round; a file older than the stall bound means the loop is stuck.
 Policy and bounds: docs/serving/supervision.md.
 """
@@ -37,6 +38,11 @@ class RestartPolicy:
 
     def can_restart(self, restart_times: list[float], now: float) -> bool:
         return self.recent(restart_times, now) < self.max_restarts
+
+    def keeps_restarting(self, component_name: str) -> bool:
+        """Whether the component is restarted past max_restarts (at the capped backoff) rather than given up:
+        the router, since nothing serves without it; never when restarts are off."""
+        return component_name == "router" and self.max_restarts > 0
 
     def delay(self, restart_times: list[float], now: float) -> float:
         return min(self.backoff_s * 2 ** self.recent(restart_times, now), self.max_backoff_s)
@@ -249,6 +255,14 @@ class Supervisor:
             component.restart_at = now + delay
             say(f"restarting {component.name} in {delay:.1f}s (restart {policy.recent(component.restart_times, now) + 1}"
                 f" of at most {policy.max_restarts} within {policy.window_s:g}s)", error=True)
+            return
+        if policy.keeps_restarting(component.name):
+            delay = policy.delay(component.restart_times, now)
+            component.restart_at = now + delay
+            say(f"restarting {component.name} in {delay:.1f}s: its {policy.max_restarts} restarts within "
+                f"{policy.window_s:g}s are used up (--max-restarts, --restart-window), so it is restarted on with a "
+                f"backoff that doubles up to {policy.max_backoff_s:g}s; its log says why it keeps failing",
+                error=True)
             return
         component.given_up = True
         say(f"error: {component.name} is not restarted: {policy.max_restarts} restarts within {policy.window_s:g}s "
