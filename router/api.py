@@ -11,6 +11,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -18,9 +19,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from pdserve.control.gc_freeze import freeze_startup_heap
+from pdserve.router.body_limit import BodyLimit
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import (
     APIError,
@@ -30,9 +34,8 @@ from pdserve.router.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
-from pdserve.router.fast_path import RouterApp
 from pdserve.router.gateway import Gateway
-from pdserve.router.lean_routes import is_json, lean_endpoint
+from pdserve.router.lean_routes import BodyRoute, is_json
 from pdserve.router.responses import (
     AutoToolCallFormatter,
     ChatFormatter,
@@ -48,10 +51,8 @@ from pdserve.router.streaming import CLIENT_CLOSED_REQUEST, endpoint_label, resp
 
 log = logging.getLogger("pdserve.router.api")
 
-def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started: list | None = None,
-               fast_path: bool = True) -> FastAPI:
-    """The router's app. fast_path=False serves the generation endpoints through FastAPI's own routes
-    and middleware too (tests compare the two)."""
+def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started: list | None = None) -> FastAPI:
+    """The router's app: one FastAPI route per endpoint."""
     gateway = gateway or Gateway(config)
 
     @asynccontextmanager
@@ -65,11 +66,11 @@ def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started:
         finally:
             await gateway.close()
 
-    app = RouterApp(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                    max_body_bytes=config.max_request_bytes)
+    app = RouterApp(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.state.gateway = gateway
     _install_error_handlers(app, gateway)
-    _install_routes(app, gateway, fast_path)
+    _install_routes(app, gateway)
     return app
 
 
@@ -79,6 +80,17 @@ def _installed_version() -> str:
         return importlib.metadata.version("pdserve")
     except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
         return "unknown"
+
+
+class RouterApp(FastAPI):
+    """FastAPI, less the per-request question to OpenTelemetry that its __call__ asks of each HTTP request
+    (pdserve's metrics are Prometheus'): HTTP requests go straight to Starlette's __call__."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await Starlette.__call__(self, scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
 
 
 # ---- errors ----
@@ -173,7 +185,8 @@ def _chat_formatter_class(tools: ToolCalling | None):
 
 # ---- routes ----
 
-def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
+def _install_routes(app: FastAPI, gateway: Gateway) -> None:
+    """The generation endpoints first (a request tries the routes in order), then the rest."""
     config = gateway.config
 
     async def check_api_key(request: Request) -> None:  # async: no thread-pool hop per request
@@ -185,13 +198,66 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
             raise Unauthorized("invalid API key: use the key the server was started with (--api-key)")
 
     # without a key there is nothing to check, and no dependency for FastAPI to solve per request
-    key_check = check_api_key if config.api_key is not None else None
-    key_checked = [Depends(key_check)] if key_check is not None else []
+    key_checked = [Depends(check_api_key)] if config.api_key is not None else []
 
     def check_model(model: str | None) -> None:
         if model is not None and model not in (config.served_model_name, config.model):
             raise ModelNotFound(f"the model `{model}` does not exist: this server serves "
                                 f"`{config.served_model_name}`", param="model")
+
+    _install_generation_routes(app, gateway, key_checked, check_model)
+    _install_info_routes(app, gateway, key_checked, check_model)
+
+
+def _install_generation_routes(app: FastAPI, gateway: Gateway, key_checked: list,
+                               check_model: Callable[[str | None], None]) -> None:
+    config = gateway.config
+
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        max_model_len, vocab_size = gateway.context_limits()
+        check_n(body, body.num_prompts(), config.max_n)  # before any tokenizing: a 4 MiB batch is refused at once
+        constraint = await checked_constraint(body, gateway.preprocessor, origin=origin_of(request))
+        if body.has_text_prompt():
+            tokenized = await gateway.preprocessor.run(gateway.tokenization.completion_prompts, body)
+        else:  # token ids: nothing to tokenize, so no hop to the tokenizer's threads
+            tokenized = gateway.tokenization.completion_prompts(body)
+        prompts = [Prompt(text, ids) for text, ids in tokenized]
+        specs = completion_specs(body, [p.token_ids for p in prompts], max_model_len, vocab_size, config.max_n,
+                                 gateway.generation_defaults, constraint)
+        formatter = partial(  # built by respond() once the engines have the request
+            CompletionFormatter, model=config.served_model_name, tokenization=gateway.tokenization, prompts=prompts,
+            n=body.n, num_logprobs=body.logprobs, return_token_ids=body.return_token_ids,
+            include_usage=body.include_usage_in_stream, continuous_usage=body.continuous_usage_in_stream,
+            num_prompt_logprobs=body.prompt_logprobs, echo=body.echo)
+        return await respond(gateway, request, specs, formatter, body.stream)
+
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        max_model_len, vocab_size = gateway.context_limits()
+        tools = tool_calling(body, config.tool_call_parser)
+        body = with_tags_shown(body, tools)
+        constraint = await checked_constraint(body, gateway.preprocessor, tools, origin_of(request))
+        text, token_ids = await gateway.preprocessor.run(gateway.tokenization.chat_prompt, body,
+                                                         config.allow_request_chat_template)
+        specs = chat_specs(body, token_ids, max_model_len, config.max_n, gateway.generation_defaults, vocab_size,
+                           constraint)
+        formatter = partial(  # built by respond() once the engines have the request
+            _chat_formatter_class(tools), model=config.served_model_name, tokenization=gateway.tokenization,
+            prompts=[Prompt(text, token_ids)], n=body.n,
+            num_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            return_token_ids=body.return_token_ids, include_usage=body.include_usage_in_stream,
+            continuous_usage=body.continuous_usage_in_stream, num_prompt_logprobs=body.prompt_logprobs)
+        return await respond(gateway, request, specs, formatter, body.stream)
+
+    for path, endpoint in (("/v1/completions", completions), ("/v1/chat/completions", chat_completions)):
+        app.router.add_api_route(path, endpoint, methods=["POST"], dependencies=key_checked,
+                                 route_class_override=BodyRoute)
+
+
+def _install_info_routes(app: FastAPI, gateway: Gateway, key_checked: list,
+                               check_model: Callable[[str | None], None]) -> None:
+    config = gateway.config
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -228,46 +294,3 @@ def _install_routes(app: RouterApp, gateway: Gateway, fast_path: bool) -> None:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": _installed_version()}
-
-    @app.post("/v1/completions", dependencies=key_checked)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        max_model_len, vocab_size = gateway.context_limits()
-        check_n(body, body.num_prompts(), config.max_n)  # before any tokenizing: a 4 MiB batch is refused at once
-        constraint = await checked_constraint(body, gateway.preprocessor, origin=origin_of(request))
-        if body.has_text_prompt():
-            tokenized = await gateway.preprocessor.run(gateway.tokenization.completion_prompts, body)
-        else:  # token ids: nothing to tokenize, so no hop to the tokenizer's threads
-            tokenized = gateway.tokenization.completion_prompts(body)
-        prompts = [Prompt(text, ids) for text, ids in tokenized]
-        specs = completion_specs(body, [p.token_ids for p in prompts], max_model_len, vocab_size, config.max_n,
-                                 gateway.generation_defaults, constraint)
-        formatter = partial(  # built by respond() once the engines have the request
-            CompletionFormatter, model=config.served_model_name, tokenization=gateway.tokenization, prompts=prompts,
-            n=body.n, num_logprobs=body.logprobs, return_token_ids=body.return_token_ids,
-            include_usage=body.include_usage_in_stream, continuous_usage=body.continuous_usage_in_stream,
-            num_prompt_logprobs=body.prompt_logprobs, echo=body.echo)
-        return await respond(gateway, request, specs, formatter, body.stream)
-
-    @app.post("/v1/chat/completions", dependencies=key_checked)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        max_model_len, vocab_size = gateway.context_limits()
-        tools = tool_calling(body, config.tool_call_parser)
-        body = with_tags_shown(body, tools)
-        constraint = await checked_constraint(body, gateway.preprocessor, tools, origin_of(request))
-        text, token_ids = await gateway.preprocessor.run(gateway.tokenization.chat_prompt, body,
-                                                         config.allow_request_chat_template)
-        specs = chat_specs(body, token_ids, max_model_len, config.max_n, gateway.generation_defaults, vocab_size,
-                           constraint)
-        formatter = partial(  # built by respond() once the engines have the request
-            _chat_formatter_class(tools), model=config.served_model_name, tokenization=gateway.tokenization,
-            prompts=[Prompt(text, token_ids)], n=body.n,
-            num_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            return_token_ids=body.return_token_ids, include_usage=body.include_usage_in_stream,
-            continuous_usage=body.continuous_usage_in_stream, num_prompt_logprobs=body.prompt_logprobs)
-        return await respond(gateway, request, specs, formatter, body.stream)
-
-    if fast_path:  # the same two handlers, ahead of FastAPI's per-request machinery (router/fast_path.py)
-        app.fast_routes["/v1/completions"] = lean_endpoint(CompletionRequest, completions, key_check)
-        app.fast_routes["/v1/chat/completions"] = lean_endpoint(ChatCompletionRequest, chat_completions, key_check)

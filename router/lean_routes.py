@@ -1,12 +1,11 @@
-"""The two generation endpoints without FastAPI's route machinery (router/fast_path.py serves them).
+"""The route class of the two generation endpoints: FastAPI's route, with the body read and validated
+here rather than by FastAPI's per-request dependency machinery (the reason: docs/design/request-lifecycle.md).
 
-FastAPI's route machinery (dependency solving, an email-module parse of the content type, telemetry
-hooks, an exit stack) took ~0.3 ms of the ~0.75 ms the router spent on a request before the engine had
-it (docs/BENCHMARKS.md, issue #17). These routes read and validate the body themselves, with FastAPI's
-rules and FastAPI's errors (RequestValidationError, HTTPException 400), so the app's exception handlers
-answer exactly as before. FastAPI's routes stay registered for /openapi.json.
+The body is refused as FastAPI refuses it (RequestValidationError, HTTPException 400), so the app's
+exception handlers answer exactly as for any other route; a body that does not arrive whole within
+BODY_TIMEOUT_S is a 408.
 
-    lean_endpoint(model, handler, check_api_key) -> async endpoint(request) -> Response
+    app.add_api_route(path, endpoint, methods=["POST"], route_class_override=BodyRoute)
 """
 
 from __future__ import annotations
@@ -14,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, get_type_hints
 
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -87,13 +87,20 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
         raise RequestValidationError(errors, body=body) from None
 
 
-def lean_endpoint(model: type[BaseModel], handler: Callable[[Any, Request], Awaitable[Response]],
-                  check_api_key: Callable[[Request], Awaitable[None]] | None
-                  ) -> Callable[[Request], Awaitable[Response]]:
-    """`handler` as an endpoint taking the bare request: key checked, body parsed as `model`."""
-    async def endpoint(request: Request) -> Response:
-        if check_api_key is not None:
-            await check_api_key(request)
-        return await handler(await parse_body(request, model), request)
+class BodyRoute(APIRoute):
+    """A FastAPI route for `endpoint(body: Model, request: Request) -> Response`, declared (and listed in
+    /openapi.json) as any FastAPI route, but served without FastAPI's per-request dependency solving: the
+    route's dependencies (each called as `dependency(request)`, e.g. the API key check) run first, then
+    the body is read and validated by `parse_body`, with FastAPI's rules and errors."""
 
-    return endpoint
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        endpoint = self.endpoint
+        model = get_type_hints(endpoint)["body"]
+        checks = [depends.dependency for depends in self.dependencies]
+
+        async def handler(request: Request) -> Response:
+            for check in checks:
+                await check(request)
+            return await endpoint(await parse_body(request, model), request)
+
+        return handler

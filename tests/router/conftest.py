@@ -38,10 +38,9 @@ def tokenization(tiny_model):
 # ---- the router in this process ----
 
 @contextlib.asynccontextmanager
-async def started_router(model_dir: str, tokenization, fast_path: bool = True, **overrides):
+async def started_router(model_dir: str, tokenization, **overrides):
     """(gateway, app) of a started router in this event loop; engines register at
-    gateway.registry.registration_address. fast_path=False: the generation endpoints through FastAPI's
-    own routes and middleware (router/fast_path.py)."""
+    gateway.registry.registration_address."""
     from pdserve.router.api import create_app
     from pdserve.router.config import RouterConfig
     from pdserve.router.gateway import Gateway
@@ -50,7 +49,7 @@ async def started_router(model_dir: str, tokenization, fast_path: bool = True, *
                 "request_timeout_s": 30.0, **overrides}
     config = RouterConfig(model=model_dir, served_model_name="tiny", **settings)
     gateway = Gateway(config, tokenization)
-    app = create_app(config, gateway, fast_path=fast_path)
+    app = create_app(config, gateway)
     await gateway.start()
     try:
         yield gateway, app

@@ -1,16 +1,16 @@
-"""The lean generation endpoints refuse a bad body exactly as FastAPI's own route would: the same
-exception type, status, error types, locations and messages, for every kind of bad body."""
+"""A BodyRoute (the generation endpoints' route class) refuses a bad body exactly as FastAPI's own route
+would: the same exception type, status, error types, locations and messages, for every kind of bad body;
+and it runs the route's dependencies (the API key check) before reading the body."""
 
 
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 from starlette.exceptions import HTTPException
-from starlette.routing import Route
 
-from pdserve.router.lean_routes import lean_endpoint
+from pdserve.router.lean_routes import BodyRoute
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 
 
@@ -24,7 +24,10 @@ def app_with_both(model) -> FastAPI:
     async def through_fastapi(body: model, request: Request) -> JSONResponse:  # type: ignore[valid-type]
         return await echo(body, request)
 
-    app.router.routes.insert(0, Route("/lean", lean_endpoint(model, echo, None), methods=["POST"]))
+    async def lean(body: model, request: Request) -> JSONResponse:  # type: ignore[valid-type]
+        return await echo(body, request)
+
+    app.router.add_api_route("/lean", lean, methods=["POST"], route_class_override=BodyRoute)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc):
@@ -64,3 +67,22 @@ def test_every_body_gets_fastapis_answer(model):
         lean = client.post("/lean", content=body, headers=headers)
         fastapi = client.post("/fastapi", content=body, headers=headers)
         assert (lean.status_code, lean.json()) == (fastapi.status_code, fastapi.json()), body[:60]
+
+
+def test_the_routes_dependencies_run_before_the_body_is_read():
+    app = app_with_both(CompletionRequest)
+    checked = []
+
+    async def refuse(request: Request) -> None:
+        checked.append(request.url.path)
+        raise HTTPException(status_code=401, detail="no key")
+
+    async def lean(body: CompletionRequest, request: Request) -> JSONResponse:
+        return JSONResponse({})
+
+    app.router.add_api_route("/guarded", lean, methods=["POST"], dependencies=[Depends(refuse)],
+                             route_class_override=BodyRoute)
+    answer = TestClient(app).post("/guarded", content=b'{"prompt": [1, 2', headers={"content-type": "application/json"})
+    assert (answer.status_code, answer.json(), checked) == (401, {"kind": "http", "detail": "no key", "cause": None},
+                                                           ["/guarded"])
+    assert "/lean" in app.openapi()["paths"] and "/guarded" in app.openapi()["paths"]  # listed as any route

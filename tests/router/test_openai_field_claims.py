@@ -19,8 +19,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-@pytest.mark.parametrize("fast_path", [True, False])
-def test_refusals_of_the_whole_body_name_their_field(tiny_model, tokenization, fast_path):
+def test_refusals_of_the_whole_body_name_their_field(tiny_model, tokenization):
     """Fields refused by a validator of the whole body (chat's echo, guided_whitespace_pattern, text that is not
     valid Unicode) had `param: null`; docs/serving/api.md promises the field in `param`."""
     cases = [
@@ -31,7 +30,7 @@ def test_refusals_of_the_whole_body_name_their_field(tiny_model, tokenization, f
     ]
 
     async def scenario():
-        async with router_app(tiny_model, tokenization, fast_path=fast_path) as (_, client):
+        async with router_app(tiny_model, tokenization) as (_, client):
             for path, body, param in cases:
                 response = await client.post(path, content=body, headers={"content-type": "application/json"})
                 error = assert_openai_error(response, 400, type_="invalid_request_error")
