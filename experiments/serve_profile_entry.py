@@ -60,7 +60,7 @@ def watch_markers(clock: step_spans.StepClock, folder: Path) -> None:
         time.sleep(MARKER_POLL_S)
     clock.recording = False
     window_s = time.perf_counter() - started
-    while clock._round is not None:  # the main thread closes the open round at its next boundary
+    while clock.round_open:  # the main thread closes the open round at its next boundary
         time.sleep(MARKER_POLL_S)
     write_json(folder / "engine.json", {
         "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)), "window_s": window_s, "threads_before": threads_before,

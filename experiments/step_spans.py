@@ -1,7 +1,7 @@
 """Where an engine step's wall time goes, measured in the engine's own process: the engine's methods wrapped
-with timed spans (perf_counter), each span's self time (its time less its children's) added to its part, and
-one root span per round of the loop, so that a round's parts add up to its wall time less what no span
-covers ("unaccounted"). The engine's main thread's schedstat (run-queue delay) is read at each round's ends.
+with timed spans (perf_counter), each span's self time (its time less its children's) added to its part less
+the time the thread waited for a core in it (schedstat's run-queue delay, its own part), and one root span per
+round of the loop, whose self time is what no wrapped call covers ("unaccounted").
 
 `install_served(server)` wraps a running EngineServer (a round starts where the loop polls);
 `install_offline(engine)` wraps an EngineCore driven by LLM.generate (a round starts at each step).
@@ -32,8 +32,8 @@ KV_IN = "KV link in"
 ZMQ_OUT = "zmq out (token deltas)"
 YIELD = "yield to zmq's I/O thread"
 LOOP_OTHER = "engine loop (stats, progress)"
+WAIT = "waiting for a core (run-queue delay)"
 UNACCOUNTED = "unaccounted (loop glue)"
-ROOT = "round"
 
 # Parts that may not claim a nested span for themselves: inside sampling, a gather is sampling's.
 _OWNS_CHILDREN = {SAMPLING}
@@ -62,29 +62,43 @@ class Round:
 
 
 class StepClock:
-    """A stack of open spans on the main thread; the rounds closed while recording."""
+    """A stack of open spans on the main thread; the rounds closed while recording. Each span's self time is
+    split in two: the time its thread waited for a core (schedstat's run-queue delay, read at the span's ends)
+    goes to WAIT, the rest to the span's part."""
 
     def __init__(self) -> None:
         self.main_thread = threading.get_ident()
         self.recording = False
         self.rounds: list[Round] = []
-        self._stack: list[list] = []  # [part, start, children's time]
+        self._stack: list[list] = []  # [part, start s, children's s, wait at start ns, children's wait ns]
         self._round: Round | None = None
         self._schedstat = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
         self._sched_at_start = (0, 0)
 
+    @property
+    def round_open(self) -> bool:
+        return self._round is not None
+
+    def _span(self, part: str) -> list:
+        return [part, time.perf_counter(), 0.0, _read_schedstat(self._schedstat)[1], 0]
+
     def enter(self, part: str) -> None:
         if self._stack and self._stack[-1][0] in _OWNS_CHILDREN:
             part = self._stack[-1][0]
-        self._stack.append([part, time.perf_counter(), 0.0])
+        self._stack.append(self._span(part))
 
-    def exit(self) -> None:
-        part, start, children = self._stack.pop()
-        duration = time.perf_counter() - start
+    def exit(self) -> float:
+        """Close the innermost span: its self time to its part and WAIT, its whole time (returned) to its
+        parent's children."""
+        part, start, children, wait_start, children_wait = self._stack.pop()
+        duration, waited = time.perf_counter() - start, _read_schedstat(self._schedstat)[1] - wait_start
         if self._round is not None:
-            self._round.parts[part] += duration - children
+            self._round.parts[part] += (duration - children) - (waited - children_wait) / 1e9
+            self._round.parts[WAIT] += (waited - children_wait) / 1e9
         if self._stack:
             self._stack[-1][2] += duration
+            self._stack[-1][4] += waited
+        return duration
 
     def note_plan(self, plan) -> None:
         if self._round is not None and not plan.is_empty:
@@ -98,24 +112,25 @@ class StepClock:
         if self.recording:
             self._round = Round()
             self._sched_at_start = _read_schedstat(self._schedstat)
-            self._stack = [[ROOT, time.perf_counter(), 0.0]]
+            self._stack = [self._span(UNACCOUNTED)]
 
     def _close_round(self) -> None:
-        round_, (part, start, children) = self._round, self._stack[0]
-        round_.wall_s = time.perf_counter() - start
-        round_.parts[UNACCOUNTED] += round_.wall_s - children
+        """The root span's self time is what no wrapped call covered (less its wait for a core)."""
+        round_ = self._round
+        self._stack = self._stack[:1]
+        round_.wall_s = self.exit()
         on_cpu, waiting = _read_schedstat(self._schedstat)
         round_.on_cpu_ns, round_.wait_ns = on_cpu - self._sched_at_start[0], waiting - self._sched_at_start[1]
         if round_.num_tokens:
             self.rounds.append(round_)
-        self._round, self._stack = None, []
+        self._round = None
 
 
 def timed(clock: StepClock, part: str, function):
     """`function` with its calls on the main thread, while a round is open, timed as `part`."""
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        if clock._round is None or threading.get_ident() != clock.main_thread:
+        if not clock.round_open or threading.get_ident() != clock.main_thread:
             return function(*args, **kwargs)
         clock.enter(part)
         try:

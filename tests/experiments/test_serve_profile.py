@@ -36,9 +36,10 @@ def test_a_rounds_self_times_add_up_to_its_wall_and_sampling_owns_its_gathers():
     clock.recording = False
     clock.boundary()
     [round_] = clock.rounds
-    assert set(round_.parts) == {step_spans.GEMM, step_spans.GATHERS, step_spans.SAMPLING, step_spans.UNACCOUNTED}
+    assert set(round_.parts) == {step_spans.GEMM, step_spans.GATHERS, step_spans.SAMPLING, step_spans.WAIT,
+                                 step_spans.UNACCOUNTED}
     assert sum(round_.parts.values()) == pytest.approx(round_.wall_s, rel=1e-9)
-    assert round_.parts[step_spans.SAMPLING] >= 0.002  # its own sleep and its gather's
+    assert round_.parts[step_spans.SAMPLING] + round_.parts[step_spans.WAIT] >= 0.002  # its sleep and its gather's
     assert round_.parts[step_spans.GATHERS] < round_.parts[step_spans.SAMPLING]  # the forward's gather only
     assert (round_.num_decodes, round_.num_tokens) == (2, 2)
 
@@ -72,7 +73,7 @@ def test_the_harness_breaks_down_a_served_step_at_toy_size(model_factory, tmp_pa
                  step_spans.SCHEDULER, step_spans.ZMQ_IN, step_spans.ZMQ_OUT):
         assert step["parts_ms"][part] > 0, part
     assert step["unaccounted_share"] <= report.ADDS_UP_WITHIN
-    assert step["wait_for_core_ms"] >= 0 and "ZMQbg/IO/0" in run["threads"]
+    assert step["parts_ms"][step_spans.WAIT] >= 0 and "ZMQbg/IO/0" in run["threads"]
     assert run["outside"]["router_cpu_ms_per_token"] > 0 and run["bench"]["completed"] == 4
     assert result["offline"]["step_median_ms"] > 0 and result["served_over_offline"] > 0
     table = (tmp_path / "breakdown.md").read_text()
