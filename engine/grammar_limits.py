@@ -17,8 +17,6 @@ MAX_SCHEMA_DEFS = 500  # entries of $defs / definitions, all levels together
 MAX_SCHEMA_REFS = 2_000  # $ref occurrences in one JSON schema
 MAX_ALTERNATIVES = 4_096  # choices, enum values, anyOf / oneOf branches, `|` alternatives of one rule or regex
 
-_KIND_NAMES = {"json": "JSON schema", "regex": "regex", "grammar": "Lark grammar", "choice": "choice list"}
-
 
 class GrammarLimitError(InvalidRequestError):
     """A constraint over one of the bounds above."""

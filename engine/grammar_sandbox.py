@@ -25,12 +25,14 @@ from pdserve.engine.grammar_worker import frame
 log = logging.getLogger("pdserve.grammar")
 
 _LENGTH_BYTES = 4
+_KIND_NAMES = {"json": "JSON schema", "regex": "regex", "grammar": "Lark grammar", "choice": "choice list"}
 
 
 @dataclass(frozen=True)
 class SandboxConfig:
     num_workers: int = 2
     timeout_s: float = 4.0  # one check's wall time (the router's preprocessing limit is 5 s by default)
+    start_timeout_s: float = 60.0  # a new worker's imports, before its first check
     cpu_s: int = 4  # one check's CPU time
     memory_bytes: int = 2 << 30  # each worker's address space
     # The compiling thread's stack: a quarter of the usual 8 MiB, so a constraint the worker compiles also
@@ -55,6 +57,7 @@ class _Worker:
             [sys.executable, "-m", "pdserve.engine.grammar_worker", str(config.memory_bytes), str(config.cpu_s),
              str(config.stack_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.ready = False  # its ready frame read
 
     @property
     def pid(self) -> int:
@@ -66,23 +69,28 @@ class _Worker:
     def check(self, kind: str, spec: str) -> str | None:
         """The compiler's problem with the constraint, or None; WorkerDied when the worker ends or passes
         the time limit (it is then killed)."""
-        deadline = time.monotonic() + self.config.timeout_s
+        if not self.ready:
+            self._read_frame(self.config.start_timeout_s, "to start")
+            self.ready = True
         try:
             self.process.stdin.write(frame({"kind": kind, "spec": spec}))
             self.process.stdin.flush()
-            head = self._read(_LENGTH_BYTES, deadline)
-            body = self._read(int.from_bytes(head, "big"), deadline)
         except OSError as exc:  # BrokenPipeError: it had died
             raise WorkerDied(self._death()) from exc
-        return json.loads(body)["problem"]
+        return self._read_frame(self.config.timeout_s, "to compile")["problem"]
 
-    def _read(self, size: int, deadline: float) -> bytes:
+    def _read_frame(self, timeout_s: float, doing: str) -> dict:
+        deadline = time.monotonic() + timeout_s
+        head = self._read(_LENGTH_BYTES, deadline, timeout_s, doing)
+        return json.loads(self._read(int.from_bytes(head, "big"), deadline, timeout_s, doing))
+
+    def _read(self, size: int, deadline: float, timeout_s: float, doing: str) -> bytes:
         fd, data = self.process.stdout.fileno(), b""
         while len(data) < size:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
                 self.kill()
-                raise WorkerDied(f"took longer than {self.config.timeout_s:g}s to compile", lasting=False)
+                raise WorkerDied(f"took longer than {timeout_s:g}s {doing}", lasting=False)
             chunk = os.read(fd, size - len(data))
             if not chunk:
                 raise WorkerDied(self._death())
@@ -137,22 +145,39 @@ class GrammarSandbox:
         return problem
 
     def _run(self, kind: str, spec: str) -> tuple[str | None, bool]:
-        """(problem, whether the verdict lasts): a timeout may be the machine's load, so it is not kept."""
+        """(problem, whether the verdict lasts: a timeout may be the machine's load, so it is not kept). A
+        worker that dies is replaced and the constraint tried once more on the new one (it may have died of
+        something else, killed while idle); a second death is the verdict."""
+        try:
+            return self._run_once(kind, spec), True
+        except WorkerDied as exc:
+            if not exc.lasting:
+                return self._died(kind, exc), False
+        try:
+            return self._run_once(kind, spec), True
+        except WorkerDied as exc:
+            return self._died(kind, exc), exc.lasting
+
+    def _run_once(self, kind: str, spec: str) -> str | None:
         worker = self._idle.get()
         try:
             if worker is None or not worker.alive():
                 worker = _Worker(self.config)
             self.num_checks += 1
-            return worker.check(kind, spec), True
+            return worker.check(kind, spec)
         except WorkerDied as exc:
             self.num_worker_deaths += 1
             log.warning("grammar check worker %d died checking a %s of %d characters: it %s; starting another",
                         worker.pid, kind, len(spec), exc)
             worker.kill()
             worker = None
-            return f"the structured output's {kind} {exc}: send a smaller, simpler constraint", exc.lasting
+            raise
         finally:
             self._idle.put(worker)
+
+    @staticmethod
+    def _died(kind: str, exc: WorkerDied) -> str:
+        return f"the structured output's {_KIND_NAMES.get(kind, kind)} {exc}: send a smaller, simpler constraint"
 
     def worker_pids(self) -> list[int]:
         """The live workers' process ids (tests kill one)."""

@@ -3,7 +3,8 @@ engine/grammar_sandbox.py. Reads jobs from stdin and writes verdicts to stdout, 
 address-space limit and a CPU-time limit per job, compiling on a thread with a small fixed stack: a
 compiler crash ends this process, never its parent.
 
-Frames: a 4-byte big-endian length, then UTF-8 JSON. Job {"kind", "spec"}; verdict {"problem": text or null}."""
+Frames: a 4-byte big-endian length, then UTF-8 JSON. First {"ready": true} once imported; then per job
+{"kind", "spec"} in, the verdict {"problem": text or null} out."""
 
 from __future__ import annotations
 
@@ -73,6 +74,8 @@ def main(argv: list[str]) -> None:
     from pdserve.engine.grammar import grammar_of  # noqa: F401  imported once, before the first job
 
     jobs, verdicts = sys.stdin.buffer, sys.stdout.buffer
+    verdicts.write(frame({"ready": True}))
+    verdicts.flush()
     while (job := read_frame(jobs)) is not None:
         verdicts.write(frame(_judge(job, cpu_s)))
         verdicts.flush()
