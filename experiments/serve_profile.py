@@ -51,7 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def profiled_up_command(spec: ClusterSpec, layout, log_dir: Path) -> list[str]:
     """The sweep's `pdserve up` command, run through serve_profile_entry.py's `up` mode."""
     command = original_up_command(spec, layout, log_dir)
-    return [command[0], str(ENTRY), "up", *command[4:]]  # [python, -m, pdserve, up, ...]
+    if command[1:4] != ["-m", "pdserve", "up"]:
+        raise RuntimeError(f"unexpected `pdserve up` command {command[:4]}: update {Path(__file__).name}")
+    return [command[0], str(ENTRY), "up", *command[4:]]
 
 
 original_up_command = sweep_cluster.up_command

@@ -106,13 +106,19 @@ def run_offline(argv: list[str]) -> int:
                for i in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    plain_s = time.perf_counter() - start
     clock = step_spans.StepClock()
     step_spans.install_offline(clock, llm.engine)
     clock.recording = True
+    start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
+    timed_s = time.perf_counter() - start
     clock.recording = False
     clock.boundary()  # closes the last step's round
-    write_json(Path(args.out), {"pid": os.getpid(), "rounds": [r.as_dict() for r in clock.rounds]})
+    write_json(Path(args.out), {"pid": os.getpid(), "generate_s": plain_s, "generate_timed_s": timed_s,
+                                "rounds": [r.as_dict() for r in clock.rounds]})
     return 0
 
 
