@@ -111,6 +111,8 @@ class ModelConfig:
     # on CPU every step runs eagerly whatever this says.
     enforce_eager: bool = False
     dtype_reason: str = ""  # why `dtype` was chosen (choose_dtype), logged at start
+    # Each layer's sliding window ([num_layers]; None: full attention); empty: sliding_window for every layer.
+    layer_sliding_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf(
@@ -142,7 +144,8 @@ class ModelConfig:
         head_dim = _positive_int(hf, "head_dim", config_path, default=hidden_size // num_heads)
         max_positions = _positive_int(hf, "max_position_embeddings", config_path, default=2048)
         sliding_window = _sliding_window(hf)
-        model_len = _resolve_max_model_len(max_model_len, max_positions, sliding_window)
+        model_len = _resolve_max_model_len(max_model_len, max_positions)
+        num_layers = _positive_int(hf, "num_hidden_layers", config_path)
         checkpoint_dtype = hf.get("torch_dtype") or hf.get("dtype")
         compute_dtype, dtype_reason = choose_dtype(dtype, checkpoint_dtype, device)
         return cls(
@@ -152,7 +155,7 @@ class ModelConfig:
             hidden_size=hidden_size,
             # Only native models read it; GPT-2-style configs leave it out (n_inner=None means 4 x hidden).
             intermediate_size=_positive_int(hf, "intermediate_size", config_path, default=4 * hidden_size),
-            num_layers=_positive_int(hf, "num_hidden_layers", config_path),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=_positive_int(hf, "num_key_value_heads", config_path, default=num_heads),
             head_dim=head_dim,
@@ -173,7 +176,14 @@ class ModelConfig:
             model_impl=model_impl,
             enforce_eager=bool(enforce_eager),
             dtype_reason=dtype_reason,
+            layer_sliding_windows=_layer_sliding_windows(hf, num_layers, sliding_window, config_path),
         )
+
+    def sliding_window_of(self, layer_idx: int) -> int | None:
+        """The layer's sliding window, or None when it attends to its whole context."""
+        if self.layer_sliding_windows:
+            return self.layer_sliding_windows[layer_idx]
+        return self.sliding_window
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -217,20 +227,30 @@ def _sliding_window(hf: dict) -> int | None:
     return int(window)
 
 
-def _resolve_max_model_len(requested: int | None, max_positions: int, sliding_window: int | None) -> int:
-    # pdserve's attention has no sliding-window mask yet: sequences are kept inside the window, where
-    # windowed and full attention agree.
-    limit = max_positions if sliding_window is None else min(max_positions, sliding_window)
+def _layer_sliding_windows(hf: dict, num_layers: int, window: int | None, config_path: Path) -> tuple[int | None, ...]:
+    """Per layer: `layer_types` names each layer's kind (Gemma 2/3, gpt-oss); older Gemma 3 configs give
+    `sliding_window_pattern` (every pattern-th layer is global); otherwise every layer slides."""
+    if window is None:
+        return (None,) * num_layers
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise ConfigError(f"{config_path}: `layer_types` must list one type per layer ({num_layers}), got "
+                              f"{layer_types!r}: restore the model directory's config.json")
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    pattern = hf.get("sliding_window_pattern")
+    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+        return tuple(None if (i + 1) % pattern == 0 else window for i in range(num_layers))
+    return (window,) * num_layers
+
+
+def _resolve_max_model_len(requested: int | None, max_positions: int) -> int:
+    limit = max_positions
     if requested is None:
         return limit
     if requested < 1:
         raise ConfigError(f"max_model_len={requested} must be at least 1 token: leave it out for the model's own "
                           f"({limit})")
-    if requested > limit and limit == sliding_window:
-        raise ConfigError(
-            f"max_model_len={requested} exceeds the sliding window ({sliding_window}); pdserve does not implement "
-            f"sliding-window attention yet, so pass max_model_len <= {limit}"
-        )
     if requested > limit:
         raise ConfigError(f"max_model_len={requested} exceeds the model's max_position_embeddings = {limit}: pass "
                           f"max_model_len <= {limit}, or leave it out for the model's own")

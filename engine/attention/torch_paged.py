@@ -1,8 +1,9 @@
-"""The torch-paged attention backend (CPU): kernels.torch_paged's plans, built once per step, run per layer."""
+"""The torch-paged attention backend (CPU): kernels.torch_paged's plans, built once per step (once per
+sliding window among the model's layers), run per layer."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,9 +15,27 @@ from pdserve.kernels import torch_paged
 
 @dataclass(frozen=True)
 class TorchPagedMetadata:
+    context: ForwardContext
+    block_size: int
     store: torch_paged.StorePlan
-    decode: torch_paged.DecodePlan | None  # None: the step has no decodes
-    prefill: list[torch_paged.PrefillSequence] | None  # None: the step has no prefill tokens
+    # by sliding window (None: full attention), made by the first layer of the step that needs them
+    decode_plans: dict[int | None, torch_paged.DecodePlan] = field(default_factory=dict)
+    prefill_plans: dict[int | None, list[torch_paged.PrefillSequence]] = field(default_factory=dict)
+
+    def decode(self, window: int | None) -> torch_paged.DecodePlan:
+        if window not in self.decode_plans:
+            self.decode_plans[window] = torch_paged.plan_decode(
+                self.context.decode_block_tables, self.context.decode_seq_lens, self.block_size,
+                sliding_window=window)
+        return self.decode_plans[window]
+
+    def prefill(self, window: int | None) -> list[torch_paged.PrefillSequence]:
+        if window not in self.prefill_plans:
+            context = self.context
+            self.prefill_plans[window] = torch_paged.plan_prefill(
+                context.prefill_block_tables, context.prefill_query_start_loc, context.prefill_seq_lens,
+                self.block_size, window)
+        return self.prefill_plans[window]
 
 
 class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
@@ -31,14 +50,7 @@ class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
         self.block_size = block_size
 
     def prepare(self, context: ForwardContext) -> TorchPagedMetadata:
-        num_decodes = context.num_decode_tokens
-        decode = prefill = None
-        if num_decodes > 0:
-            decode = torch_paged.plan_decode(context.decode_block_tables, context.decode_seq_lens, self.block_size)
-        if context.num_tokens > num_decodes:
-            prefill = torch_paged.plan_prefill(context.prefill_block_tables, context.prefill_query_start_loc,
-                                               context.prefill_seq_lens, self.block_size)
-        return TorchPagedMetadata(torch_paged.plan_store(context.slot_mapping), decode, prefill)
+        return TorchPagedMetadata(context, self.block_size, torch_paged.plan_store(context.slot_mapping))
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, layer: Attention,
                  metadata: TorchPagedMetadata) -> None:
@@ -46,8 +58,10 @@ class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
 
     def forward_decode(self, query: torch.Tensor, layer: Attention, metadata: TorchPagedMetadata) -> torch.Tensor:
         return torch_paged.decode_attention_planned(
-            query, layer.key_cache, layer.value_cache, metadata.decode, layer.scale)
+            query, layer.key_cache, layer.value_cache, metadata.decode(layer.sliding_window), layer.scale,
+            layer.soft_cap, layer.sinks)
 
     def forward_prefill(self, query: torch.Tensor, layer: Attention, metadata: TorchPagedMetadata) -> torch.Tensor:
         return torch_paged.prefill_attention_planned(
-            query, layer.key_cache, layer.value_cache, metadata.prefill, layer.scale)
+            query, layer.key_cache, layer.value_cache, metadata.prefill(layer.sliding_window), layer.scale,
+            layer.soft_cap, layer.sinks)

@@ -45,11 +45,13 @@ class TritonBackend(AttentionBackend[TritonMetadata]):
 
     def forward_decode(self, query: torch.Tensor, layer: Attention, metadata: TritonMetadata) -> torch.Tensor:
         return paged_decode_attention(query, layer.key_cache, layer.value_cache, metadata.decode_block_tables,
-                                      metadata.decode_seq_lens, layer.scale)
+                                      metadata.decode_seq_lens, layer.scale, layer.sliding_window, layer.soft_cap,
+                                      layer.sinks)
 
     def forward_prefill(self, query: torch.Tensor, layer: Attention, metadata: TritonMetadata) -> torch.Tensor:
         return paged_prefill_attention(query, layer.key_cache, layer.value_cache, metadata.prefill_block_tables,
-                                       metadata.prefill_query_start_loc, metadata.prefill_seq_lens, layer.scale)
+                                       metadata.prefill_query_start_loc, metadata.prefill_seq_lens, layer.scale,
+                                       layer.sliding_window, layer.soft_cap, layer.sinks)
 
     def bind_layer_kernels(self, model: nn.Module) -> None:
         for module in model.modules():

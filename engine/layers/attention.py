@@ -1,5 +1,7 @@
 """Attention over pdserve's paged KV cache: the only module that reads or writes KV, through the
-attention backend the model runner bound to it."""
+attention backend the model runner bound to it. A layer may have a sliding window (the query at
+position p sees keys (p - window, p]), a logit soft cap (cap * tanh(logit / cap)) and sinks (one
+logit per head that joins the softmax denominator with no value)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,19 @@ if TYPE_CHECKING:
 
 
 class Attention(nn.Module):
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+        sliding_window: int | None = None, soft_cap: float | None = None, sinks: nn.Parameter | None = None,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.soft_cap = soft_cap
+        self.sinks = sinks  # [num_heads], loaded with the model's weights
         self.key_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.value_cache: torch.Tensor | None = None
         self.attn_backend: AttentionBackend | None = None

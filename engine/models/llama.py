@@ -35,7 +35,8 @@ class DecoderAttention(nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags.qk_norm else None
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+                              sliding_window=config.sliding_window_of(layer_idx))
 
     def forward(self, rotation: Rotation, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]

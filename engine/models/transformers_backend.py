@@ -9,9 +9,10 @@ decode/prefill attention are the native models' own. Which tokens belong to whic
 from the forward context, so transformers builds no mask ("pdserve" is not a mask implementation,
 and create_causal_mask returns None for such names) and keeps no past_key_values (use_cache=False).
 
-What pdserve's attention cannot express (soft-capping, ALiBi, engaged sliding windows, sinks,
-cross or bidirectional attention, different K and V head sizes, non-attention mixer layers) is
-refused at load time with UnsupportedModelFeatureError naming the feature.
+Each layer's sliding window, logit soft cap and sinks (Gemma 2/3, gpt-oss) are read from its module and
+bound to its pdserve Attention. What pdserve's attention cannot express (ALiBi, cross or bidirectional
+attention, different K and V head sizes, non-attention mixer layers) is refused at load time with
+UnsupportedModelFeatureError naming the feature.
 """
 
 from __future__ import annotations
@@ -86,9 +87,17 @@ def _check_call(attn: Attention, query: torch.Tensor, key: torch.Tensor, scaling
             f"layer {attn.layer_idx} asked for attention scale {scaling} but was bound with {attn.scale} (the "
             "module's `scaling` at build time): models whose scale changes after construction are not supported"
         )
-    for name in ("softcap", "s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise UnsupportedModelFeatureError(f"layer {attn.layer_idx} needs attention `{name}`, which pdserve lacks")
+    changed = [name for name in ("s_aux", "sinks") if kwargs.get(name) is not None and kwargs[name] is not attn.sinks]
+    if kwargs.get("softcap") not in (None, attn.soft_cap):
+        changed.append("softcap")
+    if changed:
+        raise UnsupportedModelFeatureError(
+            f"layer {attn.layer_idx} asked for attention `{changed[0]}` other than the one bound at build time: "
+            "models whose attention options change after construction are not supported")
+    if kwargs.get("sliding_window", attn.sliding_window) != attn.sliding_window:
+        raise UnsupportedModelFeatureError(
+            f"layer {attn.layer_idx} asked for sliding window {kwargs['sliding_window']} but was bound with "
+            f"{attn.sliding_window}: models whose windows change after construction are not supported")
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, pdserve_attention)
@@ -99,12 +108,9 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, pdserve_attention)
 # ---------------------------------------------------------------------------------------------
 
 
-def unsupported_features(hf_config: PretrainedConfig, max_model_len: int) -> list[str]:
+def unsupported_features(hf_config: PretrainedConfig) -> list[str]:
     """Human-readable names of the features this config needs that pdserve lacks (empty: fine)."""
     found = []
-    softcap = getattr(hf_config, "attn_logit_softcapping", None)
-    if softcap:
-        found.append(f"attention logit soft-capping (attn_logit_softcapping={softcap})")
     if getattr(hf_config, "alibi", False) or getattr(hf_config, "position_embedding_type", None) == "alibi":
         found.append("ALiBi position biases")
     if getattr(hf_config, "is_encoder_decoder", False) or getattr(hf_config, "add_cross_attention", False):
@@ -118,29 +124,13 @@ def unsupported_features(hf_config: PretrainedConfig, max_model_len: int) -> lis
     others = sorted({t for t in layer_types if t not in _ATTENTION_LAYER_TYPES})
     if others:
         found.append(f"non-attention layers ({', '.join(others)})")
-    found.extend(_engaged_sliding_window(hf_config, layer_types, max_model_len))
     return found
-
-
-def _engaged_sliding_window(hf_config: PretrainedConfig, layer_types: list[str], max_model_len: int) -> list[str]:
-    # A query attends to the last `window` positions; sequences no longer than that never notice it.
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
-        return []
-    if layer_types and "sliding_attention" not in layer_types:
-        return []
-    if max_model_len <= window:
-        return []
-    feature = f"sliding-window attention (window {window} < max_model_len {max_model_len}; "
-    return [feature + f"pass max_model_len <= {window})"]
 
 
 def _module_features(module: nn.Module) -> list[str]:
     found = []
     if getattr(module, "is_causal", True) is False:
         found.append("bidirectional (non-causal) attention")
-    if getattr(module, "sinks", None) is not None:
-        found.append("attention sinks")
     return found
 
 
@@ -201,7 +191,10 @@ def bind_attention(module: nn.Module, layer_idx: int, config: ModelConfig) -> At
         )
     scaling = getattr(module, "scaling", None)
     scale = float(scaling) if scaling is not None else head_dim**-0.5
-    attn = Attention(layer_idx, config.num_heads, config.num_kv_heads, head_dim, scale)
+    window = getattr(module, "sliding_window", config.sliding_window_of(layer_idx))  # Gemma 2/3, gpt-oss: per layer
+    soft_cap = getattr(module, "attn_logit_softcapping", None)  # Gemma 2
+    attn = Attention(layer_idx, config.num_heads, config.num_kv_heads, head_dim, scale, sliding_window=window,
+                     soft_cap=float(soft_cap) if soft_cap else None, sinks=getattr(module, "sinks", None))
     module.pdserve_attention = attn  # registered as a child: no parameters, moves with the model
     return attn
 
@@ -243,7 +236,7 @@ class TransformersForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         hf_config = load_hf_config(config.model_dir)
-        features = unsupported_features(hf_config, config.max_model_len)
+        features = unsupported_features(hf_config)
         _raise_if_unsupported(config.architecture, features)
         self.hf_model = build_hf_model(hf_config, config.dtype)
         if not self.hf_model.is_backend_compatible():

@@ -169,11 +169,12 @@ def test_bad_dtype(model_factory):
         LLM(model_factory("llama"), dtype="int8")
 
 
-def test_sliding_window_limit(model_factory):
+def test_sliding_window_does_not_cap_the_context(model_factory):
     model_dir = model_factory("mistral", sliding_window=64)
-    assert ModelConfig.from_hf(model_dir).max_model_len == 64
-    with pytest.raises(ConfigError, match="sliding window"):
-        ModelConfig.from_hf(model_dir, max_model_len=128)
+    config = ModelConfig.from_hf(model_dir)
+    assert config.max_model_len == config.max_position_embeddings == 512
+    assert ModelConfig.from_hf(model_dir, max_model_len=128).max_model_len == 128
+    assert [config.sliding_window_of(i) for i in range(config.num_layers)] == [64] * config.num_layers
 
 
 def test_a_hub_id_without_a_resolvable_hub_fails_at_once(monkeypatch, tmp_path):

@@ -1,0 +1,118 @@
+"""Sliding windows, logit soft-capping and attention sinks on pdserve's runtime: greedy fp32 output equals
+transformers' generate() token for token, colocated and disaggregated (prefill and decode processes over
+the real KV link), with prompts several times longer than the window and no KV block left behind.
+
+  mistral  native code, every layer slides (window 7: not a multiple of the 4-token block)
+  gemma2   alternating local/global layers, attention soft cap, final logit soft cap, query_pre_attn_scalar
+  gemma3   5 local : 1 global layers, each kind with its own rope theta, query_pre_attn_scalar
+  gpt-oss  attention sinks, alternating local/global layers (its experts are transformers' own code)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pdserve import LLM, SamplingParams
+from pdserve.kernels import dispatch
+from tests.decode.test_disaggregated import PROMPTS, assert_no_leaks, running_pair
+from tests.engine.parity import assert_greedy_match, hf_greedy
+from tests.engine.test_llm_parity import make_prompts, run_parity
+from tests.engine.test_transformers_backend import make_hf_model_dir
+
+WINDOW = 8
+NUM_KV_BLOCKS = 256
+HF_CASES = {
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 16, "num_key_value_heads": 2, "sliding_window": WINDOW, "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 10.0, "query_pre_attn_scalar": 24,
+    }),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "num_key_value_heads": 2, "sliding_window": WINDOW, "num_hidden_layers": 6,
+        "query_pre_attn_scalar": 24,
+    }),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "head_dim": 16, "num_key_value_heads": 2, "sliding_window": WINDOW, "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    }),
+}
+# Each layer's (sliding window, soft cap, has sinks) as bound to pdserve's attention.
+EXPECTED_LAYERS = {
+    "mistral": [(7, None, False)] * 2,
+    "gemma2": [(WINDOW, 5.0, False), (None, 5.0, False)],
+    "gemma3": [(WINDOW, None, False)] * 5 + [(None, None, False)],
+    "gpt-oss": [(WINDOW, None, True), (None, None, True)],
+}
+CASES = list(EXPECTED_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def case_model_dir(model_factory, tmp_path_factory):
+    built: dict[str, str] = {}
+
+    def make(case: str) -> str:
+        if case not in built:
+            if case == "mistral":
+                built[case] = model_factory("mistral", sliding_window=7)
+            else:
+                config_class, architecture, fields = HF_CASES[case]
+                built[case] = make_hf_model_dir(tmp_path_factory.mktemp(f"hf-{case}"), config_class, architecture,
+                                                model_factory("llama"), **fields)
+        return built[case]
+
+    return make
+
+
+def _bound_layers(llm: LLM) -> list[tuple[int | None, float | None, bool]]:
+    modules = [m for m in llm.engine.runner.model.modules() if type(m).__name__ == "Attention"]
+    return [(m.sliding_window, m.soft_cap, m.sinks is not None) for m in sorted(modules, key=lambda m: m.layer_idx)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_colocated_greedy_matches_transformers(case_model_dir, case):
+    """Chunked prefills (16-token budget) cross the window mid-prompt; decodes run far past it."""
+    llm = run_parity(case_model_dir(case), make_prompts(1024, seed=4), max_num_batched_tokens=16,
+                     num_kv_blocks=NUM_KV_BLOCKS)
+    assert _bound_layers(llm) == EXPECTED_LAYERS[case]
+    assert llm.model_config.max_model_len == llm.model_config.max_position_embeddings  # no cap at the window
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_disaggregated_greedy_matches_transformers(case_model_dir, case, tmp_path):
+    """P computes the prompt (70 tokens: nine windows), D continues from the KV it received."""
+    model_dir = case_model_dir(case)
+    greedy = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with running_pair(model_dir, tmp_path) as driver:
+        results = driver.generate(PROMPTS, **greedy)
+        for prompt, result in zip(PROMPTS, results):
+            theirs, logits = hf_greedy(reference, prompt, greedy["max_tokens"])
+            assert_greedy_match(result.token_ids, theirs, logits, f"{case} 1P1D prompt of {len(prompt)}")
+        stats = driver.decode_stats()
+        assert stats.num_kv_transfers_failed == 0 and stats.kv_bytes_received > 0
+        assert_no_leaks(driver)
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gpt-oss"])
+def test_triton_backend_greedy_matches_transformers(case_model_dir, case, monkeypatch):
+    """The Triton kernels (interpreted on CPU, compiled on a GPU) with windows, soft caps and sinks."""
+    from pdserve.kernels.triton_utils import INTERPRET
+
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 and there is no GPU")
+    monkeypatch.setattr(dispatch, "FORCED_BACKEND", "triton")
+    model_dir = case_model_dir(case)
+    prompts = [p for p in make_prompts(1024, seed=5) if len(p) in (5, 17, 31)]
+    device = "cpu" if INTERPRET else "cuda"
+    llm = LLM(model_dir, dtype="float32", device=device, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
+    assert llm.engine.runner.attn_backend.name == "triton"
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs):
+        theirs, logits = hf_greedy(reference, prompt, 6)
+        completion = output.outputs[0]
+        assert_greedy_match(completion.token_ids, theirs, logits, f"{case} triton, prompt of {len(prompt)}",
+                            completion.logprobs)
+    assert llm.kv_cache_manager.num_used_blocks == 0
