@@ -239,8 +239,8 @@ class Sweep:
         """Before a freshly started server's first measured run: --warmup short requests at once, then one
         request per engine shaped like the runs' own (an unmeasured bench run, outside every run's /metrics
         window, saved as warmup/<config>_rateinf_warmup_<phase of the run it precedes>.json). The short ones
-        leave each engine's first long prompt cold (window 6: the unloaded pass's three 1,000-token prompts took
-        5,175, 4,612 and 4,395 ms), and an unloaded median sets the SLOs."""
+        leave each engine's first long prompt cold (its first prompts of that shape run slower), and an unloaded
+        median sets the SLOs."""
         warm_up(self.plan.bench, url, self.plan.warmup)
         if not self.plan.warmup:
             return

@@ -19,7 +19,7 @@ BENCH_FIELDS = ["completed", "failed", "duration", "total_input_tokens", "total_
 RUN_FIELDS = ["config", "num_prefill", "num_decode", "num_engines", "phase", "request_rate", "max_concurrency"]
 SUMMARY_COLUMNS = [*RUN_FIELDS, *BENCH_FIELDS, "slo_attainment", *SUMMARY_FIELDS, "result_file", "error"]
 GOODPUT_COLUMNS = ["config", "num_engines", "goodput", "goodput_per_engine", "source", "upper_bound"]
-REFERENCE_PHASE = "reference"  # a sweep's reference runs: the machine's speed around each load (plan_speed.py)
+REFERENCE_PHASE = "reference"  # a sweep's reference runs: the machine's speed around each load (validate/speed.py)
 
 
 def parse_slos(items: list[str] | None, flag: str = "--goodput") -> dict[str, float]:

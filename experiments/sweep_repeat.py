@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.planner.cli import format_table
-from pdserve.planner.validate.replay import load_runs, measured_metrics, read_runs, run_slos
+from pdserve.planner.validate.runs import load_runs, measured_metrics, read_runs, run_slos
 
 COLUMNS = (("config", "config", "{}"), ("request_rate", "rate", "{:g}"),
            ("first_slo_attainment", "attain 1st", "{:.0%}"), ("second_slo_attainment", "2nd", "{:.0%}"),

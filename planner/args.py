@@ -22,8 +22,7 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="measurements of each shape; the served decode shapes are timed in passes of "
                              "alternating order and each shape's median is fitted (against a slow stretch of a shared "
-                             "host, docs/results.md), the other points are all fitted (window 8: a second "
-                             "pass gave no better predictions on a steady host)")
+                             "host), the other points are all fitted")
     parser.add_argument("--quick", action="store_true", help="a handful of small shapes (tests, smoke runs)")
     decode = parser.add_mutually_exclusive_group()
     decode.add_argument("--served-decode", action="store_true",
@@ -106,6 +105,13 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                         help="--validate: scale the profile's prefill and decode steps at each point by the sweep's "
                              "reference runs around it (`pdserve sweep --reference-requests K`): the model's error "
                              "at the machine's speed of the moment, without its drift since the profile")
+    parser.add_argument("--no-host-effects", action="store_true",
+                        help="simulate a CPU profile without what its host adds (co-run factors, the host's CPU, the "
+                             "attention's padding): the physical step model alone, as a GPU profile always is")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="--validate: also each point's diagnostics (decode steps and prefill busy time under load "
+                             "against the model, the reference runs' speed, which piece of a request carries the "
+                             "attainment error) and the unloaded passes against the profile")
     parser.add_argument("--jobs", type=int, default=2, metavar="J",
                         help="--find-goodput: processes searching the splits at once (the result is the same for any J)")
     parser.add_argument("--output-dir", default="plan-results", help="where the JSON and PNG go")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pdserve.planner.profile.fit import Profile, load_profile, model_identity
 from pdserve.planner.model.host_cpu import NO_HOST_CPU, HostCpu, plan_host_cpu
+from pdserve.planner.model.host_effects import HostEffects, host_effects
 from pdserve.planner.search.recommend import PlanSettings, plan_splits, recommend, run_split, smallest_engines
 from pdserve.planner.search.goodput import search_splits
 from pdserve.planner.model.simulator import ClusterSpec, StepModel
@@ -47,14 +48,9 @@ def cluster_spec(args: argparse.Namespace, profile: Profile) -> ClusterSpec:
                        args.local_prefill_threshold, args.kv_streaming == "on")
 
 
-def step_model(args: argparse.Namespace, profile: Profile, host: HostCpu, speed: tuple[float, float] = (1.0, 1.0)
-               ) -> StepModel:
-    """The profile's step model times --step-scale, times `speed` (prefill, decode) on top, with the host's CPU."""
-    prefill_scale, decode_scale = args.step_scale
-    if not (prefill_scale > 0 and decode_scale > 0):
-        raise ValueError(f"--step-scale {prefill_scale:g} {decode_scale:g}: both scales must be above 0 (1 = as profiled)")
-    return StepModel.from_profile(profile, prefill_scale * speed[0], decode_scale * speed[1], host.seconds_per_token,
-                                  host.background_cores)
+def step_model(profile: Profile, effects: HostEffects) -> StepModel:
+    """The profile's step model, scaled as the host's effects say (--step-scale, --per-point-speed)."""
+    return effects.scaled(StepModel.from_profile(profile))
 
 
 def check_slos_reachable(settings: PlanSettings) -> None:
@@ -65,7 +61,8 @@ def check_slos_reachable(settings: PlanSettings) -> None:
     alone = Workload([workload.prompt_lens[median]], [workload.output_lens[median]])
     best: dict[str, float] = {}
     for x, y in ((0, 1), (1, 1)):
-        metrics = run_split(PlanSettings(settings.model, alone, {}, settings.cluster), x, y, 1.0)
+        metrics = run_split(PlanSettings(settings.model, alone, {}, settings.cluster, effects=settings.effects), x, y,
+                            1.0)
         for name in settings.slos_ms:
             value = metrics[f"median_{name}_ms"]
             best[name] = min(best.get(name, math.inf), value)
@@ -137,8 +134,9 @@ def run_plan(args: argparse.Namespace) -> int:
                          f"a number above 0")
     started, started_cpu = time.perf_counter(), cpu_seconds()
     host = plan_host_cpu(args)
-    settings = PlanSettings(step_model(args, profile, host), workload_from_args(args), slos,
-                            cluster_spec(args, profile), args.burstiness, args.seed, args.exact_up_to)
+    effects = host_effects(args, profile, host)
+    settings = PlanSettings(step_model(profile, effects), workload_from_args(args), slos, cluster_spec(args, profile),
+                            args.burstiness, args.seed, args.exact_up_to, effects)
     check_slos_reachable(settings)
     if args.request_rate is None:
         rows = search_splits(settings, args.engines, args.jobs)

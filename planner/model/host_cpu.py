@@ -3,8 +3,8 @@ and the benchmark client (`client_cpu_s`) spent around each run, fitted over the
 (the router's work differs between layouts) as a background load (CPU seconds per second: heartbeats, /metrics
 scrapes, the engines' per-step messages) plus a cost per streamed token. On a CPU host whose cores are
 all the engines' (`pdserve sweep` pins one engine per core, and the client has no core left), that work runs on an
-engine's core whenever none is idle; the simulator charges it there (StepModel.host_cpu_per_token and
-host_background_cores, SimCluster.on_host; docs/benchmarking/plan.md)."""
+engine's core whenever none is idle; the simulator charges it there (HostEffects.cpu_per_token and
+background_cores, host_effects.py; docs/benchmarking/plan.md)."""
 
 from __future__ import annotations
 

@@ -10,10 +10,8 @@ What it models (docs/benchmarking/plan.md says why each choice):
   holds; a decode that cannot grow preempts the newest request, which is recomputed later;
 - step time from the profile's fits: prefill-only steps by the prefill fit, steps with decodes by the
   decode fit plus the prefill fit's per-token and attention terms for the chunks in them (its context term:
-  what the attention backend reads, the sum of the contexts or batch x the longest); the decode fit's weights
-  part (intercept, per sequence) and its KV reads (context) each times the profile's co-run factor for that term
-  while another engine of the cluster computes a step with prompt tokens, or its decode co-run factors while
-  another runs decode steps (the engines share one host: simulate(), not simulate_tiers());
+  what the attention backend reads); what a CPU host adds (co-run factors, the host's CPU, the attention's
+  padding) comes from HostEffects (host_effects.py), nothing on a GPU profile;
 - disaggregation: the decode engine allocates the prompt's blocks when it admits the request (KVWant);
   the transfer starts when both the prompt is computed and the want is there, lasts latency + bytes /
   bandwidth (streamed: only latency after the prefill), and takes the sending and receiving CPU time of
@@ -22,8 +20,7 @@ What it models (docs/benchmarking/plan.md says why each choice):
   step that completes the prompt samples it, before the KV moves (docs/design/wire-protocol.md); the decode
   engine's stream goes on from the second token once the KV has landed.
 
-Events run on simpy's queue (a plain heapq loop was 1.4x faster, 2.5 against 3.6 CPU-seconds for 64 splits
-of 64 engines and 10,000 requests: both well within the 10 s goal, see docs/results.md). Decode-only
+Events run on simpy's queue. Decode-only
 stretches of an engine run as one event of k steps (until the next request finishes), cut at the next step
 boundary when a new arrival or KV lands there; one engine per tier admits a remote arrival after the fact, where
 that changes no time (the run goes on to its KV's landing), so that a request cuts its engine's run once, not twice.
@@ -35,25 +32,26 @@ import heapq
 import math
 import operator
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 try:
     import simpy
 except ImportError as exc:  # an extra of the bench tools
     raise ImportError('pdserve plan needs simpy: pip install "pdserve[bench]"') from exc
 
+from pdserve.kernels.length_groups import group_padding
+from pdserve.planner.model.host_effects import DECODING, IDLE, NO_HOST_EFFECTS, PREFILLING, HostEffects
 from pdserve.planner.profile.corun_fit import NO_CORUN, CoRun
 from pdserve.planner.profile.fit import EngineSettings, Profile
-from pdserve.kernels.length_groups import group_padding
 
 PREFILL_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
-IDLE, DECODING, PREFILLING = "idle", "decoding", "prefilling"  # an engine's step under way (the co-run factors)
 DECODE_POLICIES = ("round_robin", "least_kv")
 
 
 @dataclass(frozen=True)
 class StepModel:
-    """Seconds of one engine step and of one KV transfer, from a profile's fits."""
+    """Seconds of one engine step and of one KV transfer, from a profile's fits: the physical terms (what a CPU host
+    adds is HostEffects')."""
     prefill_intercept: float
     prefill_per_token: float
     prefill_per_attention: float
@@ -62,35 +60,22 @@ class StepModel:
     decode_per_context: float
     transfer_latency: float
     transfer_per_byte: float
-    sender_cpu_per_byte: float = 0.0
-    receiver_cpu_per_byte: float = 0.0
-    decode_corun: CoRun = NO_CORUN  # a decode step's slow-down while another engine on the host computes a prefill
-    decode_beside_decode: CoRun = NO_CORUN  # ... while another engine on the host runs decode steps
-    decode_pads_to_longest: bool = False  # the decode context term counts batch x the longest (a padding backend)
-    decode_groups_by_length: bool = False  # ... the sum plus each length group's padding (the CPU backend)
-    host_cpu_per_token: float = 0.0  # seconds of host CPU (router, clients) per streamed token: SimCluster.on_host
-    host_background_cores: float = 0.0  # ... and its CPU seconds per second whatever the load
+    sender_cpu_per_byte: float = 0.0  # the sending engine's CPU per byte of KV, taken before its next step
+    receiver_cpu_per_byte: float = 0.0  # ... the receiving engine's
 
     @classmethod
-    def from_profile(cls, profile: Profile, prefill_scale: float = 1.0, decode_scale: float = 1.0,
-                     host_cpu_per_token: float = 0.0, host_background_cores: float = 0.0) -> StepModel:
-        """The profile's fits; the scales multiply its prefill and decode step times (a profile taken on a
-        busier or slower machine than the one planned for); the host's CPU per streamed token and in the background:
-        what it takes from the engines' cores when none of them is idle (CPU hosts; 0 where the host has cores of its
-        own)."""
+    def from_profile(cls, profile: Profile) -> StepModel:
+        """The profile's fits."""
         p, d, t = (profile.prefill_fit.coefficients, profile.decode_fit.coefficients,
                    profile.transfer_fit.coefficients)
-        return cls(p["intercept"] * prefill_scale, p["tokens"] * prefill_scale, p["attention"] * prefill_scale,
-                   d["intercept"] * decode_scale, d["batch"] * decode_scale, d["context"] * decode_scale,
+        return cls(p["intercept"], p["tokens"], p["attention"], d["intercept"], d["batch"], d["context"],
                    max(t["intercept"], 0.0), t["bytes"], profile.link_cpu_per_byte("sender"),
-                   profile.link_cpu_per_byte("receiver"), profile.decode_corun,
-                   profile.decode_beside_decode, profile.engine.decode_pads_to_longest,
-                   profile.decode_groups_by_length, host_cpu_per_token, host_background_cores)
+                   profile.link_cpu_per_byte("receiver"))
 
     def step_seconds(self, num_decodes: int, context: int, prefill_tokens: int, attention: float,
                      slowdown: CoRun = NO_CORUN) -> float:
         """slowdown: how many times as long the decode part's weights and KV reads take (other engines of the host
-        at work beside it: SimCluster.slowdown); the prompt chunks' part does not change."""
+        at work beside it: SharedHost.slowdown); the prompt chunks' part does not change."""
         chunks = self.prefill_per_token * prefill_tokens + self.prefill_per_attention * attention
         if num_decodes:
             return self.decode_seconds(num_decodes, context, slowdown) + chunks
@@ -257,7 +242,7 @@ class SimEngine:
         self.budget = settings.max_num_batched_tokens
         self.max_num_seqs = settings.max_num_seqs
         self.capacity = settings.num_kv_blocks * settings.block_size  # KV pool, tokens
-        self.model = cluster.model
+        self.model, self.effects = cluster.model, cluster.effects
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []  # admitted, prompt (or recompute) not done
         self.decoding: dict[int, SimRequest] = {}  # by index, in the order they joined
@@ -309,16 +294,16 @@ class SimEngine:
 
     def attended_tokens(self) -> int:
         """The context the next decode step's attention reads: the sum of the contexts, or batch x the longest
-        where the backend pads (StepModel.decode_pads_to_longest), or the sum plus each length group's padding
+        where the backend pads (HostEffects.decode_pads_to_longest), or the sum plus each length group's padding
         where it groups (decode_groups_by_length). All grow by the batch size per step: a group's padding is set by
         the differences between its contexts, which stay as they are while every context grows by one (the groups
         are taken when a request joins or leaves; the backend's 10% bound, which grows with the contexts, may merge
         two of them sooner)."""
-        if self.model.decode_groups_by_length and self.decoding:
+        if self.effects.decode_groups_by_length and self.decoding:
             if self._group_padding is None:  # the groups as of now; kept until a request joins or leaves
                 self._group_padding = group_padding([_join_key(r) + self.clock for r in self.decoding.values()])
             return self.context_tokens() + self._group_padding
-        if not self.model.decode_pads_to_longest or not self.decoding:
+        if not self.effects.decode_pads_to_longest or not self.decoding:
             return self.context_tokens()
         longest = self._longest
         while self.decoding.get(longest[0][1]) is None or _join_key(self.decoding[longest[0][1]]) != -longest[0][0]:
@@ -420,8 +405,8 @@ class SimEngine:
         self._preempt_to_fit()
         chunks = self._admit()
         num_decodes = len(self.decoding)
-        if self.cluster.corun:
-            self.cluster.set_activity(self, PREFILLING if chunks else DECODING if num_decodes else IDLE)
+        if self.cluster.host.tracks_activity:
+            self.cluster.host.set_activity(self, PREFILLING if chunks else DECODING if num_decodes else IDLE)
         if not num_decodes and not chunks:
             self._announce_first_tokens(now)
             self.busy = False
@@ -432,8 +417,9 @@ class SimEngine:
             return
         tokens = sum(n for _, n in chunks)
         attention = sum(n * (n + 2 * r.num_computed) for r, n in chunks)
-        step = self.model.step_seconds(num_decodes, self.attended_tokens(), tokens, attention, self.cluster.slowdown(self))
-        seconds = self.cluster.on_host(step, num_decodes, chunks)
+        step = self.model.step_seconds(num_decodes, self.attended_tokens(), tokens, attention,
+                                       self.cluster.host.slowdown(self))
+        seconds = self.cluster.host.charge(step, num_decodes, chunks)
         if self._second_pending:
             self._second_token_at(now + seconds)
         self.sim.at(now + seconds, self._step_done, chunks)
@@ -532,7 +518,7 @@ class SimEngine:
             self._second_pending.append(request)
         self._context_base += request.prompt_len + num_generated - self.clock
         self._group_padding = None
-        if self.model.decode_pads_to_longest:
+        if self.effects.decode_pads_to_longest:
             heapq.heappush(self._longest, (-_join_key(request), request.index))
         heapq.heappush(self._finishes, (self.clock + request.output_len - num_generated, request.index, request))
 
@@ -581,9 +567,9 @@ class SimEngine:
         batch = len(self.decoding)
         room = (self.capacity - self.used_tokens()) // batch
         num_steps = max(1, min(self._finishes[0][0] - self.clock, room))
-        slowdown = self.cluster.slowdown(self)  # a change cuts the run (SimCluster.set_activity), as for on_host
-        first = self.cluster.on_host(self.model.step_seconds(batch, self.attended_tokens(), 0, 0.0, slowdown), batch)
-        growth = self.cluster.on_host(self.model.decode_per_context * batch * slowdown.kv_reads, 0)  # a token each
+        slowdown = self.cluster.host.slowdown(self)  # a change cuts the run (SharedHost.set_activity), as for charge
+        first = self.cluster.host.charge(self.model.step_seconds(batch, self.attended_tokens(), 0, 0.0, slowdown), batch)
+        growth = self.cluster.host.charge(self.model.decode_per_context * batch * slowdown.kv_reads, 0)  # a token each
         if self.knows_ahead:
             num_steps = self._steps_before_input(now, num_steps, first, growth)
         if self._second_pending:
@@ -672,79 +658,17 @@ def _steps_done_by(elapsed: float, first: float, growth: float) -> int:
 
 
 class SimCluster:
-    """The engines of one host behind the router. While another engine computes a step with prompt tokens, an
-    engine's decode steps take the profile's decode_corun factors times as long (one for the weights part, one for
-    the KV reads); while another runs decode steps, its decode_beside_decode factors (CPU engines on cores of one
-    host share its caches and memory bandwidth; term by term the larger factor where both apply). A step is timed
-    when it starts, and a decode run is cut at its next step boundary when what the others do changes.
+    """The engines of one host behind the router, and what the host adds to their steps (HostEffects: nothing on a
+    GPU profile)."""
 
-    The host's cores are the engines' (one each, as `pdserve sweep` pins them on CPU). The router and the clients
-    take StepModel.host_cpu_per_token per token streamed and host_background_cores all along: on an idle engine's
-    core while there is one, else from the busy engines, each paying for the tokens its own step streams and its
-    share of the background (on_host)."""
-
-    def __init__(self, spec: ClusterSpec, model: StepModel, budget: MissBudget | None = None) -> None:
-        self.spec, self.model, self.budget = spec, model, budget
+    def __init__(self, spec: ClusterSpec, model: StepModel, budget: MissBudget | None = None,
+                 effects: HostEffects = NO_HOST_EFFECTS) -> None:
+        self.spec, self.model, self.budget, self.effects = spec, model, budget, effects
         self.sim = Simulation()
         self.prefills = [SimEngine(self.sim, self, i, "prefill") for i in range(spec.num_prefill)]
         self.decodes = [SimEngine(self.sim, self, i, "decode") for i in range(spec.num_decode)]
         self._next = {"prefill": 0, "decode": 0}
-        self.factors = {PREFILLING: model.decode_corun.at_least(NO_CORUN),  # a neighbour never speeds a step up
-                        DECODING: model.decode_beside_decode.at_least(NO_CORUN)}
-        num_engines = spec.num_prefill + spec.num_decode
-        self.host_cpu_per_token = model.host_cpu_per_token
-        share = model.host_background_cores / num_engines  # of each busy core
-        if not 0 <= share < 1:
-            raise ValueError(f"host background CPU {model.host_background_cores:g} cores on {num_engines} engines' "
-                             "cores: give less than one core per engine")
-        self.host_stretch = 1.0 / (1.0 - share)
-        self.host_charged = self.host_cpu_per_token > 0 or self.host_stretch > 1.0
-        self.corun = (num_engines > 1 and any(f != NO_CORUN for f in self.factors.values())
-                      or self.host_charged)  # engines report their activity (set_activity)
-        self.num_at = {PREFILLING: 0, DECODING: 0, IDLE: num_engines}  # engines by activity
-
-    def slowdown(self, engine: SimEngine) -> CoRun:
-        """How many times as long engine's decode part takes, term by term, with what the other engines do now."""
-        slowdown = NO_CORUN
-        if self.corun:
-            for activity, factor in self.factors.items():
-                if self.num_at[activity] > (engine.activity == activity):
-                    slowdown = factor if slowdown is NO_CORUN else slowdown.at_least(factor)
-        return slowdown
-
-    def on_host(self, seconds: float, num_decodes: int, chunks: list[tuple[SimRequest, int]] = ()) -> float:
-        """A step of `seconds` with the host's CPU on its core: as it is while an engine (its core) is idle, else
-        stretched by its core's share of the background, plus the CPU for the tokens it streams (one per decode, one
-        per prompt its chunks complete). Called once the engine has set its own activity."""
-        if self.num_at[IDLE] or not self.host_charged:
-            return seconds
-        first_tokens = sum(r.num_computed + n >= r.recompute_len for r, n in chunks) if chunks else 0
-        return seconds * self.host_stretch + (num_decodes + first_tokens) * self.host_cpu_per_token
-
-    def set_activity(self, engine: SimEngine, activity: str) -> None:
-        """engine starts a step (or a run) of this activity; the others' decode runs end at their next step
-        boundary when another engine starts or stops doing something that slows them."""
-        before = engine.activity
-        if before == activity:
-            return
-        engine.activity = activity
-        self.num_at[before] -= 1
-        self.num_at[activity] += 1
-        if self._others_see_a_change(before, self.num_at[before] + 1, self.num_at[before]) or \
-                self._others_see_a_change(activity, self.num_at[activity] - 1, self.num_at[activity]):
-            for other in (*self.prefills, *self.decodes):
-                if other is not engine:
-                    other.speed_changed()
-
-    def _others_see_a_change(self, activity: str, count_before: int, count_after: int) -> bool:
-        """Whether the engines with decode runs (DECODING ones) see "another engine does this" flip: a count
-        moving 0 <-> 1 for what they do not do, 1 <-> 2 for decoding, which they do (their own step counts); for
-        IDLE, 0 <-> 1 where the host's CPU is charged (a core free for it, or none)."""
-        if activity == IDLE:
-            return self.host_charged and min(count_before, count_after) == 0
-        if self.factors.get(activity, NO_CORUN) == NO_CORUN:
-            return False
-        return min(count_before, count_after) == (1 if activity == DECODING else 0)
+        self.host = effects.host_of([*self.prefills, *self.decodes])
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
         for request in requests:
@@ -828,19 +752,21 @@ def miss_budget(slos_ms: dict[str, float] | None, target: float, num_requests: i
 
 
 def simulate(spec: ClusterSpec, model: StepModel, arrivals: list[float], prompt_lens: list[int],
-             output_lens: list[int], stop_below: tuple[dict[str, float], float] | None = None) -> list[SimRequest]:
-    """Every request's predicted times through the whole cluster and the router's policies. stop_below
-    (SLOs in ms, attainment target): raise BudgetExceeded as soon as the run cannot reach the target."""
+             output_lens: list[int], stop_below: tuple[dict[str, float], float] | None = None,
+             effects: HostEffects = NO_HOST_EFFECTS) -> list[SimRequest]:
+    """Every request's predicted times through the whole cluster and the router's policies, on one host with these
+    effects. stop_below (SLOs in ms, attainment target): raise BudgetExceeded as soon as the run cannot reach the
+    target."""
     check_requests(spec, prompt_lens, output_lens)
     requests = [SimRequest(i, float(a), int(p), int(o))
                 for i, (a, p, o) in enumerate(zip(arrivals, prompt_lens, output_lens))]
     budget = miss_budget(*stop_below, len(requests)) if stop_below else None
-    return SimCluster(spec, model, budget).run(requests)
+    return SimCluster(spec, model, budget, effects).run(requests)
 
 
 def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], prompt_lens: list[int],
-                   output_lens: list[int], stop_below: tuple[dict[str, float], float] | None = None
-                   ) -> list[SimRequest]:
+                   output_lens: list[int], stop_below: tuple[dict[str, float], float] | None = None,
+                   effects: HostEffects = NO_HOST_EFFECTS) -> list[SimRequest]:
     """A large cluster by one engine of each tier: the prefill engine takes every x-th request and the
     decode engine every y-th (round robin), the decode side's prompts done after the prefill delay the
     prefill engine gave the request at the same position of its own stream. Work ~ requests / x +
@@ -848,9 +774,7 @@ def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], p
     engine wants each prompt before it is computed; the prefill tier alone does not see late wants (a full decode
     pool) holding its blocks."""
     check_requests(spec, prompt_lens, output_lens)
-    # which engines of a large cluster share a host is not known
-    model = replace(model, decode_corun=NO_CORUN, decode_beside_decode=NO_CORUN, host_cpu_per_token=0.0,
-                    host_background_cores=0.0)
+    effects = effects.unshared()  # which engines of a large cluster share a host is not known
     x, y = spec.num_prefill, spec.num_decode
     threshold = spec.local_prefill_threshold
     decode_stream = [SimRequest(i, float(arrivals[i]), int(prompt_lens[i]), int(output_lens[i]))
@@ -859,7 +783,7 @@ def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], p
     if x:
         prefill_stream = [SimRequest(i, float(arrivals[i]), int(prompt_lens[i]), int(output_lens[i]), remote=True)
                           for i in range(0, len(arrivals), x) if prompt_lens[i] > threshold]
-        delays = _prefill_tier_delays(spec, model, prefill_stream, decode_stream, budget)
+        delays = _prefill_tier_delays(spec, model, prefill_stream, decode_stream, budget, effects)
         for request in decode_stream:
             if request.prompt_len > threshold and delays:
                 request.remote = True
@@ -868,7 +792,7 @@ def simulate_tiers(spec: ClusterSpec, model: StepModel, arrivals: list[float], p
                 if budget is not None:
                     budget.judge_first_token(request)
     cluster = SimCluster(ClusterSpec(0, 1, spec.settings, spec.kv_bytes_per_token, kv_streaming=spec.kv_streaming),
-                         model, budget)
+                         model, budget, effects)
     for request in decode_stream:
         request.decode_engine = cluster.decodes[0]
     return cluster.run_tier(cluster.decodes[0], decode_stream)
@@ -880,7 +804,8 @@ def _prefill_position(request: SimRequest, num_prefill: int, num_delays: int) ->
 
 
 def _prefill_tier_delays(spec: ClusterSpec, model: StepModel, prefill_stream: list[SimRequest],
-                         decode_stream: list[SimRequest], budget: MissBudget | None) -> list[float]:
+                         decode_stream: list[SimRequest], budget: MissBudget | None, effects: HostEffects
+                         ) -> list[float]:
     """The prefill engine's delay (prompt computed - arrival) per position of its stream. With a budget the
     tier stops once the decode-stream requests whose first token it makes late are more than allowed: a
     prefill request's delay is the TTFT of each decode-stream request mapped to its position."""
@@ -893,7 +818,8 @@ def _prefill_tier_delays(spec: ClusterSpec, model: StepModel, prefill_stream: li
                 uses[index] = uses.get(index, 0) + 1
         tier_budget = MissBudget({"ttft": budget.slos_s["ttft"]}, budget.max_misses, uses)
     cluster = SimCluster(ClusterSpec(1, 1, spec.settings, spec.kv_bytes_per_token, kv_streaming=spec.kv_streaming,
-                                     local_prefill_threshold=spec.local_prefill_threshold), model, tier_budget)
+                                     local_prefill_threshold=spec.local_prefill_threshold), model, tier_budget,
+                         effects)
     for request in prefill_stream:
         request.want_time = request.arrival
         request.prefill_engine = cluster.prefills[0]

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from pdserve.planner.profile.served import SERVED_TOKENS, served_decode_points
 
 # (batch, prompt length) of the decode steps timed: batch 1 and a mid batch over short contexts (mostly weights), and
-# a batch over long contexts (a third of its step reads KV): plan_corun_fit.py splits the factor between the two
+# a batch over long contexts (a third of its step reads KV): corun_fit.py splits the factor between the two
 CORUN_SHAPES = [(1, 16), (8, 16), (2, 1000)]
-CORUN_REPEATS = 4  # alone / co-run rounds, paired (2 until window 9, unpaired; the factors were then mostly noise)
+CORUN_REPEATS = 4  # alone / co-run rounds, paired
 QUICK_CORUN_SHAPES = [(1, 16), (2, 16)]
 LOOP_START_S = 120.0  # the other process's start (torch import, model load) and its first prompt
 PAUSE_S = 30.0  # the longest a prompt under way may take to finish when the loop is paused
@@ -47,7 +47,7 @@ def measure_decode_corun(session: tuple, model: str, core: int, max_num_batched_
     """The served engine's decode steps per shape, alone and beside each kind of neighbour on `core` (PREFILL: prompts
     computed there; DECODE: decode steps run there), per kind: each side's median CPU and wall seconds per step,
     the median of the rounds' paired ratios, the batch and the context tokens it attends, and the factor (the mean of
-    the shapes' CPU ratios: the profile's clock on CPU; plan_corun_fit.py splits it between the step's weights part
+    the shapes' CPU ratios: the profile's clock on CPU; corun_fit.py splits it between the step's weights part
     and its KV reads).
 
     One process per kind starts at once; each round times the steps alone and beside each neighbour in turn (the

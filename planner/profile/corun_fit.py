@@ -50,7 +50,7 @@ def corun_terms(measured: dict | None, per_context: float) -> CoRun:
     if not rows or any("context" not in row for row in rows):  # skipped, or a profile from before the split
         return CoRun.uniform(float(measured.get("factor", 1.0)))
     alone = np.array([row["alone_cpu_s"] for row in rows])  # (shapes,)
-    ratios = np.array([row["cpu_ratio"] for row in rows])  # (shapes,): paired per round since window 9
+    ratios = np.array([row["cpu_ratio"] for row in rows])  # (shapes,): paired per round
     kv = np.minimum(per_context * np.array([float(row["context"]) for row in rows]), alone)
     share = kv / alone
     if share.max() - share.min() < MIN_KV_SHARE_SPREAD:

@@ -137,7 +137,7 @@ def measure_engine(args, model: str) -> tuple[list[PrefillPoint], list[DecodePoi
     probe.decode_points(2, 16)
     prefill_shapes, decode_shapes = (QUICK_PREFILL, QUICK_DECODE) if args.quick else (PREFILL_SHAPES, DECODE_SHAPES)
     if served_decode(args):
-        decode_shapes = []  # timed through a served engine instead (plan_served.py)
+        decode_shapes = []  # timed through a served engine instead (served.py)
     max_len = probe.llm.model_config.max_model_len
     if args.device != "cpu":
         # Triton compiles a kernel for each new specialization of its arguments on first use (about 3 s each
@@ -210,7 +210,7 @@ def measure_served(args, model: str, core: int, machine: dict, max_len: int) -> 
 def measure_corun(args, model: str, core: int, session: tuple, prompt_len: int, max_num_batched_tokens: int,
                   max_len: int) -> dict:
     """The served engine's decode steps alone, beside prompts computed on another core, and beside decode steps
-    run there (plan_corun.py); on one core, or with --no-corun, factor 1.0 and why."""
+    run there (corun.py); on one core, or with --no-corun, factor 1.0 and why."""
     from pdserve.planner.profile.corun import (
         CORUN_REPEATS,
         CORUN_SHAPES,

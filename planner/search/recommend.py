@@ -1,10 +1,11 @@
-"""Every xPyD split of N engines simulated at one rate (plan_search.py searches their goodputs); the best split
+"""Every xPyD split of N engines simulated at one rate (search/goodput.py searches their goodputs); the best split
 per engine, and the smallest number of engines whose best split meets a target rate."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pdserve.planner.model.host_effects import NO_HOST_EFFECTS, HostEffects
 from pdserve.planner.model.metrics import meets_target, predicted_metrics
 from pdserve.planner.model.simulator import ClusterSpec, SimRequest, StepModel, simulate, simulate_tiers
 from pdserve.planner.model.workload import Workload
@@ -20,6 +21,7 @@ class PlanSettings:
     burstiness: float = 1.0
     seed: int = 0
     exact_up_to: int = 8  # whole-cluster simulation up to this many engines, one engine per tier above
+    effects: HostEffects = NO_HOST_EFFECTS  # what the CPU host adds (none on a GPU profile)
 
 
 def simulate_split(settings: PlanSettings, num_prefill: int, num_decode: int, rate: float,
@@ -32,7 +34,7 @@ def simulate_split(settings: PlanSettings, num_prefill: int, num_decode: int, ra
     exact = num_prefill + num_decode <= settings.exact_up_to
     run = simulate if exact else simulate_tiers
     stop_below = (settings.slos_ms, ATTAINMENT_TARGET) if stop_below_target else None
-    return run(spec, settings.model, arrivals, workload.prompt_lens, workload.output_lens, stop_below)
+    return run(spec, settings.model, arrivals, workload.prompt_lens, workload.output_lens, stop_below, settings.effects)
 
 
 def run_split(settings: PlanSettings, num_prefill: int, num_decode: int, rate: float,
@@ -75,7 +77,7 @@ def split_row(num_prefill: int, num_decode: int, num_engines: int, rate: float, 
 
 
 def plan_splits(settings: PlanSettings, num_engines: int, rate: float) -> list[dict]:
-    """One row per split: its metrics at `rate` (plan_search.search_splits searches goodputs instead)."""
+    """One row per split: its metrics at `rate` (goodput.search_splits searches goodputs instead)."""
     rows = []
     for x, y in splits_of(num_engines):
         metrics = run_split(settings, x, y, rate)

@@ -1,6 +1,6 @@
 """The prefill engine's busy time in a sweep run against the simulator's for the same requests: separates the
 prefill step model (and the machine's speed of the moment) from the queueing model in `plan --validate`, as
-plan_step_check.py does for the decode steps.
+step_check.py does for the decode steps.
 
 With one prefill engine every prompt is computed there in the order it came (batched up to the token budget), and
 its first token leaves when it is done. Walking the requests in the order of their first tokens, the engine was busy

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from pdserve.planner.model.host_effects import NO_HOST_EFFECTS, HostEffects
 from pdserve.planner.model.simulator import ClusterSpec, StepModel, simulate
 from pdserve.bench.sweep_results import REFERENCE_PHASE
 
@@ -34,7 +35,8 @@ class ReferenceSpeed:
     speed: Speed
 
 
-def reference_speed(run: dict, model: StepModel, cluster: ClusterSpec) -> Speed | None:
+def reference_speed(run: dict, model: StepModel, cluster: ClusterSpec, effects: HostEffects = NO_HOST_EFFECTS
+                    ) -> Speed | None:
     """One reference run against the profile; None when none of its requests completed."""
     sweep = run["sweep"]
     spec = replace(cluster, num_prefill=int(sweep["num_prefill"]), num_decode=int(sweep["num_decode"]))
@@ -44,7 +46,7 @@ def reference_speed(run: dict, model: StepModel, cluster: ClusterSpec) -> Speed 
                                                  errors):
         if error or not ttft:
             continue
-        alone, = simulate(spec, model, [0.0], [int(prompt)], [max(int(output), 1)])
+        alone, = simulate(spec, model, [0.0], [int(prompt)], [max(int(output), 1)], effects=effects)
         prefill.append(ttft / alone.ttft)
         if len(itls) > 1 and alone.second_token is not None and alone.finish > alone.second_token:
             decode.append(sum(itls[1:]) / (alone.finish - alone.second_token))
@@ -53,14 +55,15 @@ def reference_speed(run: dict, model: StepModel, cluster: ClusterSpec) -> Speed 
     return Speed(float(np.median(prefill)), float(np.median(decode)) if decode else None)
 
 
-def reference_speeds(all_runs: list[dict], model: StepModel, cluster: ClusterSpec) -> list[ReferenceSpeed]:
+def reference_speeds(all_runs: list[dict], model: StepModel, cluster: ClusterSpec,
+                     effects: HostEffects = NO_HOST_EFFECTS) -> list[ReferenceSpeed]:
     """Every reference run of a sweep that measured something, with its place in its server's order."""
     found = []
     for run in all_runs:
         sweep = run.get("sweep") or {}
         if sweep.get("phase") != REFERENCE_PHASE or sweep.get("order") is None or not run.get("ttfts"):
             continue
-        speed = reference_speed(run, model, cluster)
+        speed = reference_speed(run, model, cluster, effects)
         if speed is not None:
             found.append(ReferenceSpeed(run["config"], int(sweep["order"]), speed))
     return found

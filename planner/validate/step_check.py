@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pdserve.planner.model.host_effects import NO_HOST_EFFECTS, HostEffects
 from pdserve.planner.model.simulator import StepModel
 from pdserve.kernels.length_groups import group_padding
 from pdserve.bench.serve_arrivals import arrival_offsets
@@ -28,7 +29,7 @@ def token_times(run: dict) -> list[np.ndarray]:
             for arrival, ttft, itls, error in zip(arrivals, run["ttfts"], run["itls"], errors)]
 
 
-def step_ratio(run: dict, model: StepModel, num_decode: int) -> float | None:
+def step_ratio(run: dict, model: StepModel, num_decode: int, effects: HostEffects = NO_HOST_EFFECTS) -> float | None:
     """The median over the run's later ITLs of measured / the profile's decode step at the batch of the moment;
     None when the run has no later ITL."""
     times = token_times(run)
@@ -43,9 +44,9 @@ def step_ratio(run: dict, model: StepModel, num_decode: int) -> float | None:
     contexts = _contexts_at(times, run["input_lens"], middles_all)
     batch, summed, longest = (contexts > 0).sum(axis=0), contexts.sum(axis=0), contexts.max(axis=0)
     per_engine = np.maximum(batch / num_decode, 1.0)
-    if model.decode_pads_to_longest:
+    if effects.decode_pads_to_longest:
         attended = per_engine * longest
-    elif model.decode_groups_by_length:  # the whole batch's grouping, split evenly like the rest
+    elif effects.decode_groups_by_length:  # the whole batch's grouping, split evenly like the rest
         padding = np.array([group_padding([int(c) for c in column[column > 0]]) for column in contexts.T])
         attended = (summed + padding) / num_decode
     else:

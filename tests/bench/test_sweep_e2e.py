@@ -190,7 +190,7 @@ def test_reference_runs_around_every_load_and_plan_reads_them(model_factory, tmp
         update={"engine": EngineSettings(block_size=4, num_kv_blocks=512, max_num_batched_tokens=64)})
     (tmp_path / "profile.json").write_text(profile.model_dump_json())
     assert main(["plan", "--profile", str(tmp_path / "profile.json"), "--validate", str(out), "--per-point-speed",
-                 "--output-dir", str(tmp_path / "validation"), "--no-plots"]) == 0
+                 "--diagnose", "--output-dir", str(tmp_path / "validation"), "--no-plots"]) == 0
     points = json.loads((tmp_path / "validation" / "validation.json").read_text())["points"]
     assert sorted(p["request_rate"] for p in points) == [8.0, 16.0]
     assert all(p["reference_speed_prefill"] > 0 and p["reference_speed_decode"] > 0 for p in points)

@@ -13,6 +13,7 @@ from pdserve.planner.profile.fit import (
     TransferPoint,
     build_profile,
 )
+from pdserve.planner.model.host_effects import NO_HOST_EFFECTS, HostEffects
 from pdserve.planner.model.simulator import ClusterSpec, StepModel, simulate
 from pdserve.planner.model.workload import random_workload
 
@@ -59,12 +60,13 @@ def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0, later_shift: 
     runs = sweep_dir / "runs"
     runs.mkdir(parents=True)
     workload = random_workload(30, 200, 20, range_ratio=0.3, seed=0)
-    machine = StepModel.from_profile(profile, *speed, *(host or (0.0, 0.0)))
+    machine, effects = profile_machine(profile, speed, host)
     for config, (x, y) in (("1P1D", (1, 1)), ("0P2D", (0, 2))):
         spec = ClusterSpec(x, y, profile.engine, profile.model.kv_bytes_per_token)
         layout = {"config": config, "num_prefill": x, "num_decode": y, "num_engines": x + y}
         for index, rate in enumerate((2.0, 6.0)):
-            done = simulate(spec, machine, workload.arrivals(rate, seed=0), workload.prompt_lens, workload.output_lens)
+            done = simulate(spec, machine, workload.arrivals(rate, seed=0), workload.prompt_lens, workload.output_lens,
+                            effects=effects)
             run = {"model_id": str(model_dir), "config": config, "request_rate": rate, "burstiness": 1.0, "seed": 0,
                    "max_concurrency": None, "goodput": {"ttft": 300.0, "tpot": 40.0}, "sweep": dict(layout),
                    "input_lens": workload.prompt_lens, "output_lens": workload.output_lens,
@@ -78,7 +80,7 @@ def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0, later_shift: 
                 run["sweep"]["order"] = 2 * index + 1
             (runs / f"{config}_rate{rate}.json").write_text(json.dumps(run))
         for number in range(3 if references else 0):
-            reference = reference_run(spec, machine, references, 200, 20)
+            reference = reference_run(spec, machine, references, 200, 20, effects)
             reference.update(model_id=str(model_dir), config=config,
                              sweep={**layout, "phase": "reference", "order": 2 * number})
             if host is not None:
@@ -94,9 +96,19 @@ def record_host_cpu(run: dict, host: tuple[float, float], duration: float) -> No
                server_metrics={"server_cpu_s": cpu * 2 / 3})
 
 
-def reference_run(spec: ClusterSpec, machine: StepModel, count: int, prompt_len: int, output_len: int) -> dict:
+def profile_machine(profile: Profile, speed: tuple[float, float] = (1.0, 1.0),
+                    host: tuple[float, float] | None = None) -> tuple[StepModel, HostEffects]:
+    """The profile's step model and its CPU host's effects, the steps `speed` (prefill, decode) times as long and
+    the host's CPU `host` (seconds per streamed token, cores in the background)."""
+    effects = HostEffects(tuple(speed), profile.decode_corun, profile.decode_beside_decode, *(host or (0.0, 0.0)),
+                          profile.engine.decode_pads_to_longest, profile.decode_groups_by_length)
+    return effects.scaled(StepModel.from_profile(profile)), effects
+
+
+def reference_run(spec: ClusterSpec, machine: StepModel, count: int, prompt_len: int, output_len: int,
+                  effects: HostEffects = NO_HOST_EFFECTS) -> dict:
     """`count` requests of these lengths one at a time on `machine`, in bench's run format."""
-    alone = [simulate(spec, machine, [0.0], [prompt_len], [output_len])[0] for _ in range(count)]
+    alone = [simulate(spec, machine, [0.0], [prompt_len], [output_len], effects=effects)[0] for _ in range(count)]
     return {"request_rate": "inf", "max_concurrency": 1, "burstiness": 1.0, "seed": 30_000,
             "input_lens": [prompt_len] * count, "output_lens": [output_len] * count,
             "ttfts": [r.ttft for r in alone], "itls": [simulated_itls(r) for r in alone], "errors": [""] * count}

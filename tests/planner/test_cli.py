@@ -96,7 +96,8 @@ def test_validate_replays_a_sweep_and_finds_its_own_predictions(profile_path, tm
     sweep_dir = tmp_path / "sweep"
     write_sweep(sweep_dir, tiny_model, load_profile(profile_path))
     out = tmp_path / "validation"
-    assert main(["plan", "--profile", profile_path, "--validate", str(sweep_dir), "--output-dir", str(out)]) == 0
+    assert main(["plan", "--profile", profile_path, "--validate", str(sweep_dir), "--output-dir", str(out),
+                 "--diagnose"]) == 0
     result = json.loads((out / "validation.json").read_text())
     summary = result["summary"]
     assert summary["num_points"] == 4
@@ -119,7 +120,7 @@ def test_validate_reports_the_error_of_a_sweep_that_ran_slower(profile_path, tmp
     write_unloaded(sweep_dir, profile, slower=1.5)
     out = tmp_path / "validation"
     assert main(["plan", "--profile", profile_path, "--validate", str(sweep_dir), "--output-dir", str(out),
-                 "--no-plots"]) == 0
+                 "--no-plots", "--diagnose"]) == 0
     summary = json.loads((out / "validation.json").read_text())["summary"]
     assert summary["median_ttft_ms_mean_relative_error"] == pytest.approx(1 / 3, rel=1e-6)  # predicted / measured = 1 / 1.5
     assert summary["median_first_itl_ms_mean_relative_error"] == pytest.approx(1 / 3, rel=1e-6)
@@ -140,7 +141,7 @@ def test_validate_finds_the_piece_that_carries_the_attainment_error(profile_path
     write_sweep(sweep_dir, tiny_model, load_profile(profile_path), later_shift=0.5)  # decode steps 50% slower
     out = tmp_path / "validation"
     assert main(["plan", "--profile", profile_path, "--validate", str(sweep_dir), "--output-dir", str(out),
-                 "--no-plots"]) == 0
+                 "--no-plots", "--diagnose"]) == 0
     summary = json.loads((out / "validation.json").read_text())["summary"]
     assert summary["attainment_mae_pp"] > 5  # the slower steps cross the TPOT SLO
     assert summary["median_ttft_ms_mean_relative_error"] == pytest.approx(0.0, abs=1e-9)
@@ -148,6 +149,25 @@ def test_validate_finds_the_piece_that_carries_the_attainment_error(profile_path
     assert pieces["later_itls"] == pytest.approx(0.0, abs=1e-9)  # the measured decode steps explain it all
     assert pieces["ttft"] == pytest.approx(summary["attainment_mae_pp"])
     assert pieces["first_itl"] == pytest.approx(summary["attainment_mae_pp"])
+
+
+def test_plain_validate_leaves_the_diagnostics_to_diagnose(profile_path, tmp_path, tiny_model, capsys):
+    from pdserve.planner.profile.fit import load_profile
+
+    sweep_dir = tmp_path / "sweep"
+    write_sweep(sweep_dir, tiny_model, load_profile(profile_path), references=2)
+    base = ["plan", "--profile", profile_path, "--validate", str(sweep_dir), "--no-plots"]
+    assert main([*base, "--output-dir", str(tmp_path / "plain")]) == 0
+    plain = capsys.readouterr().out
+    assert "p50_ttft meas" in plain and "SLO attainment MAE" in plain
+    for diagnostic in ("step meas/prof", "busy P meas/sim", "ref P", "one piece of every request", "unloaded"):
+        assert diagnostic not in plain
+    points = json.loads((tmp_path / "plain" / "validation.json").read_text())["points"]
+    assert not any("measured_step_ratio" in point or "reference_speed_prefill" in point for point in points)
+    assert main([*base, "--output-dir", str(tmp_path / "diagnosed"), "--diagnose"]) == 0
+    diagnosed = capsys.readouterr().out
+    assert all(column in diagnosed for column in ("step meas/prof", "busy P meas/sim", "ref P", "ref D"))
+    assert json.loads((tmp_path / "diagnosed" / "validation.json").read_text())["points"][0]["measured_step_ratio"]
 
 
 def test_validate_judges_the_runs_by_the_slos_given(profile_path, tmp_path, tiny_model):

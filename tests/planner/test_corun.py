@@ -3,14 +3,14 @@ the profile's factor, in closed form; nothing changes without such overlap; prof
 
 from __future__ import annotations
 
-from dataclasses import replace
-
+import argparse
 import pytest
 
 from pdserve.planner.profile.corun import paired_ratios, round_order
 from pdserve.planner.profile.corun_fit import NO_CORUN, CoRun, corun_terms
 from pdserve.planner.profile.fit import DecodePoint, model_identity
-from pdserve.planner.model.simulator import ClusterSpec, StepModel, simulate, simulate_tiers
+from pdserve.planner.model.host_effects import NO_HOST_EFFECTS, HostEffects, host_effects
+from pdserve.planner.model.simulator import ClusterSpec, simulate, simulate_tiers
 from tests.planner.helpers import synthetic_profile
 from pdserve.planner.model.workload import random_workload
 from tests.planner.test_simulator import model
@@ -21,15 +21,15 @@ def test_decode_steps_beside_another_engines_prefill_are_slower_by_the_factor():
     # it decodes from there. B arrives at 1.55: the prefill engine computes it over [1.55, 2.55]. A's step under
     # way at 1.55 (from 1.5) keeps its time; the steps starting at 1.6 .. 2.5 take f * s; from 2.65 on s again.
     s, prefill, factor = 0.1, 1.0, 1.5
-    cost = model(prefill_intercept=prefill, decode_intercept=s, decode_corun=CoRun.uniform(factor))
-    a, b = simulate(ClusterSpec(1, 1), cost, [0.0, 1.55], [16, 16], [40, 3])
+    cost, corun = model(prefill_intercept=prefill, decode_intercept=s), HostEffects(corun=CoRun.uniform(factor))
+    a, b = simulate(ClusterSpec(1, 1), cost, [0.0, 1.55], [16, 16], [40, 3], effects=corun)
     normal_steps, slowed_steps = 6 + 26, 7  # 39 steps make A's 40 tokens after its first
     assert a.first_token == pytest.approx(prefill)
     assert a.finish == pytest.approx(prefill + normal_steps * s + slowed_steps * factor * s)
     assert b.first_token == pytest.approx(1.55 + prefill)  # a prefill step is not slowed by decodes
     assert b.second_token == pytest.approx(prefill + 6 * s + 7 * factor * s + s)  # joins at 2.65, after A's step
-    alone_a, _ = simulate(ClusterSpec(1, 1), replace(cost, decode_corun=CoRun.uniform(1.0)), [0.0, 1.55], [16, 16],
-                                [40, 3])
+    alone_a, _ = simulate(ClusterSpec(1, 1), cost, [0.0, 1.55], [16, 16], [40, 3],
+                          effects=HostEffects(corun=CoRun.uniform(1.0)))
     assert alone_a.finish == pytest.approx(prefill + 39 * s)
 
 
@@ -37,8 +37,9 @@ def test_a_decode_run_is_retimed_when_an_engine_it_does_not_serve_starts_or_ends
     # 1P2D, round robin: A decodes on the first decode engine, B goes to the second. Only the prefill engine's
     # start (1.55) and end (2.55) of B's prompt reach A's engine, and its run changes speed at the next boundary.
     s, prefill, factor = 0.1, 1.0, 1.5
-    cost = model(prefill_intercept=prefill, decode_intercept=s, decode_corun=CoRun.uniform(factor))
-    a, b = simulate(ClusterSpec(1, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3])
+    cost, corun = model(prefill_intercept=prefill, decode_intercept=s), HostEffects(corun=CoRun.uniform(factor))
+    a, b = simulate(ClusterSpec(1, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3],
+                    effects=corun)
     assert a.decode_engine is not b.decode_engine
     assert a.finish == pytest.approx(prefill + (6 + 26) * s + 7 * factor * s)
 
@@ -49,21 +50,22 @@ def test_decode_steps_beside_another_engines_decode_steps_are_slower_by_that_fac
     # A's step under way at 2.55 (from 2.5) keeps its time; the two starting at 2.6 and 2.75 (B decodes then) take
     # f * s; B is done at 2.85, so from A's next boundary (2.9) on, s again.
     s, prefill, factor = 0.1, 1.0, 1.5
-    cost = model(prefill_intercept=prefill, decode_intercept=s, decode_beside_decode=CoRun.uniform(factor))
-    a, b = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3])
+    cost, beside = model(prefill_intercept=prefill, decode_intercept=s), HostEffects(beside_decode=CoRun.uniform(factor))
+    a, b = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3],
+                    effects=beside)
     assert a.decode_engine is not b.decode_engine
     assert b.first_token == pytest.approx(2.55)
     assert b.finish == pytest.approx(2.55 + 2 * factor * s)
     assert a.finish == pytest.approx(prefill + 37 * s + 2 * factor * s)
     # B's prompt slows A too, by the other factor: 8 steps of 1.2 s from 1.6 to 2.56, then 2 of f * s to 2.86
-    both = replace(cost, decode_corun=CoRun.uniform(1.2))
-    a_both, _ = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), both, [0.0, 1.55], [16, 16], [40, 3])
+    both = HostEffects(corun=CoRun.uniform(1.2), beside_decode=CoRun.uniform(factor))
+    a_both, _ = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3],
+                         effects=both)
     assert a_both.finish == pytest.approx(prefill + 29 * s + 8 * 1.2 * s + 2 * factor * s)
 
 
 def test_the_factor_slows_only_the_decode_part_of_a_mixed_step():
-    cost = model(decode_intercept=0.05, decode_per_seq=0.01, decode_per_context=1e-5, prefill_per_token=1e-3,
-                 decode_corun=CoRun.uniform(1.4))
+    cost = model(decode_intercept=0.05, decode_per_seq=0.01, decode_per_context=1e-5, prefill_per_token=1e-3)
     decode = 0.05 + 0.01 * 3 + 1e-5 * 600
     chunks = 1e-3 * 128
     assert cost.step_seconds(3, 600, 128, 0.0) == pytest.approx(decode + chunks)
@@ -79,17 +81,17 @@ def test_without_overlap_the_factor_changes_nothing(spec, arrivals):
     cost = model(prefill_intercept=0.3, prefill_per_token=1e-4, decode_intercept=0.05, decode_per_seq=1e-3,
                  transfer_latency=0.01, transfer_per_byte=1e-9)
     plain = simulate(spec, cost, arrivals, [200, 100, 300], [20, 30, 10])
-    slowed = simulate(spec, replace(cost, decode_corun=CoRun.uniform(2.0)), arrivals, [200, 100, 300], [20, 30, 10])
+    slowed = simulate(spec, cost, arrivals, [200, 100, 300], [20, 30, 10], effects=HostEffects(corun=CoRun.uniform(2.0)))
     assert [(r.first_token, r.second_token, r.finish) for r in slowed] == \
         [(r.first_token, r.second_token, r.finish) for r in plain]
 
 
 def test_one_engine_per_tier_leaves_the_factor_out():
-    cost = model(prefill_intercept=0.3, decode_intercept=0.05, decode_corun=CoRun.uniform(1.5))
+    cost, corun = model(prefill_intercept=0.3, decode_intercept=0.05), HostEffects(corun=CoRun.uniform(1.5))
     args = ([0.0, 0.1, 0.2, 0.4], [100] * 4, [30] * 4)
-    overlapped = simulate(ClusterSpec(1, 1), cost, *args)
-    tiers = simulate_tiers(ClusterSpec(1, 1), cost, *args)
-    plain = simulate(ClusterSpec(1, 1), replace(cost, decode_corun=CoRun.uniform(1.0)), *args)
+    overlapped = simulate(ClusterSpec(1, 1), cost, *args, effects=corun)
+    tiers = simulate_tiers(ClusterSpec(1, 1), cost, *args, effects=corun)
+    plain = simulate(ClusterSpec(1, 1), cost, *args)
     assert [r.finish for r in tiers] == pytest.approx([r.finish for r in plain])
     assert overlapped[0].finish > plain[0].finish  # the whole cluster charges it
 
@@ -98,14 +100,33 @@ def test_a_profile_without_the_factor_reads_as_one(model_factory):
     profile = synthetic_profile(model_identity(model_factory()))
     assert "decode_corun" not in profile.machine
     assert profile.decode_corun == profile.decode_beside_decode == NO_CORUN
-    assert StepModel.from_profile(profile).decode_corun == NO_CORUN
-    assert StepModel.from_profile(profile).decode_beside_decode == NO_CORUN
+    effects = host_effects(plan_flags(), profile)
+    assert effects.corun == effects.beside_decode == NO_CORUN
     measured = profile.model_copy(update={"machine": {**profile.machine, "decode_corun": {
         "factor": 1.1, "beside_decode": {"factor": 1.25}}}})  # before the split: one factor for the whole step
-    assert StepModel.from_profile(measured).decode_corun == CoRun.uniform(1.1)
-    assert StepModel.from_profile(measured).decode_beside_decode == CoRun.uniform(1.25)
+    effects = host_effects(plan_flags(), measured)
+    assert (effects.corun, effects.beside_decode) == (CoRun.uniform(1.1), CoRun.uniform(1.25))
     measured = profile.model_copy(update={"machine": {**profile.machine, "decode_corun": {"factor": 1.25}}})
-    assert StepModel.from_profile(measured, decode_scale=2.0).decode_corun == CoRun.uniform(1.25)
+    assert host_effects(plan_flags(step_scale=(1.0, 2.0)), measured).corun == CoRun.uniform(1.25)
+
+
+def test_a_gpu_profile_gets_no_host_effects_and_refuses_their_flags(model_factory):
+    profile = synthetic_profile(model_identity(model_factory()))
+    gpu = profile.model_copy(update={"machine": {**profile.machine, "device": "cuda",
+                                                 "decode_corun": {"factor": 1.3}}})
+    assert host_effects(plan_flags(), gpu) == NO_HOST_EFFECTS
+    assert host_effects(plan_flags(no_host_effects=True), profile) == NO_HOST_EFFECTS
+    with pytest.raises(ValueError, match="--step-scale: a CPU host's effects, and the profile is a GPU's"):
+        host_effects(plan_flags(step_scale=(1.0, 2.0)), gpu)
+    with pytest.raises(ValueError, match="--host-cpu-per-token: .* --no-host-effects switches them off"):
+        host_effects(plan_flags(no_host_effects=True, host_cpu_per_token=300.0), profile)
+
+
+def plan_flags(**given) -> argparse.Namespace:
+    """`pdserve plan`'s flags as parsed, with the host's left at their defaults unless given."""
+    flags = {"step_scale": (1.0, 1.0), "per_point_speed": False, "host_cpu_per_token": None,
+             "host_background_cpu": None, "host_cpu_from": None, "no_host_effects": False}
+    return argparse.Namespace(**{**flags, **given})
 
 
 def test_each_term_of_a_decode_step_takes_its_own_factor():
@@ -121,10 +142,10 @@ def test_a_decode_run_beside_a_prefill_grows_by_the_kv_factor():
     # prefill engine while A decodes alone on the other: with the KV factor k every step that starts then reads
     # k times as slowly, and the factor for the weights part (none here) changes nothing.
     c, k = 1e-3, 1.5
-    cost = model(prefill_intercept=1.0, decode_per_context=c, decode_corun=CoRun(weights=5.0, kv_reads=k))
-    plain = replace(cost, decode_corun=NO_CORUN)
-    a, _ = simulate(ClusterSpec(1, 1), cost, [0.0, 1.0], [100, 16], [6, 2])
-    a_plain, _ = simulate(ClusterSpec(1, 1), plain, [0.0, 1.0], [100, 16], [6, 2])
+    cost = model(prefill_intercept=1.0, decode_per_context=c)
+    a, _ = simulate(ClusterSpec(1, 1), cost, [0.0, 1.0], [100, 16], [6, 2],
+                    effects=HostEffects(corun=CoRun(weights=5.0, kv_reads=k)))
+    a_plain, _ = simulate(ClusterSpec(1, 1), cost, [0.0, 1.0], [100, 16], [6, 2])
     # A's prompt is done at 1.0, B's runs over [1.0, 2.0]: A's 5 steps over contexts 101..105 all start (and end,
     # at 1.77) while B's prompt is computed, one run whose steps each read one more token
     steps = [c * (101 + i) for i in range(5)]
@@ -168,9 +189,8 @@ def test_cutting_decode_runs_changes_no_routing(spec):
     workload = random_workload(60, 128, 256, range_ratio=0.5, seed=7)
     arrivals = workload.arrivals(0.5, seed=7)
     plain = simulate(spec, cost, arrivals, workload.prompt_lens, workload.output_lens)
-    cut = simulate(spec, replace(cost, decode_corun=CoRun.uniform(1 + 1e-12),
-                                 decode_beside_decode=CoRun.uniform(1 + 1e-12)),
-                   arrivals, workload.prompt_lens, workload.output_lens)
+    cut = simulate(spec, cost, arrivals, workload.prompt_lens, workload.output_lens,
+                   effects=HostEffects(corun=CoRun.uniform(1 + 1e-12), beside_decode=CoRun.uniform(1 + 1e-12)))
     assert [r.decode_engine.index for r in cut] == [r.decode_engine.index for r in plain]
     assert [r.finish for r in cut] == pytest.approx([r.finish for r in plain], rel=1e-9)
 

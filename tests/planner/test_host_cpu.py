@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 
 import pytest
 
 from pdserve.planner.profile.fit import load_profile, model_identity
 from pdserve.planner.model.host_cpu import NO_HOST_CPU, given_host_cpu, measured_host_cpu, validate_host_cpu
+from pdserve.planner.model.host_effects import HostEffects
 from pdserve.planner.model.simulator import ClusterSpec, simulate, simulate_tiers
 from pdserve.cli import main
 from tests.planner.helpers import synthetic_profile, write_sweep
@@ -22,8 +22,8 @@ def test_one_engine_pays_for_every_token_it_streams():
     """One engine, one core: the router has no other. The prefill step streams the batch's first tokens, and every
     decode step streams one token per request: each takes batch x c more."""
     step, c, batch, output = 0.05, 0.002, 8, 40
-    requests = simulate(ClusterSpec(0, 1), model(decode_intercept=step, host_cpu_per_token=c), [0.0] * batch,
-                        [16] * batch, [output] * batch)
+    requests = simulate(ClusterSpec(0, 1), model(decode_intercept=step), [0.0] * batch, [16] * batch,
+                        [output] * batch, effects=HostEffects(cpu_per_token=c))
     for request in requests:
         assert request.first_token == pytest.approx(batch * c)
         assert request.finish == pytest.approx(batch * c + (output - 1) * (step + batch * c))
@@ -33,15 +33,15 @@ def test_the_background_takes_its_share_of_every_busy_core():
     """0.2 cores of background on two busy engines: each core gives 10% of its time to it, so every step takes
     s / 0.9 (the growing context term too); on one engine, 20%."""
     d0, per_context, batch, output = 0.05, 1e-5, 4, 30
-    cost = model(decode_intercept=d0, decode_per_context=per_context, host_background_cores=0.2)
+    cost, background = model(decode_intercept=d0, decode_per_context=per_context), HostEffects(background_cores=0.2)
     plain = sum(d0 + per_context * batch * (16 + 1 + j) for j in range(output - 1))
     two = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), cost, [0.0] * 2 * batch, [16] * 2 * batch,
-                   [output] * 2 * batch)
+                   [output] * 2 * batch, effects=background)
     assert all(r.finish == pytest.approx(plain / 0.9) for r in two)
-    one = simulate(ClusterSpec(0, 1), cost, [0.0] * batch, [16] * batch, [output] * batch)
+    one = simulate(ClusterSpec(0, 1), cost, [0.0] * batch, [16] * batch, [output] * batch, effects=background)
     assert all(r.finish == pytest.approx(plain / 0.8) for r in one)
     with pytest.raises(ValueError, match="less than one core per engine"):
-        simulate(ClusterSpec(0, 1), replace(cost, host_background_cores=1.0), [0.0], [16], [4])
+        simulate(ClusterSpec(0, 1), cost, [0.0], [16], [4], effects=HostEffects(background_cores=1.0))
 
 
 def test_a_busy_engine_pays_only_while_the_other_is_busy_too():
@@ -51,15 +51,15 @@ def test_a_busy_engine_pays_only_while_the_other_is_busy_too():
     (to 2.67, 2.78) and leaves; engine 1 idles again from 2.78, and A's step under way then (1.6 + 11 x 0.11 = 2.81)
     is the last that pays."""
     s, prefill, c = 0.1, 1.0, 0.01
-    cost = model(prefill_intercept=prefill, decode_intercept=s, host_cpu_per_token=c)
-    a, b = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3])
+    cost = model(prefill_intercept=prefill, decode_intercept=s)
+    a, b = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3],
+                    effects=HostEffects(cpu_per_token=c))
     assert a.decode_engine is not b.decode_engine
     assert a.first_token == pytest.approx(prefill)  # engine 1 idle: free
     assert b.first_token == pytest.approx(1.55 + prefill + c)
     assert b.finish == pytest.approx(1.55 + prefill + c + 2 * (s + c))
     assert a.finish == pytest.approx(prefill + 6 * s + 11 * (s + c) + 22 * s)
-    plain, _ = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), replace(cost, host_cpu_per_token=0.0),
-                        [0.0, 1.55], [16, 16], [40, 3])
+    plain, _ = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3])
     assert plain.finish == pytest.approx(prefill + 39 * s)
 
 
@@ -70,7 +70,7 @@ def test_an_idle_core_serves_the_host_for_free():
                  transfer_latency=0.01, transfer_per_byte=1e-9)
     args = ([0.0, 10.0, 20.0], [200, 100, 300], [20, 30, 10])
     plain = simulate(ClusterSpec(1, 1), cost, *args)
-    charged = simulate(ClusterSpec(1, 1), replace(cost, host_cpu_per_token=0.005), *args)
+    charged = simulate(ClusterSpec(1, 1), cost, *args, effects=HostEffects(cpu_per_token=0.005))
     assert [(r.first_token, r.second_token, r.finish) for r in charged] == \
         [(r.first_token, r.second_token, r.finish) for r in plain]
 
@@ -79,10 +79,11 @@ def test_one_engine_per_tier_leaves_the_host_out():
     """A large cluster's hosts and cores are not known: the tier estimate charges nothing."""
     cost = model(prefill_intercept=0.3, decode_intercept=0.05)
     args = ([0.0, 0.1, 0.2, 0.4], [100] * 4, [30] * 4)
-    tiers = simulate_tiers(ClusterSpec(1, 1), replace(cost, host_cpu_per_token=0.01), *args)
+    tiers = simulate_tiers(ClusterSpec(1, 1), cost, *args, effects=HostEffects(cpu_per_token=0.01))
     plain = simulate_tiers(ClusterSpec(1, 1), cost, *args)
     assert [r.finish for r in tiers] == [r.finish for r in plain]
-    assert simulate(ClusterSpec(1, 1), replace(cost, host_cpu_per_token=0.01), *args)[0].finish > plain[0].finish
+    assert simulate(ClusterSpec(1, 1), cost, *args, effects=HostEffects(cpu_per_token=0.01))[0].finish > \
+        plain[0].finish
 
 
 def run_record(server: float | None, client: float | None, tokens: int, duration: float = 10.0) -> dict:

@@ -163,7 +163,7 @@ def test_validate_predicts_each_point_as_pinned(tmp_path, name):
 
 
 def test_validate_diagnostics_are_pinned(tmp_path):
-    validation = run_plan(tmp_path, VALIDATIONS["validate"], "validation.json")
+    validation = run_plan(tmp_path, [*VALIDATIONS["validate"], "--diagnose"], "validation.json")
     actual = {"diagnostics": [[p[key] for key in DIAGNOSTICS] for p in validation["points"]],
               "unloaded": validation["summary"]["unloaded"]}
     assert_close(actual, {key: EXPECTED["validate"][key] for key in actual}, "validate")

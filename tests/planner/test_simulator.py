@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.planner.profile.fit import EngineSettings
+from pdserve.planner.model.host_effects import HostEffects
 from pdserve.planner.model.simulator import ClusterSpec, StepModel, simulate, simulate_tiers
 from pdserve.planner.model.workload import Workload, random_workload
 
@@ -51,9 +52,9 @@ def test_a_padding_backend_pays_for_the_longest_context_until_it_leaves(pads):
     """Prompts of 300 and 100 tokens decode together for 9 steps; then the long one is done. A padding backend's
     steps read 2 x the longest context while both decode, and the short one's own once the long one left."""
     d0, per_seq, per_context = 0.02, 0.001, 1e-5
-    step_model = model(decode_intercept=d0, decode_per_seq=per_seq, decode_per_context=per_context,
-                       decode_pads_to_longest=pads)
-    long_request, short_request = simulate(ClusterSpec(0, 1), step_model, [0.0, 0.0], [300, 100], [10, 30])
+    step_model = model(decode_intercept=d0, decode_per_seq=per_seq, decode_per_context=per_context)
+    long_request, short_request = simulate(ClusterSpec(0, 1), step_model, [0.0, 0.0], [300, 100], [10, 30],
+                                           effects=HostEffects(decode_pads_to_longest=pads))
     together = [2 * (301 + j) if pads else (301 + j) + (101 + j) for j in range(9)]
     alone = [101 + j for j in range(9, 29)]
     assert long_request.finish == pytest.approx(sum(d0 + 2 * per_seq + per_context * c for c in together), rel=1e-9)
@@ -67,9 +68,9 @@ def test_a_grouping_backend_pays_for_the_padding_of_each_length_group(long_promp
     256 tokens (or 10% of the group's): 301 and 101 tokens share one group and read 2 x 301; 701 and 101 run as two
     groups and read their sum. The difference between the two contexts stays as each grows by one a step."""
     d0, per_seq, per_context = 0.02, 0.001, 1e-5
-    step_model = model(decode_intercept=d0, decode_per_seq=per_seq, decode_per_context=per_context,
-                       decode_groups_by_length=True)
-    long_request, short_request = simulate(ClusterSpec(0, 1), step_model, [0.0, 0.0], [long_prompt, 100], [10, 30])
+    step_model = model(decode_intercept=d0, decode_per_seq=per_seq, decode_per_context=per_context)
+    long_request, short_request = simulate(ClusterSpec(0, 1), step_model, [0.0, 0.0], [long_prompt, 100], [10, 30],
+                                           effects=HostEffects(decode_groups_by_length=True))
     together = [2 * (long_prompt + 1 + j) if padded else (long_prompt + 1 + j) + (101 + j) for j in range(9)]
     assert long_request.finish == pytest.approx(sum(d0 + 2 * per_seq + per_context * c for c in together), rel=1e-9)
     assert short_request.finish == pytest.approx(long_request.finish + sum(d0 + per_seq + per_context * (101 + j)

@@ -7,19 +7,21 @@ import json
 import pytest
 
 from pdserve.planner.profile.fit import load_profile
-from pdserve.planner.model.simulator import ClusterSpec, StepModel
+from pdserve.planner.model.simulator import ClusterSpec
 from pdserve.planner.validate.speed import ReferenceSpeed, Speed, reference_speed, speed_around
 from pdserve.cli import main
-from tests.planner.helpers import reference_run, write_sweep
+from tests.planner.helpers import profile_machine, reference_run, write_sweep
 
 
 @pytest.mark.parametrize("layout", [(1, 1), (0, 2)])
 def test_a_reference_run_gives_the_machines_speed_against_the_profile(profile_path, layout):
     profile = load_profile(profile_path)
     spec = ClusterSpec(*layout, profile.engine, profile.model.kv_bytes_per_token)
-    run = reference_run(spec, StepModel.from_profile(profile, 1.3, 0.8), 3, 200, 20)  # prompts slower, steps faster
+    machine, effects = profile_machine(profile, (1.3, 0.8))
+    run = reference_run(spec, machine, 3, 200, 20, effects)  # prompts slower, steps faster
     run["sweep"] = {"num_prefill": layout[0], "num_decode": layout[1]}
-    speed = reference_speed(run, StepModel.from_profile(profile), spec)
+    model, effects = profile_machine(profile)
+    speed = reference_speed(run, model, spec, effects)
     assert speed.prefill == pytest.approx(1.3, rel=1e-6)
     assert speed.decode == pytest.approx(0.8, rel=1e-6)
 
@@ -27,14 +29,16 @@ def test_a_reference_run_gives_the_machines_speed_against_the_profile(profile_pa
 def test_a_reference_run_without_later_itls_has_no_decode_speed_and_failed_requests_do_not_count(profile_path):
     profile = load_profile(profile_path)
     spec = ClusterSpec(0, 1, profile.engine, profile.model.kv_bytes_per_token)
-    run = reference_run(spec, StepModel.from_profile(profile, 2.0, 2.0), 2, 100, 2)
+    machine, effects = profile_machine(profile, (2.0, 2.0))
+    run = reference_run(spec, machine, 2, 100, 2, effects)
     run["sweep"] = {"num_prefill": 0, "num_decode": 1}
     run["errors"] = ["", "the server closed the stream"]
     run["ttfts"][1] = 0.0
-    speed = reference_speed(run, StepModel.from_profile(profile), spec)
+    model, effects = profile_machine(profile)
+    speed = reference_speed(run, model, spec, effects)
     assert speed.prefill == pytest.approx(2.0, rel=1e-6) and speed.decode is None
     run["errors"] = ["timed out", "the server closed the stream"]
-    assert reference_speed(run, StepModel.from_profile(profile), spec) is None
+    assert reference_speed(run, model, spec, effects) is None
 
 
 def test_a_point_takes_the_geometric_mean_of_the_references_either_side_of_it():
@@ -59,7 +63,7 @@ def test_per_point_speed_takes_the_machines_drift_out_of_the_validation(profile_
     profiled, the prediction is off; scaled by the reference runs around each point, it is exact again."""
     sweep_dir = tmp_path / "sweep"
     write_sweep(sweep_dir, tiny_model, load_profile(profile_path), speed=(1.4, 1.25), references=2)
-    before = validate(profile_path, sweep_dir, tmp_path / "as-profiled")
+    before = validate(profile_path, sweep_dir, tmp_path / "as-profiled", "--diagnose")
     as_profiled = before["summary"]
     assert as_profiled["median_ttft_ms_mean_relative_error"] > 0.2
     assert as_profiled["median_tpot_ms_mean_relative_error"] > 0.15
@@ -73,7 +77,7 @@ def test_per_point_speed_takes_the_machines_drift_out_of_the_validation(profile_
     measured = [ratio for ratio in busy.values() if ratio is not None]
     assert as_profiled["prefill_busy_ratio_range"] == [min(measured), max(measured)]
 
-    result = validate(profile_path, sweep_dir, tmp_path / "per-point", "--per-point-speed")
+    result = validate(profile_path, sweep_dir, tmp_path / "per-point", "--per-point-speed", "--diagnose")
     summary = result["summary"]
     assert summary["per_point_speed"] is True
     assert summary["attainment_mae_pp"] == pytest.approx(0.0, abs=1e-9)

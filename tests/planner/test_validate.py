@@ -1,4 +1,4 @@
-"""plan_validate.goodput_agreement: whether the split `pdserve plan` would recommend is the one a sweep measured best."""
+"""replay.goodput_agreement: whether the split `pdserve plan` would recommend is the one a sweep measured best."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_a_decisive_sweep_agrees_when_the_prediction_picks_its_best():
     group = agreement([point("0P2D", 1, 1.0, 1.0), point("0P2D", 2, 0.5, 0.95),
                        point("1P1D", 1, 0.95, 0.9), point("1P1D", 2, 0.92, 1.0)])
     assert group["measured"] == {"0P2D": 1, "1P1D": 2} and group["predicted"] == {"0P2D": 2, "1P1D": 2}
-    # A tie in the prediction goes to fewer prefill engines, as plan_recommend.recommend breaks it.
+    # A tie in the prediction goes to fewer prefill engines, as recommend.recommend breaks it.
     assert group["decisive"] and group["measured_best"] == "1P1D" and group["predicted_best"] == "0P2D"
     assert not group["agrees"]
     group = agreement([point("0P2D", 1, 1.0, 1.0), point("0P2D", 2, 0.5, 0.5),
