@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -84,8 +85,27 @@ def _file_weights(file: Path, bar) -> Iterator[tuple[str, torch.Tensor]]:
         ) from exc
 
 
-def _target_of(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
+# One expert's projection in a hub MoE checkpoint, e.g. model.layers.0.mlp.experts.3.gate_proj.weight
+_EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>\w+)\.weight$")
+
+
+def _expert_target(name: str, projections: dict[str, str]) -> tuple[str, object] | None:
+    """A per-expert tensor -> (the fused expert parameter, (expert, part)); None for other names."""
+    match = _EXPERT_TENSOR.match(name)
+    if match is None or match["projection"] not in projections:
+        return None
+    part = projections[match["projection"]]
+    fused = "down_proj" if part == "down" else "gate_up_proj"
+    return f"{match['experts']}.{fused}", (int(match["expert"]), part)
+
+
+def _target_of(name: str, packed: dict[str, tuple[str, object]], model: nn.Module) -> tuple[str, object]:
     """Checkpoint name -> (our parameter name, shard id or None)."""
+    for fragment, ours in getattr(model, "checkpoint_renames", {}).items():
+        name = name.replace(fragment, ours)
+    expert = _expert_target(name, getattr(model, "expert_projections", {}))
+    if expert is not None:
+        return expert
     for fragment, (fused, shard_id) in packed.items():
         token = f".{fragment}."
         if token in name:
@@ -97,7 +117,7 @@ def _expected_loads(model: nn.Module) -> set[tuple[str, object]]:
     expected = set()
     for name, param in model.named_parameters():  # tied parameters appear once
         owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        shards = getattr(owner, "shard_offsets", None)
+        shards = getattr(param, "shard_ids", None) or getattr(owner, "shard_offsets", None)
         expected.update((name, shard) for shard in shards) if shards else expected.add((name, None))
     return expected
 
@@ -110,7 +130,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     for name, tensor in weights:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue  # recomputed / shared with the embedding
-        target, shard_id = _target_of(name, packed)
+        target, shard_id = _target_of(name, packed, model)
         param = params.get(target)
         if param is None:
             raise ModelLoadError(f"checkpoint has unexpected tensor {name}: it does not belong to {type(model).__name__}")
@@ -121,10 +141,18 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
                                  f"floating-point weight: pdserve loads float32, bfloat16 and float16 checkpoints "
                                  f"(quantized ones are not supported): use the model's unquantized weights")
         param.weight_loader(param, tensor, shard_id, name)
-        loaded.add((target, shard_id))
+        loaded.update(_shards_filled(param, target, shard_id))
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in _expected_loads(model) - loaded)
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {', '.join(missing[:5])}")
+
+
+def _shards_filled(param: nn.Parameter, target: str, shard_id: object) -> list[tuple[str, object]]:
+    """What one load fills: its shard, or every shard of a parameter whose checkpoint holds it fused."""
+    shard_ids = getattr(param, "shard_ids", None)
+    if shard_id is None and shard_ids:
+        return [(target, shard) for shard in shard_ids]
+    return [(target, shard_id)]
 
 
 def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Module:

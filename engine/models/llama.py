@@ -5,6 +5,7 @@ Weights load under Hugging Face names; q/k/v and gate/up are fused into one proj
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,9 +52,9 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {0: size, 1: size}, bias=config.mlp_bias)
         self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
 
@@ -63,10 +64,10 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, flags, layer_idx)
-        self.mlp = GatedMLP(config)
+        self.mlp = mlp  # GatedMLP, or a mixture of experts (engine/layers/moe.py)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -83,7 +84,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, flags: ArchFlags) -> None:
+    def __init__(self, config: ModelConfig, flags: ArchFlags,
+                 make_mlp: Callable[[ModelConfig, int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
@@ -91,7 +93,8 @@ class DecoderModel(nn.Module):
         # one cos/sin table for all layers, looked up once per step
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(config, flags, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, flags, i, make_mlp(config, i)) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -117,10 +120,14 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.flags)
+        self.model = DecoderModel(config, self.flags, self.make_mlp)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """The feed-forward block of one layer (mixture-of-experts models override it)."""
+        return GatedMLP(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""

@@ -1,0 +1,111 @@
+"""Mixture-of-experts feed-forward: a router picks the top-k experts of each token, the chosen experts
+run as two grouped GEMMs over the (token, expert) pairs sorted by expert, and each token sums its
+experts' outputs weighted by the router; an optional shared expert, scaled by a sigmoid gate, is added.
+
+Expert weights are held fused, in transformers 5's in-memory layout: gate_up_proj [E, 2I, H] (gate
+rows, then up rows) and down_proj [E, H, I]. A checkpoint tensor of one expert loads into its rows
+with shard id (expert, "gate" | "up" | "down"); a fused tensor loads whole (shard id None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.layers.linear import Linear, copy_checked
+from pdserve.kernels.dispatch import kernel_for
+
+EXPERT_PARTS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The shape and routing of a model's sparse feed-forward layers."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    renormalize: bool  # top-k weights divided by their sum (Mixtral always; Qwen when norm_topk_prob)
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP (False)
+
+
+def select_experts(
+    router_logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [T, k] float32, expert ids [T, k] int64)
+    """Softmax over all experts in float32, then the k largest; renormalised to sum to 1 if asked."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, expert_ids
+
+
+class ExpertWeights(nn.Module):
+    """Every expert's gated MLP, applied to the tokens routed to it."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        for param, parts in ((self.gate_up_proj, ("gate", "up")), (self.down_proj, ("down",))):
+            param.weight_loader = self._load
+            param.shard_ids = [(expert, part) for expert in range(num_experts) for part in parts]
+        self.register_buffer("expert_range", torch.arange(num_experts), persistent=False)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None, name: str = "") -> None:
+        if shard_id is None:  # fused in the checkpoint already
+            copy_checked(param.data, loaded, name)
+            return
+        expert, part = shard_id
+        rows = param.data[expert]
+        if part != "down":
+            size = self.intermediate_size
+            rows = rows.narrow(0, 0 if part == "gate" else size, size)
+        copy_checked(rows, loaded, name)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, H]
+        routing_weights: torch.Tensor,  # [T, k]
+        expert_ids: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, H]
+        grouped_gemm = kernel_for("grouped_gemm", hidden.device)
+        top_k = expert_ids.shape[1]
+        flat_ids = expert_ids.flatten()  # [T * k], pair p is token p // k
+        order = flat_ids.argsort(stable=True)  # pairs sorted by expert
+        # expert e's pairs end where the sorted ids first exceed e (no host sync: CUDA-graph safe)
+        group_ends = torch.searchsorted(flat_ids[order], self.expert_range, right=True).to(torch.int32)  # [E]
+        token_of = order // top_k  # [T * k]
+        gate_up = grouped_gemm(hidden[token_of], self.gate_up_proj, group_ends)  # [T * k, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        down = grouped_gemm(F.silu(gate).mul_(up), self.down_proj, group_ends)  # [T * k, H]
+        down.mul_(routing_weights.flatten()[order].to(down.dtype)[:, None])
+        return torch.zeros_like(hidden).index_add_(0, token_of, down)
+
+
+class SparseMoE(nn.Module):
+    """Router + experts (+ shared expert), under Hugging Face's names: gate, experts, shared_expert,
+    shared_expert_gate."""
+
+    def __init__(self, hidden_size: int, spec: MoESpec, shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = spec.top_k, spec.renormalize
+        self.gate = Linear(hidden_size, spec.num_experts)  # the router
+        self.experts = ExpertWeights(spec.num_experts, hidden_size, spec.expert_intermediate_size)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert is not None else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        weights, expert_ids = select_experts(self.gate(hidden), self.top_k, self.renormalize)
+        out = self.experts(hidden, weights, expert_ids)
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return out

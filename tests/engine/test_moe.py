@@ -1,0 +1,197 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE) from hub-format
+checkpoints: greedy output equals transformers' generate() token for token in fp32 (colocated, and
+prefill -> decode over the real KV link), within the rounding rule in bf16; no block leaks; the
+routing and the grouped expert computation against plain per-token arithmetic."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.moe import ExpertWeights, select_experts
+from pdserve.engine.loader import ModelLoadError, load_model
+from pdserve.engine.models.registry import resolve_model_class
+from pdserve.engine.models.sparse_moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from tests.engine.moe_models import MOE_CASES, VOCAB_SIZE, make_moe_model_dir
+from tests.engine.parity import assert_greedy_match, hf_greedy
+from tests.engine.test_llm_parity import GREEDY_WITH_LOGPROBS, NEW_TOKENS, make_prompts, run_parity
+
+NUM_KV_BLOCKS = 256  # of 4 tokens: room for every prompt at once
+NATIVE_CLASSES = {"mixtral": MixtralForCausalLM, "qwen2-moe": Qwen2MoeForCausalLM, "qwen3-moe": Qwen3MoeForCausalLM}
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(model_factory, tmp_path_factory):
+    """make(case, dtype="float32") -> a tiny MoE model dir in the hub's per-expert format."""
+    built: dict[tuple[str, str], str] = {}
+
+    def make(case: str, dtype: str = "float32") -> str:
+        if (case, dtype) not in built:
+            out = tmp_path_factory.mktemp(f"moe-{case}-{dtype}")
+            built[case, dtype] = make_moe_model_dir(out, case, model_factory("llama"), dtype)
+        return built[case, dtype]
+
+    return make
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy parity with transformers' generate()
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_greedy_matches_transformers_fp32(moe_model_dir, case):
+    """Batched prompts of many lengths, chunked prefills (16-token steps), prefix-cache hits; every
+    block free at the end (run_parity)."""
+    llm = run_parity(moe_model_dir(case), make_prompts(VOCAB_SIZE), max_num_batched_tokens=16,
+                     num_kv_blocks=NUM_KV_BLOCKS)
+    assert type(llm.engine.runner.model) is NATIVE_CLASSES[case]
+
+
+# transformers applies rotary in bf16 (cos/sin rounded to bf16), pdserve in fp32. On this Qwen3-MoE
+# model the difference moves one token's router logits enough to swap an expert at prompt 4, step 5,
+# and the next logits then differ by more than rounding. With transformers' rotary in fp32 the two
+# agree (test_bf16_matches_transformers_with_fp32_rotary); the MoE layer alone is bit-equal in bf16.
+ROTARY_ROUNDING_SWAPS_AN_EXPERT = pytest.mark.xfail(
+    strict=True, reason="transformers rounds rotary to bf16, pdserve does not; one expert choice flips")
+BF16_CASES = [pytest.param(c, marks=ROTARY_ROUNDING_SWAPS_AN_EXPERT) if c == "qwen3-moe" else c for c in MOE_CASES]
+
+
+def _fp32_rotary(apply_rotary):
+    def apply(q, k, cos, sin, *args, **kwargs):
+        q32, k32 = apply_rotary(q.float(), k.float(), cos.float(), sin.float(), *args, **kwargs)
+        return q32.to(q.dtype), k32.to(k.dtype)
+
+    return apply
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_greedy_matches_transformers_bf16(moe_model_dir, case):
+    """bf16 weights, computed in bf16 by both: equal up to a near tie within the rounding rule of
+    tests/engine/parity.py, chosen tokens' logprobs within it too."""
+    assert_bf16_parity(moe_model_dir(case, "bfloat16"))
+
+
+def test_bf16_matches_transformers_with_fp32_rotary(moe_model_dir, monkeypatch):
+    """The xfailed Qwen3-MoE case again, transformers' rotary computed in fp32 as pdserve's is."""
+    import transformers.models.qwen3_moe.modeling_qwen3_moe as qwen3_moe
+
+    monkeypatch.setattr(qwen3_moe, "apply_rotary_pos_emb", _fp32_rotary(qwen3_moe.apply_rotary_pos_emb))
+    assert_bf16_parity(moe_model_dir("qwen3-moe", "bfloat16"))
+
+
+def assert_bf16_parity(model_dir: str) -> None:
+    prompts = make_prompts(VOCAB_SIZE, seed=6)
+    llm = LLM(model_dir, dtype="bfloat16", block_size=4, max_num_batched_tokens=32, num_kv_blocks=NUM_KV_BLOCKS)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY_WITH_LOGPROBS)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        theirs, logits = hf_greedy(reference, prompt, NEW_TOKENS)
+        completion = output.outputs[0]
+        assert_greedy_match(completion.token_ids, theirs, logits, f"prompt {i} (len {len(prompt)})",
+                            completion.logprobs, dtype=torch.bfloat16)
+    assert llm.kv_cache_manager.num_used_blocks == 0
+    llm.kv_cache_manager.check_invariants()
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_disaggregated_matches_transformers(moe_model_dir, case, tmp_path):
+    """Prefill and decode in separate processes, KV over the real link: the tokens equal transformers'
+    generate(), the KV bytes are the layout's, and neither side leaks a block."""
+    from pdserve.local_cluster import Driver
+    from tests.decode.test_disaggregated import PROMPTS, assert_no_leaks, start_pair
+
+    model_dir = moe_model_dir(case)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = [hf_greedy(reference, prompt, 8)[0] for prompt in PROMPTS]
+    prefill, decode = start_pair(model_dir, tmp_path)
+    driver = Driver(decode, prefill)
+    try:
+        results = driver.generate(PROMPTS, temperature=0.0, max_tokens=8, ignore_eos=True)
+        assert [r.token_ids for r in results] == expected
+        stats = driver.decode_stats()
+        assert stats.num_kv_transfers == len(PROMPTS) and stats.num_kv_transfers_failed == 0
+        config = ModelConfig.from_hf(model_dir)
+        per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4  # K and V, fp32
+        assert stats.kv_bytes_received == driver.prefill_stats().kv_bytes_sent == per_token * sum(map(len, PROMPTS))
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+        prefill.stop()
+        decode.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing and the grouped expert computation, against plain per-token arithmetic
+# ---------------------------------------------------------------------------------------------
+
+
+def test_routing_normalisation():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 3.5, 0.0]])
+    probs = torch.softmax(logits, dim=-1)
+    weights, ids = select_experts(logits, top_k=2, renormalize=False)
+    assert ids.tolist() == [[0, 1], [2, 1]]
+    torch.testing.assert_close(weights, probs.gather(1, ids))  # Qwen with norm_topk_prob false
+    weights, _ = select_experts(logits, top_k=2, renormalize=True)
+    torch.testing.assert_close(weights, probs.gather(1, ids) / probs.gather(1, ids).sum(-1, keepdim=True))
+    assert weights.dtype == torch.float32
+
+
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 2), (9, 3), (40, 1)])
+def test_experts_equal_per_token_arithmetic(num_tokens, top_k):
+    """Each token's output is the weighted sum of its chosen experts' gated MLPs; experts no token
+    chose are skipped, and one chosen by many tokens computes them in one group."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    experts = ExpertWeights(num_experts=5, hidden_size=16, intermediate_size=8)
+    experts.gate_up_proj.data.normal_(generator=gen)
+    experts.down_proj.data.normal_(generator=gen)
+    hidden = torch.randn(num_tokens, 16, generator=gen)
+    weights, ids = select_experts(torch.randn(num_tokens, 5, generator=gen), top_k, renormalize=True)
+    expected = torch.zeros_like(hidden)
+    for t in range(num_tokens):
+        for weight, e in zip(weights[t].tolist(), ids[t].tolist()):
+            gate, up = (experts.gate_up_proj[e] @ hidden[t]).chunk(2)
+            expected[t] += weight * (experts.down_proj[e] @ (F.silu(gate) * up))
+    torch.testing.assert_close(experts(hidden, weights, ids), expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and routing to native code
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fused_expert_checkpoint_loads_alike(moe_model_dir, tmp_path):
+    """A checkpoint that already holds the experts fused (transformers 5's in-memory names,
+    mlp.experts.gate_up_proj [E, 2I, H]) loads into the same weights as the hub's per-expert one."""
+    model_dir = moe_model_dir("qwen2-moe")
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    fused_dir = tmp_path / "fused"
+    fused_dir.mkdir()
+    shutil.copy(f"{model_dir}/config.json", fused_dir / "config.json")
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, fused_dir / "model.safetensors")
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in reference.state_dict())
+    hub, fused = (load_model(ModelConfig.from_hf(d, dtype="float32")) for d in (model_dir, fused_dir))
+    for (name, ours), (_, theirs) in zip(hub.state_dict().items(), fused.state_dict().items()):
+        assert torch.equal(ours, theirs), name
+
+
+def test_moe_architectures_resolve_to_native_code(moe_model_dir):
+    for case, native in NATIVE_CLASSES.items():
+        assert resolve_model_class(ModelConfig.from_hf(moe_model_dir(case))) is native
+
+
+def test_missing_expert_tensor_is_named(moe_model_dir, tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(moe_model_dir("mixtral"), model_dir)
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors.pop("model.layers.1.block_sparse_moe.experts.2.w3.weight")
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"missing 1 tensor.*layers\.1\.mlp\.experts\.gate_up_proj\[\(2, 'up'\)\]"):
+        load_model(ModelConfig.from_hf(model_dir, dtype="float32"))
