@@ -11,6 +11,7 @@ import math
 import shlex
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -119,7 +120,7 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
     loads = []  # none: --find-goodput alone
     if args.request_rates or args.max_concurrencies:
         loads = list(itertools.product(args.request_rates or [math.inf], args.max_concurrencies or [None]))
-    output_dir = Path(args.output_dir or f"sweep-results/{time.strftime('%Y%m%d-%H%M%S')}")
+    output_dir = Path(args.output_dir) if args.output_dir else default_output_dir()
     return SweepPlan(layouts, externals, loads, slos, cluster, bench, output_dir, args.warmup, args.find_goodput,
                      args.goodput_start_rate, args.goodput_steps, not args.no_plots, slo_factors,
                      args.unloaded_prompts, args.reference_requests, args.reference_output_len)
@@ -341,6 +342,12 @@ class Sweep:
 
     def failures(self) -> list[dict]:
         return [row for row in self.rows if row.get("error")]
+
+
+def default_output_dir() -> Path:
+    """A new folder under the system's temp directory: a sweep's raw runs (megabytes) stay out of the repository
+    unless --output-dir names a place."""
+    return Path(tempfile.gettempdir()) / "pdserve-sweeps" / time.strftime("%Y%m%d-%H%M%S")
 
 
 def with_output_len(dataset_args: list[str], output_len: int) -> list[str]:

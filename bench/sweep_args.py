@@ -57,7 +57,10 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--goodput-start-rate", type=float, default=1.0,
                         help="first rate the search tries when the listed rates do not bracket the goodput")
     parser.add_argument("--goodput-steps", type=int, default=4, help="bisection runs of the search after bracketing")
-    parser.add_argument("--output-dir", default=None, help="where results go (default: sweep-results/<time>)")
+    parser.add_argument("--output-dir", default=None,
+                        help="where the runs, logs, CSVs and plots go (default: a new folder under the system's temp "
+                             "directory, e.g. /tmp/pdserve-sweeps/<time>, outside the repository; name one to keep "
+                             "them)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--devices", default=None, help="with --device cuda: GPU indices to use, one per engine")
     parser.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,

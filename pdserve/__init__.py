@@ -4,7 +4,8 @@
     from pdserve import StructuredOutputsParams  # SamplingParams(structured_outputs=...), as vLLM's
 
 Subpackages: engine (runtime), kernels, control (router <-> engine plane), kvtransfer (KV link),
-prefill, decode, router, bench. `import pdserve` alone loads no torch.
+prefill, decode, router, bench (`pdserve bench`, `sweep`), planner (`profile`, `plan`). `import pdserve`
+alone loads no torch.
 """
 
 from pdserve.control.errors import InvalidRequestError

@@ -418,3 +418,16 @@ def test_reference_runs_take_their_own_output_length():
     given = ["--dataset", "random", "--output-len", "256", "--input-len", "128"]
     assert with_output_len(given, 32) == ["--dataset", "random", "--input-len", "128", "--output-len", "32"]
     assert with_output_len(["--input-len", "128"], 8) == ["--input-len", "128", "--output-len", "8"]
+
+
+def test_raw_runs_go_outside_the_repository_unless_a_folder_is_named(tmp_path):
+    import tempfile
+    from pathlib import Path
+
+    from pdserve.bench.sweep import build_plan
+
+    default = build_plan(sweep_args("--request-rates", "1")).output_dir
+    assert default.parent == Path(tempfile.gettempdir()) / "pdserve-sweeps"
+    assert Path(__file__).resolve().parents[2] not in default.resolve().parents
+    named = build_plan(sweep_args("--request-rates", "1", "--output-dir", str(tmp_path / "mine"))).output_dir
+    assert named == tmp_path / "mine"
