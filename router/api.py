@@ -21,7 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
+from starlette.middleware.exceptions import ExceptionMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.control.gc_freeze import freeze_startup_heap
 from pdserve.router.body_limit import BodyLimit
@@ -91,6 +92,17 @@ class RouterApp(FastAPI):
             await Starlette.__call__(self, scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
+
+    def build_middleware_stack(self) -> ASGIApp:
+        """Starlette's stack, with the `Exception` handler also in the exception layer, beside every other
+        handler: an unexpected error is answered (a 500) and logged once, not answered by the outermost layer
+        and then raised again into the server."""
+        stack = super().build_middleware_stack()
+        layer = stack
+        while not isinstance(layer, ExceptionMiddleware):
+            layer = layer.app
+        layer.add_exception_handler(Exception, self.exception_handlers[Exception])
+        return stack
 
 
 # ---- errors ----
