@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.control.prompt_logprobs import PositionLogprobs
-from pdserve.router.generation import ChoiceDelta, PromptRows
+from pdserve.router.choice import ChoiceDelta, PromptRows
 from pdserve.router.hermes_tool_parser import ParsedCall, Piece
 from pdserve.router.tokenization import Tokenization
 from pdserve.router.tool_calls import ToolCalling, new_call_id, tool_call

@@ -9,7 +9,7 @@ from pdserve.control.errors import InvalidRequestError
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.engine.generation_defaults import GenerationDefaults
 from pdserve.router.errors import InvalidRequest
-from pdserve.router.generation import ChoiceSpec, SharedPromptLogprobs
+from pdserve.router.choice import ChoiceSpec, SharedPromptLogprobs
 from pdserve.router.schemas import COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from pdserve.router.structured_output import Constraint
 
