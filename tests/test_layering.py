@@ -87,3 +87,39 @@ def test_nothing_installed_imports_an_experiment():
 
 def test_the_experiments_folder_is_not_installed():
     assert "experiments" not in INSTALLED and list((REPO / "experiments").glob("*.py"))
+
+
+def test_every_bench_and_planner_module_serves_a_command():
+    """bench/ and planner/ are installed for `pdserve bench | sweep | profile | plan`: each of their modules is
+    reached from pdserve/cli.py's imports (a measurement script no command runs belongs in experiments/)."""
+    served = {"bench.mock_server"}  # the mock server: `python -m pdserve.bench.mock_server`, bench's ceiling and tests
+    reached, todo = set(), ["cli"]
+    while todo:
+        module = todo.pop()
+        if module in reached:
+            continue
+        reached.add(module)
+        path = REPO / "pdserve" / f"{module}.py" if "." not in module else \
+            REPO / module.split(".")[0] / Path(*module.split(".")[1:]).with_suffix(".py")
+        if path.is_file():
+            todo.extend(name for name in imported_modules(path) if name.split(".")[0] in ("bench", "planner")
+                        or module == "cli")
+    for folder in ("bench", "planner"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path.name == "__init__.py":
+                continue
+            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            assert module in reached or module in served, \
+                f"{path.relative_to(REPO)}: no pdserve command imports it; a script goes in experiments/"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every pdserve module a file imports, `from pdserve.x import y` read as both x and x.y (y may be a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pdserve."):
+            base = node.module.removeprefix("pdserve.")
+            found.update({base, *(f"{base}.{alias.name}" for alias in node.names)})
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.removeprefix("pdserve.") for alias in node.names if alias.name.startswith("pdserve."))
+    return found
