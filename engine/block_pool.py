@@ -183,7 +183,7 @@ class BlockPool:
 
     def cache_full_blocks(
         self,
-        blocks: Sequence[KVBlock],
+        blocks: Sequence[KVBlock | None],
         block_hashes: Sequence[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
@@ -191,7 +191,8 @@ class BlockPool:
         """Publish blocks[num_cached_blocks:num_full_blocks] under block_hashes[i].
 
         A hash already mapped to another block keeps that mapping and this block stays unpublished
-        (same content twice is harmless); a block already published under the same hash is skipped.
+        (same content twice is harmless); a block already published under the same hash is skipped, and
+        so is a None entry (a block the request freed when it left the sliding window).
         """
         if not self.enable_caching:
             return
@@ -203,7 +204,8 @@ class BlockPool:
         for block, block_hash in zip(
             blocks[num_cached_blocks:num_full_blocks], block_hashes[num_cached_blocks:num_full_blocks]
         ):
-            self._publish(block, block_hash)
+            if block is not None:
+                self._publish(block, block_hash)
 
     def _publish(self, block: KVBlock, block_hash: BlockHash) -> None:
         if block.block_hash is not None:

@@ -11,6 +11,7 @@ from pdserve.engine import prompt_logprobs
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector, KVTransferSide
+from pdserve.engine.layers.attention import shared_sliding_window
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from pdserve.engine.scheduler import KVFailurePolicy, Scheduler
@@ -34,8 +35,10 @@ class EngineCore:
         self.model_config = model_config
         self.cache_config = cache_config
         self.runner = ModelRunner(model_config, cache_config, device, max_num_seqs=scheduler_config.max_num_seqs)
+        # Blocks leave the window only where no KV link reads a request's blocks (colocated engines).
+        window = shared_sliding_window(self.runner.model) if connector is None else None
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, window
         )
         self.scheduler = Scheduler(
             scheduler_config, self.kv_cache_manager, model_config.max_model_len, connector, kv_failure_policy

@@ -7,6 +7,11 @@ Torch-free and counted in tokens. A request's blocks cover its tokens in this la
 
 A full block is published to the prefix cache (hash -> block) once its KV is (or will be, within
 the step in flight) valid; blocks waiting for remote KV are published later by cache_blocks().
+
+With a sliding window shared by every layer, a block whose tokens all left the window of the request's
+next token is freed at the next allocate_slots and its entry becomes None (get_block_ids shows
+SKIPPED_BLOCK_ID there, a position attention never reads). A freed block stays in the prefix cache until
+evicted, so a prefix hit still holds whole, valid blocks.
 """
 
 from __future__ import annotations
@@ -17,18 +22,30 @@ from pdserve.engine.block_pool import BlockPool, KVBlock, KVCacheInvariantError,
 from pdserve.engine.request import Request
 
 
+# The block id a freed, out-of-window position shows in a block table: any valid id does, since
+# attention reads no position outside a query's window.
+SKIPPED_BLOCK_ID = 0
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        """sliding_window: the window of every layer, whose blocks are freed as they leave it; None keeps
+        every block of a request until it is freed."""
         if block_size <= 0:
             raise ValueError(f"block_size={block_size} must be a positive number of tokens per block")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be a positive number of tokens, or None")
         self.block_size = block_size
         self.enable_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # None: a block freed after it left the window
+        self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
         # request_id -> how many of its leading blocks are published in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
 
@@ -47,7 +64,8 @@ class KVCacheManager:
         return self.pool.num_used_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+        blocks = self.req_to_blocks.get(request_id, ())
+        return [SKIPPED_BLOCK_ID if block is None else block.block_id for block in blocks]
 
     # -- prefix lookup --------------------------------------------------------------------------
 
@@ -92,8 +110,9 @@ class KVCacheManager:
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
     ) -> list[KVBlock] | None:
-        """Give the request blocks for every token up to the end of `new`; None (and no change) if
-        the pool cannot. Returns only the newly allocated blocks (not new_computed_blocks)."""
+        """Give the request blocks for every token up to the end of `new`; None (and no change, but for
+        blocks that left the sliding window, freed either way) if the pool cannot. Returns only the newly
+        allocated blocks (not new_computed_blocks)."""
         new_computed_blocks = list(new_computed_blocks)
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         self._check_allocate_args(
@@ -102,11 +121,13 @@ class KVCacheManager:
         )
         num_total_tokens = (request.num_computed_tokens + num_new_computed_tokens
                             + num_external_computed_tokens + num_new_tokens)
+        self._free_outside_window(req_blocks, request.num_computed_tokens + num_new_computed_tokens
+                                  + num_external_computed_tokens, new_computed_blocks)
         num_blocks_to_allocate = max(
             0, _cdiv(num_total_tokens, self.block_size) - len(req_blocks) - len(new_computed_blocks)
         )
         # Touching a free cached hit takes it out of the free queue, so it counts against the supply.
-        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        num_free_hits = sum(1 for block in new_computed_blocks if block is not None and block.ref_cnt == 0)
         if num_blocks_to_allocate + num_free_hits > self.pool.num_free_blocks:
             return None
 
@@ -117,6 +138,20 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, min(num_total_tokens, request.num_tokens))
         return new_blocks
+
+    def _free_outside_window(self, req_blocks: list[KVBlock | None], first_new_position: int,
+                             hits: list[KVBlock]) -> None:
+        """Free the held blocks (and drop the prefix hits) whose tokens all lie before the window of the
+        token at first_new_position, the first this request computes from now on."""
+        if self.sliding_window is None:
+            return
+        num_skipped = max(0, first_new_position - self.sliding_window + 1) // self.block_size
+        leaving = [i for i in range(min(num_skipped, len(req_blocks))) if req_blocks[i] is not None]
+        self.pool.free_blocks(req_blocks[i] for i in reversed(leaving))
+        for i in leaving:
+            req_blocks[i] = None
+        num_hits_skipped = min(max(0, num_skipped - len(req_blocks)), len(hits))
+        hits[:num_hits_skipped] = [None] * num_hits_skipped  # never touched: they stay as they are
 
     def _check_allocate_args(
         self,
@@ -158,10 +193,11 @@ class KVCacheManager:
                     "another prefix; call get_computed_blocks right before allocate_slots"
                 )
 
-    def _append_computed_blocks(self, request_id: str, req_blocks: list[KVBlock], hits: list[KVBlock]) -> None:
+    def _append_computed_blocks(self, request_id: str, req_blocks: list[KVBlock | None],
+                                hits: list[KVBlock | None]) -> None:
         if not hits:
             return
-        self.pool.touch(hits)
+        self.pool.touch(block for block in hits if block is not None)
         num_cached = self.num_cached_blocks.get(request_id, 0)
         if num_cached == len(req_blocks):
             # Hits are already published: the cached prefix grows by them.
@@ -196,7 +232,7 @@ class KVCacheManager:
         a step that failed, so their KV may be half-written."""
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed_blocks = request.num_computed_tokens // self.block_size
-        self.pool.uncache(req_blocks[num_computed_blocks:])
+        self.pool.uncache(block for block in req_blocks[num_computed_blocks:] if block is not None)
         if self.num_cached_blocks.get(request.request_id, 0) > num_computed_blocks:
             self.num_cached_blocks[request.request_id] = num_computed_blocks
 
@@ -205,7 +241,7 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if req_blocks:
-            self.pool.free_blocks(reversed(req_blocks))
+            self.pool.free_blocks(block for block in reversed(req_blocks) if block is not None)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while any request holds blocks."""
@@ -218,10 +254,11 @@ class KVCacheManager:
         self.pool.check_invariants()
         problems = []
         num_holders = [0] * self.pool.num_blocks
-        for request_id, req_blocks in self.req_to_blocks.items():
+        for request_id, all_blocks in self.req_to_blocks.items():
+            req_blocks = [block for block in all_blocks if block is not None]  # None: left the window, freed
             if len({block.block_id for block in req_blocks}) != len(req_blocks):
                 problems.append(f"request {request_id} holds a block twice")
-            if self.num_cached_blocks.get(request_id, 0) > len(req_blocks):
+            if self.num_cached_blocks.get(request_id, 0) > len(all_blocks):
                 problems.append(f"request {request_id} has more cached blocks than blocks")
             for block in req_blocks:
                 if not 0 <= block.block_id < self.num_blocks or self.pool.blocks[block.block_id] is not block:

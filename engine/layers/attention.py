@@ -44,3 +44,10 @@ class Attention(nn.Module):
         if self.attn_backend is None:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache bound: the engine allocates it")
         return self.attn_backend.forward(query, key, value, self)
+
+
+def shared_sliding_window(model: nn.Module) -> int | None:
+    """The sliding window of every attention layer of the model when they all have the same one, else None
+    (some layer, or every one, sees its whole context): what the KV cache manager may free blocks by."""
+    windows = {module.sliding_window for module in model.modules() if isinstance(module, Attention)}
+    return windows.pop() if len(windows) == 1 else None
