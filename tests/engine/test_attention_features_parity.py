@@ -116,3 +116,20 @@ def test_triton_backend_greedy_matches_transformers(case_model_dir, case, monkey
         assert_greedy_match(completion.token_ids, theirs, logits, f"{case} triton, prompt of {len(prompt)}",
                             completion.logprobs)
     assert llm.kv_cache_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bf16_greedy_matches_transformers_within_rounding(case_model_dir, case):
+    """bf16 on both sides: equal tokens, or a divergence at a top-2 gap within bf16 rounding (tests.engine.parity)."""
+    model_dir = case_model_dir(case)
+    prompts = [p for p in make_prompts(1024, seed=8) if len(p) >= 17]  # past the window
+    llm = LLM(model_dir, dtype="bfloat16", block_size=4, num_kv_blocks=NUM_KV_BLOCKS, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    for prompt, output in zip(prompts, outputs):
+        theirs, logits = hf_greedy(reference, prompt, 8)
+        completion = output.outputs[0]
+        assert_greedy_match(completion.token_ids, theirs, logits, f"{case} bf16, prompt of {len(prompt)}",
+                            completion.logprobs, dtype=torch.bfloat16)
+    assert llm.kv_cache_manager.num_used_blocks == 0
