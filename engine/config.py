@@ -227,9 +227,14 @@ def _sliding_window(hf: dict) -> int | None:
     return int(window)
 
 
+# Configs written before `layer_types` existed: every n-th layer is global (transformers' defaults).
+_GLOBAL_LAYER_EVERY = {"gemma2": 2, "gemma3_text": 6, "gemma3": 6, "gpt_oss": 2}
+
+
 def _layer_sliding_windows(hf: dict, num_layers: int, window: int | None, config_path: Path) -> tuple[int | None, ...]:
-    """Per layer: `layer_types` names each layer's kind (Gemma 2/3, gpt-oss); older Gemma 3 configs give
-    `sliding_window_pattern` (every pattern-th layer is global); otherwise every layer slides."""
+    """Per layer: `layer_types` names each layer's kind (Gemma 2/3, gpt-oss, Qwen2); older configs give
+    `sliding_window_pattern` (every pattern-th layer is global) or `max_window_layers` (Qwen: layers from
+    there on slide); otherwise every layer slides (Mistral)."""
     if window is None:
         return (None,) * num_layers
     layer_types = hf.get("layer_types")
@@ -238,9 +243,12 @@ def _layer_sliding_windows(hf: dict, num_layers: int, window: int | None, config
             raise ConfigError(f"{config_path}: `layer_types` must list one type per layer ({num_layers}), got "
                               f"{layer_types!r}: restore the model directory's config.json")
         return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-    pattern = hf.get("sliding_window_pattern")
+    pattern = hf.get("sliding_window_pattern", _GLOBAL_LAYER_EVERY.get(hf.get("model_type")))
     if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
         return tuple(None if (i + 1) % pattern == 0 else window for i in range(num_layers))
+    first_sliding = hf.get("max_window_layers")
+    if isinstance(first_sliding, int) and not isinstance(first_sliding, bool):
+        return tuple(window if i >= first_sliding else None for i in range(num_layers))
     return (window,) * num_layers
 
 
