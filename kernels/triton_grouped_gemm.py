@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_contiguous, check_devices, check_shape, check_tensor
+from pdserve.kernels.checks import (
+    FLOAT_DTYPES, INDEX_DTYPES, check_contiguous, check_devices, check_shape, check_tensor,
+)
 from pdserve.kernels.triton_utils import cdiv, dot_precision, next_pow2, upcast_for_dot
 
 

@@ -9,6 +9,7 @@ with shard id (expert, "gate" | "up" | "down"); a fused tensor loads whole (shar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,9 +18,6 @@ from torch import nn
 
 from pdserve.engine.layers.linear import Linear, copy_checked
 from pdserve.kernels.dispatch import kernel_for
-
-EXPERT_PARTS = ("gate", "up", "down")
-
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -60,7 +58,8 @@ class ExpertWeights(nn.Module):
             param.shard_ids = [(expert, part) for expert in range(num_experts) for part in parts]
         self.register_buffer("expert_range", torch.arange(num_experts), persistent=False)
 
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None, name: str = "") -> None:
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None,
+              name: str = "") -> None:
         if shard_id is None:  # fused in the checkpoint already
             copy_checked(param.data, loaded, name)
             return
@@ -77,18 +76,36 @@ class ExpertWeights(nn.Module):
         routing_weights: torch.Tensor,  # [T, k]
         expert_ids: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:  # [T, H]
-        grouped_gemm = kernel_for("grouped_gemm", hidden.device)
-        top_k = expert_ids.shape[1]
-        flat_ids = expert_ids.flatten()  # [T * k], pair p is token p // k
-        order = flat_ids.argsort(stable=True)  # pairs sorted by expert
-        # expert e's pairs end where the sorted ids first exceed e (no host sync: CUDA-graph safe)
-        group_ends = torch.searchsorted(flat_ids[order], self.expert_range, right=True).to(torch.int32)  # [E]
-        token_of = order // top_k  # [T * k]
-        gate_up = grouped_gemm(hidden[token_of], self.gate_up_proj, group_ends)  # [T * k, 2I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        down = grouped_gemm(F.silu(gate).mul_(up), self.down_proj, group_ends)  # [T * k, H]
-        down.mul_(routing_weights.flatten()[order].to(down.dtype)[:, None])
-        return torch.zeros_like(hidden).index_add_(0, token_of, down)
+        return routed_experts(hidden, routing_weights, expert_ids, self.gate_up_proj, self.down_proj, silu_and_mul,
+                              self.expert_range)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [M, 2I] -> [M, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)  # in place: one [M, I] buffer, not two
+
+
+def routed_experts(
+    hidden: torch.Tensor,  # [T, H]
+    routing_weights: torch.Tensor,  # [T, k]
+    expert_ids: torch.Tensor,  # [T, k]
+    gate_up_proj: torch.Tensor,  # [E, 2I, H]
+    down_proj: torch.Tensor,  # [E, H, I]
+    activation: Callable[[torch.Tensor], torch.Tensor],  # [M, 2I] -> [M, I]
+    expert_range: torch.Tensor,  # [E] arange, on hidden's device
+) -> torch.Tensor:  # [T, H]
+    """Each token's routed experts as two grouped GEMMs over its (token, expert) pairs sorted by expert."""
+    grouped_gemm = kernel_for("grouped_gemm", hidden.device)
+    top_k = expert_ids.shape[1]
+    flat_ids = expert_ids.flatten()  # [T * k], pair p is token p // k
+    order = flat_ids.argsort(stable=True)  # pairs sorted by expert
+    # expert e's pairs end where the sorted ids first exceed e (no host sync: CUDA-graph safe)
+    group_ends = torch.searchsorted(flat_ids[order], expert_range, right=True).to(torch.int32)  # [E]
+    token_of = order // top_k  # [T * k]
+    gate_up = grouped_gemm(hidden[token_of], gate_up_proj, group_ends)  # [T * k, 2I]
+    down = grouped_gemm(activation(gate_up).contiguous(), down_proj, group_ends)  # [T * k, H]
+    down.mul_(routing_weights.flatten()[order].to(down.dtype)[:, None])
+    return torch.zeros_like(hidden).index_add_(0, token_of, down)
 
 
 class SparseMoE(nn.Module):

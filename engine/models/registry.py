@@ -3,6 +3,7 @@
 model_impl (ModelConfig.model_impl):
   native        pdserve's own code (NATIVE_MODELS) or an error
   transformers  the transformers backend: transformers' layers, attention on pdserve's KV cache
+                (TransformersMoEForCausalLM for mixture-of-experts configs: experts on pdserve's grouped GEMM)
   auto          native when pdserve has the architecture, else the transformers backend when
                 transformers has a causal LM class of that name, else an error naming both lists
 """
@@ -49,9 +50,11 @@ def resolve_model_class(config: ModelConfig) -> type[nn.Module]:
             "to run it through the transformers backend"
         )
     if architecture in transformers_causal_lm_names():
-        from pdserve.engine.models.transformers_backend import TransformersForCausalLM  # imports modeling code lazily
+        # imports transformers' modeling code lazily
+        from pdserve.engine.models.transformers_backend import TransformersForCausalLM
+        from pdserve.engine.models.transformers_moe import TransformersMoEForCausalLM, is_moe_config
 
-        return TransformersForCausalLM
+        return TransformersMoEForCausalLM if is_moe_config(config.hf_config) else TransformersForCausalLM
     import transformers
 
     raise UnsupportedArchitectureError(

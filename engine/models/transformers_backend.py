@@ -288,29 +288,57 @@ def _output_embeddings(hf_model: nn.Module) -> nn.Module:
 # ---------------------------------------------------------------------------------------------
 
 
-def checkpoint_renamer(hf_model: nn.Module, param_names: set[str]) -> Callable[[str], str]:
-    """Checkpoint name -> parameter name, with the renames transformers 5 applies on load (legacy
-    names, e.g. GPT-NeoX's embed_out -> lm_head, and base-model prefixes). Tensors transformers would
-    convert (fuse or split, e.g. per-expert MoE weights) raise: the backend copies tensors as they are."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+class CheckpointConversion:
+    """transformers 5's own load-time conversion of checkpoint names and tensors: renames (legacy
+    names, e.g. GPT-NeoX's embed_out -> lm_head, and base-model prefixes) and converters that fuse or
+    split tensors (e.g. per-expert MoE weights stacked into one [experts, ...] parameter)."""
 
-    transforms = get_model_conversion_mapping(hf_model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    known = dict.fromkeys(param_names, True)  # rename_source_key looks names up with .get()
-    prefix = getattr(hf_model, "base_model_prefix", None)
+    def __init__(self, hf_model: nn.Module, param_names: set[str]) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
 
-    def rename(name: str) -> str:
-        renamed, converter_pattern = rename_source_key(name, renamings, converters, prefix, known)
-        if converter_pattern is not None:
-            raise ModelLoadError(
-                f"checkpoint tensor {name} must be converted by transformers (pattern {converter_pattern!r}: fused or "
-                "split tensors, e.g. per-expert MoE weights), which the transformers backend does not do yet"
-            )
-        return name if renamed not in known and name in known else renamed
+        transforms = get_model_conversion_mapping(hf_model)
+        self.hf_model = hf_model
+        self.renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self.converter_by_pattern = {p: c for c in self.converters for p in c.source_patterns}
+        self.known = dict.fromkeys(param_names, True)  # rename_source_key looks names up with .get()
+        self.prefix = getattr(hf_model, "base_model_prefix", None)
+        # converted parameter -> its checkpoint tensors: (checkpoint name, source pattern, tensor)
+        self.pending: dict[str, list[tuple[str, str, torch.Tensor]]] = {}
 
-    return rename
+    def rename(self, name: str) -> tuple[str, str | None]:
+        """Checkpoint name -> (parameter name, the converter's source pattern or None)."""
+        from transformers.core_model_loading import rename_source_key
+
+        renamed, pattern = rename_source_key(name, self.renamings, self.converters, self.prefix, self.known)
+        if renamed not in self.known and name in self.known:
+            return name, None
+        return renamed, pattern
+
+    def collect(self, target: str, checkpoint_name: str, pattern: str, tensor: torch.Tensor) -> None:
+        self.pending.setdefault(target, []).append((checkpoint_name, pattern, tensor))
+
+    def converted(self) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """(parameter name, the checkpoint names it came from, tensor) for every collected parameter."""
+        from copy import deepcopy
+
+        from transformers.core_model_loading import dot_natural_key
+
+        for target, sources in self.pending.items():
+            converter = deepcopy(self.converter_by_pattern[sources[0][1]])
+            sources.sort(key=lambda source: dot_natural_key(source[0]))  # experts 0, 1, ..., 10 in order
+            for checkpoint_name, pattern, tensor in sources:
+                converter.add_tensor(target, checkpoint_name, pattern, tensor)
+            origin = f"{sources[0][0]} (+{len(sources) - 1} more)"
+            try:
+                outputs = converter.convert(target, model=self.hf_model, config=self.hf_model.config)
+            except Exception as exc:  # noqa: BLE001 - transformers' ops raise many kinds for bad inputs
+                raise ModelLoadError(f"transformers could not convert checkpoint tensors {origin} into {target}: "
+                                     f"{exc}; the checkpoint does not match config.json") from exc
+            for name, tensor in outputs.items():
+                yield name, origin, tensor
+        self.pending.clear()
 
 
 def load_hf_weights(hf_model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -318,7 +346,7 @@ def load_hf_weights(hf_model: nn.Module, weights: Iterator[tuple[str, torch.Tens
     canonical = {id(p): name for name, p in hf_model.named_parameters()}  # one name per tensor
     buffers = dict(hf_model.named_buffers())
     persistent = {name: buffers[name] for name in hf_model.state_dict() if name in buffers}
-    rename = checkpoint_renamer(hf_model, set(params) | set(buffers))
+    conversion = CheckpointConversion(hf_model, set(params) | set(buffers))
     # Recomputed at build time (rotary tables, old per-layer copies too) or listed by the model as ignorable.
     ignored = [re.compile(p) for p in getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     ignored.append(re.compile(r"rotary_emb\.inv_freq$"))
@@ -330,8 +358,10 @@ def load_hf_weights(hf_model: nn.Module, weights: Iterator[tuple[str, torch.Tens
                 f"checkpoint holds tensor {checkpoint_name} twice; the model directory is inconsistent"
             )
         seen.add(checkpoint_name)
-        name = rename(checkpoint_name)
-        if name in params:
+        name, pattern = conversion.rename(checkpoint_name)
+        if pattern is not None:  # converted with the other tensors of its parameter, below
+            conversion.collect(name, checkpoint_name, pattern, tensor)
+        elif name in params:
             copy_checked(params[name].data, tensor, checkpoint_name)
             loaded.add(canonical[id(params[name])])
         elif name in persistent:  # buffers a model saves with its weights
@@ -340,6 +370,12 @@ def load_hf_weights(hf_model: nn.Module, weights: Iterator[tuple[str, torch.Tens
             raise ModelLoadError(
                 f"checkpoint has unexpected tensor {checkpoint_name}: it does not belong to {type(hf_model).__name__}"
             )
+    for name, origin, tensor in conversion.converted():
+        if name not in params:
+            raise ModelLoadError(f"checkpoint tensors {origin} convert to {name}, which {type(hf_model).__name__} "
+                                 "does not have")
+        copy_checked(params[name].data, tensor, origin)
+        loaded.add(canonical[id(params[name])])
     missing = sorted(set(canonical.values()) - loaded)
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {', '.join(missing[:5])}")

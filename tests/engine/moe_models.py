@@ -36,6 +36,13 @@ MOE_CASES = {
 # whole expert's share, more than any rounding rule can allow.
 _ROUTER_STD = 4.0
 
+# MoE architectures without native code: the transformers backend (TransformersMoEForCausalLM)
+BACKEND_CASES = {
+    # OLMoE: q/k norm over all heads, 4 experts top-2, the qwen2_moe checkpoint conversion in transformers
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
+}
+ALL_CASES = {**MOE_CASES, **BACKEND_CASES}
+
 
 def init_random(model: torch.nn.Module) -> None:
     """Non-trivial weights with clear top-1 logit gaps and decisive routers (HF's default init gives
@@ -59,7 +66,7 @@ def init_random(model: torch.nn.Module) -> None:
 
 def make_moe_model_dir(out_dir: Path, case: str, tokenizer_dir: str, dtype: str = "float32") -> str:
     """config.json + model.safetensors written by transformers, plus the demo tokenizer's files."""
-    config_class, architecture, fields = MOE_CASES[case]
+    config_class, architecture, fields = ALL_CASES[case]
     config = getattr(transformers, config_class)(**{**_SHAPE, **fields})
     config.architectures = [architecture]
     with torch.random.fork_rng(devices=[]):

@@ -19,7 +19,8 @@ from pdserve.engine.layers.moe import ExpertWeights, select_experts
 from pdserve.engine.loader import ModelLoadError, load_model
 from pdserve.engine.models.registry import resolve_model_class
 from pdserve.engine.models.sparse_moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
-from tests.engine.moe_models import MOE_CASES, VOCAB_SIZE, make_moe_model_dir
+from pdserve.engine.models.transformers_moe import TransformersMoEForCausalLM
+from tests.engine.moe_models import BACKEND_CASES, MOE_CASES, VOCAB_SIZE, make_moe_model_dir
 from tests.engine.parity import assert_greedy_match, hf_greedy
 from tests.engine.test_llm_parity import GREEDY_WITH_LOGPROBS, NEW_TOKENS, make_prompts, run_parity
 
@@ -101,7 +102,7 @@ def assert_bf16_parity(model_dir: str) -> None:
     llm.kv_cache_manager.check_invariants()
 
 
-@pytest.mark.parametrize("case", list(MOE_CASES))
+@pytest.mark.parametrize("case", [*MOE_CASES, *BACKEND_CASES])
 def test_disaggregated_matches_transformers(moe_model_dir, case, tmp_path):
     """Prefill and decode in separate processes, KV over the real link: the tokens equal transformers'
     generate(), the KV bytes are the layout's, and neither side leaks a block."""
@@ -126,6 +127,17 @@ def test_disaggregated_matches_transformers(moe_model_dir, case, tmp_path):
         driver.close()
         prefill.stop()
         decode.stop()
+
+
+@pytest.mark.parametrize("case, model_impl", [("olmoe", "auto"), ("mixtral", "transformers")])
+def test_transformers_backend_moe_matches_transformers(moe_model_dir, case, model_impl):
+    """An MoE architecture without native code (OLMoE), and a native one forced onto the backend: the
+    hub's per-expert tensors converted by transformers' own conversion mapping, the experts run on
+    pdserve's grouped GEMM, greedy-equal to generate()."""
+    llm = run_parity(moe_model_dir(case), make_prompts(VOCAB_SIZE, seed=7), max_num_batched_tokens=16,
+                     num_kv_blocks=NUM_KV_BLOCKS, model_impl=model_impl)
+    model = llm.engine.runner.model
+    assert type(model) is TransformersMoEForCausalLM and model.experts_implementation == "pdserve"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,9 +194,13 @@ def test_fused_expert_checkpoint_loads_alike(moe_model_dir, tmp_path):
         assert torch.equal(ours, theirs), name
 
 
-def test_moe_architectures_resolve_to_native_code(moe_model_dir):
+def test_moe_architectures_resolve_to_native_code_or_the_moe_backend(moe_model_dir):
     for case, native in NATIVE_CLASSES.items():
         assert resolve_model_class(ModelConfig.from_hf(moe_model_dir(case))) is native
+        forced = ModelConfig.from_hf(moe_model_dir(case), model_impl="transformers")
+        assert resolve_model_class(forced) is TransformersMoEForCausalLM
+    for case in BACKEND_CASES:
+        assert resolve_model_class(ModelConfig.from_hf(moe_model_dir(case))) is TransformersMoEForCausalLM
 
 
 def test_missing_expert_tensor_is_named(moe_model_dir, tmp_path):

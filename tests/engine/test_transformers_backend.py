@@ -305,16 +305,6 @@ def test_weight_errors(hf_model_dir, tmp_path, problem, expected):
         _load_backend(model_dir)
 
 
-def test_checkpoint_needing_conversion_is_refused(tmp_path):
-    """Mixtral's checkpoint keeps one tensor per expert; transformers fuses them on load, the backend
-    does not yet, and says so instead of reporting the experts as unexpected tensors."""
-    config = transformers.MixtralConfig(**_SHAPE, num_key_value_heads=2, num_local_experts=2)
-    config.architectures = ["MixtralForCausalLM"]
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match=r"experts\.0\..* must be converted by transformers"):
-        _load_backend(tmp_path)
-
-
 def test_tied_weights_load_once(model_factory):
     """A tied lm_head is the embedding itself; the checkpoint holds it once and nothing is missing."""
     model = _load_backend(Path(model_factory("llama", tie_word_embeddings=True)))
