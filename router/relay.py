@@ -188,9 +188,10 @@ class Relay:
             return ChoiceDelta(self.spec.index, "", [], [], "length", None, delta.num_cached_tokens)
         new_ids: list[int] = []
         last = len(delta.token_ids) - 1
+        ends_with_stop_token = delta.ends_with_stop_token
         for position, token_id in enumerate(delta.token_ids):
             new_ids.append(token_id)
-            self.detokenizer.add_tokens([token_id], ends_with_stop_token=position == last and delta.ends_with_stop_token)
+            self.detokenizer.add_tokens([token_id], ends_with_stop_token=position == last and ends_with_stop_token)
             if self.detokenizer.stopped_by is not None:
                 break
         self.token_ids.extend(new_ids)
