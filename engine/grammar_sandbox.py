@@ -118,7 +118,8 @@ class GrammarSandbox:
 
     def __init__(self, config: SandboxConfig = SandboxConfig()) -> None:
         self.config = config
-        self._idle: queue.Queue[_Worker | None] = queue.Queue()
+        self._idle: queue.LifoQueue[_Worker | None] = queue.LifoQueue()  # the warmest worker first: a second
+        # one starts only when two checks overlap
         for _ in range(config.num_workers):
             self._idle.put(None)  # a slot: its worker starts on first use
         self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()

@@ -49,8 +49,11 @@ def schema_ref_chain(n: int) -> str:
 
 def schema_ref_graph(n: int) -> str:
     """Each definition refers to the next twice (a graph whose unfolded tree is 2^n wide)."""
-    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}}]}
-            for i in range(n)}
+    def refs(i: int) -> dict:
+        following = {"$ref": f"#/$defs/d{i + 1}"}
+        return {"anyOf": [following, {"type": "array", "items": following}]}
+
+    defs = {f"d{i}": refs(i) for i in range(n)}
     defs[f"d{n}"] = {"type": "string"}
     return json.dumps({"$ref": "#/$defs/d0", "$defs": defs})
 
