@@ -11,7 +11,7 @@ the step in flight) valid; blocks waiting for remote KV are published later by c
 With a sliding window shared by every layer, a block whose tokens all left the window of the request's
 next token is freed at the next allocate_slots and its entry becomes None (get_block_ids shows
 SKIPPED_BLOCK_ID there, a position attention never reads). A freed block stays in the prefix cache until
-evicted, so a prefix hit still holds whole, valid blocks.
+evicted; a prefix hit needs only the cached blocks its first new token can see.
 """
 
 from __future__ import annotations
@@ -77,12 +77,13 @@ class KVCacheManager:
             hashes.extend(chain[len(hashes):])
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock | None], int]:
         """Longest cached prefix of the request as (blocks, num_tokens); takes no references.
 
         Hits stop before the last token (capped at num_tokens - 1, whole blocks) so that at least
         one token is computed and yields logits. A request that asks for prompt logprobs gets no hit (as
-        vLLM): they come from the logits of every prompt position.
+        vLLM): they come from the logits of every prompt position. With a sliding window, only the blocks
+        the first computed token can see must be cached: the ones before it are None.
         """
         if not self.enable_caching:
             return [], 0
@@ -90,6 +91,8 @@ class KVCacheManager:
         if request.sampling_params.prompt_logprobs is not None:  # every prompt position must be computed
             return [], 0
         max_hit_blocks = max(request.num_tokens - 1, 0) // self.block_size
+        if self.sliding_window is not None:
+            return self._window_hit(block_hashes[:max_hit_blocks])
         hit_blocks = []
         for block_hash in block_hashes[:max_hit_blocks]:
             block = self.pool.get_cached_block(block_hash)
@@ -98,6 +101,20 @@ class KVCacheManager:
             hit_blocks.append(block)
         num_hit_tokens = len(hit_blocks) * self.block_size
         return hit_blocks, num_hit_tokens
+
+    def _window_hit(self, block_hashes: list[bytes]) -> tuple[list[KVBlock | None], int]:
+        """The longest hit of j blocks whose blocks from the window of position j x B on are all cached (a
+        block's hash covers its whole prefix, so the blocks before need not be)."""
+        cached = [self.pool.get_cached_block(block_hash) for block_hash in block_hashes]
+        last_missing, missing = [], -1  # last_missing[i]: the last index <= i not cached (-1: none)
+        for index, block in enumerate(cached):
+            missing = index if block is None else missing
+            last_missing.append(missing)
+        for num_blocks in range(len(cached), 0, -1):
+            first_seen = max(0, num_blocks * self.block_size - self.sliding_window + 1) // self.block_size
+            if last_missing[num_blocks - 1] < first_seen:
+                return [None] * first_seen + cached[first_seen:num_blocks], num_blocks * self.block_size
+        return [], 0
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -186,9 +203,12 @@ class KVCacheManager:
         block_hashes = self._update_block_hashes(request) if self.enable_caching else []
         for offset, block in enumerate(hits):
             index = first + offset
-            if index >= len(block_hashes) or block.block_hash != block_hashes[index]:
+            if block is None and self.sliding_window is not None:  # before the window: not needed
+                continue
+            if block is None or index >= len(block_hashes) or block.block_hash != block_hashes[index]:
+                block_name = "None" if block is None else f"block {block.block_id}"
                 raise ValueError(
-                    f"allocate_slots: new_computed_blocks[{offset}] (block {block.block_id}) does not hold "
+                    f"allocate_slots: new_computed_blocks[{offset}] ({block_name}) does not hold "
                     f"request {request.request_id}'s cached block {index}: it was evicted or belongs to "
                     "another prefix; call get_computed_blocks right before allocate_slots"
                 )

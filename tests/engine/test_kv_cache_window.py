@@ -77,15 +77,36 @@ def test_freed_blocks_stay_cached_and_a_prefix_hit_is_exact():
 
     second = make_request(list(range(300, 320)) + [1, 2, 3])  # 23 tokens: hits may cover 5 blocks
     hits, num_hit_tokens = manager.get_computed_blocks(second)
-    assert hits == original and num_hit_tokens == 20
-    assert [block.block_hash for block in hits] == second.block_hashes[:5]
+    # Position 20 sees 15..20: only blocks 3 (12-15) and 4 are needed, and they are the first request's.
+    assert hits == [None] * 3 + original[3:] and num_hit_tokens == 20
+    assert [block.block_hash for block in hits[3:]] == second.block_hashes[3:5]
     assert manager.allocate_slots(second, second.num_tokens - num_hit_tokens, num_hit_tokens, hits) is not None
-    # Position 20 sees 15..20: hits 0-2 were never taken, hit 3 (12-15) is held again, hit 4 is shared.
+    # Hits 0-2 were never taken, hit 3 is held again, hit 4 is shared.
     assert held(manager, second) == [False, False, False, True, True, True]
     assert [block.ref_cnt for block in original] == [0, 0, 0, 1, 2]
     manager.check_invariants()
     manager.free(first)
     manager.free(second)
+    assert_all_blocks_free(manager)
+
+
+def test_a_hit_needs_only_the_blocks_inside_the_window():
+    """An evicted early block ends a plain prefix hit, but not one whose first new token cannot see it."""
+    manager = make_manager()
+    first = make_request(list(range(600, 620)))
+    prefill(manager, first)
+    manager.free(first)
+    blocks = [manager.pool.get_cached_block(h) for h in first.block_hashes]
+    manager.pool.uncache([blocks[0]])  # evicted
+    second = make_request(list(range(600, 620)) + [5])
+    hits, num_hit_tokens = manager.get_computed_blocks(second)
+    assert num_hit_tokens == 20 and hits == [None] * 3 + blocks[3:5]
+    manager.pool.uncache([blocks[3]])  # now the window of position 20 misses a block: the hit shrinks
+    hits, num_hit_tokens = manager.get_computed_blocks(make_request(list(range(600, 620)) + [5]))
+    assert num_hit_tokens == 12 and hits == [None] + blocks[1:3]  # position 12 sees 7..12 (blocks 1-2)
+    plain = KVCacheManager(16, block_size=BLOCK_SIZE)
+    plain.pool = manager.pool
+    assert plain.get_computed_blocks(make_request(list(range(600, 620)) + [5])) == ([], 0)
     assert_all_blocks_free(manager)
 
 
