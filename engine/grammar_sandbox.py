@@ -45,9 +45,10 @@ class WorkerDied(Exception):
     """The worker ended (crashed, or was killed past a limit) while it checked a constraint. `lasting`:
     whether the same constraint would do it again (a wall-clock timeout may be the machine's load)."""
 
-    def __init__(self, reason: str, lasting: bool = True) -> None:
+    def __init__(self, reason: str, lasting: bool = True, fix: str = "send a smaller, simpler constraint") -> None:
         super().__init__(reason)
         self.lasting = lasting
+        self.fix = fix
 
 
 class _Worker:
@@ -70,7 +71,12 @@ class _Worker:
         """The compiler's problem with the constraint, or None; WorkerDied when the worker ends or passes
         the time limit (it is then killed)."""
         if not self.ready:
-            self._read_frame(self.config.start_timeout_s, "to start")
+            try:
+                self._read_frame(self.config.start_timeout_s, "to start")
+            except WorkerDied as exc:  # not the constraint's doing: not kept
+                log.warning("grammar check worker %d did not start: it %s", self.pid, exc)
+                raise WorkerDied("could not be checked: the grammar checker process did not start", lasting=False,
+                                 fix="retry later (operators: the server's log says why)") from None
             self.ready = True
         try:
             self.process.stdin.write(frame({"kind": kind, "spec": spec}))
@@ -86,9 +92,11 @@ class _Worker:
 
     def _read(self, size: int, deadline: float, timeout_s: float, doing: str) -> bytes:
         fd, data = self.process.stdout.fileno(), b""
+        readable = select.poll()  # not select(): a router may hold more than 1,024 descriptors
+        readable.register(fd, select.POLLIN)
         while len(data) < size:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            if remaining <= 0 or not readable.poll(remaining * 1000):
                 self.kill()
                 raise WorkerDied(f"took longer than {timeout_s:g}s {doing}", lasting=False)
             chunk = os.read(fd, size - len(data))
@@ -102,7 +110,11 @@ class _Worker:
         if code < 0 and -code == signal.SIGXCPU:
             return f"took more than {self.config.cpu_s}s of CPU to compile"
         if code < 0:
-            return f"crashed the grammar compiler ({signal.Signals(-code).name})"
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"crashed the grammar compiler ({name})"
         return f"ended the grammar compiler (exit status {code})"
 
     def kill(self) -> None:
@@ -178,7 +190,7 @@ class GrammarSandbox:
 
     @staticmethod
     def _died(kind: str, exc: WorkerDied) -> str:
-        return f"the structured output's {_KIND_NAMES.get(kind, kind)} {exc}: send a smaller, simpler constraint"
+        return f"the structured output's {_KIND_NAMES.get(kind, kind)} {exc}: {exc.fix}"
 
     def worker_pids(self) -> list[int]:
         """The live workers' process ids (tests kill one)."""

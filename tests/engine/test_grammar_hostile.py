@@ -133,3 +133,13 @@ def test_the_engine_refuses_what_is_over_a_bound_and_survives_what_crashes_its_c
     assert compiler.num_compiled == 0
     state = compiler.grammar_state(SamplingParams(structured_kind="json", structured_spec=SMALL_SCHEMA))
     assert state is not None and compiler.num_compiled == 1
+
+
+def test_a_worker_that_cannot_start_fails_the_check_without_blaming_the_constraint():
+    sandbox = GrammarSandbox(SandboxConfig(num_workers=1, memory_bytes=20 << 20))  # too small to import Python
+    try:
+        problem = sandbox.check("regex", "[a-z]+")
+        assert "the grammar checker process did not start: retry later" in problem, problem
+        assert not sandbox.cached("regex", "[a-z]+")
+    finally:
+        sandbox.close()
