@@ -24,7 +24,16 @@ from pdserve.control.errors import InvalidRequestError, PeerUnreachableError, Pr
 from pdserve.control.gc_freeze import freeze_startup_heap
 from pdserve.control.heartbeat import Heartbeat, advertised_address
 from pdserve.control.keys import ClusterCurve
-from pdserve.control.messages import Abort, DescribeRequest, EngineStats, Error, Register, StatsRequest, TokenDelta
+from pdserve.control.messages import (
+    Abort,
+    DescribeRequest,
+    EngineStats,
+    Error,
+    Register,
+    StatsRequest,
+    TokenDelta,
+    new_incarnation,
+)
 from pdserve.control.prompt_logprobs import pack as pack_prompt_logprobs
 from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, ServerSocket
 
@@ -52,7 +61,7 @@ def let_zmq_send() -> None:
     A step's sends only queue each message for zmq's I/O thread, which writes it to the peer. That thread
     shares the engine's core when the engine is pinned to one (`--pin-cpus`), and a loop with runnable work
     never blocks, so the thread waited for the kernel's next tick: 4 ms on a HZ=250 kernel, in 4-6% of first
-    tokens (docs/BENCHMARKS.md, "The router's p99"). One syscall a step; with nothing else runnable on the
+    tokens (docs/results.md, "Router overhead"). One syscall a step; with nothing else runnable on the
     core it returns at once."""
     os.sched_yield()
 
@@ -82,10 +91,11 @@ class EngineServer:
     role = ""
 
     def __init__(self, engine: Any, kv_transfer: Any, control_address: str, engine_id: str,
-                 curve: ClusterCurve | None = None) -> None:
+                 curve: ClusterCurve | None = None, incarnation: str | None = None) -> None:
         self.engine = engine  # engine.engine_core.EngineCore
         self.kv_transfer = kv_transfer  # the KV connector's transfer side (engine.kv_connector.KVTransferSide)
         self.engine_id = engine_id
+        self.incarnation = incarnation or new_incarnation()  # this process's, in its registration and KV link
         self.curve = curve  # CURVE keys of the cluster: every link encrypted and authenticated
         self.control = ServerSocket(control_address, curve=curve.server if curve else None, hwm=CONTROL_REPLY_HWM,
                                     max_message_bytes=CONTROL_MESSAGE_BYTES)
@@ -272,4 +282,4 @@ class EngineServer:
             control_address=advertised_address(self.control_address, self.advertise_host, router),
             kv_address=advertised_address(kv_address, self.advertise_host, router) if kv_address else None,
             block_size=self.engine.cache_config.block_size, max_model_len=config.max_model_len,
-            vocab_size=config.vocab_size, heartbeat_interval_s=interval_s)
+            vocab_size=config.vocab_size, heartbeat_interval_s=interval_s, incarnation=self.incarnation)

@@ -28,6 +28,7 @@ scheduler makes each TokenDelta, and the engine loop sends it as it is.
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, FailFast, Field, field_validator, model_validator
@@ -49,6 +50,14 @@ from pdserve.control.schema import (
 )
 
 Count = Annotated[int, Field(ge=0, le=UINT64_MAX)]
+# An engine process's random id, made at its start: a new one at the same address is a restarted engine,
+# a new peer (docs/design/kv-link.md). Empty where a peer has none to give (test doubles).
+Incarnation = Annotated[str, Field(max_length=32, pattern=r"^[0-9a-f]*$")]
+
+
+def new_incarnation() -> str:
+    """A fresh incarnation: 16 hex digits, one per engine process."""
+    return secrets.token_hex(8)
 
 
 def _clipped(text: object) -> object:
@@ -188,6 +197,7 @@ class Register(Message, type_name="register"):
     max_model_len: int = Field(ge=1, le=MAX_TOKENS)
     vocab_size: int = Field(ge=1, le=MAX_TOKEN_ID)
     heartbeat_interval_s: float = 1.0
+    incarnation: Incarnation = ""  # a new one at the same control address replaces the entry (a restart)
 
     @field_validator("control_address", "kv_address")
     @classmethod
@@ -215,6 +225,9 @@ class KVPeers(Message, type_name="kv_peers"):
     --kv-peer addresses), never from an address that a control message alone names."""
 
     kv_addresses: Annotated[tuple[Annotated[str, Field(max_length=1024)], ...], max_items(MAX_KV_PEERS)]
+    # KV address -> the incarnation registered there: a change tells the decode engine that the prefill
+    # engine restarted, and its link to the old one goes at once
+    incarnations: Annotated[dict[Annotated[str, Field(max_length=1024)], Incarnation], max_items(MAX_KV_PEERS)] = {}
 
 
 class Abort(Message, type_name="abort"):
@@ -231,6 +244,7 @@ class Error(Message, type_name="error"):
     code: str = Field(max_length=64)
     message: str
     request_id: str | None = Field(default=None, max_length=MAX_ID_LEN)
+    incarnation: Incarnation = ""  # the sender's, on the KV link: an error from another one is a stale link
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> Error:

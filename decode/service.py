@@ -12,7 +12,7 @@ from typing import Any
 
 from pdserve.control.engine_server import EngineServer
 from pdserve.control.keys import load_cluster_keys
-from pdserve.control.messages import FirstToken, GenerateRequest, KVPeers
+from pdserve.control.messages import FirstToken, GenerateRequest, KVPeers, new_incarnation
 from pdserve.decode.kv_peers import KVPeerTrust
 from pdserve.decode.scheduler_side import DecodeSchedulerSide
 from pdserve.decode.transfer_side import DecodeTransferSide
@@ -58,7 +58,7 @@ class DecodeServer(EngineServer):
 
     def on_router_message(self, msg: Any, router: str = "") -> None:
         if isinstance(msg, KVPeers):
-            self.kv_peers.update_from_router(msg.kv_addresses, router)
+            self.kv_peers.update_from_router(msg.kv_addresses, router, msg.incarnations)
         else:
             super().on_router_message(msg, router)
 
@@ -66,12 +66,15 @@ class DecodeServer(EngineServer):
 def build_decode_server(model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                         options: DecodeOptions) -> DecodeServer:
     curve = load_cluster_keys(options.curve_dir) if options.curve_dir else None
+    incarnation = new_incarnation()
+    kv_peers = KVPeerTrust(options.kv_peers)
     transfer = DecodeTransferSide(engine_fingerprint(model_config, cache_config.block_size), options.engine_id,
                                   timeout_s=options.kv_timeout_s, curve=curve.client if curve else None,
-                                  queue_timeout_s=options.kv_queue_timeout_s)
+                                  queue_timeout_s=options.kv_queue_timeout_s, incarnation=incarnation,
+                                  kv_peers=kv_peers)
     engine = EngineCore(model_config, cache_config, scheduler_config, options.device,
                         connector=DecodeSchedulerSide(transfer), kv_failure_policy=options.kv_failure,
                         kv_transfer=transfer)
     transfer.bind_kv_cache(engine.runner.kv_cache)
     return DecodeServer(engine, transfer, options.control_address, options.engine_id, curve,
-                        kv_peers=KVPeerTrust(options.kv_peers))
+                        kv_peers=kv_peers, incarnation=incarnation)

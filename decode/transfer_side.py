@@ -6,18 +6,25 @@ the engine loop's thread and nothing on it waits for a peer: what a link cannot 
 connecting) waits in the link's outbox, `receive()` retries it between steps, and a link that takes
 nothing for CONNECT_TIMEOUT_S fails the transfers waiting on it (they are recomputed or fail) and is
 dropped. `receive()` also drains the links and ends transfers that timed out.
+
+A prefill engine that restarts on the same address is a new peer: its HelloAck and errors carry a new
+incarnation, it answers a link it never saw Hello on with `no_hello`, and the router lists the new incarnation
+in KVPeers. Any of these makes the link stale: a new link (new socket, new Hello) replaces it, what the new
+engine refused for want of a Hello goes again on it, and every other transfer asked on an older link fails at
+once (recomputed here) instead of waiting out its timeout.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.decode.incoming import IncomingState, IncomingTransfer
+from pdserve.decode.kv_peers import KVPeerTrust
 from pdserve.decode.kv_writer import KVWriter
 from pdserve.engine.kv_connector import KVTransferSide
 from pdserve.control.errors import ProtocolError, WireError
@@ -32,11 +39,12 @@ from pdserve.control.sockets import ClientSocket
 log = logging.getLogger("pdserve.decode.transfer_side")
 
 CONNECT_TIMEOUT_S = 2.0  # a message a link has not taken by then fails its transfer
+MAX_HELD = 4096  # requests whose KVHold went out and whose KVWant has not yet, remembered (newest kept)
 
 
 @dataclass
 class _Outgoing:
-    msg: Hello | KVHold | KVWant
+    msg: Hello | KVHold | KVWant | Abort
     incoming: IncomingTransfer | None  # the transfer a KVWant asks for
     queued: float  # time.monotonic()
 
@@ -45,16 +53,23 @@ class _Outgoing:
 class _PrefillLink:
     address: str
     client: ClientSocket
+    serial: int  # links are numbered as they open: a later link to an address has a larger serial
     refused: str | None = None  # why the prefill engine refused the link (layout mismatch ...)
     outbox: deque[_Outgoing] = field(default_factory=deque)  # not taken yet, in order
+    peer_incarnation: str = ""  # from its HelloAck
+    stale: str | None = None  # why the link no longer reaches the engine it said Hello to (renewed after the drain)
+    refused_for_hello: set[str] = field(default_factory=set)  # requests the engine answered `no_hello`
 
 
 class DecodeTransferSide(KVTransferSide):
     def __init__(self, fingerprint: LayoutFingerprint, engine_id: str, timeout_s: float = 30.0,
-                 curve: CurveClientConfig | None = None, queue_timeout_s: float = 600.0) -> None:
+                 curve: CurveClientConfig | None = None, queue_timeout_s: float = 600.0,
+                 incarnation: str = "", kv_peers: KVPeerTrust | None = None) -> None:
         super().__init__()
         self.fingerprint = fingerprint
         self.engine_id = engine_id
+        self.incarnation = incarnation  # this process's, in every Hello
+        self.kv_peers = kv_peers  # what the routers say is registered at each address
         # A prompt's KV may take queue_timeout_s from the KVWant while the prefill engine has not computed
         # it (its queue and its compute), then timeout_s from when it has (prompt_computed).
         for flag, seconds in (("--kv-timeout", timeout_s), ("--kv-queue-timeout", queue_timeout_s)):
@@ -66,6 +81,14 @@ class DecodeTransferSide(KVTransferSide):
         self.writer: KVWriter | None = None  # set when the cache is bound
         self.transfers: dict[str, IncomingTransfer] = {}  # shared with the scheduler side
         self._links: dict[str, _PrefillLink] = {}
+        self._num_links = 0
+        # per address: the serial of the first link to the incarnation there now (older links reached a
+        # predecessor), the incarnation last seen, and the one the routers last announced
+        self._restarted_at: dict[str, int] = {}
+        self._incarnations: dict[str, str] = {}
+        self._announced: dict[str, str] = {}
+        self._greeted: set[str] = set()  # trusted addresses a link was opened to before any request named them
+        self._held: OrderedDict[str, tuple[str, int]] = OrderedDict()  # KVHold sent: request id -> (address, serial)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.writer = KVWriter(kv_cache)  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
@@ -86,8 +109,11 @@ class DecodeTransferSide(KVTransferSide):
             link = self._link(address)
         except WireError:
             return  # the KVWant will fail the same way, and say why
-        link.outbox.append(_Outgoing(KVHold(request_id=request_id), None, time.monotonic()))
-        self._flush(link)
+        self._held[request_id] = (address, link.serial)
+        self._held.move_to_end(request_id)
+        while len(self._held) > MAX_HELD:
+            self._held.popitem(last=False)
+        self._queue(link, KVHold(request_id=request_id))
 
     def ask(self, incoming: IncomingTransfer) -> None:
         """Send the KVWant (opening the link first if this is its first request), without waiting."""
@@ -99,12 +125,28 @@ class DecodeTransferSide(KVTransferSide):
         except WireError as exc:
             self._fail(incoming, f"cannot reach prefill engine {incoming.address}: {exc}")
             return
+        held = self._held.pop(incoming.request_id, None)
+        if held is not None and held[1] < self._restarted_at.get(incoming.address, 0):
+            self._fail(incoming, f"the prefill engine at {incoming.address} restarted after this request reached it: "
+                                 "its KV is gone")
+            self._queue(link, Abort(request_id=incoming.request_id, reason="sent to the previous incarnation"))
+            return
+        self._want(link, incoming)
+
+    def _want(self, link: _PrefillLink, incoming: IncomingTransfer) -> None:
+        incoming.link_serial = link.serial
         want = KVWant(request_id=incoming.request_id, skip_tokens=incoming.skip_tokens, num_tokens=incoming.num_tokens)
         link.outbox.append(_Outgoing(want, incoming, time.monotonic()))
         self._flush(link)
 
+    def _queue(self, link: _PrefillLink, msg: KVHold | Abort) -> None:
+        """Send after what the link has queued (its Hello first), without waiting."""
+        link.outbox.append(_Outgoing(msg, None, time.monotonic()))
+        self._flush(link)
+
     def abort(self, incoming: IncomingTransfer, reason: str) -> None:
         """Tell the prefill engine to stop and free its side (a KVWant it never took is withdrawn)."""
+        self._held.pop(incoming.request_id, None)
         link = self._links.get(incoming.address)
         if link is not None:
             link.outbox = deque(item for item in link.outbox if item.incoming is not incoming)
@@ -115,9 +157,11 @@ class DecodeTransferSide(KVTransferSide):
         if link is None:
             # no KVLayer frame can be larger than our whole cache: a bigger one drops the link
             client = ClientSocket(address, curve=self.curve, max_message_bytes=self.writer.kv_cache.nbytes)
-            link = _PrefillLink(address, client)
+            self._num_links += 1
+            link = _PrefillLink(address, client, self._num_links)
             self._links[address] = link
-            hello = Hello(fingerprint=self.fingerprint.to_dict(), role="decode", engine_id=self.engine_id)
+            hello = Hello(fingerprint=self.fingerprint.to_dict(), role="decode", engine_id=self.engine_id,
+                          incarnation=self.incarnation)
             link.outbox.append(_Outgoing(hello, None, time.monotonic()))
         if link.refused:
             raise KVTransferError(f"prefill engine refused the KV link: {link.refused}")
@@ -165,22 +209,118 @@ class DecodeTransferSide(KVTransferSide):
                 if received is None:
                     break
                 self._dispatch(link, received.msg, received.frames)
+            if link.stale:
+                self._renew(link)
+        self._follow_routers()
         self._expire()
 
     def _dispatch(self, link: _PrefillLink, msg, frames) -> None:
         if isinstance(msg, HelloAck):
-            if not msg.ok:
-                self._refuse(link, msg.reason)
+            self._on_hello_ack(link, msg)
         elif isinstance(msg, KVLayer):
             self._on_layer(link, msg, frames[0])
         elif isinstance(msg, KVDone):
             self._on_done(link, msg)
-        elif isinstance(msg, Error) and msg.request_id:
-            self._fail_id(msg.request_id, f"prefill engine error: {msg.message}", link)
+        elif isinstance(msg, Error):
+            self._on_error(link, msg)
         elif isinstance(msg, Abort):
             self._fail_id(msg.request_id, f"prefill engine aborted: {msg.reason}", link)
         else:
             log.warning("unexpected %s from %s ignored", msg.type_name, link.address)
+
+    def _on_error(self, link: _PrefillLink, msg: Error) -> None:
+        """A request's error fails that transfer. `no_hello`, an error from an incarnation other than the one
+        that accepted our Hello, or one that names no request, means the link is stale: it is renewed once the
+        drain is done, and what `no_hello` named goes again on the new link."""
+        if link.refused:  # what was sent before the refusal came back is answered no_hello: nothing new
+            return
+        if msg.code == "no_hello":
+            link.stale = f"it reached an engine (incarnation {msg.incarnation or 'unknown'}) that never had our Hello"
+            if msg.request_id:
+                link.refused_for_hello.add(msg.request_id)
+            return
+        if msg.incarnation and link.peer_incarnation and msg.incarnation != link.peer_incarnation:
+            link.stale = f"an error came from incarnation {msg.incarnation}, not {link.peer_incarnation}"
+        if msg.request_id:
+            self._fail_id(msg.request_id, f"prefill engine error: {msg.message}", link)
+        else:
+            log.warning("prefill engine %s answered an error that names no request (%s: %s): renewing the link",
+                        link.address, msg.code, msg.message)
+            link.stale = link.stale or f"it answered {msg.code} naming no request"
+
+    def _on_hello_ack(self, link: _PrefillLink, msg: HelloAck) -> None:
+        if not msg.ok:
+            self._refuse(link, msg.reason)
+            return
+        link.peer_incarnation = msg.incarnation
+        known = self._incarnations.get(link.address)
+        if msg.incarnation:
+            self._incarnations[link.address] = msg.incarnation
+        if known and msg.incarnation and known != msg.incarnation:
+            log.warning("prefill engine at %s restarted (incarnation %s, then %s)", link.address, known,
+                        msg.incarnation)
+            self._restarted_at[link.address] = max(self._restarted_at.get(link.address, 0), link.serial)
+            self._fail_older(link, f"the prefill engine at {link.address} restarted: its KV for this request is gone")
+
+    def _renew(self, link: _PrefillLink) -> None:
+        """Replace a stale link with a new one (new socket, new Hello); what the engine there refused for want
+        of a Hello goes again, once; every other transfer asked on an older link fails now (and is aborted there,
+        so the blocks of a prompt the new engine did compute go too)."""
+        log.warning("the KV link to prefill engine %s is stale (%s): opening a new one", link.address, link.stale)
+        link.client.close()
+        del self._links[link.address]
+        self._incarnations.pop(link.address, None)
+        try:
+            new = self._link(link.address)
+        except WireError as exc:
+            for incoming in self._asked_before(link, including=True):
+                self._fail(incoming, f"cannot reach prefill engine {link.address} again: {exc}")
+            return
+        self._restarted_at[link.address] = new.serial
+        for incoming in self._asked_before(new):
+            if incoming.request_id in link.refused_for_hello and not incoming.resent:
+                incoming.resent = True
+                self._want(new, incoming)
+        for request_id, (address, serial) in list(self._held.items()):
+            if address == link.address and serial < new.serial and request_id in link.refused_for_hello:
+                self._held[request_id] = (address, new.serial)
+                self._queue(new, KVHold(request_id=request_id))
+        self._fail_older(new, f"the KV link to {link.address} went stale ({link.stale}): "
+                              "its KV for this request is gone")
+
+    def _asked_before(self, link: _PrefillLink, including: bool = False) -> list[IncomingTransfer]:
+        """The transfers still receiving at link's address whose KVWant went on an older link (or on it too)."""
+        return [incoming for incoming in self.transfers.values()
+                if incoming.address == link.address and incoming.state is IncomingState.RECEIVING
+                and (incoming.link_serial < link.serial or including and incoming.link_serial == link.serial)]
+
+    def _fail_older(self, link: _PrefillLink, reason: str) -> None:
+        """Fail the transfers asked on links older than `link`, and abort them on it (the engine there frees
+        whatever it computed for them)."""
+        for incoming in self._asked_before(link):
+            self._fail(incoming, reason)
+            self._queue(link, Abort(request_id=incoming.request_id, reason="asked of a previous incarnation"))
+
+    def _follow_routers(self) -> None:
+        """Say Hello to every trusted prefill engine once, before any request names it: a prefill engine learns
+        from it that this engine restarted. A router announced a new incarnation at an address this engine has a
+        link to: renew the link now, before a request finds it stale."""
+        if self.kv_peers is None:
+            return
+        for address in self.kv_peers.addresses() - self._greeted:
+            self._greeted.add(address)
+            try:
+                self._link(address)
+            except WireError as exc:
+                log.info("no KV link to prefill engine %s yet: %s", address, exc)
+        for address, link in list(self._links.items()):
+            announced = self.kv_peers.incarnation(address)
+            if not announced or announced == self._announced.get(address):
+                continue
+            self._announced[address] = announced
+            if link.peer_incarnation and link.peer_incarnation != announced:
+                link.stale = f"the router lists incarnation {announced} there, the link reached {link.peer_incarnation}"
+                self._renew(link)
 
     def _refuse(self, link: _PrefillLink, reason: str) -> None:
         log.error("prefill engine %s refused the KV link: %s", link.address, reason)
@@ -234,6 +374,7 @@ class DecodeTransferSide(KVTransferSide):
     # ---- failures ----
 
     def _fail_id(self, request_id: str, reason: str, link: _PrefillLink, ack: bool = False) -> None:
+        self._held.pop(request_id, None)
         incoming = self._receiving(request_id, link)
         if incoming is not None:
             self._fail(incoming, reason, ack_to=link if ack else None)

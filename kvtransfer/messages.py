@@ -17,6 +17,7 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 
 from pdserve.control.errors import ProtocolError
+from pdserve.control.messages import Incarnation
 from pdserve.control.protocol import as_buffer
 from pdserve.control.schema import (
     MAX_CHECKSUM,
@@ -44,13 +45,16 @@ class Hello(Message, type_name="hello"):
     fingerprint: Annotated[dict[str, str | int], max_items(MAX_DICT_ITEMS)]
     role: Role
     engine_id: str = Field(max_length=MAX_ID_LEN)
+    incarnation: Incarnation = ""  # the client process's: a new one from the same engine_id is a restart
 
 
 class HelloAck(Message, type_name="hello_ack"):
-    """Server -> client: the link is accepted, or refused with the reason (e.g. layout differences)."""
+    """Server -> client: the link is accepted, or refused with the reason (e.g. layout differences), and
+    which incarnation of the server process answered."""
 
     ok: bool
     reason: str = ""
+    incarnation: Incarnation = ""
 
 
 class KVHold(Message, type_name="kv_hold"):

@@ -35,7 +35,7 @@ class PrefillSchedulerSide(KVConnector):
             if ends_here and not held:  # no decode engine has it: nobody will ask for this KV
                 return False
             self.transfers[request_id] = transfer = Transfer.computed(request, block_ids)
-            transfer.held_by_peer = held
+            transfer.held_by = held
             return True
         transfer.prompt_computed(request, block_ids)
         self.transfer_side.computed.append(transfer)  # sent once the step's first tokens are out

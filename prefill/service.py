@@ -12,7 +12,7 @@ from typing import Any
 
 from pdserve.control.engine_server import EngineServer
 from pdserve.control.keys import load_cluster_keys
-from pdserve.control.messages import PrefillRequest, TokenDelta
+from pdserve.control.messages import PrefillRequest, TokenDelta, new_incarnation
 from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, ServerSocket
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine_core import EngineCore
@@ -91,11 +91,13 @@ def build_prefill_server(model_config: ModelConfig, cache_config: CacheConfig, s
     # decode engines send it only small messages (Hello, KVWant, KVAck, Abort)
     kv_server = ServerSocket(options.kv_address, curve=curve.server if curve else None,
                              max_message_bytes=CONTROL_MESSAGE_BYTES)
+    incarnation = new_incarnation()
     transfer = PrefillTransferSide(kv_server, engine_fingerprint(model_config, cache_config.block_size),
                                    want_timeout_s=options.want_timeout_s, lease_s=options.lease_s,
-                                   stream_layers=options.stream_layers, hold_timeout_s=options.hold_timeout_s)
+                                   stream_layers=options.stream_layers, hold_timeout_s=options.hold_timeout_s,
+                                   incarnation=incarnation)
     engine = EngineCore(model_config, cache_config, scheduler_config, options.device,
                         connector=PrefillSchedulerSide(transfer), kv_transfer=transfer)
     transfer.bind_kv_cache(engine.runner.kv_cache)
     transfer.bind_scheduler(engine.scheduler.requests.__contains__, engine.scheduler.waits_for_blocks)
-    return PrefillServer(engine, transfer, options.control_address, options.engine_id, curve)
+    return PrefillServer(engine, transfer, options.control_address, options.engine_id, curve, incarnation=incarnation)

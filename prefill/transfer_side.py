@@ -5,6 +5,8 @@ published; inside a step the model runner calls the hook that `layer_hook()` ret
 (prefill/layer_stream.py) and, while a computed prompt waits on its decode engine, socket reads
 (prefill/waiting_reads.py). Each request's transfer is one `Transfer`, shared
 with the scheduler side (prefill/scheduler_side.py), which tells `finish()` when a prompt is computed.
+Every answer carries this process's incarnation; a decode engine's Hello with a new incarnation of the same
+engine id means it restarted, and what this side held for the old one goes at once.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ MAX_REMEMBERED = 4096  # ended transfers (and holds for prompts not computed yet
 
 class PrefillTransferSide(KVTransferSide):
     def __init__(self, server: ServerSocket, fingerprint: LayoutFingerprint, want_timeout_s: float = 30.0,
-                 lease_s: float = 30.0, stream_layers: bool = True, hold_timeout_s: float = 600.0) -> None:
+                 lease_s: float = 30.0, stream_layers: bool = True, hold_timeout_s: float = 600.0,
+                 incarnation: str = "") -> None:
         super().__init__()
         self.server = server
+        self.incarnation = incarnation  # this process's (control.messages.new_incarnation)
         self.fingerprint = fingerprint
         # A computed prompt's blocks wait want_timeout_s for its KVWant, or hold_timeout_s once a decode engine
         # has said it has the request queued (KVHold): a decode engine whose KV pool is full asks late.
@@ -57,12 +61,13 @@ class PrefillTransferSide(KVTransferSide):
         # whether a request's first token ends it (no decode engine will ask): PrefillServer answers, from its
         # set of the requests that go on; unbound, every request goes on
         self.first_token_ends: Callable[[str], bool] = lambda request_id: False
-        self._holds: OrderedDict[str, float] = OrderedDict()  # KVHold before the prompt was computed: when
+        # KVHold before the prompt was computed: request id -> (when, the decode engine's peer id)
+        self._holds: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> why its transfer ended
         self.computed: list[Transfer] = []  # prompts computed in this step and asked for: KV to send next
         self.sender = KVSender(server, self.stats)
         self.copies = HostCopies(self._send_streamed)
-        self._peers: set[bytes] = set()  # decode engines whose Hello was accepted
+        self._peers: dict[bytes, tuple[str, str]] = {}  # accepted Hello: peer id -> (engine id, incarnation)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.sender.bind_kv_cache(kv_cache)  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
@@ -72,9 +77,11 @@ class PrefillTransferSide(KVTransferSide):
         step's want of free KV blocks."""
         self.holds_prompt, self.waits_for_blocks = holds_prompt, waits_for_blocks
 
-    def take_hold(self, request_id: str) -> bool:
-        """Whether a decode engine said it has this request queued (KVHold) before its prompt was computed."""
-        return self._holds.pop(request_id, None) is not None
+    def take_hold(self, request_id: str) -> bytes:
+        """The decode engine (peer id) that said it has this request queued (KVHold) before its prompt was
+        computed; b"" when none did."""
+        hold = self._holds.pop(request_id, None)
+        return hold[1] if hold is not None else b""
 
     def forget(self, transfer: Transfer) -> None:
         """An ended transfer leaves: a KVWant that comes for it later is answered at once with why. A failed one
@@ -125,33 +132,60 @@ class PrefillTransferSide(KVTransferSide):
             self._on_hello(peer_id, msg)
         elif isinstance(msg, Abort):  # freeing is harmless, so any peer may ask for it
             self._on_abort(msg.request_id)
-        elif peer_id not in self._peers:
-            self.server.answer(peer_id, Error(code="no_hello", message="say Hello with your layout fingerprint first"))
+        elif peer_id not in self._peers:  # a link opened to this process's predecessor at the same address, say
+            self._answer_error(peer_id, "no_hello", "say Hello with your layout fingerprint first: this prefill "
+                               f"engine (incarnation {self.incarnation}) has not accepted a Hello on this link",
+                               getattr(msg, "request_id", None))
         elif isinstance(msg, KVWant):
             self._on_want(peer_id, msg)
         elif isinstance(msg, KVHold):
-            self._on_hold(msg.request_id)
+            self._on_hold(peer_id, msg.request_id)
         elif isinstance(msg, KVAck):
             self._on_ack(msg)
         else:
-            self.server.answer(peer_id, Error(code="unexpected", message=f"{msg.type_name} is not served on the KV link"))
+            self._answer_error(peer_id, "unexpected", f"{msg.type_name} is not served on the KV link")
+
+    def _answer_error(self, peer_id: bytes, code: str, message: str, request_id: str | None = None) -> None:
+        self.server.answer(peer_id, Error(code=code, message=message[:4000], request_id=request_id,
+                                          incarnation=self.incarnation))
 
     def _on_hello(self, peer_id: bytes, msg: Hello) -> None:
         try:
             check_compatible(self.fingerprint, LayoutFingerprint.from_dict(msg.fingerprint))
         except (LayoutMismatchError, ProtocolError) as exc:
             log.error("refused KV link from %s: %s", msg.engine_id, exc)
-            self.server.answer(peer_id, HelloAck(ok=False, reason=str(exc)[:4000]))
+            self.server.answer(peer_id, HelloAck(ok=False, reason=str(exc)[:4000], incarnation=self.incarnation))
             return
-        self._peers.add(peer_id)
-        self.server.answer(peer_id, HelloAck(ok=True))
+        self._forget_predecessors(msg.engine_id, msg.incarnation)
+        self._peers[peer_id] = (msg.engine_id, msg.incarnation)
+        self.server.answer(peer_id, HelloAck(ok=True, incarnation=self.incarnation))
+
+    def _forget_predecessors(self, engine_id: str, incarnation: str) -> None:
+        """A decode engine said Hello with a new incarnation: it restarted, and its predecessor's requests are
+        gone with it. What this side held for them goes now instead of at a timeout: computed prompts held
+        for it or sent to it (their blocks are freed), prompts it asked for that are still to compute
+        (aborted), its KVHolds for prompts not computed yet."""
+        old = {peer for peer, (known_id, known) in self._peers.items()
+               if known_id == engine_id and known and incarnation and known != incarnation}
+        if not old:
+            return
+        reason = f"decode engine {engine_id} restarted (incarnation {incarnation}): its requests are gone"
+        log.warning("%s: freeing what was held for its predecessor", reason)
+        for peer in old:
+            del self._peers[peer]
+        for transfer in self.transfers.values():
+            if transfer.is_ended or (transfer.peer_id not in old and transfer.held_by not in old):
+                continue
+            computed = transfer.request is not None
+            transfer.move(TransferState.FAILED if computed else TransferState.ABORTED, reason)
+        for request_id in [rid for rid, (_, peer) in self._holds.items() if peer in old]:
+            del self._holds[request_id]
 
     def _on_want(self, peer_id: bytes, msg: KVWant) -> None:
         transfer = self.transfers.get(msg.request_id)
         if transfer is None and msg.request_id in self._ended:
-            self.server.answer(peer_id, Error(code="kv_released", request_id=msg.request_id,
-                                              message=f"this prefill engine no longer holds that prompt's KV: "
-                                                      f"{self._ended[msg.request_id]}"[:4000]))
+            self._answer_error(peer_id, "kv_released", "this prefill engine no longer holds that prompt's KV: "
+                               f"{self._ended[msg.request_id]}", msg.request_id)
         elif transfer is None:
             self.transfers[msg.request_id] = Transfer.wanted(msg.request_id, peer_id, msg.skip_tokens, msg.num_tokens)
         elif transfer.state is TransferState.WAITING_FOR_WANT:
@@ -160,12 +194,12 @@ class PrefillTransferSide(KVTransferSide):
         else:
             log.warning("a second KVWant for %s (%s) ignored", msg.request_id, transfer.state.value)
 
-    def _on_hold(self, request_id: str) -> None:
+    def _on_hold(self, peer_id: bytes, request_id: str) -> None:
         transfer = self.transfers.get(request_id)
         if transfer is None:
-            _remember(self._holds, request_id, time.monotonic())
+            _remember(self._holds, request_id, (time.monotonic(), peer_id))
         elif transfer.state is TransferState.WAITING_FOR_WANT:
-            transfer.held_by_peer = True
+            transfer.held_by = peer_id
 
     def _on_ack(self, msg: KVAck) -> None:
         transfer = self.transfers.get(msg.request_id)
@@ -201,11 +235,11 @@ class PrefillTransferSide(KVTransferSide):
             elif (transfer.state is TransferState.WAITING_FOR_PROMPT and waited > self.want_timeout_s
                   and not self.holds_prompt(request_id)):  # a prompt queued or computing here is on its way
                 del self.transfers[request_id]  # the prompt never came: no blocks to free
-                self.server.answer(transfer.peer_id, Error(code="unknown_request", request_id=request_id,
-                                                           message="this prefill engine never received that prompt"))
+                self._answer_error(transfer.peer_id, "unknown_request",
+                                   "this prefill engine never received that prompt", request_id)
             elif transfer.state is TransferState.ABORTED and waited > self.want_timeout_s:
                 del self.transfers[request_id]  # no step ran meanwhile, so there was nothing to abort
-        while self._holds and now - next(iter(self._holds.values())) > self.hold_timeout_s:
+        while self._holds and now - next(iter(self._holds.values()))[0] > self.hold_timeout_s:
             self._holds.popitem(last=False)  # the prompt never came or was aborted before it was computed
         self._release_for_wanted_prompt()
 
@@ -241,7 +275,7 @@ class PrefillTransferSide(KVTransferSide):
             problem = (f"KVWant for tokens [{transfer.skip_tokens}, {transfer.skip_tokens + transfer.num_tokens}) "
                        f"does not fit the {num_prompt}-token prompt in blocks of {block_size}")
             transfer.move(TransferState.FAILED, problem)
-            self.server.answer(transfer.peer_id, Error(code="bad_want", message=problem, request_id=request.request_id))
+            self._answer_error(transfer.peer_id, "bad_want", problem, request.request_id)
             return False
         transfer.move(TransferState.STREAMING)
         return True

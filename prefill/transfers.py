@@ -41,7 +41,7 @@ class Transfer:
     num_tokens: int = 0
     sent_upto: int = 0  # every layer of the prompt tokens before this position has been sent
     checksums: list[int] = field(default_factory=list)  # of the KVLayer messages, in send order
-    held_by_peer: bool = False  # a decode engine has the request queued (KVHold): kept up to the hold timeout
+    held_by: bytes = b""  # the decode engine (peer id) that has it queued (KVHold): kept up to the hold timeout
     # from the scheduler, once the prompt is computed
     request: Request | None = None
     block_ids: list[int] = field(default_factory=list)
@@ -62,6 +62,10 @@ class Transfer:
     @property
     def is_ended(self) -> bool:
         return self.state in ENDED
+
+    @property
+    def held_by_peer(self) -> bool:
+        return bool(self.held_by)
 
     @property
     def waits_on_peer(self) -> bool:

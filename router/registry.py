@@ -17,8 +17,12 @@ Each registered entry belongs to the registration connection that registered it:
 Deregister for that engine are taken from that connection only (a spoofed Deregister from another
 peer is refused). The entry passes to a new connection only once its owner has been silent for the
 heartbeat timeout or the engine left routing (a restarted engine registers again from a new socket).
+A Register with a new incarnation (a random id each engine process makes at start) is a restarted engine
+at the same address: the old entry leaves routing at once (its open requests get EngineGone) and the new
+one takes its place, from whichever connection sent it.
 Every decode engine that registers gets KVPeers back on its registration link: the KV addresses of
-the prefill engines the router knows, the only ones it will pull KV from (docs/serving/security.md).
+the prefill engines the router knows, the only ones it will pull KV from (docs/serving/security.md), with
+the incarnation registered at each (a decode engine renews its KV link to one that restarted).
 
 The registration socket takes any number of peers: it tracks at most MAX_REGISTRATION_PEERS of them
 (the least recently heard are forgotten) and holds at most MAX_PENDING_ENGINES links to engines that
@@ -68,7 +72,7 @@ class EngineRegistry:
         self._registration: OpenSocket | None = None
         self._last_refusal_log = 0.0
         self._stats_refresh: asyncio.Future | None = None  # the /metrics refresh in flight
-        self._kv_peers: tuple[str, ...] = ()  # what the decode engines were last told
+        self._kv_peers: dict[str, str] = {}  # what the decode engines were last told: KV address -> incarnation
 
     async def start(self) -> None:
         if self.config.registration_address:
@@ -146,7 +150,7 @@ class EngineRegistry:
             log.warning("bad message on the registration socket: %s", exc)
             return
         if isinstance(msg, Register):
-            self._on_register(peer_id, msg)
+            await self._on_register(peer_id, msg)
         elif isinstance(msg, EngineStats):
             link = self._owned_link(peer_id, self._peer_address(peer_id))
             if link is not None:
@@ -195,8 +199,12 @@ class EngineRegistry:
         pending = sum(1 for link in self.links.values() if not link.up and not link.static)
         return pending < MAX_PENDING_ENGINES
 
-    def _on_register(self, peer_id: bytes, msg: Register) -> None:
+    async def _on_register(self, peer_id: bytes, msg: Register) -> None:
         link = self.links.get(msg.control_address)
+        if link is not None and _restarted(link, msg):
+            await self._leave(link, f"engine {msg.engine_id} at {msg.control_address} restarted (incarnation "
+                                    f"{link.info.incarnation}, now {msg.incarnation})")
+            link = self.links.get(msg.control_address)  # a registered entry is gone; a static one stays, unowned
         if link is None:
             if not self._can_add_engine():
                 log.warning("engine %s at %s not admitted: %d registered engines have not answered yet",
@@ -216,14 +224,19 @@ class EngineRegistry:
         self._assign_label(link)
         self._announce_kv_peers()
         if msg.role == "decode":
-            self._answer(peer_id, KVPeers(kv_addresses=self._kv_peers))
+            self._answer(peer_id, self._kv_peers_message())
 
     # ---- the KV peers decode engines may pull from ----
 
-    def _current_kv_peers(self) -> tuple[str, ...]:
-        addresses = {link.info.kv_address for link in self.links.values()
-                     if link.info is not None and link.info.role == "prefill" and link.info.kv_address}
-        return tuple(sorted(addresses))[:MAX_KV_PEERS]
+    def _current_kv_peers(self) -> dict[str, str]:
+        """KV address -> the incarnation registered there, for every prefill engine known (at most MAX_KV_PEERS)."""
+        peers = {link.info.kv_address: link.info.incarnation for link in self.links.values()
+                 if link.info is not None and link.info.role == "prefill" and link.info.kv_address}
+        return dict(sorted(peers.items())[:MAX_KV_PEERS])
+
+    def _kv_peers_message(self) -> KVPeers:
+        return KVPeers(kv_addresses=tuple(self._kv_peers),
+                       incarnations={address: known for address, known in self._kv_peers.items() if known})
 
     def _announce_kv_peers(self) -> None:
         """Tell every registered decode engine when the set of prefill KV addresses changed."""
@@ -231,9 +244,10 @@ class EngineRegistry:
         if peers == self._kv_peers:
             return
         self._kv_peers = peers
+        message = self._kv_peers_message()
         for link in self.links.values():
             if link.owner is not None and link.info is not None and link.info.role == "decode":
-                self._answer(link.owner, KVPeers(kv_addresses=peers))
+                self._answer(link.owner, message)
 
     def _answer(self, peer_id: bytes, msg: Message) -> None:
         """Send on the registration socket without waiting; a peer that cannot take it now gets the
@@ -343,3 +357,9 @@ class EngineRegistry:
         if self._registration is not None:
             self._registration.close(linger_s=0)
         self.context.term()
+
+
+def _restarted(link: EngineLink, msg: Register) -> bool:
+    """Whether msg registers a new process at the link's address (both incarnations known and different)."""
+    known = link.info.incarnation if link.info is not None else ""
+    return bool(known and msg.incarnation and known != msg.incarnation)

@@ -76,6 +76,13 @@ SAMPLES = [
     control.FirstToken(request_id="req-2", token_id=4, logprobs={4: -0.5, 9: -2.0}),
     control.PromptLogprobs(request_id="req-2", start=1, num_positions=2, width=3, last=True),
     KVHold(request_id="req-1"),
+    # incarnations (protocol version 5)
+    Hello(fingerprint=FINGERPRINT, role="decode", engine_id="decode-0", incarnation="0123456789abcdef"),
+    HelloAck(ok=True, incarnation="fedcba9876543210"),
+    Error(code="no_hello", message="say Hello first", request_id="req-1", incarnation="fedcba9876543210"),
+    control.KVPeers(kv_addresses=["tcp://127.0.0.1:5700"], incarnations={"tcp://127.0.0.1:5700": "0123456789abcdef"}),
+    control.Register(engine_id="decode-0", role="decode", control_address="tcp://127.0.0.1:5601", block_size=16,
+                     max_model_len=4096, vocab_size=32000, incarnation="0123456789abcdef"),
 ]
 
 
@@ -275,13 +282,13 @@ def test_construction_validates_locally():
 
 
 # Golden headers: the KV layer's as the hand-written validator this schema replaced wrote it; the wire
-# must not change unless a message's shape does.
+# must not change unless a message's shape does (or the protocol version: 5 since incarnations).
 GOLDEN_KV_LAYER = (
-    "8ba474797065a86b765f6c61796572a776657273696f6e04aa726571756573745f6964a57265712d31ab6c617965725f7374"
+    "8ba474797065a86b765f6c61796572a776657273696f6e05aa726571756573745f6964a57265712d31ab6c617965725f7374"
     "61727404a96c617965725f656e6406ab746f6b656e5f737461727420aa6e756d5f746f6b656e7305a56474797065a862666c"
     "6f61743136a57368617065950202050208a66e6279746573cd0280a8636865636b73756dcf0123456789abcdef")
 GOLDEN_GENERATE = (  # SamplingParams nested (control/sampling_params.py), structured_kind/spec last
-    "86a474797065a867656e6572617465a776657273696f6e04aa726571756573745f6964a57265712d32b070726f6d70745f74"
+    "86a474797065a867656e6572617465a776657273696f6e05aa726571756573745f6964a57265712d32b070726f6d70745f74"
     "6f6b656e5f69647393010203af73616d706c696e675f706172616d73de0015a16e01ab74656d7065726174757265cb000000"
     "0000000000a5746f705f70cb3ff0000000000000a5746f705f6b00a56d696e5f70cb0000000000000000a47365656405b272"
     "657065746974696f6e5f70656e616c7479cb3ff0000000000000b070726573656e63655f70656e616c7479cb000000000000"
@@ -429,3 +436,16 @@ def test_speaking_the_protocol_does_not_load_torch():
             "pdserve.kvtransfer.messages, pdserve.kvtransfer.fingerprint; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2]).returncode == 0
+
+
+@pytest.mark.parametrize("incarnation", ["G" * 16, "a" * 33, 7])
+def test_an_incarnation_is_short_lowercase_hex(incarnation):
+    with pytest.raises(ProtocolError, match="hello_ack.incarnation"):
+        HelloAck(ok=True, incarnation=incarnation)
+    with pytest.raises(ProtocolError, match="kv_peers.incarnations"):
+        control.KVPeers(kv_addresses=["tcp://a:1"], incarnations={"tcp://a:1": incarnation})
+
+
+def test_a_fresh_incarnation_is_new_each_time():
+    made = {control.new_incarnation() for _ in range(100)}
+    assert len(made) == 100 and all(len(i) == 16 and HelloAck(ok=True, incarnation=i) for i in made)
