@@ -3,6 +3,7 @@ state diagram, fed the (source, item) pairs the links would put in the attempt's
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -13,6 +14,7 @@ from pdserve.router.choice import SHARED, ChoiceSpec, SharedPromptLogprobs
 from pdserve.router.errors import EngineFailed, InvalidRequest, RequestTimeout
 from pdserve.router.link import EngineGone, PromptLogprobsChunk
 from pdserve.router.relay import DEADLINE, Relay, RelayState, Retry
+from tests.router.conftest import REPO
 
 PROMPT = [5, 6, 7, 8]
 P, D = "prefill", "decode"
@@ -214,3 +216,9 @@ def test_the_deadline_ends_the_attempt_in_any_state():
     with pytest.raises(RequestTimeout, match="--request-timeout"):
         relay.receive(DEADLINE, None)
     assert relay.state is S.FAILED
+
+
+def test_the_design_docs_state_diagram_names_exactly_the_codes_states():
+    text = (REPO / "docs/design/request-lifecycle.md").read_text()
+    diagram = text.split("```mermaid\nstateDiagram-v2", 1)[1].split("```", 1)[0]
+    assert set(re.findall(r"\b[A-Z][A-Z_]{3,}\b", diagram)) == {state.name for state in RelayState}
