@@ -105,7 +105,8 @@ def routed_experts(
     gate_up = grouped_gemm(hidden[token_of], gate_up_proj, group_ends)  # [T * k, 2I]
     down = grouped_gemm(activation(gate_up).contiguous(), down_proj, group_ends)  # [T * k, H]
     down.mul_(routing_weights.flatten()[order].to(down.dtype)[:, None])
-    return torch.zeros_like(hidden).index_add_(0, token_of, down)
+    unsorted = down[order.argsort()]  # [T * k, H], back in (token, slot) order: a gather, no scatter-add
+    return unsorted.view(-1, top_k, unsorted.shape[-1]).sum(dim=1)
 
 
 class SparseMoE(nn.Module):

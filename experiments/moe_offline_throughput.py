@@ -1,0 +1,95 @@
+"""Offline throughput of a tiny random-weight MoE model: pdserve's engine against transformers'
+generate(), batch 32 and 1, in one process (experiments/offline_throughput.py's two runners).
+
+    python experiments/moe_offline_throughput.py [--arch qwen3-moe|qwen2-moe|mixtral] [--batch 32 --batch 1]
+                                                 [--prompt-len 128] [--new-tokens 64] [--expert-loop]
+
+The model is built here with transformers' own config class and save_pretrained (the hub's
+per-expert checkpoint format), with the demo tokenizer. --expert-loop adds a pdserve column whose
+CPU experts run one product per expert instead of torch's grouped_mm (the two CPU paths of
+kernels/reference_moe.py), to measure which is faster here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+from offline_throughput import make_prompts, run_pdserve, run_transformers
+
+_SHAPE = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+          "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+ARCHS = {
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+        "head_dim": 32}),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+}
+
+
+def build_model(arch: str, out_dir: Path) -> str:
+    """The demo tokenizer's files, then the MoE model's config and weights written over the demo's."""
+    from pdserve.demo_model import make_demo_model
+
+    make_demo_model(out_dir, arch="llama", size="tiny")
+    config_class, architecture, fields = ARCHS[arch]
+    config = getattr(transformers, config_class)(**{**_SHAPE, **fields})
+    config.architectures = [architecture]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1:
+                param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0.0, 0.1)
+            else:  # [out, in] or [experts, out, in]
+                param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]))
+    model.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def run_pdserve_expert_loop(model_dir: str, prompts, batch: int, new_tokens: int, dtype: str) -> float:
+    from pdserve.kernels import reference_moe
+
+    fits = reference_moe._grouped_mm_fits
+    reference_moe._grouped_mm_fits = lambda a, b: False  # every shape takes the per-expert loop
+    try:
+        return run_pdserve(model_dir, prompts, batch, new_tokens, dtype)
+    finally:
+        reference_moe._grouped_mm_fits = fits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=list(ARCHS), default="qwen3-moe")
+    parser.add_argument("--batch", type=int, action="append", help="batch sizes (default: 32 and 1)")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines")
+    parser.add_argument("--expert-loop", action="store_true", help="also pdserve with one product per expert")
+    args = parser.parse_args()
+    model_dir = build_model(args.arch, Path(tempfile.mkdtemp(prefix=f"moe-{args.arch}-")))
+    print(f"{args.arch} (tiny, random weights) {model_dir}; {args.dtype}; torch threads {torch.get_num_threads()}")
+    loop_header = f" {'loop tok/s':>11} {'loop/grouped':>12}" if args.expert_loop else ""
+    print(f"{'batch':>5} {'transformers tok/s':>19} {'pdserve tok/s':>14} {'ratio':>6}{loop_header}")
+    for batch in args.batch or [32, 1]:
+        prompts = make_prompts(max(batch, 4), args.prompt_len, _SHAPE["vocab_size"])
+        theirs = run_transformers(model_dir, prompts, batch, args.new_tokens, args.dtype)
+        ours = run_pdserve(model_dir, prompts, batch, args.new_tokens, args.dtype)
+        line = f"{batch:>5} {theirs:>19.1f} {ours:>14.1f} {ours / theirs:>6.2f}"
+        if args.expert_loop:
+            loop = run_pdserve_expert_loop(model_dir, prompts, batch, args.new_tokens, args.dtype)
+            line += f" {loop:>11.1f} {loop / ours:>12.2f}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
