@@ -43,6 +43,10 @@ class _SparseMoEForCausalLM(LlamaForCausalLM):
         raise NotImplementedError
 
     def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        activation = config.hf_config.get("hidden_act", "silu")
+        if activation != "silu":
+            raise ConfigError(f"{config.architecture} with hidden_act={activation!r}: pdserve's experts are SiLU-gated; "
+                              "run it with model_impl='transformers' (--model-impl transformers)")
         spec = self.moe_spec(config)
         if not spec.sparse_layers[layer_idx]:
             return GatedMLP(config)

@@ -18,6 +18,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.moe import ExpertWeights, select_experts
 from pdserve.engine.loader import ModelLoadError, load_model
 from pdserve.engine.models.registry import resolve_model_class
+from pdserve.engine.config import ConfigError
 from pdserve.engine.models.sparse_moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pdserve.engine.models.transformers_moe import TransformersMoEForCausalLM
 from tests.engine.moe_models import BACKEND_CASES, MOE_CASES, VOCAB_SIZE, make_moe_model_dir
@@ -211,3 +212,31 @@ def test_missing_expert_tensor_is_named(moe_model_dir, tmp_path):
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"missing 1 tensor.*layers\.1\.mlp\.experts\.gate_up_proj\[\(2, 'up'\)\]"):
         load_model(ModelConfig.from_hf(model_dir, dtype="float32"))
+
+
+def _with_config(model_dir: str, tmp_path, **changes) -> str:
+    import json
+
+    target = tmp_path / "model"
+    shutil.copytree(model_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, **changes}))
+    return str(target)
+
+
+def test_qwen_sparse_layers_follow_transformers_rule(moe_model_dir, tmp_path):
+    """decoder_sparse_step 2 makes layers 1, 3, ... sparse; mlp_only_layers turns listed ones dense."""
+    model_dir = _with_config(moe_model_dir("qwen3-moe"), tmp_path, num_hidden_layers=4, decoder_sparse_step=2,
+                             mlp_only_layers=[3])
+    spec = Qwen3MoeForCausalLM.moe_spec(ModelConfig.from_hf(model_dir))
+    assert spec.sparse_layers == (False, True, False, False)
+    assert (spec.num_experts, spec.top_k, spec.renormalize) == (8, 2, True)
+
+
+def test_moe_config_errors_name_the_fix(moe_model_dir, tmp_path):
+    model_dir = _with_config(moe_model_dir("mixtral"), tmp_path, hidden_act="gelu")
+    with pytest.raises(ConfigError, match="hidden_act='gelu'.*model_impl='transformers'"):
+        load_model(ModelConfig.from_hf(model_dir, dtype="float32"))
+    broken = _with_config(moe_model_dir("mixtral"), tmp_path / "other", num_local_experts=0)
+    with pytest.raises(ConfigError, match="needs a positive integer `num_local_experts`, got 0"):
+        load_model(ModelConfig.from_hf(broken, dtype="float32"))
