@@ -88,7 +88,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                          help="simulate every engine behind the router up to N engines; above, one engine per tier")
     parser.add_argument("--step-scale", nargs=2, type=float, default=(1.0, 1.0), metavar=("PREFILL", "DECODE"),
                         help="multiply the profile's prefill and decode step times (e.g. a profile measured on a "
-                             "busier machine than the one planned for); transfers are not scaled")
+                             "busier machine than the one planned for); transfers are not scaled; a CPU profile only")
     parser.add_argument("--host-cpu-per-token", type=float, default=None, metavar="US",
                         help="microseconds of host CPU (router, clients) per streamed token that a CPU host runs on "
                              "the engines' cores once none is idle (one core per engine); default: 0 for plan, and "
@@ -104,7 +104,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-point-speed", action="store_true",
                         help="--validate: scale the profile's prefill and decode steps at each point by the sweep's "
                              "reference runs around it (`pdserve sweep --reference-requests K`): the model's error "
-                             "at the machine's speed of the moment, without its drift since the profile")
+                             "at the machine's speed of the moment, without its drift since the profile; a CPU "
+                             "profile only")
     parser.add_argument("--no-host-effects", action="store_true",
                         help="simulate a CPU profile without what its host adds (co-run factors, the host's CPU, the "
                              "attention's padding): the physical step model alone, as a GPU profile always is")

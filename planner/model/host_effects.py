@@ -160,7 +160,8 @@ def host_effects(args: argparse.Namespace, profile: Profile, host: HostCpu = NO_
     unless --no-host-effects; NO_HOST_EFFECTS for a GPU profile, which refuses the flags that would set them."""
     prefill_scale, decode_scale = args.step_scale
     if not (prefill_scale > 0 and decode_scale > 0):
-        raise ValueError(f"--step-scale {prefill_scale:g} {decode_scale:g}: both scales must be above 0 (1 = as profiled)")
+        raise ValueError(f"--step-scale {prefill_scale:g} {decode_scale:g}: both scales must be above 0 "
+                         "(1 = as profiled)")
     given = [flag for flag, value in (("--step-scale", tuple(args.step_scale) != (1.0, 1.0)),
                                       ("--per-point-speed", args.per_point_speed),
                                       ("--host-cpu-per-token", args.host_cpu_per_token is not None),

@@ -568,7 +568,8 @@ class SimEngine:
         room = (self.capacity - self.used_tokens()) // batch
         num_steps = max(1, min(self._finishes[0][0] - self.clock, room))
         slowdown = self.cluster.host.slowdown(self)  # a change cuts the run (SharedHost.set_activity), as for charge
-        first = self.cluster.host.charge(self.model.step_seconds(batch, self.attended_tokens(), 0, 0.0, slowdown), batch)
+        first = self.cluster.host.charge(self.model.step_seconds(batch, self.attended_tokens(), 0, 0.0, slowdown),
+                                         batch)
         growth = self.cluster.host.charge(self.model.decode_per_context * batch * slowdown.kv_reads, 0)  # a token each
         if self.knows_ahead:
             num_steps = self._steps_before_input(now, num_steps, first, growth)
