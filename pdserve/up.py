@@ -51,7 +51,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds every component together may take to become ready")
     parser.add_argument("--max-restarts", type=int, default=5, metavar="N",
-                        help="restarts per component within --restart-window (0 = never restart)")
+                        help="restarts per component within --restart-window; past it an engine is given up "
+                             "and the router restarted on at the capped backoff (0 = never restart)")
     parser.add_argument("--restart-window", type=float, default=600.0, metavar="S",
                         help="seconds over which --max-restarts is counted")
     parser.add_argument("--registration-address", default="tcp://127.0.0.1:0", metavar="ADDRESS",
