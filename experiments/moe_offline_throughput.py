@@ -1,8 +1,12 @@
 """Offline throughput of a tiny random-weight MoE model: pdserve's engine against transformers'
 generate(), batch 32 and 1, in one process (experiments/offline_throughput.py's two runners).
 
-    python experiments/moe_offline_throughput.py [--arch qwen3-moe|qwen2-moe|mixtral] [--batch 32 --batch 1]
-                                                 [--prompt-len 128] [--new-tokens 64] [--expert-loop]
+    python experiments/moe_offline_throughput.py [--arch qwen3-moe|qwen2-moe|mixtral] [--size tiny|small]
+                                                 [--batch 32 --batch 1]
+                                                 [--prompt-len 128] [--new-tokens 64] [--repeats 3] [--expert-loop]
+
+Each figure is the median of --repeats runs taken in turns (A B B A ...: experiments/ab_runs.py), so a
+shared machine that drifts weighs on both engines alike.
 
 The model is built here with transformers' own config class and save_pretrained (the hub's
 per-expert checkpoint format), with the demo tokenizer. --expert-loop adds a pdserve column whose
@@ -20,11 +24,19 @@ from pathlib import Path
 import torch
 import transformers
 
+import statistics
+
+from ab_runs import mode_order
 from offline_throughput import make_prompts, run_pdserve, run_transformers
 
-_SHAPE = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-          "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+_SPECIAL = {"vocab_size": 1024, "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+# tiny: the parity tests' shape; small: wide enough that the experts' products, not per-step overheads, dominate
+SIZES = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "moe_scale": 1},
+    "small": {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "moe_scale": 8},
+}
 ARCHS = {
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
@@ -36,13 +48,18 @@ ARCHS = {
 }
 
 
-def build_model(arch: str, out_dir: Path) -> str:
+def build_model(arch: str, size: str, out_dir: Path) -> str:
     """The demo tokenizer's files, then the MoE model's config and weights written over the demo's."""
     from pdserve.demo_model import make_demo_model
 
     make_demo_model(out_dir, arch="llama", size="tiny")
     config_class, architecture, fields = ARCHS[arch]
-    config = getattr(transformers, config_class)(**{**_SHAPE, **fields})
+    shape = dict(SIZES[size])
+    scale = shape.pop("moe_scale")  # expert sizes grow with the model
+    fields = {k: v * scale if k.endswith("intermediate_size") else v for k, v in fields.items()}
+    if "head_dim" in fields:
+        fields["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"] * 2
+    config = getattr(transformers, config_class)(**{**_SPECIAL, **shape, **fields})
     config.architectures = [architecture]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -70,23 +87,30 @@ def run_pdserve_expert_loop(model_dir: str, prompts, batch: int, new_tokens: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=list(ARCHS), default="qwen3-moe")
+    parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--batch", type=int, action="append", help="batch sizes (default: 32 and 1)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per engine, in turns; medians reported")
     parser.add_argument("--expert-loop", action="store_true", help="also pdserve with one product per expert")
     args = parser.parse_args()
-    model_dir = build_model(args.arch, Path(tempfile.mkdtemp(prefix=f"moe-{args.arch}-")))
-    print(f"{args.arch} (tiny, random weights) {model_dir}; {args.dtype}; torch threads {torch.get_num_threads()}")
+    model_dir = build_model(args.arch, args.size, Path(tempfile.mkdtemp(prefix=f"moe-{args.arch}-")))
+    print(f"{args.arch} ({args.size}, random weights) {model_dir}; {args.dtype}; torch threads {torch.get_num_threads()}")
     loop_header = f" {'loop tok/s':>11} {'loop/grouped':>12}" if args.expert_loop else ""
     print(f"{'batch':>5} {'transformers tok/s':>19} {'pdserve tok/s':>14} {'ratio':>6}{loop_header}")
+    runners = {"transformers": run_transformers, "pdserve": run_pdserve, "loop": run_pdserve_expert_loop}
     for batch in args.batch or [32, 1]:
-        prompts = make_prompts(max(batch, 4), args.prompt_len, _SHAPE["vocab_size"])
-        theirs = run_transformers(model_dir, prompts, batch, args.new_tokens, args.dtype)
-        ours = run_pdserve(model_dir, prompts, batch, args.new_tokens, args.dtype)
+        prompts = make_prompts(max(batch, 4), args.prompt_len, _SPECIAL["vocab_size"])
+        runs: dict[str, list[float]] = {name: [] for name in runners}
+        for mode in mode_order(("transformers", "pdserve"), args.repeats):
+            runs[mode].append(runners[mode](model_dir, prompts, batch, args.new_tokens, args.dtype))
+            if mode == "pdserve" and args.expert_loop:
+                runs["loop"].append(run_pdserve_expert_loop(model_dir, prompts, batch, args.new_tokens, args.dtype))
+        theirs, ours = statistics.median(runs["transformers"]), statistics.median(runs["pdserve"])
         line = f"{batch:>5} {theirs:>19.1f} {ours:>14.1f} {ours / theirs:>6.2f}"
         if args.expert_loop:
-            loop = run_pdserve_expert_loop(model_dir, prompts, batch, args.new_tokens, args.dtype)
+            loop = statistics.median(runs["loop"])
             line += f" {loop:>11.1f} {loop / ours:>12.2f}"
         print(line, flush=True)
 
