@@ -125,10 +125,25 @@ def cpu_over_load(samples: list[tuple[float, float, float]], duration_s: float) 
 
 def router_pid(up_pid: int) -> int:
     """The router among `pdserve up`'s children (its command line says `router`)."""
-    for pid in Path(f"/proc/{up_pid}/task/{up_pid}/children").read_text().split():
+    for pid in children(up_pid):
         if b"router" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-            return int(pid)
+            return pid
     raise RuntimeError(f"no router among pdserve up's (pid {up_pid}) children")
+
+
+def children(pid: int) -> list[int]:
+    """A process's children: /proc's list, or (a kernel without it) every process whose parent it is."""
+    listed = Path(f"/proc/{pid}/task/{pid}/children")
+    if listed.exists():
+        return [int(child) for child in listed.read_text().split()]
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
 
 
 def cpu_ms_of(pid: int) -> float:

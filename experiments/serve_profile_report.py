@@ -64,15 +64,15 @@ def thread_costs(engine: dict) -> dict:
 
 
 def offline_step(offline: dict, batch: int) -> dict:
-    """The offline engine's step at `batch`: the round (LLM.generate's loop, detokenization included) and the
-    engine's own step (the named parts)."""
-    batch, chosen = decode_rounds(offline["rounds"], batch)
-    steps = [sum(v for k, v in r["parts_ms"].items() if k != step_spans.UNACCOUNTED) for r in chosen]
-    return {"batch": batch, "rounds": len(chosen), "round_median_ms": statistics.median(r["wall_ms"] for r in chosen),
-            "step_median_ms": statistics.median(steps), "step_mean_ms": statistics.fmean(steps),
-            "wait_for_core_ms": statistics.fmean(r["wait_ms"] for r in chosen),
-            "timed_over_plain_generate": offline["generate_timed_s"] / offline["generate_s"],
-            "step_less_wait_median_ms": statistics.median(step - r["wait_ms"] for step, r in zip(steps, chosen))}
+    """The offline engine's step at `batch`, broken down as the served one (its unaccounted part is LLM.generate's
+    loop, detokenization included), and its step without that loop."""
+    step = step_breakdown(offline["rounds"], batch)
+    _, chosen = decode_rounds(offline["rounds"], step["batch"])
+    steps = [r["wall_ms"] - r["parts_ms"].get(step_spans.UNACCOUNTED, 0.0) for r in chosen]
+    waits = [r["parts_ms"].get(step_spans.WAIT, 0.0) for r in chosen]
+    return {**step, "round_median_ms": step["step_median_ms"], "step_median_ms": statistics.median(steps),
+            "step_less_wait_median_ms": statistics.median(t - w for t, w in zip(steps, waits)),
+            "timed_over_plain_generate": offline["generate_timed_s"] / offline["generate_s"]}
 
 
 def markdown(report: dict) -> str:
@@ -138,10 +138,17 @@ def zmq_ms(run: dict) -> float:
 
 def offline_lines(report: dict) -> list[str]:
     offline, ratio = report["offline"], report["served_over_offline"]
-    return ["### Served against offline", "",
-            f"Offline engine, same core, batch {offline['batch']}, {offline['rounds']} steps: median step "
-            f"{offline['step_median_ms']:.2f} ms (round with LLM.generate's loop {offline['round_median_ms']:.2f} ms). "
-            f"Served median step / offline median step = **{ratio:.2f}x** (goal: at most 1.5x). Less the time "
-            f"each step's main thread waited for a core: {offline['step_less_wait_median_ms']:.2f} ms offline, "
-            f"served / offline = **{report['served_over_offline_less_wait']:.2f}x**. The timing itself: the offline "
-            f"generate took {offline['timed_over_plain_generate']:.3f}x as long timed as untimed.", ""]
+    served = next(iter(report["runs"].values()))["step"]
+    lines = ["### Served against offline", "",
+             f"Offline engine, same core, batch {offline['batch']}, {offline['rounds']} steps: median step "
+             f"{offline['step_median_ms']:.2f} ms (round with LLM.generate's loop {offline['round_median_ms']:.2f} ms). "
+             f"Served median step / offline median step = **{ratio:.2f}x** (goal: at most 1.5x). Less the time "
+             f"each step's main thread waited for a core: {offline['step_less_wait_median_ms']:.2f} ms offline, "
+             f"served / offline = **{report['served_over_offline_less_wait']:.2f}x**. The timing itself: the offline "
+             f"generate took {offline['timed_over_plain_generate']:.3f}x as long timed as untimed.", "",
+             "| part (mean ms per step) | served | offline | served / offline |", "| --- | ---: | ---: | ---: |"]
+    for name, ms in served["parts_ms"].items():
+        other = offline["parts_ms"].get(name, 0.0)
+        lines.append(f"| {name} | {ms:.3f} | {other:.3f} | {f'{ms / other:.2f}' if other else '-'} |")
+    return lines + [f"| step | {served['step_mean_ms']:.3f} | {offline['step_mean_ms']:.3f} | "
+                    f"{served['step_mean_ms'] / offline['step_mean_ms']:.2f} |", ""]
