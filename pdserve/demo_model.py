@@ -16,6 +16,7 @@ so chat prompts carry one BOS whether or not the caller asks for special tokens.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -23,6 +24,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -381,19 +383,26 @@ def make_demo_model(
     """Write a random-weight HF model dir (config, safetensors, generation config, tokenizer, chat
     template) to out_dir, creating it; files already there are overwritten. Returns the dir.
     progress=True shows one progress bar (on stderr) over the build's steps."""
-    from tqdm import tqdm
+    from pdserve.progress import Progress, format_seconds
 
     config = demo_config(arch, size, config_overrides, dtype)
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
-    with tqdm(total=3, desc=f"building the {arch}-{size} demo model", unit="step", disable=None if progress else True,
-              file=sys.stderr) as bar:
+    shown = sys.stderr if progress else io.StringIO()
+    with Progress(3, f"[pdserve] building the {arch}-{size} demo model", file=shown) as bar:
+        bar.start("random weights")
         model = _build_model(config, seed, dtype)
-        bar.update()
+        bar.finish()
+        size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+        bar.start(f"writing model.safetensors ({size_mb:.0f} MB)")
         _save_model(model, config, out_path, _MAX_NEW_TOKENS.get(size))
-        bar.update()
+        bar.finish()
+        bar.start("tokenizer")
         _save_tokenizer(out_path, config.vocab_size, config.max_position_embeddings)
-        bar.update()
+        bar.finish()
+    if progress and not bar.tty:
+        took = format_seconds(time.monotonic() - bar.started)
+        print(f"[pdserve] built the {arch}-{size} demo model in {took}", file=sys.stderr, flush=True)
     return out_path
 
 

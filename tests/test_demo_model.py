@@ -4,6 +4,9 @@ asked for, deterministic per seed, and random enough that greedy text is not one
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -372,3 +375,17 @@ def test_demo_build_shows_no_transformers_shard_bar(tmp_path, capfd):
     make_demo_model(tmp_path / "m", arch="llama", size="tiny", progress=True)
     err = capfd.readouterr().err
     assert "Writing model shards" not in err
+
+
+def test_demo_build_prints_a_line_per_phase_when_output_is_no_terminal(tmp_path):
+    """As the first `pdserve up` builds it with its output in a log: each phase named, with the time left."""
+    code = ("import sys; from pdserve.demo_model import make_demo_model; "
+            "make_demo_model(sys.argv[1], arch='llama', size='tiny', progress=True)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], capture_output=True, text=True,
+                          timeout=300, check=True)
+    lines = done.stderr.splitlines()
+    phases = [line for line in lines if line.startswith("[pdserve] building the llama-tiny demo model [")]
+    assert len(phases) == 3 and "[1/3] random weights (" in phases[0] and "/3] writing model.safetensors (" in phases[1], done.stderr
+    assert phases[0].endswith("(time left not known yet)") and re.search(r"\(about \d+s left\)$", phases[2])
+    assert re.fullmatch(r"\[pdserve\] built the llama-tiny demo model in \d+s", lines[-1]), done.stderr
+    assert "\r" not in done.stderr  # no bar redrawn in a log
