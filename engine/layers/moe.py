@@ -19,6 +19,7 @@ from torch import nn
 from pdserve.engine.layers.linear import Linear, copy_checked
 from pdserve.kernels.dispatch import kernel_for
 
+
 @dataclass(frozen=True)
 class MoESpec:
     """The shape and routing of a model's sparse feed-forward layers."""

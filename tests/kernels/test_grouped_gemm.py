@@ -72,3 +72,21 @@ def test_no_rows():
 def test_bad_arguments_are_named(b_shape, ends, expected):
     with pytest.raises(ValueError, match=expected):
         grouped_gemm(torch.zeros(3, 4), torch.zeros(b_shape), ends)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_moe_layer_on_the_triton_kernel_matches_torch(dtype, monkeypatch, request):
+    """The whole routed-experts computation of engine/layers/moe.py (sort by expert, both grouped
+    GEMMs, weights, the sum over each token's experts) with the Triton kernel, as on CUDA."""
+    from pdserve.engine.layers import moe
+
+    gen = generator_for(request.node.name)
+    num_tokens, top_k, num_experts, hidden, inter = 19, 2, 6, 32, 16
+    hidden_states = randn((num_tokens, hidden), dtype, gen)
+    gate_up = randn((num_experts, 2 * inter, hidden), dtype, gen) / hidden**0.5
+    down = randn((num_experts, hidden, inter), dtype, gen) / inter**0.5
+    weights, ids = moe.select_experts(randn((num_tokens, num_experts), torch.float32, gen), top_k, True)
+    args = (hidden_states, weights, ids, gate_up, down, moe.silu_and_mul, torch.arange(num_experts))
+    expected = moe.routed_experts(*args)
+    monkeypatch.setattr(moe, "kernel_for", lambda name, device: grouped_gemm)
+    assert_close(moe.routed_experts(*args), expected, dtype)
