@@ -9,7 +9,7 @@ dropped. `receive()` also drains the links and ends transfers that timed out.
 
 A prefill engine that restarts on the same address is a new peer: its HelloAck and errors carry a new
 incarnation, it answers a link it never saw Hello on with `no_hello`, and the router lists the new incarnation
-in KVPeers. Any of these makes the link stale: a new link (new socket, new Hello) replaces it, what the new
+in KVPeers; before that, the link's connection to the old process drops. Any of these makes the link stale: a new link (new socket, new Hello) replaces it, what the new
 engine refused for want of a Hello goes again on it, and every other transfer asked on an older link fails at
 once (recomputed here) instead of waiting out its timeout.
 """
@@ -22,6 +22,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.decode.incoming import IncomingState, IncomingTransfer
 from pdserve.decode.kv_peers import KVPeerTrust
@@ -59,6 +61,22 @@ class _PrefillLink:
     peer_incarnation: str = ""  # from its HelloAck
     stale: str | None = None  # why the link no longer reaches the engine it said Hello to (renewed after the drain)
     refused_for_hello: set[str] = field(default_factory=set)  # requests the engine answered `no_hello`
+    monitor: zmq.Socket | None = None  # the DEALER's disconnect events
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.client.socket.disable_monitor()
+            self.monitor.close(linger=0)
+        self.client.close()
+
+    def connection_dropped(self) -> bool:
+        """Whether the connection to the engine that accepted our Hello dropped (that process died, or the
+        network between us failed) since the last call. Before a HelloAck nothing counts: a peer that is not
+        up yet, or refuses our keys, is the connect timeout's business."""
+        dropped = False
+        while self.monitor is not None and self.monitor.poll(0):
+            dropped |= recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
+        return dropped and bool(self.peer_incarnation)
 
 
 class DecodeTransferSide(KVTransferSide):
@@ -98,7 +116,7 @@ class DecodeTransferSide(KVTransferSide):
 
     def close(self) -> None:
         for link in self._links.values():
-            link.client.close()
+            link.close()
 
     # ---- asked by the scheduler side ----
 
@@ -158,7 +176,8 @@ class DecodeTransferSide(KVTransferSide):
             # no KVLayer frame can be larger than our whole cache: a bigger one drops the link
             client = ClientSocket(address, curve=self.curve, max_message_bytes=self.writer.kv_cache.nbytes)
             self._num_links += 1
-            link = _PrefillLink(address, client, self._num_links)
+            link = _PrefillLink(address, client, self._num_links,
+                                monitor=client.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED))
             self._links[address] = link
             hello = Hello(fingerprint=self.fingerprint.to_dict(), role="decode", engine_id=self.engine_id,
                           incarnation=self.incarnation)
@@ -186,7 +205,7 @@ class DecodeTransferSide(KVTransferSide):
         for incoming in list(self.transfers.values()):
             if incoming.address == link.address and incoming.state is IncomingState.RECEIVING:
                 self._fail(incoming, reason)
-        link.client.close()
+        link.close()
         del self._links[link.address]
 
     # ---- incoming ----
@@ -198,6 +217,8 @@ class DecodeTransferSide(KVTransferSide):
             self._flush(link)
             if link.address not in self._links:
                 continue
+            if link.connection_dropped():
+                link.stale = f"its connection to incarnation {link.peer_incarnation} dropped"
             while True:
                 try:
                     received = link.client.recv(timeout=0)
@@ -267,7 +288,7 @@ class DecodeTransferSide(KVTransferSide):
         of a Hello goes again, once; every other transfer asked on an older link fails now (and is aborted there,
         so the blocks of a prompt the new engine did compute go too)."""
         log.warning("the KV link to prefill engine %s is stale (%s): opening a new one", link.address, link.stale)
-        link.client.close()
+        link.close()
         del self._links[link.address]
         self._incarnations.pop(link.address, None)
         try:

@@ -1,7 +1,9 @@
 """The decode side's KV link to a prefill engine that restarted on the same address (a stand-in prefill
 engine closed and bound again on the same port): the link is renewed with a new socket and a new Hello, what
 the new engine refused for want of a Hello goes again, and every transfer asked of the old engine fails at
-once (and is aborted on the new one) instead of waiting out its timeout."""
+once (and is aborted on the new one) instead of waiting out its timeout. The restart shows as the link's
+connection dropping, as `no_hello` from the new engine (when the old one died before answering the Hello),
+as an error naming no request, or as the router's new incarnation."""
 
 from __future__ import annotations
 
@@ -49,20 +51,46 @@ def restarted(prefill: ServerSocket) -> ServerSocket:
             time.sleep(0.02)
 
 
-@pytest.fixture
-def asked_before_restart():
-    """D asked the old engine for request "old" (KVWant sent, Hello accepted with OLD); then the engine restarted.
-    Yields (scheduler side, transfer side, the new stand-in engine)."""
+def asked_old(answer_hello: bool):
+    """D asked a stand-in prefill engine for request "old" (Hello, then KVWant; the Hello answered with OLD or
+    not at all): (scheduler side, transfer side, the stand-in engine)."""
     scheduler_side, side = decode_sides()
     side.incarnation = "dddd0000dddd0000"
     prefill = ServerSocket("tcp://127.0.0.1:0")
     ask_for(scheduler_side, "old", prefill, [0, 1])
-    said_hello(prefill, side, OLD)
+    if answer_hello:
+        said_hello(prefill, side, OLD)
+    else:
+        assert isinstance(recv_flushing(prefill, side).msg, Hello)
     assert isinstance(recv_flushing(prefill, side).msg, KVWant)
+    return scheduler_side, side, prefill
+
+
+@pytest.fixture
+def asked_before_restart():
+    """The engine died before it answered D's Hello, and came back on its address: D's socket reconnects to the
+    new one silently. Yields (scheduler side, transfer side, the new stand-in engine)."""
+    scheduler_side, side, prefill = asked_old(answer_hello=False)
     prefill = restarted(prefill)
     yield scheduler_side, side, prefill
     side.close()
     prefill.close()
+
+
+def test_a_dropped_connection_fails_what_was_asked_at_once_and_says_hello_again():
+    scheduler_side, side, prefill = asked_old(answer_hello=True)
+    try:
+        prefill = restarted(prefill)
+        started = time.monotonic()
+        said_hello(prefill, side, NEW)
+        assert side.transfers["old"].state is IncomingState.FAILED and "dropped" in side.transfers["old"].reason
+        assert time.monotonic() - started < 2, "failed at once, not at the KV timeout"
+        assert [(type(msg), msg.request_id) for _, msg in received(prefill, side, 1)] == [(Abort, "old")]
+        ask_for(scheduler_side, "new", prefill, [2, 3])
+        assert isinstance(received(prefill, side, 1)[0][1], KVWant), "the new link serves new requests"
+    finally:
+        side.close()
+        prefill.close()
 
 
 def test_no_hello_renews_the_link_resends_what_it_named_and_fails_the_rest_at_once(asked_before_restart):
@@ -118,21 +146,26 @@ def test_an_error_naming_no_request_is_not_ignored(asked_before_restart):
     assert side.transfers["old"].state is IncomingState.FAILED
 
 
-def test_the_routers_new_incarnation_renews_the_link_before_any_request(asked_before_restart):
-    _, side, prefill = asked_before_restart
-    trust = KVPeerTrust()
-    side.kv_peers = trust
-    side.receive()  # the router has said nothing yet: the link stays
-    assert side.transfers["old"].state is IncomingState.RECEIVING
-    trust.update_from_router((prefill.address,), "router", {prefill.address: NEW})
-    started = time.monotonic()
-    said_hello(prefill, side, NEW)
-    assert side.transfers["old"].state is IncomingState.FAILED
-    assert time.monotonic() - started < 2
-    assert [(type(msg), msg.request_id) for _, msg in received(prefill, side, 1)] == [(Abort, "old")]
-    trust.update_from_router((prefill.address,), "router", {prefill.address: NEW})
-    side.receive()
-    assert recv_flushing_nothing(prefill, side), "the same announcement again renews nothing"
+def test_the_routers_new_incarnation_renews_the_link_before_any_request():
+    """The router heard of the new process first (its connection drop not seen yet: here, none at all)."""
+    _, side, prefill = asked_old(answer_hello=True)
+    try:
+        trust = KVPeerTrust()
+        side.kv_peers = trust
+        side.receive()  # the router has said nothing yet: the link stays
+        assert side.transfers["old"].state is IncomingState.RECEIVING
+        trust.update_from_router((prefill.address,), "router", {prefill.address: NEW})
+        started = time.monotonic()
+        said_hello(prefill, side, NEW)
+        assert side.transfers["old"].state is IncomingState.FAILED
+        assert time.monotonic() - started < 2
+        assert [(type(msg), msg.request_id) for _, msg in received(prefill, side, 1)] == [(Abort, "old")]
+        trust.update_from_router((prefill.address,), "router", {prefill.address: NEW})
+        side.receive()
+        assert recv_flushing_nothing(prefill, side), "the same announcement again renews nothing"
+    finally:
+        side.close()
+        prefill.close()
 
 
 def recv_flushing_nothing(prefill: ServerSocket, side) -> bool:

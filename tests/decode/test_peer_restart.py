@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.control.sockets import ClientSocket
 from pdserve.local_cluster import Driver, EngineProcess
-from tests.decode.test_disaggregated import ENGINE_ARGS, assert_no_leaks
+from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
 
 pytestmark = pytest.mark.hostile
 
@@ -148,6 +148,42 @@ def test_prefill_frees_at_once_what_it_held_for_a_killed_decode_engine(model_fac
         driver.decode.close()
         driver.decode = ClientSocket(decode.addresses["control"])
         driver.engines = (decode, prefill)
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+        prefill.stop()
+        decode.stop()
+
+
+def test_transfers_in_flight_when_prefill_dies_fail_at_once_and_its_restart_is_used(model_factory, tmp_path):
+    """P hangs inside a KV send (tests/decode/faulty_prefill.py) with three transfers asked, and is killed: the
+    link's connection drops, so D recomputes the three at once instead of after --kv-timeout (30 s here). P then
+    comes back on its addresses and serves the next request's KV."""
+    model_dir = model_factory("llama")
+    control, kv = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", "--control-address", control,
+                            "--kv-address", kv, "--fault", "stall:0", module="tests.decode.faulty_prefill",
+                            log_dir=tmp_path)
+    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-peer", kv, *DECODE_ARGS, log_dir=tmp_path)
+    driver = Driver(decode, prefill)
+    try:
+        for i, prompt in enumerate(PROMPTS[:3]):
+            driver.submit(f"r{i}", prompt, **GREEDY)
+        wait_for(lambda: "stalling forever mid-transfer" in prefill.log(), "P stalls inside a KV send")
+        prefill.kill()  # SIGKILL by its PID
+        killed = time.monotonic()
+        results = driver.collect([f"r{i}" for i in range(3)], timeout_s=60)
+        recovered_s = time.monotonic() - killed
+        print(f"\nthree transfers in flight when P was killed: all answered {recovered_s:.2f}s after the kill")
+        assert recovered_s < KV_TIMEOUT_S / 3, f"{recovered_s:.1f}s: the transfers waited for a timeout"
+        expected = colocated_tokens(model_dir, PROMPTS[:4], **GREEDY)
+        assert [results[f"r{i}"].token_ids for i in range(3)] == expected[:3]
+        assert "dropped" in failed_transfers(driver)
+
+        prefill = start_prefill(model_dir, tmp_path, control, kv)
+        driver.engines = (decode, prefill)
+        assert driver.generate([PROMPTS[3]], prefix="next", **GREEDY)[0].token_ids == expected[3]
+        assert driver.prefill_stats().num_kv_transfers == 1, "the restarted P served the KV"
         assert_no_leaks(driver)
     finally:
         driver.close()
