@@ -34,7 +34,7 @@ def payload_checksum(buffer: Any) -> int:
     Catches corrupted, truncated, stale or misplaced bytes; it is not an authenticator (CURVE's MAC
     is). Why XXH3 and not zlib.crc32: on the 2-core benchmark box XXH3 hashed 1 MiB in ~17 us (cache
     hot) and 64 MiB at ~28 GiB/s, crc32 at ~4 GB/s, about the CPU cost of moving the bytes over
-    loopback (planner/profile/kv_link.py prints both)."""
+    loopback (experiments/connector_throughput.py prints both)."""
     return xxhash.xxh3_64_intdigest(memoryview(buffer).cast("B"))
 
 

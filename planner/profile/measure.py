@@ -238,7 +238,7 @@ def measure_transfer(sizes_mib: list[int], num_requests: int) -> list[TransferPo
     """Seconds per request of pdserve's KV messages (tcp loopback, CURVE) and the CPU each side spent."""
     from pdserve.planner.profile.kv_link import MIB, messages_per_request, run_scenarios
 
-    scenarios = [("tcp", "kv", size, messages_per_request("kv", size, 4), num_requests, "tcp://127.0.0.1:0")
+    scenarios = [("tcp", "kv", size, messages_per_request(size, 4), num_requests, "tcp://127.0.0.1:0")
                  for size in sizes_mib]
     results = run_scenarios(scenarios, pin=True, curve=True)
     wall = {index: seconds for role, index, seconds, _, _ in results if role == "send"}
