@@ -39,8 +39,9 @@ from pdserve.bench.sweep_results import (
     summary_row,
     write_csv,
 )
-from pdserve.bench.sweep_runs import BenchOptions, run_bench, warm_up
+from pdserve.bench.sweep_runs import BenchOptions, format_rate, run_bench, warm_up
 from pdserve.bench.sweep_unloaded import UNLOADED_PHASE, goodput_flags, parse_slo_factors, slos_from_unloaded
+from pdserve.progress import Progress
 
 # flags the sweep gives `pdserve up` and `pdserve bench` for each layout and run
 SET_FOR_UP = ("--model", "--num-prefill", "--num-decode", "--prefill", "--decode", "--port", "--log-dir", "--device",
@@ -202,13 +203,34 @@ class Sweep:
         self.runs_dir = plan.output_dir / "runs"
         self.order = itertools.count()  # each run's place among its server's runs (references between loads)
         self.references_run = 0  # the running server's reference runs so far
+        self.progress: Progress | None = None
 
     def run(self) -> None:
         self.runs_dir.mkdir(parents=True, exist_ok=True)
-        if self.plan.slo_factors:
-            self.each_server(self.run_unloaded)
-            self.derive_slos()
-        self.each_server(self.run_server)
+        servers = len(self.plan.layouts) + len(self.plan.externals)
+        total = servers * (self.points_per_server(self.run_server)
+                           + (self.points_per_server(self.run_unloaded) if self.plan.slo_factors else 0))
+        with Progress(total, "[pdserve sweep]", file=sys.stdout, unit="run") as self.progress:
+            if self.plan.slo_factors:
+                self.each_server(self.run_unloaded)
+                self.derive_slos()
+            self.each_server(self.run_server)
+
+    def points_per_server(self, work) -> int:
+        """The bench runs `work` makes on one server, a goodput search's probes not counted (added as they come)."""
+        warm = 1 if self.plan.warmup else 0
+        if work == self.run_unloaded:
+            return warm + 1
+        loads = len(self.plan.loads)
+        return warm + loads + ((loads + 1) if self.plan.reference_requests else 0)
+
+    def bench_point(self, label: str, *args, **kwargs) -> tuple[dict, dict | None]:
+        """run_bench(*args, **kwargs) as one point of the progress, with its line of results."""
+        self.progress.start(label)
+        row, result = run_bench(*args, **kwargs)
+        self.progress.finish()
+        self.progress.note(f"[pdserve sweep] {label}: {point_result(row)}")
+        return row, result
 
     def each_server(self, work) -> None:
         """work(url, RunInfo, client cores) on each layout, started for it and stopped after, then on each
@@ -221,6 +243,7 @@ class Sweep:
                     work(cluster.url, info, cluster.client_cores)
             except ClusterError as exc:
                 print(f"[pdserve sweep] error: {exc}", file=sys.stderr, flush=True)
+                self.progress.add(-self.points_per_server(work))  # the layout never started: none of its runs
                 self.rows.append(summary_row(replace(info, phase="start"), None, {}, self.plan.slos, "",
                                              str(exc).splitlines()[0]))
             self.write_tables()
@@ -233,7 +256,8 @@ class Sweep:
         self.warm_up_server(url, base, client_cores, before=UNLOADED_PHASE)
         options = replace(self.plan.bench, num_prompts=self.plan.unloaded_prompts)
         info = replace(base, phase=UNLOADED_PHASE, request_rate=math.inf, max_concurrency=1)
-        row, _ = run_bench(options, url, info, self.runs_dir, {}, UNLOADED_SEED_INDEX, client_cores)
+        label = f"{base.config} unloaded: {options.num_prompts} requests one at a time, for the SLOs"
+        row, _ = self.bench_point(label, options, url, info, self.runs_dir, {}, UNLOADED_SEED_INDEX, client_cores)
         self.rows.append(row)
 
     def warm_up_server(self, url: str, base: RunInfo, client_cores: list[int] | None, before: str) -> None:
@@ -246,10 +270,10 @@ class Sweep:
         if not self.plan.warmup:
             return
         options = replace(self.plan.bench, num_prompts=max(1, base.num_engines), goodput=[])
-        print(f"[pdserve sweep] {base.config}: warm-up, {options.num_prompts} unmeasured request(s) shaped like "
-              "the runs", flush=True)
+        label = f"{base.config} warm-up: {options.num_prompts} unmeasured request(s) shaped like the runs"
         info = replace(base, phase=f"{WARMUP_PHASE}_{before}", request_rate=math.inf, max_concurrency=None)
-        row, _ = run_bench(options, url, info, self.plan.output_dir / "warmup", {}, WARMUP_SEED_INDEX, client_cores)
+        row, _ = self.bench_point(label, options, url, info, self.plan.output_dir / "warmup", {}, WARMUP_SEED_INDEX,
+                                  client_cores)
         if row["error"]:
             print(f"[pdserve sweep] {base.config}: the shaped warm-up failed, measuring anyway: {row['error']}",
                   file=sys.stderr, flush=True)
@@ -260,8 +284,8 @@ class Sweep:
         self.plan = replace(self.plan, slos=slos, bench=replace(self.plan.bench, goodput=goodput_flags(slos)))
         (self.plan.output_dir / "slos.json").write_text(json.dumps(basis, indent=2) + "\n")
         for metric, how in basis.items():
-            print(f"[pdserve sweep] {metric.upper()} SLO {how['slo_ms']:g} ms = {how['factor']:g} x "
-                  f"{how['unloaded_median_ms']:.1f} ms ({how['from_config']}'s unloaded median)", flush=True)
+            self.progress.note(f"[pdserve sweep] {metric.upper()} SLO {how['slo_ms']:g} ms = {how['factor']:g} x "
+                               f"{how['unloaded_median_ms']:.1f} ms ({how['from_config']}'s unloaded median)")
         for row in self.rows:
             if row.get("phase") == UNLOADED_PHASE and row.get("result_file"):
                 result = json.loads(Path(row["result_file"]).read_text())
@@ -281,8 +305,11 @@ class Sweep:
 
     def run_one(self, url: str, info: RunInfo, run_index: int) -> dict:
         self.run_reference(url, info)
-        row, _ = run_bench(self.plan.bench, url, info, self.runs_dir, self.plan.slos, run_index, self.client_cores,
-                           order=next(self.order))
+        label = f"{info.config} at {load_text(info)}"
+        if info.phase == "search":
+            label = f"{info.config} goodput search at {load_text(info)}"
+        row, _ = self.bench_point(label, self.plan.bench, url, info, self.runs_dir, self.plan.slos, run_index,
+                                  self.client_cores, order=next(self.order))
         self.rows.append(row)
         return row
 
@@ -297,8 +324,9 @@ class Sweep:
         options = replace(self.plan.bench, num_prompts=self.plan.reference_requests, goodput=[],
                           dataset_args=with_output_len(self.plan.bench.dataset_args, self.plan.reference_output_len))
         info = replace(base, phase=REFERENCE_PHASE, request_rate=math.inf, max_concurrency=1)
-        row, _ = run_bench(options, url, info, self.runs_dir, {}, REFERENCE_SEED_INDEX + number, self.client_cores,
-                           name=f"{base.config}_reference{number}", order=next(self.order))
+        label = f"{base.config} reference run {number}: {options.num_prompts} requests one at a time"
+        row, _ = self.bench_point(label, options, url, info, self.runs_dir, {}, REFERENCE_SEED_INDEX + number,
+                                  self.client_cores, name=f"{base.config}_reference{number}", order=next(self.order))
         self.rows.append(row)
 
     def search_goodput(self, url: str, base: RunInfo) -> None:
@@ -309,6 +337,7 @@ class Sweep:
         probe_indexes = itertools.count(len(self.plan.loads))
 
         def attainment_at(rate: float) -> float:
+            self.progress.add(2 if self.plan.reference_requests else 1)  # the probe (and its reference run)
             row = self.run_one(url, replace(base, phase="search", request_rate=rate), next(probe_indexes))
             if row["slo_attainment"] is None:  # bench itself failed: no rate will do better
                 raise SearchStopped(row["error"])
@@ -332,16 +361,59 @@ class Sweep:
         self.goodputs.append({"config": base.config, "num_engines": base.num_engines, "goodput": rate,
                               "goodput_per_engine": per_engine, "source": source, "upper_bound": upper_bound})
         bound = f" (it misses at {upper_bound:g})" if upper_bound is not None else " (the highest rate tried)"
-        print(f"[pdserve sweep] {base.config}: goodput {rate:.3g} req/s{bound}, {per_engine:.3g} per engine",
-              flush=True)
+        self.progress.note(f"[pdserve sweep] {base.config}: goodput {rate:.3g} req/s{bound}, {per_engine:.3g} per "
+                           "engine")
 
     def write_tables(self) -> None:
         write_csv(self.plan.output_dir / "summary.csv", self.rows, SUMMARY_COLUMNS)
         if self.goodputs:
             write_csv(self.plan.output_dir / "goodput.csv", self.goodputs, GOODPUT_COLUMNS)
 
+    def commands_run(self) -> list[str]:
+        """Each layout's `pdserve up` and one load's `pdserve bench`, as the sweep ran them."""
+        from pdserve.bench.sweep_cluster import up_command
+        from pdserve.bench.sweep_runs import bench_command
+
+        commands = [up_command(self.plan.cluster, layout, self.plan.output_dir / "logs" / layout.name)
+                    for layout in self.plan.layouts]
+        load = next((row for row in self.rows if row.get("phase") == "sweep"), None)
+        if load is not None:
+            info = RunInfo(load["config"], load["num_engines"], "sweep", load["request_rate"], load["max_concurrency"])
+            url = "http://127.0.0.1:PORT"
+            commands.append(bench_command(self.plan.bench, url, info, self.runs_dir / "RUN.json"))
+        key = self.plan.bench.api_key
+        lines = [shlex.join(["pdserve", *command[3:]]) for command in commands]  # not `python -m pdserve`
+        return [line.replace(key, "<api key>") if key else line for line in lines]
+
     def failures(self) -> list[dict]:
         return [row for row in self.rows if row.get("error")]
+
+
+def load_text(info: RunInfo) -> str:
+    """'2 req/s', 'inf req/s, concurrency 8'."""
+    text = f"{format_rate(info.request_rate)} req/s"
+    return text + (f", concurrency {info.max_concurrency}" if info.max_concurrency is not None else "")
+
+
+def point_result(row: dict) -> str:
+    """A run's line: how many requests completed, in how long, its SLO attainment and latencies."""
+    if row.get("error"):
+        return "failed (the error is above)"
+    requests = (row.get("completed") or 0) + (row.get("failed") or 0)
+    text = f"{row.get('completed') or 0}/{requests} requests in {row.get('duration') or 0:.1f} s"
+    if row.get("slo_attainment") is not None:
+        text += f", {row['slo_attainment']:.0%} within the SLOs"
+    for name, field in (("TTFT", "p90_ttft_ms"), ("TPOT", "p90_tpot_ms")):
+        if isinstance(row.get(field), (int, float)):
+            text += f", {name} p90 {row[field]:.0f} ms"
+    return text
+
+
+def sweep_command() -> str | None:
+    """This process's command line, when it is `pdserve sweep` (not when a test calls main())."""
+    if sys.argv[1:2] != ["sweep"]:
+        return None
+    return shlex.join(["pdserve", *sys.argv[1:]])
 
 
 def default_output_dir() -> Path:
@@ -355,6 +427,30 @@ def with_output_len(dataset_args: list[str], output_len: int) -> list[str]:
     kept = [item for i, item in enumerate(dataset_args)
             if item != "--output-len" and (i == 0 or dataset_args[i - 1] != "--output-len")]
     return [*kept, "--output-len", str(output_len)]
+
+
+def report(sweep: Sweep) -> None:
+    """The comparison table and its sentence on the console and in summary.md; with plots, the PNGs and
+    report.html."""
+    from pdserve.bench.sweep_report import compare, describe_slos, describe_workload, markdown_table, write_summary_md
+
+    plan = sweep.plan
+    comparison = compare(sweep.rows, sweep.goodputs, plan.slos)
+    workload = describe_workload(sweep.rows)
+    print(f"\n{markdown_table(comparison)}\n\nWorkload: {workload}; SLOs: {describe_slos(plan.slos)}.\n"
+          f"{comparison.sentence}\n", flush=True)
+    write_summary_md(plan.output_dir / "summary.md", comparison, workload, plan.slos)
+    if not plan.plots:
+        return
+    from pdserve.bench.sweep_html import machine_facts, write_report
+    from pdserve.bench.sweep_plots import PlotContext, write_plots
+
+    loaded = [row for row in sweep.rows if row.get("phase") not in NOT_LOADS]
+    context = PlotContext(f"{workload}; {describe_slos(plan.slos)}", plan.slos, comparison.winner)
+    plots = write_plots(loaded, sweep.goodputs, plan.output_dir, context)
+    commands = [command for command in [sweep_command()] if command] + sweep.commands_run()
+    write_report(plan.output_dir / "report.html", comparison, workload, describe_slos(plan.slos),
+                 machine_facts(plan.cluster.device), commands, plots)
 
 
 def _interrupt(*_: object) -> None:
@@ -380,15 +476,12 @@ def run_sweep(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         sweep.write_tables()
-    if plan.plots and sweep.rows:
-        from pdserve.bench.sweep_plots import write_plots
-
-        loaded = [row for row in sweep.rows if row.get("phase") not in NOT_LOADS]
-        for path in write_plots(loaded, sweep.goodputs, plan.output_dir):
-            print(f"[pdserve sweep] wrote {path}", flush=True)
+    if sweep.rows:
+        report(sweep)
     failures = sweep.failures()
     print(f"[pdserve sweep] {len(sweep.rows) - len(failures)} of {len(sweep.rows)} runs done; "
-          f"results in {plan.output_dir}/summary.csv", flush=True)
+          f"results in {plan.output_dir}: summary.md, summary.csv" + (", report.html" if plan.plots else ""),
+          flush=True)
     if interrupted:
         return 130
     return 1 if failures else 0

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import json
 import math
@@ -76,8 +75,6 @@ def run_bench(options: BenchOptions, url: str, info: RunInfo, runs_dir: Path, sl
     result_path = runs_dir / f"{name or run_name(info)}.json"
     result_path.unlink(missing_ok=True)
     command = bench_command(options, url, info, result_path, run_index)
-    print(f"[pdserve sweep] {info.config}: bench at rate {format_rate(info.request_rate)}"
-          + (f", concurrency {info.max_concurrency}" if info.max_concurrency is not None else ""), flush=True)
     with RunMetrics(url, options.api_key, options.metrics_interval_s) as metrics:
         try:
             error = _run(command, options.timeout_s, client_cores)
@@ -128,14 +125,14 @@ def warm_up(options: BenchOptions, url: str, count: int, max_tokens: int = 8) ->
 
 
 def _run(command: list[str], timeout_s: float | None, cores: list[int] | None) -> str:
-    """'' when bench exited 0, else why not. Its output shows as it goes (progress bar, table); the end of
-    its stderr is kept for the error."""
-    process = subprocess.Popen(command, stderr=subprocess.PIPE)
+    """'' when bench exited 0, else why not. Its table is not shown (its figures are in the run's JSON, and the
+    sweep prints a line per run); the end of its stderr is kept for the error."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     if cores:  # at once, before its imports start threads (they inherit it)
         with contextlib.suppress(OSError):
             os.sched_setaffinity(process.pid, cores)
     tail = bytearray()
-    reader = threading.Thread(target=_echo, args=(process.stderr, tail), daemon=True)
+    reader = threading.Thread(target=_keep_tail, args=(process.stderr, tail), daemon=True)
     reader.start()
     try:
         process.wait(timeout=timeout_s)
@@ -155,10 +152,7 @@ def _run(command: list[str], timeout_s: float | None, cores: list[int] | None) -
     return ""
 
 
-def _echo(stream, tail: bytearray) -> None:
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+def _keep_tail(stream, tail: bytearray) -> None:
     while chunk := stream.read1(4096):
-        sys.stderr.write(decoder.decode(chunk))
-        sys.stderr.flush()
         tail.extend(chunk)
         del tail[:-OUTPUT_TAIL_CHARS]

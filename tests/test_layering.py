@@ -24,10 +24,10 @@ ALLOWED = {
     "router": {"control", "engine.tokenizer", "engine.detokenizer", "engine.block_pool", "engine.generation_defaults",
                "engine.chat", "engine.grammar"},
     # `pdserve bench` and `sweep`: any OpenAI-compatible server, and `pdserve up` as a subprocess
-    "bench": {"cli_help", "router_cli", "engine.config", "engine.tokenizer"},
+    "bench": {"cli_help", "progress", "router_cli", "engine.config", "engine.tokenizer"},
     # `pdserve profile` and `plan`: bench's datasets and metrics, the public engine API, the wire and the KV link
     # it times; never the router, never the engine's internals
-    "planner": {"bench", "cli_help", "LLM", "SamplingParams", "demo_model", "local_cluster", "engine.config",
+    "planner": {"bench", "cli_help", "progress", "LLM", "SamplingParams", "demo_model", "local_cluster", "engine.config",
                 "engine.tokenizer", "control", "kvtransfer", "prefill.kv_sender", "kernels.length_groups"},
 }
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())

@@ -3,6 +3,7 @@ router's /metrics, summary.csv, the run JSONs and the PNGs; and the failures it 
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import os
@@ -51,7 +52,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(240)
-def test_sweep_two_layouts_two_rates(model_factory, tmp_path):
+def test_sweep_two_layouts_two_rates(model_factory, tmp_path, capsys):
     model = model_factory("llama")
     out = tmp_path / "sweep"
     code = main(["sweep", "--configs", "1P1D", "0P1D", "--request-rates", *map(str, RATES), "--model", model,
@@ -59,6 +60,7 @@ def test_sweep_two_layouts_two_rates(model_factory, tmp_path):
                  "--output-len", str(OUTPUT_LEN), "--goodput", "ttft:60000", "tpot:60000", "--warmup", "2",
                  "--output-dir", str(out), "--up-args", UP_ARGS])
     assert code == 0, (out / "summary.csv").read_text()
+    check_console_and_report(capsys.readouterr().out, out)
 
     rows = read_csv(out / "summary.csv")
     assert [(row["config"], row["request_rate"]) for row in rows] == [(c, r) for c in ("1P1D", "0P1D") for r in RATES]
@@ -110,6 +112,33 @@ def test_sweep_two_layouts_two_rates(model_factory, tmp_path):
     assert len(pids) == 3 + 2  # router + 2 engines, router + 1 engine
     assert not [pid for pid in pids if alive(pid)]  # every layout was stopped
     validate_with_plan(model, out, tmp_path)
+
+
+def check_console_and_report(output: str, out: Path) -> None:
+    """Output not a terminal: a line as each run starts (its place in the matrix, what it is, the time left) and
+    one with its results; no bench table; the comparison with its winner, in summary.md too; report.html whole."""
+    starts = re.findall(r"^\[pdserve sweep\] \[(\d+)/6\] (.*) \((?:about \w+ left|time left not known yet)\)$",
+                        output, re.M)
+    assert starts == [(str(i + 1), label) for i, label in enumerate([
+        "1P1D warm-up: 2 unmeasured request(s) shaped like the runs", "1P1D at 4 req/s", "1P1D at 16 req/s",
+        "0P1D warm-up: 1 unmeasured request(s) shaped like the runs", "0P1D at 4 req/s", "0P1D at 16 req/s"])], output
+    done = re.findall(r"^\[pdserve sweep\] (0P1D at 16 req/s): 4/4 requests in [\d.]+ s, 100% within the SLOs, "
+                      r"TTFT p90 \d+ ms, TPOT p90 \d+ ms$", output, re.M)
+    assert done == ["0P1D at 16 req/s"], output
+    assert "Request throughput (req/s)" not in output and "bench at rate" not in output  # the tables stay in runs/
+    # the same goodput in total (16 req/s, met at every rate), over 1 engine against 2
+    winner = ("0P1D wins: at least 16 req/s per engine (16 in total on 1) against 1P1D's at least 8 req/s per engine "
+              "(16 in total on 2), 2.00x (+100%).")
+    assert winner in output
+    summary = (out / "summary.md").read_text()
+    assert winner in summary and "| 0P1D (winner) | 1 | >= 16 | >= 16 | 100% | 100% |" in summary, summary
+    assert "| 1P1D | 2 | >= 16 | >= 8 | 100% | 100% |" in summary
+    assert summary.split("\n| layout")[1].split("\n\n")[0] in output  # the table as the console showed it
+    page = (out / "report.html").read_text()
+    assert html.escape(winner) in page and page.count('src="data:image/png;base64,') == len(PNGS)
+    assert not re.findall(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", page, re.I)  # nothing fetched
+    assert "http://" not in page.replace("http://127.0.0.1:PORT", "") and "https://" not in page
+    assert "pdserve up --model" in page and "TTFT &lt;= 60000 ms" in page
 
 
 def validate_with_plan(model: str, sweep_dir: Path, tmp_path: Path) -> None:
@@ -231,7 +260,7 @@ def test_ctrl_c_stops_the_layout_and_keeps_what_was_measured(model_factory, tmp_
     try:
         for line in process.stdout:
             lines.append(line)
-            if "bench at rate" in line:
+            if " 0P1D at 0.5 req/s (" in line:  # the run starts
                 break
         time.sleep(3)  # into the run
         os.killpg(process.pid, signal.SIGINT)

@@ -284,6 +284,74 @@ def test_concurrency_sweeps_plot_against_concurrency():
     assert series(rows, "max_concurrency", "p90_ttft_ms") == {"1P1D": ([1, 4], [10.0, 40.0])}
 
 
+def test_the_comparison_names_the_winner_and_by_how_much():
+    from pdserve.bench.sweep_report import compare, describe_workload, markdown_table
+
+    rows = synthetic_rows()  # 1P1D meets the 250 ms TTFT SLO up to 4 req/s, 0P2D up to 2
+    goodputs = [{"config": "1P1D", "num_engines": 2, "goodput": 4.0, "goodput_per_engine": 2.0, "upper_bound": None},
+                {"config": "0P2D", "num_engines": 2, "goodput": 2.0, "goodput_per_engine": 1.0, "upper_bound": 4.0}]
+    comparison = compare(rows, goodputs, {"ttft": 250})
+    assert comparison.winner == "1P1D"
+    assert comparison.sentence == ("1P1D wins: at least 2 req/s per engine (4 in total on 2) against 0P2D's 1 req/s "
+                                   "per engine (2 in total on 2), 2.00x (+100%).")
+    assert comparison.headers == ["layout", "engines", "goodput (req/s)", "per engine", "attainment @ 1 req/s",
+                                  "attainment @ 2 req/s", "attainment @ 4 req/s", "TTFT p50 (ms)", "TTFT p90 (ms)",
+                                  "TPOT p50 (ms)", "TPOT p90 (ms)", "at the highest rate within the SLOs"]
+    winner, other = comparison.cells
+    assert winner[:4] == ["1P1D (winner)", "2", ">= 4", ">= 2"] and winner[4:7] == ["100%"] * 3
+    assert other[:7] == ["0P2D", "2", "2", "1", "100%", "100%", "0%"]
+    assert other[8] == "200" and other[-1] == "2 req/s"  # TTFT p90 where 0P2D last met the SLOs
+    assert markdown_table(comparison).splitlines()[2].startswith("| 1P1D (winner) | 2 | >= 4 |")
+    assert describe_workload(rows) == "about 16 tokens in / 4 out per request, 4 requests per run"
+
+
+@pytest.mark.parametrize("goodputs, says", [
+    ([(4.0, None), (4.0, None)], "No winner: 1P1D and 0P2D tie at at least 2 req/s per engine"),
+    ([(0.0, 1.0), (0.0, 1.0)], "No layout kept 90% of requests within the SLOs"),
+    ([(2.0, 4.0), (0.0, 1.0)], "1P1D wins: 1 req/s per engine (2 in total on 2), while 0P2D met the SLOs"),
+])
+def test_ties_and_no_answer_are_said_plainly(goodputs, says):
+    from pdserve.bench.sweep_report import pick_winner
+
+    found = [{"config": config, "num_engines": 2, "goodput": rate, "goodput_per_engine": rate / 2, "upper_bound": upper}
+             for config, (rate, upper) in zip(("1P1D", "0P2D"), goodputs)]
+    winner, sentence = pick_winner(found, {"ttft": 250})
+    assert sentence.startswith(says), sentence
+    assert winner == ("1P1D" if "wins" in says else None)
+    assert pick_winner(found, {}) == (None, "No SLOs were given, so there is no goodput to compare: pass --goodput "
+                                            "ttft:MS tpot:MS.")
+
+
+def test_one_rate_is_drawn_as_bars_and_many_as_lines_with_every_marker_visible():
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Rectangle
+
+    from pdserve.bench.sweep_plots import PlotContext, load_figure, pyplot, series
+
+    plt = pyplot()
+    context = PlotContext("about 16 tokens in / 4 out per request; TTFT <= 250 ms", {"ttft": 250}, "1P1D")
+    one_rate = [row for row in synthetic_rows() if row["request_rate"] == 2.0]
+    figure = load_figure(plt, series(one_rate, "request_rate", "p90_ttft_ms"), "request rate (req/s)",
+                         "TTFT p90 (ms)", context, (250, "SLO 250 ms"))
+    axes = figure.axes[0]
+    bars = [patch for patch in axes.patches if isinstance(patch, Rectangle)]
+    assert [bar.get_height() for bar in bars] == [100.0, 200.0]
+    assert [label.get_text() for label in axes.get_xticklabels()] == ["1P1D (winner)", "0P2D"]
+    assert [line.get_ydata()[0] for line in axes.lines] == [250]  # the SLO line, and no one-dot line plot
+    assert "TTFT <= 250 ms" in axes.get_title() and axes.get_xlabel() == "at request rate 2"
+    plt.close(figure)
+
+    figure = load_figure(plt, series(synthetic_rows(), "request_rate", "p90_ttft_ms"), "request rate (req/s)",
+                         "TTFT p90 (ms)", context, (250, "SLO 250 ms"))
+    lines = [line for line in figure.axes[0].lines if len(line.get_xdata()) > 1]
+    assert [line.get_label() for line in lines] == ["1P1D (winner)", "0P2D", "SLO 250 ms"]
+    drawn = lines[:2]
+    assert drawn[0].get_marker() != drawn[1].get_marker()  # distinct shapes, the later one smaller and on top
+    assert drawn[0].get_markersize() > drawn[1].get_markersize() and drawn[1].get_zorder() > drawn[0].get_zorder()
+    assert not figure.axes[0].patches
+    plt.close(figure)
+
+
 # ---- the plan and the bench command ----
 
 

@@ -1,0 +1,155 @@
+"""A sweep's answer: one row per layout (goodput in total and per engine, SLO attainment at each load, TTFT and
+TPOT at the highest rate that met the SLOs), the winner in a sentence, and summary.md."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.bench.sweep_results import ATTAINMENT_TARGET
+
+LOAD_PHASES = ("sweep", "search")  # measured loads (not warm-up, unloaded or reference runs)
+LATENCY_COLUMNS = (("TTFT p50", "median_ttft_ms"), ("TTFT p90", "p90_ttft_ms"),
+                   ("TPOT p50", "median_tpot_ms"), ("TPOT p90", "p90_tpot_ms"))
+
+
+@dataclass(frozen=True)
+class Comparison:
+    headers: list[str]
+    cells: list[list[str]]  # one row of cells per layout, in the sweep's order
+    winner: str | None  # the layout with the highest goodput per engine; None: no SLOs, or no clear winner
+    sentence: str
+
+
+def load_label(row: dict) -> str:
+    """'2 req/s', 'inf req/s, conc 8': a listed load, as the table's columns name it."""
+    rate = row["request_rate"]
+    label = f"{rate:g} req/s"
+    if row.get("max_concurrency") is not None:
+        label += f", conc {int(row['max_concurrency'])}"
+    return label
+
+
+def loaded_rows(rows: list[dict]) -> list[dict]:
+    return [row for row in rows if row.get("phase") in LOAD_PHASES and not row.get("error") and row.get("completed")]
+
+
+def compare(rows: list[dict], goodputs: list[dict], slos: dict[str, float]) -> Comparison:
+    """The comparison table of a finished (or interrupted) sweep."""
+    measured = loaded_rows(rows)
+    configs = list(dict.fromkeys(row["config"] for row in rows if row.get("phase") in (*LOAD_PHASES, "start")))
+    loads = list(dict.fromkeys(load_label(row) for row in measured if row["phase"] == "sweep"))
+    by_config = {g["config"]: g for g in goodputs}
+    winner, sentence = pick_winner(goodputs, slos)
+    basis = "at the highest rate within the SLOs" if slos else "at the highest load"
+    headers = ["layout", "engines", "goodput (req/s)", "per engine"]
+    headers += [f"attainment @ {load}" for load in loads] if slos else []
+    headers += [f"{name} (ms)" for name, _ in LATENCY_COLUMNS] + [basis]
+    cells = []
+    for config in configs:
+        own = [row for row in measured if row["config"] == config]
+        engines = next((row["num_engines"] for row in rows if row["config"] == config), None)
+        row_cells = [f"{config} (winner)" if config == winner else config, _count(engines)]
+        row_cells += _goodput_cells(by_config.get(config))
+        if slos:
+            attained = {load_label(row): row["slo_attainment"] for row in own if row["phase"] == "sweep"}
+            row_cells += [_percent(attained.get(load)) for load in loads]
+        at = _latency_row(own, bool(slos))
+        row_cells += [_ms(at.get(field)) if at else "-" for _, field in LATENCY_COLUMNS]
+        row_cells.append(load_label(at) if at else "none")
+        cells.append(row_cells)
+    return Comparison(headers, cells, winner, sentence)
+
+
+def pick_winner(goodputs: list[dict], slos: dict[str, float]) -> tuple[str | None, str]:
+    """(the winner or None, the sentence that says who won and by how much)."""
+    if not slos:
+        return None, "No SLOs were given, so there is no goodput to compare: pass --goodput ttft:MS tpot:MS."
+    ranked = sorted(goodputs, key=lambda g: g["goodput_per_engine"], reverse=True)
+    if not ranked or ranked[0]["goodput_per_engine"] <= 0:
+        return None, (f"No layout kept {ATTAINMENT_TARGET:.0%} of requests within the SLOs at any rate tried: "
+                      "lower the rates or loosen the SLOs.")
+    best = ranked[0]
+    if len(ranked) == 1:
+        return best["config"], f"{best['config']} is the only layout measured: {_per_engine(best)}."
+    second = ranked[1]
+    if math.isclose(best["goodput_per_engine"], second["goodput_per_engine"], rel_tol=1e-9):
+        if best.get("upper_bound") is None and second.get("upper_bound") is None:
+            why = "both met the SLOs at every rate tried: add higher rates (or --find-goodput) to separate them"
+        else:
+            why = "their goodputs are equal at the rates tried"
+        return None, f"No winner: {best['config']} and {second['config']} tie at {_per_engine(best)}; {why}."
+    if second["goodput_per_engine"] <= 0:
+        return best["config"], (f"{best['config']} wins: {_per_engine(best)}, while {second['config']} met the "
+                                "SLOs at no rate tried.")
+    ratio = best["goodput_per_engine"] / second["goodput_per_engine"]
+    return best["config"], (f"{best['config']} wins: {_per_engine(best)} against {second['config']}'s "
+                            f"{_per_engine(second)}, {ratio:.2f}x ({ratio - 1:+.0%}).")
+
+
+def _per_engine(goodput: dict) -> str:
+    floor = "at least " if goodput.get("upper_bound") is None else ""
+    return (f"{floor}{goodput['goodput_per_engine']:.3g} req/s per engine "
+            f"({goodput['goodput']:.3g} in total on {goodput['num_engines']})")
+
+
+def _latency_row(rows: list[dict], has_slos: bool) -> dict | None:
+    """The run at the highest rate whose attainment met the target (without SLOs: the heaviest load)."""
+    if has_slos:
+        rows = [row for row in rows if (row.get("slo_attainment") or 0) >= ATTAINMENT_TARGET]
+    return max(rows, key=lambda row: (row["request_rate"], row.get("max_concurrency") or math.inf), default=None)
+
+
+def _goodput_cells(goodput: dict | None) -> list[str]:
+    if goodput is None:
+        return ["-", "-"]
+    floor = ">= " if goodput.get("upper_bound") is None else ""
+    return [f"{floor}{goodput['goodput']:.3g}", f"{floor}{goodput['goodput_per_engine']:.3g}"]
+
+
+def markdown_table(comparison: Comparison) -> str:
+    lines = ["| " + " | ".join(comparison.headers) + " |",
+             "|" + "|".join("---" for _ in comparison.headers) + "|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in comparison.cells]
+    return "\n".join(lines)
+
+
+def describe_workload(rows: list[dict]) -> str:
+    """'about 1000 tokens in / 48 out per request, 50 requests per run', from the first measured load."""
+    measured = loaded_rows(rows)
+    if not measured:
+        return "no load was measured"
+    row = measured[0]
+    completed = row["completed"]
+    requests = int(completed + (row.get("failed") or 0))
+    return (f"about {row['total_input_tokens'] / completed:.0f} tokens in / {row['total_output_tokens'] / completed:.0f}"
+            f" out per request, {requests} requests per run")
+
+
+def describe_slos(slos: dict[str, float]) -> str:
+    if not slos:
+        return "no SLOs"
+    limits = ", ".join(f"{metric.upper()} <= {limit:g} ms" for metric, limit in slos.items())
+    return f"{limits} for {ATTAINMENT_TARGET:.0%} of requests"
+
+
+def write_summary_md(path: Path, comparison: Comparison, workload: str, slos: dict[str, float]) -> Path:
+    text = (f"# pdserve sweep\n\n{comparison.sentence}\n\n- Workload: {workload}\n- SLOs: {describe_slos(slos)}\n\n"
+            f"{markdown_table(comparison)}\n\nGoodput: the highest request rate at which at least "
+            f"{ATTAINMENT_TARGET:.0%} of requests met every SLO (>= : met at every rate tried). Every run's figures "
+            "are in summary.csv and runs/*.json.\n")
+    path.write_text(text)
+    return path
+
+
+def _count(value) -> str:
+    return "-" if value is None else str(int(value))
+
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _ms(value) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.0f}" if value >= 10 else f"{value:.2g}"
