@@ -13,6 +13,7 @@ import math
 import os
 import sys
 
+from pdserve.bench.serve_vllm_args import add_vllm_args, dataset_name, resolve_vllm_args
 from pdserve.cli_help import seed_arg
 
 DATASETS = ("random", "sharegpt", "prefix", "jsonl")
@@ -21,9 +22,13 @@ DEFAULT_OUTPUT_LEN = 128
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    """pdserve's flags, with vLLM bench serve's spelling of the same setting beside each (--dataset-name,
+    --random-input-len, ...), then vLLM's flags that have no pdserve spelling."""
     server = parser.add_argument_group("server")
-    server.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL (without /v1)")
-    server.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS, help="the API the load goes to")
+    server.add_argument("--base-url", default=None,
+                        help="the server's root URL, without /v1 (default: http://HOST:PORT, http://127.0.0.1:8000)")
+    server.add_argument("--endpoint", default=None, choices=ENDPOINTS,
+                        help="the API the load goes to (default: --backend's, /v1/completions)")
     server.add_argument("--model", default=None, help="model name sent in requests (default: the server's first)")
     server.add_argument("--tokenizer", default=None,
                         help="tokenizer directory or hub id (default: --model, or the model's path the server reports)")
@@ -32,36 +37,46 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                         help="a request that receives no data for S seconds fails as stalled")
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset", default="random", choices=DATASETS,
+    data.add_argument("--dataset", "--dataset-name", default="random", type=dataset_name,
+                      metavar="{" + ",".join(DATASETS) + "}",
                       help="random: exact token counts; sharegpt / jsonl: prompts from --dataset-path; prefix: "
-                           "prompts sharing a prefix")
-    data.add_argument("--dataset-path", default=None, help="the file of --dataset sharegpt or jsonl")
+                           "prompts sharing a prefix (vLLM's custom and prefix_repetition are jsonl and prefix)")
+    data.add_argument("--dataset-path", default=None, help="the file of --dataset sharegpt or jsonl (default: none)")
     data.add_argument("--num-prompts", type=int, default=1000, help="measured requests")
-    data.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random, prefix)")
-    data.add_argument("--output-len", type=int, default=None,
+    data.add_argument("--input-len", "--random-input-len", type=int, default=1024,
+                      help="prompt tokens (random, prefix)")
+    data.add_argument("--output-len", "--random-output-len", "--sharegpt-output-len", "--custom-output-len",
+                      "--prefix-repetition-output-len", type=int, default=None,
                       help=f"max_tokens per request (random, prefix: default {DEFAULT_OUTPUT_LEN}; sharegpt: "
-                           "overrides the reply's length)")
-    data.add_argument("--range-ratio", type=float, default=0.0,
+                           "overrides the reply's length; jsonl: for lines without their own)")
+    data.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
                       help="lengths drawn uniformly from [len * (1 - r), len * (1 + r)] (random, prefix)")
-    data.add_argument("--prefix-len", type=int, default=None,
+    data.add_argument("--prefix-len", "--prefix-repetition-prefix-len", type=int, default=None,
                       help="tokens each prefix group shares, within --input-len (default: half of it)")
-    data.add_argument("--num-prefix-groups", type=int, default=4, help="groups of prompts sharing a prefix")
+    data.add_argument("--num-prefix-groups", "--prefix-repetition-num-prefixes", type=int, default=4,
+                      help="groups of prompts sharing a prefix")
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=math.inf,
                       help="requests per second, Poisson arrivals (default inf: all at once)")
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of the gaps between arrivals: 1 = Poisson, < 1 burstier, > 1 steadier")
-    load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no cap)")
     load.add_argument("--seed", type=seed_arg, default=0, help="seed of the prompts, arrival times and sampling")
     load.add_argument("--warmup", type=int, default=0, metavar="N", help="requests sent first and not measured")
+    load.add_argument("--num-warmups", dest="warmup", type=int, default=argparse.SUPPRESS,
+                      help=argparse.SUPPRESS)  # vLLM's spelling; argparse's errors keep naming --warmup
     load.add_argument("--ignore-eos", action="store_true",
                       help="exact output lengths: send ignore_eos (and min_tokens) where the server takes them")
     out = parser.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                     help="SLOs for request_goodput, e.g. ttft:2000 tpot:100 e2el:10000")
-    out.add_argument("--save-result", default=None, metavar="PATH", help="write the results as JSON")
-    out.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE", help="added to the JSON")
-    out.add_argument("--disable-progress", action="store_true", help="no progress bar")
+                     help="SLOs for request_goodput, e.g. ttft:2000 tpot:100 e2el:10000 (default: none)")
+    out.add_argument("--save-result", nargs="?", const="", default=None, metavar="PATH",
+                     help="write the results as JSON to PATH; alone (as vLLM's flag), to --result-dir/"
+                          "--result-filename (default: no JSON)")
+    out.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE",
+                     help="added to the JSON (default: none)")
+    out.add_argument("--disable-progress", "--disable-tqdm", action="store_true", help="no progress bar")
+    add_vllm_args(parser)
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
@@ -82,8 +97,10 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    """Refuses bad values before any work; first turns vLLM's flags into pdserve's settings."""
     from pdserve.bench.serve_arrivals import check_arrival_args, check_arrival_span
 
+    resolve_vllm_args(args)
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts {args.num_prompts} must be at least 1")
     if args.warmup < 0:
@@ -99,6 +116,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--dataset {args.dataset} reads a file: pass --dataset-path FILE")
     if args.save_result:
         check_save_path(args.save_result)
+    elif args.result_dir:
+        check_output_dir(args.result_dir, "--result-dir")
     if not args.base_url.startswith(("http://", "https://")):
         raise ValueError(f"--base-url {args.base_url!r} is not an http(s) URL: write e.g. http://127.0.0.1:8000")
     check_arrival_args(args.request_rate, args.burstiness)

@@ -198,11 +198,14 @@ def _jsonl_records(path: str | Path) -> Iterator[tuple[int, dict]]:
         yield line_number, record
 
 
-def jsonl_dataset(path: str | Path, tokenizer, num_prompts: int) -> list[SampleRequest]:
-    """One request per line, `{"prompt": "text", "output_len": N}`, in file order."""
+def jsonl_dataset(path: str | Path, tokenizer, num_prompts: int,
+                  default_output_len: int | None = None) -> list[SampleRequest]:
+    """One request per line, `{"prompt": "text", "output_len": N}`, in file order; a line without its
+    output_len takes `default_output_len` (--output-len; vLLM's custom files carry prompts only)."""
     samples = []
     for line_number, record in _jsonl_records(path):
-        prompt, output_len = record.get("prompt"), record.get("output_len")
+        prompt = record.get("prompt")
+        output_len = record.get("output_len", default_output_len)
         if not isinstance(prompt, str) or not prompt:
             raise DatasetError(f'{path}: line {line_number}: "prompt" must be a non-empty string: '
                                'write {"prompt": "text", "output_len": N}')

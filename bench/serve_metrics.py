@@ -47,6 +47,27 @@ def summarize(name: str, values_s: list[float]) -> dict[str, float]:
     }
 
 
+def latency_series(done: list[RequestResult]) -> dict[str, list[float]]:
+    """Each latency metric's values in seconds over the completed requests (ITL: every gap of every request)."""
+    return {"ttft": [r.ttft for r in done], "tpot": [value for value in map(tpot, done) if value is not None],
+            "itl": [itl for r in done for itl in r.itls], "e2el": [r.latency for r in done]}
+
+
+def extra_percentiles(results: list[RequestResult], names: tuple[str, ...] | None,
+                      percentiles: tuple[float, ...] | None) -> dict[str, float]:
+    """vLLM's --metric-percentiles as `p{P}_{metric}_ms` keys (p99.9_ttft_ms), for the --percentile-metrics
+    named (default: all); the ones always written (p90, p95, p99) are not repeated. 0.0 without values."""
+    series = latency_series([r for r in results if r.success])
+    extra = {}
+    for name in names or LATENCY_METRICS:
+        values_ms = np.asarray(series[name], dtype=np.float64) * 1000.0
+        for q in percentiles or ():
+            key = f"p{q:g}_{name}_ms"
+            if q not in (90, 95, 99):
+                extra[key] = float(np.percentile(values_ms, q)) if values_ms.size else 0.0
+    return extra
+
+
 def meets_slos(result: RequestResult, slos_ms: dict[str, float]) -> bool:
     """Whether a completed request is within every SLO given (a single-token request's TPOT counts as 0)."""
     measured_ms = {"ttft": result.ttft * 1000.0, "tpot": (tpot(result) or 0.0) * 1000.0,
@@ -79,9 +100,7 @@ def compute_metrics(results: list[RequestResult], duration_s: float,
         num_good = sum(meets_slos(r, slos_ms) for r in done)
         metrics["request_goodput"] = num_good / duration_s
         metrics["slo_attainment"] = num_good / len(results) if results else 0.0
-    tpots = [value for value in map(tpot, done) if value is not None]
-    series = {"ttft": [r.ttft for r in done], "tpot": tpots, "itl": [itl for r in done for itl in r.itls],
-              "e2el": [r.latency for r in done]}
+    series = latency_series(done)
     for name in LATENCY_METRICS:
         metrics.update(summarize(name, series[name]))
     return metrics

@@ -23,7 +23,7 @@ from pdserve.bench.serve_datasets import (
     sharegpt_dataset,
 )
 from pdserve.bench.serve_load import LoadOutcome, LoadTarget, open_session, run_load
-from pdserve.bench.serve_metrics import compute_metrics
+from pdserve.bench.serve_metrics import compute_metrics, extra_percentiles
 from pdserve.bench.serve_preflight import ServedModel, ServerCheckError, served_models, supported_shape
 from pdserve.bench.serve_results import (
     METRIC_KEYS,
@@ -33,6 +33,7 @@ from pdserve.bench.serve_results import (
     parse_metadata,
     save_result,
 )
+from pdserve.bench.serve_vllm_args import result_path
 from pdserve.engine.tokenizer import TokenizerLoadError, load_tokenizer
 
 NEEDS_TOKENIZER = ("random", "prefix", "sharegpt")
@@ -59,7 +60,7 @@ def settings_of(args: argparse.Namespace, model: str, tokenizer_id: str | None, 
         "seed": args.seed, "warmup": args.warmup, "request_timeout": args.request_timeout,
         "ignore_eos": args.ignore_eos, "ignore_eos_sent": shape.ignore_eos, "min_tokens_sent": shape.min_tokens,
         "token_id_prompts": shape.token_id_prompts, "include_usage": shape.include_usage,
-        "goodput": slos or None, "notes": notes,
+        "goodput": slos or None, "label": args.label, "notes": notes,
     }
 
 
@@ -100,7 +101,7 @@ def make_samples(args: argparse.Namespace, tokenizer, count: int) -> list[Sample
     if args.dataset == "sharegpt":
         samples = sharegpt_dataset(args.dataset_path, tokenizer, count, args.output_len, args.seed)
     else:
-        samples = jsonl_dataset(args.dataset_path, tokenizer, count)
+        samples = jsonl_dataset(args.dataset_path, tokenizer, count, args.output_len)
     if len(samples) < count:
         note(f"{args.dataset_path} has {len(samples)} usable requests for {count} (warmup included): sending them "
              "again from the start")
@@ -154,15 +155,17 @@ async def bench_main(args: argparse.Namespace, base_url: str, slos: dict[str, fl
         notes.append(f"interrupted (Ctrl-C) after {len(results)} of {args.num_prompts} measured requests ended: "
                      "the metrics cover those")
         note(notes[-1])
-    metrics = {**compute_metrics(results, load.duration_s, slos), "client_cpu_s": load.client_cpu_s}
+    metrics = {**compute_metrics(results, load.duration_s, slos), "client_cpu_s": load.client_cpu_s,
+               **extra_percentiles(results, args.percentile_metrics, args.metric_percentiles)}
     if load.duration_s >= MIN_BUSY_CHECK_S and load.client_cpu_s > CLIENT_BUSY_SHARE * load.duration_s:
         notes.append(f"the client was busy {100 * load.client_cpu_s / load.duration_s:.0f}% of the run on its core: "
                      "it may have been the bottleneck (docs/results.md has its ceiling)")
         note(notes[-1])
     settings = settings_of(args, model, tokenizer.name, shape, slos, notes)
     print(format_table(metrics, settings, results), flush=True)
-    if args.save_result:
-        note(f"results written to {save_result(args.save_result, build_result(metrics, results, settings, metadata))}")
+    out = result_path(args, model, datetime.now())
+    if out is not None:
+        note(f"results written to {save_result(out, build_result(metrics, results, settings, metadata))}")
     if load.interrupted:
         return 130
     return 0 if metrics["completed"] else 1

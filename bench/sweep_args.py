@@ -16,33 +16,39 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
                         help="layouts of `pdserve up`: x prefill and y decode engines (0P = colocated); "
                              "none with --base-url: only the external servers")
     parser.add_argument("--base-url", action="append", default=[], metavar="NAME=URL",
-                        help="an OpenAI-compatible server already running, benchmarked as one more row (repeatable)")
+                        help="an OpenAI-compatible server already running, benchmarked as one more row "
+                             "(repeatable; default: none)")
     parser.add_argument("--request-rates", nargs="+", type=float, default=None, metavar="R",
-                        help="requests per second (Poisson arrivals; inf = all at once)")
+                        help="requests per second (Poisson arrivals; inf = all at once; default: inf when only "
+                             "--max-concurrencies is given)")
     parser.add_argument("--max-concurrencies", nargs="+", type=int, default=None, metavar="C",
-                        help="caps on requests in flight (with --request-rates: every pair is run)")
+                        help="caps on requests in flight (with --request-rates: every pair is run; default: no cap)")
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the built-in demo model)")
     parser.add_argument("--num-prompts", type=int, default=50, help="requests per run")
-    parser.add_argument("--dataset", default=None, help="bench's dataset: random, sharegpt, prefix or jsonl")
-    parser.add_argument("--dataset-path", default=None, help="bench's --dataset-path (sharegpt, jsonl)")
-    parser.add_argument("--input-len", type=int, default=None, help="bench's --input-len: prompt tokens")
-    parser.add_argument("--output-len", type=int, default=None, help="bench's --output-len: max_tokens per request")
-    parser.add_argument("--range-ratio", type=float, default=None, help="bench's --range-ratio: length spread")
+    parser.add_argument("--dataset", default=None,
+                        help="bench's dataset: random, sharegpt, prefix or jsonl (default: bench's, random)")
+    parser.add_argument("--dataset-path", default=None, help="bench's --dataset-path (sharegpt, jsonl; default: none)")
+    parser.add_argument("--input-len", type=int, default=None,
+                        help="bench's --input-len: prompt tokens (default: bench's)")
+    parser.add_argument("--output-len", type=int, default=None,
+                        help="bench's --output-len: max_tokens per request (default: bench's)")
+    parser.add_argument("--range-ratio", type=float, default=None,
+                        help="bench's --range-ratio: length spread (default: bench's)")
     parser.add_argument("--burstiness", type=float, default=None,
-                        help="bench's --burstiness: gamma shape of arrival gaps (1 = Poisson)")
+                        help="bench's --burstiness: gamma shape of arrival gaps (1 = Poisson; default: bench's)")
     parser.add_argument("--seed", type=seed_arg, default=0,
                         help="the n-th load of every server gets seed + n: the same prompts across servers, "
                              "new prompts (no prefix-cache hits from earlier runs) across loads")
-    parser.add_argument("--endpoint", default=None, help="/v1/completions or /v1/chat/completions")
+    parser.add_argument("--endpoint", default=None, help="/v1/completions or /v1/chat/completions (default: bench's)")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="exact output lengths (on by default)")
     parser.add_argument("--bench-args", default="", metavar="'ARGS'", help="more `pdserve bench` flags, one string")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
-                        help="SLOs, e.g. ttft:500 tpot:50 (also e2el): SLO attainment and goodput")
+                        help="SLOs, e.g. ttft:500 tpot:50 (also e2el): SLO attainment and goodput (default: none)")
     parser.add_argument("--slo-factors", nargs="+", default=None, metavar="METRIC:FACTOR",
                         help="SLOs from unloaded latencies measured first in this sweep, e.g. ttft:4 tpot:1.3: each "
                              "server serves --unloaded-prompts requests one at a time, and each SLO is the factor "
-                             "times the lowest median among the servers (instead of --goodput)")
+                             "times the lowest median among the servers (instead of --goodput; default: none)")
     parser.add_argument("--unloaded-prompts", type=int, default=4,
                         help="requests of each server's unloaded run, with --slo-factors")
     parser.add_argument("--reference-requests", type=int, default=0, metavar="K",
@@ -62,17 +68,20 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
                              "directory, e.g. /tmp/pdserve-sweeps/<time>, outside the repository; name one to keep "
                              "them)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--devices", default=None, help="with --device cuda: GPU indices to use, one per engine")
+    parser.add_argument("--devices", default=None,
+                        help="with --device cuda: GPU indices to use, one per engine (default: 0, 1, 2, ...)")
     parser.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
                         help="on CPU: pin engines to their own cores (on by default)")
     parser.add_argument("--cores-per-engine", type=int, default=1, help="on CPU with pinning: cores each engine gets")
     parser.add_argument("--up-args", default="", metavar="'ARGS'",
                         help="more `pdserve up` flags, one string (e.g. '--dtype float32 --insecure')")
-    parser.add_argument("--api-key", default=None, help="the API key of the servers (pdserve up gets it too)")
+    parser.add_argument("--api-key", default=None,
+                        help="the API key of the servers (pdserve up gets it too; default: none)")
     parser.add_argument("--warmup", type=int, default=4,
                         help="unmeasured short requests (at once) when each server starts, followed by one "
                              "unmeasured request per engine shaped like the runs' own. 0: neither")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a layout may take to start")
-    parser.add_argument("--run-timeout", type=float, default=None, help="seconds one bench run may take")
+    parser.add_argument("--run-timeout", type=float, default=None,
+                        help="seconds one bench run may take (default: no limit)")
     parser.add_argument("--metrics-interval", type=float, default=1.0, help="seconds between /metrics samples")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")

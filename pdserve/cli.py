@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.cli_help import dtype_arg, positive_int, seed_arg, unrecognized_message, use_defaults_help
+from pdserve.cli_help import dtype_arg, option_strings, positive_int, seed_arg, unrecognized_message, use_defaults_help
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +34,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
+    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("dir", nargs="?", help="output directory (keep it private: it holds secret keys)")
     keygen.add_argument("--secret-manifest", metavar="NAME", default=None,
                         help="print new keys as a Kubernetes Secret NAME instead of writing DIR: "
-                             "`pdserve keygen --secret-manifest pdserve-cluster-keys | kubectl apply -f -`")
+                             "`pdserve keygen --secret-manifest pdserve-cluster-keys | kubectl apply -f -` (default: write DIR)")
     keygen.add_argument("--if-missing", action="store_true",
                         help="keep the keys already in DIR (a one-shot compose service runs it on every start)")
     keygen.add_argument("--force", action="store_true",
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "every start)")
     demo.add_argument("--for-model", default=None, metavar="MODEL",
                       help="build only when MODEL, the model the other services are given, is DIR (compose: "
-                           "skipped when PDSERVE_MODEL names another model)")
+                           "skipped when PDSERVE_MODEL names another model; default: always build)")
 
     generate = commands.add_parser("generate", help="offline generation demo: prints text and tokens/s")
     _add_model_args(generate)
@@ -169,7 +170,8 @@ def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's usage, and what pdserve takes instead of a vLLM or SGLang flag
-        _subcommand_parser(parser, args.command).error(unrecognized_message(unknown))
+        command = _subcommand_parser(parser, args.command)
+        command.error(unrecognized_message(unknown, option_strings(command)))
     try:
         if args.command == "demo-model":
             from pdserve.demo_model import run_demo_model_command

@@ -1,9 +1,10 @@
-"""argparse helpers every `pdserve` subcommand shares: help that shows each option's default, and old
-flag spellings that keep working with a deprecation warning."""
+"""argparse helpers every `pdserve` subcommand shares: help that shows each option's default, no abbreviated
+flags, "did you mean" for a near miss, and old flag spellings that keep working with a deprecation warning."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 
@@ -75,9 +76,10 @@ FOREIGN_FLAGS = {
 }
 
 
-def unrecognized_message(unknown: list[str]) -> str:
+def unrecognized_message(unknown: list[str], known_flags: list[str] = ()) -> str:
     """argparse's "unrecognized arguments" plus, for each flag vLLM or SGLang users bring along (or a model given
-    as a positional argument, as `vllm serve MODEL` takes it), what pdserve takes instead."""
+    as a positional argument, as `vllm serve MODEL` takes it), what pdserve takes instead, and for a near miss
+    of one of `known_flags` (a typo, an abbreviation), the flag it was probably meant to be."""
     hints = []
     previous_flag = False
     for token in unknown:
@@ -86,6 +88,8 @@ def unrecognized_message(unknown: list[str]) -> str:
             previous_flag = "=" not in token
             if flag in FOREIGN_FLAGS:
                 hints.append(f"{flag}: {FOREIGN_FLAGS[flag]}")
+            elif close := closest_flag(flag, known_flags):
+                hints.append(f"{flag}: did you mean {close}?")
         elif not previous_flag:
             hints.append(f"{token}: give the model as --model {token} (not as a positional argument)")
         else:
@@ -93,13 +97,30 @@ def unrecognized_message(unknown: list[str]) -> str:
     return "; ".join([f"unrecognized arguments: {' '.join(unknown)}", *hints])
 
 
+def closest_flag(flag: str, known_flags: list[str]) -> str | None:
+    """The known flag `flag` is most likely a misspelling or an abbreviation of, if one is close."""
+    long_flags = [known for known in known_flags if known.startswith("--")]
+    prefixed = [known for known in long_flags if known.startswith(flag)] if flag.startswith("--") else []
+    if len(prefixed) == 1:
+        return prefixed[0]
+    close = difflib.get_close_matches(flag, long_flags, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every flag `parser` takes, hidden ones (old spellings, refused foreign flags) included."""
+    return [flag for action in parser._actions for flag in action.option_strings]
+
+
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" to an option's help unless the help already says its default, or there is
-    no default worth showing (None, False, an empty list)."""
+    no default worth showing (None, False, an empty list): such an option's help says in words what leaving
+    it out does ("default: the server's first"), unless it is an on/off flag or required."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+        default = action.default
+        if "default" in text or default is None or default is False or default == [] or default == argparse.SUPPRESS:
             return text
         return super()._get_help_string(action)
 
@@ -124,8 +145,10 @@ class DeprecatedFlag(argparse.Action):
 
 
 def use_defaults_help(parser: argparse.ArgumentParser) -> None:
-    """The defaults-showing formatter on `parser` and on every subcommand parser under it."""
+    """On `parser` and every subcommand parser under it: the defaults-showing formatter, and no abbreviated
+    flags (`--num-prefil 2` is refused with "did you mean --num-prefill?", never taken as --num-prefill)."""
     parser.formatter_class = DefaultsHelpFormatter
+    parser.allow_abbrev = False
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for subparser in action.choices.values():

@@ -25,13 +25,14 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--router-address", action="append", default=[], metavar="ADDRESS",
                         help="register with the router at this address (its --registration-address, e.g. "
                              "tcp://router:7000) and heartbeat load figures to it; repeat it for every router "
-                             "replica serving this engine (docs/serving/deploy.md)")
+                             "replica serving this engine (docs/serving/deploy.md; default: none, the router dials the engine)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
     parser.add_argument("--stall-timeout", type=float, default=120.0,
                         help="stop heartbeating when the engine loop made no progress for this many seconds, so "
                              "the router stops routing to a stuck engine (0 = never)")
     parser.add_argument("--progress-file", default=None,
-                        help="touch this file as the engine loop goes round (for a supervisor such as `pdserve up`)")
+                        help="touch this file as the engine loop goes round (for a supervisor such as `pdserve up`; "
+                             "default: none)")
     add_trust_args(parser)
     parser.add_argument("--advertise-address", "--advertise-host", dest="advertise_host", default=None,
                         metavar="HOST",
@@ -66,7 +67,7 @@ def add_engine_args(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--kv-peer", action="append", default=[], metavar="ADDRESS",
                             help="a prefill engine's KV address to pull from (repeatable). The prefill engines "
                                  "registered with --router-address's router are trusted without it; a request "
-                                 "naming any other address is prefilled locally")
+                                 "naming any other address is prefilled locally (default: only the registered ones)")
 
 
 def _configs(args: argparse.Namespace) -> tuple:

@@ -43,14 +43,14 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
                              "waits up to 6x this for a tokenizer thread (then 503)")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file (or the template itself) used instead of the model's, e.g. "
-                             "for a model that has none (vLLM's --chat-template)")
+                             "for a model that has none (vLLM's --chat-template; default: the model's own)")
     parser.add_argument("--allow-request-chat-template", action="store_true",
                         help="accept a `chat_template` in the request body (a template is code run on the router)")
     parser.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                         help="serve tool_choice \"auto\" (and tools without tool_choice) by reading the model's own "
                              "tool calls from its output: hermes = <tool_call>{\"name\": ..., \"arguments\": ...}"
                              "</tool_call> (Qwen2.5/Qwen3, Hermes); without it \"auto\" is refused (vLLM's "
-                             "--enable-auto-tool-choice --tool-call-parser)")
+                             "--enable-auto-tool-choice --tool-call-parser; default: none)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="accepted for vLLM's command lines: tool_choice 'auto' is served whenever "
                              "--tool-call-parser is given, which this flag needs")
@@ -63,9 +63,10 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
                                  "engines only")
         parser.add_argument("--prefill-address", action="append", default=[], metavar="ADDRESS",
                             help="control address of a prefill engine started without --router-address "
-                                 "(repeatable); its KV address is asked")
+                                 "(repeatable; default: none, engines register with --registration-address); its KV address is asked")
         parser.add_argument("--decode-address", action="append", default=[], metavar="ADDRESS",
-                            help="control address of a decode engine started without --router-address (repeatable)")
+                            help="control address of a decode engine started without --router-address (repeatable; "
+                                 "default: none)")
         for old, new in (("--prefill", "--prefill-address"), ("--decode", "--decode-address")):
             parser.add_argument(old, action=DeprecatedFlag, dest=new[2:].replace("-", "_"), replacement=new,
                                 append=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def add_trust_args(parser: argparse.ArgumentParser, up: bool = False) -> None:
-    made = " (default: keys made on first start under the pdserve cache)" if up else ""
+    made = " (default: keys made on first start under the pdserve cache)" if up else " (default: none; then pass --insecure)"
     parser.add_argument("--curve-dir", default=None,
                         help=f"CURVE keys from `pdserve keygen DIR`: every plane encrypted and only holders of "
                              f"the cluster's client key admitted{made}")

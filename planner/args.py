@@ -36,10 +36,13 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
                              "computes prompts); the profile's decode_corun_factor is then 1.0")
     parser.add_argument("--add-corun-to", default=None, metavar="P.json",
                         help="measure only the co-run step and write P.json with it to --out (a profile taken "
-                             "before the step existed)")
+                             "before the step existed; default: a new profile)")
     parser.add_argument("--refit", default=None, metavar="P.json",
                         help="measure nothing: fit P.json's points again with this pdserve's fitting and write the "
-                             "profile to --out (a profile taken before the fitting changed)")
+                             "profile to --out (a profile taken before the fitting changed; default: measure)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print the fits behind the summary: coefficients, R², co-run factors, each step's "
+                             "seconds (they are in the JSON either way)")
     parser.add_argument("--clock", default=None, choices=["wall", "cpu"],
                         help="time the fits use: cpu (the default on CPU) counts only the engine thread's own CPU "
                              "time, what a step takes on a core of its own even on a shared machine; wall on GPUs")
@@ -47,29 +50,33 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", required=True, metavar="P.json", help="from `pdserve profile`")
-    parser.add_argument("--engines", type=int, default=None, metavar="N", help="engines to split into xPyD")
+    target = parser.add_mutually_exclusive_group(required=True)  # usage: (--engines N | --validate SWEEP_DIR)
+    target.add_argument("--engines", type=int, default=None, metavar="N", help="engines to split into xPyD")
+    target.add_argument("--validate", default=None, metavar="SWEEP_DIR",
+                        help="replay a `pdserve sweep` directory (its runs/*.json) and compare with what it measured")
     parser.add_argument("--slo", nargs="+", default=None, metavar="METRIC:MS",
                         help="SLOs, e.g. ttft:2000 tpot:150 (also e2el); with --validate, every run is judged by "
-                             "these instead of the SLOs the sweep ran with")
+                             "these instead of the SLOs the sweep ran with (default: none)")
     load = parser.add_mutually_exclusive_group()
-    load.add_argument("--request-rate", type=float, default=None, help="requests per second (Poisson)")
+    load.add_argument("--request-rate", type=float, default=None,
+                      help="requests per second (Poisson; default: --find-goodput)")
     load.add_argument("--find-goodput", action="store_true",
                       help="per split, the highest rate at which >= 90%% of requests meet every SLO (the default)")
     parser.add_argument("--target-rate", type=float, default=None,
-                        help="also find the smallest number of engines whose best split meets this rate")
-    parser.add_argument("--validate", default=None, metavar="SWEEP_DIR",
-                        help="replay a `pdserve sweep` directory (its runs/*.json) and compare with what it measured")
-    parser.add_argument("--model", default=None, help="check that the profile was measured on this model")
+                        help="also find the smallest number of engines whose best split meets this rate "
+                             "(default: none)")
+    parser.add_argument("--model", default=None,
+                        help="check that the profile was measured on this model (default: no check)")
     data = parser.add_argument_group("dataset (as `pdserve bench`)")
     data.add_argument("--dataset", default="random", choices=DATASETS, help="which prompts and lengths to simulate")
-    data.add_argument("--dataset-path", default=None, help="the file of a sharegpt or jsonl dataset")
+    data.add_argument("--dataset-path", default=None, help="the file of a sharegpt or jsonl dataset (default: none)")
     data.add_argument("--tokenizer", default=None, help="tokenizer for sharegpt/prefix/jsonl (default: --model)")
     data.add_argument("--num-prompts", type=int, default=1000, help="simulated requests per split and rate")
     data.add_argument("--input-len", type=int, default=1024, help="random dataset: prompt tokens")
     data.add_argument("--output-len", type=int, default=128, help="random dataset: output tokens")
     data.add_argument("--range-ratio", type=float, default=0.0,
                       help="random dataset: lengths drawn uniformly within this fraction around the given ones")
-    data.add_argument("--prefix-len", type=int, default=None, help="prefix dataset: tokens shared within a group")
+    data.add_argument("--prefix-len", type=int, default=None, help="prefix dataset: tokens shared within a group (default: half of --input-len)")
     data.add_argument("--num-prefix-groups", type=int, default=4, help="prefix dataset: groups of prompts")
     data.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma arrivals' shape: 1 = Poisson, below 1 burstier, above 1 steadier")
@@ -100,7 +107,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-cpu-from", default=None, metavar="SWEEP_DIR",
                         help="--validate: fit the host's CPU figures to this sweep's runs (the same layouts on the "
                              "same machine) instead of the validated sweep's own, e.g. for a sweep that did not "
-                             "record server_cpu_s")
+                             "record server_cpu_s (default: the validated sweep's own runs)")
     parser.add_argument("--per-point-speed", action="store_true",
                         help="--validate: scale the profile's prefill and decode steps at each point by the sweep's "
                              "reference runs around it (`pdserve sweep --reference-requests K`): the model's error "
@@ -115,5 +122,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                              "attainment error) and the unloaded passes against the profile")
     parser.add_argument("--jobs", type=int, default=2, metavar="J",
                         help="--find-goodput: processes searching the splits at once (the result is the same for any J)")
-    parser.add_argument("--output-dir", default="plan-results", help="where the JSON and PNG go")
+    parser.add_argument("--output-dir", default=None,
+                        help="where the JSON and PNG go (default: a new folder under the system's temp directory, "
+                             "e.g. /tmp/pdserve-plans/<time>, outside the repository; name one to keep them)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG")

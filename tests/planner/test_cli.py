@@ -34,6 +34,26 @@ def test_plan_at_a_rate_simulates_every_split(profile_path, tmp_path, capsys):
     assert "recommended:" in capsys.readouterr().out
 
 
+def test_plan_prints_the_up_line_and_search_progress_and_writes_outside_the_repository(profile_path, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """Without --output-dir the plan goes to a new folder under the system's temp directory; the recommended split
+    comes with its `pdserve up` line; the search reports each split on stderr (not a terminal here)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["plan", "--profile", profile_path, "--num-prompts", "200", "--input-len", "256", "--output-len",
+                 "32", "--engines", "3", "--slo", "ttft:1000", "tpot:100", "--decode-policy", "round_robin"]) == 0
+    captured = capsys.readouterr()
+    [written] = list((tmp_path / "pdserve-plans").glob("*/plan.json"))
+    best = json.loads(written.read_text())["recommended"]
+    assert (written.parent / "plan_goodput.png").stat().st_size > 0
+    assert (f"pdserve up --num-prefill {best['num_prefill']} --num-decode {best['num_decode']} --dtype float32 "
+            "--decode-policy round_robin") in captured.out
+    searched = [line for line in captured.err.splitlines() if line.startswith("pdserve plan: goodput search [")]
+    assert len(searched) == 3 and all(" searched: goodput " in line for line in searched)
+    assert searched[-1].startswith("pdserve plan: goodput search [3/3]")
+
+
 def test_find_goodput_and_the_smallest_cluster_for_a_target(profile_path, tmp_path):
     out = tmp_path / "plan"
     assert plan(profile_path, out, "--engines", "4", "--slo", "ttft:800", "tpot:80", "--find-goodput",
@@ -159,7 +179,8 @@ def test_plain_validate_leaves_the_diagnostics_to_diagnose(profile_path, tmp_pat
     base = ["plan", "--profile", profile_path, "--validate", str(sweep_dir), "--no-plots"]
     assert main([*base, "--output-dir", str(tmp_path / "plain")]) == 0
     plain = capsys.readouterr().out
-    assert "p50_ttft meas" in plain and "SLO attainment MAE" in plain
+    assert "TTFT p50 meas" in plain and "SLO attainment MAE" in plain and "TTFT p90 meas" not in plain
+    assert "met: the share of requests that met every SLO" in plain  # a legend line per column
     for diagnostic in ("step meas/prof", "busy P meas/sim", "ref P", "one piece of every request", "unloaded"):
         assert diagnostic not in plain
     points = json.loads((tmp_path / "plain" / "validation.json").read_text())["points"]
@@ -215,7 +236,7 @@ def test_validate_refuses_a_sweep_of_another_model(tmp_path, model_factory, caps
     assert "another model" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra, named", [(["--engines", "4"], "--engines"), (["--request-rate", "3"], "--request-rate"),
+@pytest.mark.parametrize("extra, named", [(["--request-rate", "3"], "--request-rate"),
                                           (["--find-goodput", "--target-rate", "2"], "--target-rate, --find-goodput")])
 def test_validate_refuses_what_it_would_ignore(profile_path, tmp_path, capsys, extra, named):
     """The replay takes layouts and rates from the sweep: these flags were silently dropped."""
