@@ -76,7 +76,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--output-len", type=int, default=128, help="random dataset: output tokens")
     data.add_argument("--range-ratio", type=float, default=0.0,
                       help="random dataset: lengths drawn uniformly within this fraction around the given ones")
-    data.add_argument("--prefix-len", type=int, default=None, help="prefix dataset: tokens shared within a group (default: half of --input-len)")
+    data.add_argument("--prefix-len", type=int, default=None,
+                      help="prefix dataset: tokens shared within a group (default: half of --input-len)")
     data.add_argument("--num-prefix-groups", type=int, default=4, help="prefix dataset: groups of prompts")
     data.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma arrivals' shape: 1 = Poisson, below 1 burstier, above 1 steadier")
