@@ -25,6 +25,7 @@ from starlette.middleware.exceptions import ExceptionMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.control.gc_freeze import freeze_startup_heap
+from pdserve.router.auth_throttle import AuthThrottle
 from pdserve.router.body_limit import BodyLimit
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import (
@@ -32,6 +33,7 @@ from pdserve.router.errors import (
     InvalidRequest,
     ModelNotFound,
     RequestTooLarge,
+    TooManyAuthFailures,
     Unauthorized,
     UnsupportedMediaType,
 )
@@ -67,7 +69,9 @@ def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started:
         finally:
             await gateway.close()
 
-    app = RouterApp(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # redirect_slashes off: Starlette's 307 for /v1/completions/ pointed at the Host header's server
+    app = RouterApp(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                    redirect_slashes=False)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.state.gateway = gateway
     _install_error_handlers(app, gateway)
@@ -201,12 +205,21 @@ def _install_routes(app: FastAPI, gateway: Gateway) -> None:
     """The generation endpoints first (a request tries the routes in order), then the rest."""
     config = gateway.config
 
+    throttle = AuthThrottle()
+
     async def check_api_key(request: Request) -> None:  # async: no thread-pool hop per request
+        address = request.client.host if request.client else ""
+        wait_s = throttle.wait_s(address)
+        if wait_s:
+            raise TooManyAuthFailures(f"too many requests with a wrong or missing API key from {address[:64]}: "
+                                      f"wait {wait_s}s, then send the right key", retry_after_s=wait_s)
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key:
+            throttle.failed(address)
             raise Unauthorized("missing API key: send the header `Authorization: Bearer <key>`")
         if not hmac.compare_digest(key.strip().encode(), config.api_key.encode()):
+            throttle.failed(address)
             raise Unauthorized("invalid API key: use the key the server was started with (--api-key)")
 
     # without a key there is nothing to check, and no dependency for FastAPI to solve per request

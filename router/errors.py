@@ -66,6 +66,16 @@ class Overloaded(APIError):
     retry_after_s = 1
 
 
+class TooManyAuthFailures(ClientError):
+    """An address that sent too many wrong API keys: it waits Retry-After seconds before the next try."""
+
+    status_code, error_type, code = 429, "rate_limit_error", "too_many_authentication_failures"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class PreprocessingBusy(APIError):
     """Every tokenizer thread is taken (runaway renders included): come back shortly."""
 

@@ -4,7 +4,12 @@ server little, and leaves it serving (found by probing a running `pdserve up` fr
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import time
+
+import httpx
+import pytest
 
 from pdserve.router import lean_routes
 from tests.router.conftest import assert_openai_error, router_app, router_server, wait_until
@@ -139,4 +144,118 @@ def test_a_connection_whose_headers_do_not_come_is_closed_with_408(tiny_model, t
                 reader, writer = await raw_request(url, b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n", b"")
                 assert (await asyncio.wait_for(reader.readline(), timeout=5)).startswith(b"HTTP/1.1 200")
                 writer.close()
+    run(scenario())
+
+
+# ---- HTTP limits like a hardened server's (issue #49 item 6) ----
+
+def _send_big_header(url: str, header_bytes: int) -> bytes:
+    """Sends a GET /health whose one header holds `header_bytes` bytes (from a thread, blocking) and returns
+    what the server answered before it closed the connection."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        answer = b""
+        try:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: router\r\nX-Big: ")
+            chunk = b"a" * (1 << 20)
+            for _ in range(header_bytes // len(chunk)):
+                sock.sendall(chunk)
+            sock.sendall(b"\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before the header was whole: the answer is already waiting
+        try:
+            while data := sock.recv(65536):
+                answer += data
+        except ConnectionResetError:
+            pass
+        return answer
+
+
+@pytest.mark.hostile
+def test_headers_over_the_cap_are_431_and_health_stays_fast(tiny_model, tokenization):
+    """A 64 MiB header was read whole and answered 200; eight of them stalled /health for 8.4 s."""
+    from pdserve.router.header_deadline import MAX_HEADER_BYTES
+
+    async def scenario():
+        async with router_server(tiny_model, tokenization) as (gateway, url):
+            async with serving(gateway, engine_id="d0"), httpx.AsyncClient(base_url=url, timeout=10) as client:
+                attacks = [asyncio.to_thread(_send_big_header, url, size) for size in [64 << 20] * 4 + [1 << 20]]
+                attack = asyncio.ensure_future(asyncio.gather(*attacks))
+                latencies = []
+                while not attack.done():
+                    start = time.monotonic()
+                    assert (await client.get("/health")).status_code == 200
+                    latencies.append(time.monotonic() - start)
+                    await asyncio.sleep(0.01)
+                for answer in await attack:
+                    head, _, body = answer.partition(b"\r\n\r\n")
+                    assert head.startswith(b"HTTP/1.1 431"), answer[:200]
+                    error = json.loads(body)["error"]
+                    assert f"limit of {MAX_HEADER_BYTES} bytes" in error["message"], error
+                    assert error["code"] == "request_header_fields_too_large"
+                assert max(latencies) <= 1.0, latencies
+                # headers under the cap are served as before, on a real socket
+                fine = await client.get("/health", headers={"x-fine": "a" * (MAX_HEADER_BYTES // 2)})
+                assert fine.status_code == 200, fine.text
+    run(scenario())
+
+
+@pytest.mark.hostile
+def test_repeated_wrong_keys_from_one_address_get_429_with_retry_after(tiny_model, tokenization):
+    """300 wrong keys at 922/s met only 401s: now an address has a few failures, then waits."""
+    from pdserve.router.auth_throttle import BURST
+
+    async def scenario():
+        async with router_app(tiny_model, tokenization, api_key="right") as (gateway, client):
+            async with serving(gateway, engine_id="d0"):
+                wrong = {"authorization": "Bearer wrong"}
+                answers = [await client.post("/v1/completions", content=BODY, headers=wrong) for _ in range(BURST + 5)]
+                assert [a.status_code for a in answers[:BURST]] == [401] * BURST
+                slowed = answers[BURST]
+                error = assert_openai_error(slowed, 429, type_="rate_limit_error")
+                assert "wrong or missing API key" in error["message"], error
+                assert int(slowed.headers["retry-after"]) >= 1
+                # while it waits, even the right key is not compared (a guess that hits learns nothing)
+                right = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                          headers={"authorization": "Bearer right"})
+                assert right.status_code == 429
+                await asyncio.sleep(1.1)  # one failure's worth refilled
+                right = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                          headers={"authorization": "Bearer right"})
+                assert right.status_code == 200, right.text
+    run(scenario())
+
+
+def test_the_auth_throttle_refills_and_remembers_a_bounded_number_of_addresses():
+    from pdserve.router.auth_throttle import AuthThrottle
+
+    now = [0.0]
+    throttle = AuthThrottle(burst=2, refill_per_s=0.5, max_clients=3, clock=lambda: now[0])
+    throttle.failed("a")
+    assert throttle.wait_s("a") == 0
+    throttle.failed("a")
+    assert throttle.wait_s("a") == 2  # one token comes back in 1 / 0.5 s
+    now[0] = 2.0
+    assert throttle.wait_s("a") == 0
+    for address in ("b", "c", "d", "e"):
+        throttle.failed(address)
+    assert len(throttle) == 3 and throttle.wait_s("a") == 0  # "a", the least recently failed, was forgotten
+
+
+@pytest.mark.hostile
+def test_a_trailing_slash_is_404_not_a_redirect_to_the_host_header(tiny_model, tokenization):
+    """/v1/completions/ answered, before any key check, a 307 to http://<Host header>/v1/completions."""
+    async def scenario():
+        for api_key in (None, "right"):
+            async with router_server(tiny_model, tokenization, api_key=api_key) as (gateway, url):
+                async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                    for method in ("GET", "POST"):
+                        for path in ("/v1/completions/", "/v1/chat/completions/", "/health/", "/v1/models/"):
+                            answer = await client.request(method, path, headers={"host": "evil.example"},
+                                                          content=BODY)
+                            assert answer.status_code in (401, 404, 405), (method, path, answer.status_code)
+                            assert "location" not in answer.headers
+                            assert "evil.example" not in answer.text
     run(scenario())
