@@ -55,9 +55,9 @@ def compare(rows: list[dict], goodputs: list[dict], slos: dict[str, float]) -> C
         if slos:
             attained = {load_label(row): row["slo_attainment"] for row in own if row["phase"] == "sweep"}
             row_cells += [_percent(attained.get(load)) for load in loads]
-        at = _latency_row(own, bool(slos))
+        at, met = _latency_row(own, bool(slos))
         row_cells += [_ms(at.get(field)) if at else "-" for _, field in LATENCY_COLUMNS]
-        row_cells.append(load_label(at) if at else "none")
+        row_cells.append("-" if at is None else load_label(at) if met else f"none met; at {load_label(at)}")
         cells.append(row_cells)
     return Comparison(headers, cells, winner, sentence)
 
@@ -94,11 +94,16 @@ def _per_engine(goodput: dict) -> str:
             f"({goodput['goodput']:.3g} in total on {goodput['num_engines']})")
 
 
-def _latency_row(rows: list[dict], has_slos: bool) -> dict | None:
-    """The run at the highest rate whose attainment met the target (without SLOs: the heaviest load)."""
-    if has_slos:
-        rows = [row for row in rows if (row.get("slo_attainment") or 0) >= ATTAINMENT_TARGET]
-    return max(rows, key=lambda row: (row["request_rate"], row.get("max_concurrency") or math.inf), default=None)
+def _latency_row(rows: list[dict], has_slos: bool) -> tuple[dict | None, bool]:
+    """(the run at the highest rate whose attainment met the target, True); when none met it, (the lightest load,
+    False). Without SLOs: (the heaviest load, True)."""
+    def load(row: dict) -> tuple[float, float]:
+        return row["request_rate"], row.get("max_concurrency") or math.inf
+
+    met = [row for row in rows if not has_slos or (row.get("slo_attainment") or 0) >= ATTAINMENT_TARGET]
+    if met or not rows:
+        return max(met, key=load, default=None), True
+    return min(rows, key=load), False
 
 
 def _goodput_cells(goodput: dict | None) -> list[str]:

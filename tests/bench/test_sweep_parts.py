@@ -303,6 +303,10 @@ def test_the_comparison_names_the_winner_and_by_how_much():
     assert other[8] == "200" and other[-1] == "2 req/s"  # TTFT p90 where 0P2D last met the SLOs
     assert markdown_table(comparison).splitlines()[2].startswith("| 1P1D (winner) | 2 | >= 4 |")
     assert describe_workload(rows) == "about 16 tokens in / 4 out per request, 4 requests per run"
+    # no rate within the SLOs: the latencies at the lightest load, said as such
+    missed = compare([{**row, "slo_attainment": 0.0} for row in rows],
+                     [{**g, "goodput": 0.0, "goodput_per_engine": 0.0} for g in goodputs], {"ttft": 1})
+    assert missed.winner is None and missed.cells[1][8:] == ["100", "-", "20", "none met; at 1 req/s"]
 
 
 @pytest.mark.parametrize("goodputs, says", [
