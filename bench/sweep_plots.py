@@ -102,17 +102,17 @@ def load_figure(plt, lines: dict, x_label: str, y_label: str, context: PlotConte
     else:
         for index, (label, (xs, ys)) in enumerate(lines.items()):
             winner = _config_of(label) == context.winner
-            axes.plot(xs, ys, marker=MARKERS[index % len(MARKERS)], markersize=max(4, 10 - 2 * index),
+            axes.plot(xs, ys, marker=MARKERS[index % len(MARKERS)], markersize=max(4, 12 - 4 * index),
                       linewidth=2.6 if winner else 1.4, label=labels[label], zorder=3 + index)
         axes.set_xlabel(x_label)
     if limit is not None:
         axes.axhline(limit[0], color="tab:red", linestyle="--", linewidth=1, label=limit[1], zorder=2)
     if y_label == "SLO attainment":
-        axes.set_ylim(0, 1.08)
+        axes.set_ylim(-0.06, 1.08)  # a point at 0 drawn whole
     axes.set_ylabel(y_label)
     axes.set_title(_title(f"{y_label} against load", context), fontsize=10)
     axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the plot, over no point
     figure.tight_layout()
     return figure
 
@@ -157,7 +157,8 @@ def _save(plt, figure, path: Path) -> list[Path]:
 
 
 def _title(text: str, context: PlotContext) -> str:
-    return text + ("\n" + "\n".join(textwrap.wrap(context.subtitle, 90)) if context.subtitle else "")
+    subtitle = context.subtitle.replace("<=", "≤")
+    return text + ("\n" + "\n".join(textwrap.wrap(subtitle, 80)) if subtitle else "")
 
 
 def _config_of(label: str) -> str:

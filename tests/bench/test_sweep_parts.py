@@ -342,7 +342,7 @@ def test_one_rate_is_drawn_as_bars_and_many_as_lines_with_every_marker_visible()
     assert [bar.get_height() for bar in bars] == [100.0, 200.0]
     assert [label.get_text() for label in axes.get_xticklabels()] == ["1P1D (winner)", "0P2D"]
     assert [line.get_ydata()[0] for line in axes.lines] == [250]  # the SLO line, and no one-dot line plot
-    assert "TTFT <= 250 ms" in axes.get_title() and axes.get_xlabel() == "at request rate 2"
+    assert "TTFT ≤ 250 ms" in axes.get_title() and axes.get_xlabel() == "at request rate 2"
     plt.close(figure)
 
     figure = load_figure(plt, series(synthetic_rows(), "request_rate", "p90_ttft_ms"), "request rate (req/s)",
