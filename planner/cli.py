@@ -7,6 +7,8 @@ import argparse
 import json
 import math
 import os
+import shlex
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -100,9 +102,16 @@ def check_nothing_validate_ignores(args: argparse.Namespace) -> None:
                          "rates; drop them, or plan without --validate")
 
 
+def default_output_dir() -> Path:
+    """A new folder under the system's temp directory, as `pdserve sweep`'s: out of the repository unless
+    --output-dir names a place."""
+    return Path(tempfile.gettempdir()) / "pdserve-plans" / time.strftime("%Y%m%d-%H%M%S")
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from pdserve.bench.serve import check_output_dir
 
+    args.output_dir = str(args.output_dir or default_output_dir())
     check_output_dir(args.output_dir)  # before the simulations (a 100,000-request plan runs for a minute)
     profile = load_profile(args.profile)
     if args.model:
@@ -139,7 +148,7 @@ def run_plan(args: argparse.Namespace) -> int:
                             args.burstiness, args.seed, args.exact_up_to, effects)
     check_slos_reachable(settings)
     if args.request_rate is None:
-        rows = search_splits(settings, args.engines, args.jobs)
+        rows = search_splits(settings, args.engines, args.jobs, show_progress=True)
     else:
         rows = plan_splits(settings, args.engines, args.request_rate)
     best = recommend(rows)
@@ -151,12 +160,31 @@ def run_plan(args: argparse.Namespace) -> int:
     if host is not NO_HOST_CPU:
         print(f"{host.describe()}: charged to the engines' steps while none is idle (one core per engine), in the "
               f"splits simulated whole (up to --exact-up-to {args.exact_up_to} engines)")
+    if best is not None:
+        print(f"serve it with:\n  {up_command(best, args, profile)}")
     if args.target_rate:
         print(f"smallest cluster for {args.target_rate:g} req/s: " + (
             f"{smallest['num_engines']} engines as {smallest['config']}" if smallest else
             f"none up to {args.engines} engines; give more --engines"))
     write_outputs(args, profile, rows, best, smallest, elapsed, cpu, host)
     return 0
+
+
+def up_command(best: dict, args: argparse.Namespace, profile: Profile) -> str:
+    """The `pdserve up` line of the recommended split, with the profiled engine's settings and the planned router's
+    policies (the flags left at up's defaults left out)."""
+    device = str(profile.machine.get("device", "cpu")).split(":")[0]
+    words = ["pdserve", "up"] + (["--model", args.model] if args.model else [])
+    words += ["--num-prefill", str(best["num_prefill"]), "--num-decode", str(best["num_decode"])]
+    words += ([] if device == "cpu" else ["--device", device]) + ["--dtype", profile.engine.dtype]
+    if profile.engine.max_num_batched_tokens != 2048:
+        words += ["--max-num-batched-tokens", str(profile.engine.max_num_batched_tokens)]
+    for flag, value, default in (("--prefill-policy", args.prefill_policy, "prefix_aware"),
+                                 ("--decode-policy", args.decode_policy, "least_kv"),
+                                 ("--local-prefill-threshold", args.local_prefill_threshold, 0)):
+        if value != default:
+            words += [flag, str(value)]
+    return shlex.join(words) + ("" if args.model else "   # the built-in demo model: add --model DIR for yours")
 
 
 def recommendation(best: dict | None, args: argparse.Namespace) -> str:
@@ -166,6 +194,16 @@ def recommendation(best: dict | None, args: argparse.Namespace) -> str:
     at = ("at any rate the search tried" if args.request_rate is None
           else f"at {args.request_rate:g} req/s; lower --request-rate, or leave it out to search each split's goodput")
     return f"recommended: none (no split meets {slos} {at}; or loosen --slo)"
+
+
+def plot_title(args: argparse.Namespace) -> str:
+    """The SLOs and the workload, for plan_goodput.png's title."""
+    load = ("goodput: the highest rate with >= 90% of requests within the SLOs" if args.request_rate is None
+            else f"at {args.request_rate:g} req/s")
+    lengths = (f"{args.input_len} in / {args.output_len} out tokens" if args.dataset == "random"
+               else f"dataset {args.dataset}")
+    return (f"{args.engines} engines; SLOs {' '.join(args.slo)} (ms); {args.num_prompts:,} requests, {lengths}\n"
+            f"{load}")
 
 
 def write_outputs(args, profile: Profile, rows: list[dict], best: dict, smallest: dict | None, elapsed: float,
@@ -180,9 +218,10 @@ def write_outputs(args, profile: Profile, rows: list[dict], best: dict, smallest
               "smallest": smallest,
               "seconds": elapsed, "cpu_seconds": cpu}
     (out / "plan.json").write_text(json.dumps(result, indent=1, default=str))
-    if not args.no_plots:
-        from pdserve.planner.plots import plot_goodput
+    from pdserve.planner.plots import can_plot, plot_goodput
 
-        plot_goodput(rows, out / "plan_goodput.png")
-    print(f"wrote {out / 'plan.json'}" + ("" if args.no_plots else f" and {out / 'plan_goodput.png'}"))
+    plotted = not args.no_plots and can_plot("plan_goodput.png")
+    if plotted:
+        plot_goodput(rows, out / "plan_goodput.png", best, plot_title(args))
+    print(f"wrote {out / 'plan.json'}" + (f" and {out / 'plan_goodput.png'}" if plotted else ""))
 

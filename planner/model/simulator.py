@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 
 try:
     import simpy
-except ImportError as exc:  # an extra of the bench tools
-    raise ImportError('pdserve plan needs simpy: pip install "pdserve[bench]"') from exc
+except ImportError as exc:  # a dependency of pdserve; missing only from an install that skipped it
+    raise ImportError('pdserve plan needs simpy, a dependency of pdserve: pip install -e . (or pip install simpy)'
+                      ) from exc
 
 from pdserve.kernels.length_groups import group_padding
 from pdserve.planner.model.host_effects import DECODING, IDLE, NO_HOST_EFFECTS, PREFILLING, HostEffects

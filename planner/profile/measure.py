@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.planner.profile.corun_fit import CoRun
 from pdserve.planner.profile.fit import (
     DecodePoint,
     EngineSettings,
@@ -33,6 +32,7 @@ from pdserve.planner.profile.fit import (
     load_profile,
     model_identity,
 )
+from pdserve.planner.profile.report import print_profile
 
 # (prompt length, prompts in one batch): single prompts trace the quadratic, batches the chunking.
 PREFILL_SHAPES = [(16, 1), (64, 1), (256, 1), (512, 1), (1024, 1), (1536, 1), (2000, 1), (256, 4), (1000, 2),
@@ -131,21 +131,64 @@ class EngineProbe:
         return points
 
 
-def measure_engine(args, model: str) -> tuple[list[PrefillPoint], list[DecodePoint], EngineSettings]:
-    probe = EngineProbe(model, args.device, args.max_num_batched_tokens, args.dtype)
-    probe.prefill_points(64, 1)  # warm-up: first-step allocations
-    probe.decode_points(2, 16)
+class Phases:
+    """The profile's steps as they run: a progress bar on a terminal, else one line per step with the time left
+    (pdserve/progress.py). The default prints nothing (a caller that only measures)."""
+
+    def __init__(self, total: int = 0) -> None:
+        from pdserve.progress import Progress
+
+        self.progress = Progress(total, "pdserve profile") if total else None
+
+    @contextlib.contextmanager
+    def step(self, label: str):
+        if self.progress is not None:
+            self.progress.start(label)
+        yield
+        if self.progress is not None:
+            self.progress.finish()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+
+
+def engine_shapes(args) -> tuple[list, list]:
+    """(prefill shapes, decode shapes) timed in this process; no decode shapes where a served engine times them."""
     prefill_shapes, decode_shapes = (QUICK_PREFILL, QUICK_DECODE) if args.quick else (PREFILL_SHAPES, DECODE_SHAPES)
-    if served_decode(args):
-        decode_shapes = []  # timed through a served engine instead (served.py)
+    return prefill_shapes, [] if served_decode(args) else decode_shapes
+
+
+def phase_count(args) -> int:
+    """The steps run_profile runs: the engine's load, its kernels' compile (GPU), each timed pass, on CPU the
+    served engine's decode shapes, reference prompt and co-run step, and the KV link."""
+    on_cpu = args.device == "cpu"
+    return 1 + (not on_cpu) + args.repeats + (on_cpu * (2 + served_decode(args))) + 1
+
+
+def shapes_label(prefill_shapes: list, decode_shapes: list) -> str:
+    return f"{len(prefill_shapes)} prefill shapes" + (f", {len(decode_shapes)} decode shapes" if decode_shapes else "")
+
+
+def measure_engine(args, model: str, phases: Phases | None = None
+                   ) -> tuple[list[PrefillPoint], list[DecodePoint], EngineSettings]:
+    phases = phases or Phases()
+    prefill_shapes, decode_shapes = engine_shapes(args)
+    with phases.step("loading the model and warming the engine up"):
+        probe = EngineProbe(model, args.device, args.max_num_batched_tokens, args.dtype)
+        probe.prefill_points(64, 1)  # warm-up: first-step allocations
+        probe.decode_points(2, 16)
     max_len = probe.llm.model_config.max_model_len
     if args.device != "cpu":
         # Triton compiles a kernel for each new specialization of its arguments on first use (about 3 s each
         # on an H200, three of the eleven prefill points of the first GPU profile): every shape once, untimed.
-        measure_shapes(probe, prefill_shapes, decode_shapes, max_len)
+        with phases.step(f"compiling the GPU kernels: {shapes_label(prefill_shapes, decode_shapes)}, untimed"):
+            measure_shapes(probe, prefill_shapes, decode_shapes, max_len)
     prefill, decode = [], []
-    for _ in range(args.repeats):
-        shape_prefill, shape_decode = measure_shapes(probe, prefill_shapes, decode_shapes, max_len)
+    for n in range(args.repeats):
+        passes = f" (pass {n + 1} of {args.repeats})" if args.repeats > 1 else ""
+        with phases.step(f"timing {shapes_label(prefill_shapes, decode_shapes)} in this process{passes}"):
+            shape_prefill, shape_decode = measure_shapes(probe, prefill_shapes, decode_shapes, max_len)
         prefill += shape_prefill
         decode += shape_decode
     runner = probe.engine.runner
@@ -181,7 +224,7 @@ def served_decode(args: argparse.Namespace) -> bool:
     return not args.in_process_decode
 
 
-def measure_served(args, model: str, core: int, machine: dict, max_len: int) -> list[DecodePoint]:
+def measure_served(args, model: str, core: int, machine: dict, max_len: int, phases: Phases) -> list[DecodePoint]:
     """Through a served engine on the same core: the reference prefill (into machine["reference"]) and, unless
     --in-process-decode, the decode points (else [])."""
     from pdserve.planner.profile.served import (
@@ -191,19 +234,28 @@ def measure_served(args, model: str, core: int, machine: dict, max_len: int) -> 
         served_prefill_reference,
     )
 
+    served, shapes = served_decode(args), QUICK_DECODE if args.quick else DECODE_SHAPES
+    prompt_len = min(QUICK_REFERENCE_LEN if args.quick else REFERENCE_PROMPT_LEN, max_len - 1)
+    reference = f"a reference prompt of {prompt_len} tokens"
     decode = []
-    with served_engine(model, core, args.max_num_batched_tokens) as session:
-        if served_decode(args):
-            shapes = QUICK_DECODE if args.quick else DECODE_SHAPES
-            with timed_phase(machine, "served_decode"):
-                decode = served_decode_passes(session, shapes, args.repeats)
-            machine["decode_points"] = "served: a pdserve decode process with CURVE, its CPU time per step"
-        prompt_len = min(QUICK_REFERENCE_LEN if args.quick else REFERENCE_PROMPT_LEN, max_len - 1)
-        with timed_phase(machine, "reference"):
-            machine["reference"] = served_prefill_reference(session, prompt_len)
-        with timed_phase(machine, "corun"):
-            machine["decode_corun"] = measure_corun(args, model, core, session, prompt_len,
-                                                    args.max_num_batched_tokens, max_len)
+    with contextlib.ExitStack() as stack:
+        first = f"timing {len(shapes)} decode shapes" if served else f"timing {reference}"
+        with phases.step(f"starting a served engine process, {first} through it"):
+            session = stack.enter_context(served_engine(model, core, args.max_num_batched_tokens))
+            if served:
+                with timed_phase(machine, "served_decode"):
+                    decode = served_decode_passes(session, shapes, args.repeats)
+                machine["decode_points"] = "served: a pdserve decode process with CURVE, its CPU time per step"
+            else:
+                with timed_phase(machine, "reference"):
+                    machine["reference"] = served_prefill_reference(session, prompt_len)
+        if served:
+            with phases.step(f"timing {reference} through the served engine"), timed_phase(machine, "reference"):
+                machine["reference"] = served_prefill_reference(session, prompt_len)
+        with phases.step("co-run: decode steps while another core computes" + (" (skipped)" if args.no_corun else "")):
+            with timed_phase(machine, "corun"):
+                machine["decode_corun"] = measure_corun(args, model, core, session, prompt_len,
+                                                        args.max_num_batched_tokens, max_len)
     return decode
 
 
@@ -292,25 +344,43 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.add_corun_to:
         return add_corun(args, model, identity)
     started = time.perf_counter()
+    phases = Phases(phase_count(args))
+    try:
+        machine, prefill, decode, settings, transfer = measure_all(args, model, phases)
+    finally:
+        phases.close()
+    clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
+    profile = note_reference(build_profile(identity, machine, settings, prefill, decode, transfer, clock))
+    Path(args.out).write_text(profile.model_dump_json(indent=1))
+    print_profile(profile, f"profiled {profile.model.architecture} ({profile.model.num_layers} layers, hidden "
+                  f"{profile.model.hidden_size}) on {device_name(profile.machine)} in "
+                  f"{time.perf_counter() - started:.0f} s -> {args.out}", args.verbose)
+    return 0
+
+
+def measure_all(args, model: str, phases: Phases) -> tuple:
+    """Every step of a new profile: (machine, prefill points, decode points, engine settings, transfer points)."""
     pinned = one_core(args.core) if args.device == "cpu" else contextlib.nullcontext(None)
     with pinned as core:
         machine = machine_info(args.device, core)
         with timed_phase(machine, "engine"):
-            prefill, decode, settings, max_len = measure_engine(args, model)
+            prefill, decode, settings, max_len = measure_engine(args, model, phases)
     if args.device == "cpu":
         with timed_phase(machine, "served"):
-            decode = measure_served(args, model, core, machine, max_len) or decode
+            decode = measure_served(args, model, core, machine, max_len, phases) or decode
     else:  # a host CPU effect: engines on GPUs of their own do not slow each other's steps through it
         machine["decode_corun"] = {"factor": 1.0, "skipped": f"device {args.device}"}
-    with timed_phase(machine, "transfer"):
-        transfer = measure_transfer(QUICK_TRANSFER_MIB if args.quick else TRANSFER_MIB, TRANSFER_REQUESTS)
-    clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
-    profile = note_reference(build_profile(identity, machine, settings, prefill, decode, transfer, clock))
-    Path(args.out).write_text(profile.model_dump_json(indent=1))
-    print_fits(profile, f"profiled {profile.model.architecture} ({profile.model.num_layers} layers, hidden "
-               f"{profile.model.hidden_size}) on {profile.machine['device']} in {time.perf_counter() - started:.0f} s "
-               f"-> {args.out}")
-    return 0
+    sizes = QUICK_TRANSFER_MIB if args.quick else TRANSFER_MIB
+    with phases.step(f"KV link: messages of {', '.join(map(str, sizes))} MiB between two processes"):
+        with timed_phase(machine, "transfer"):
+            transfer = measure_transfer(sizes, TRANSFER_REQUESTS)
+    return machine, prefill, decode, settings, transfer
+
+
+def device_name(machine: dict) -> str:
+    """'cpu (Intel Xeon ...)' or 'cuda (NVIDIA H100 ...)': the device and what it is."""
+    what = machine.get("gpu") or machine.get("cpu")
+    return f"{machine['device']} ({what})" if what else machine["device"]
 
 
 def note_reference(profile: Profile) -> Profile:
@@ -336,7 +406,7 @@ def refit(args: argparse.Namespace) -> int:
     profile = note_reference(build_profile(old.model, old.machine, old.engine, old.prefill_points, old.decode_points,
                                            old.transfer_points, args.clock or old.clock))
     Path(args.out).write_text(profile.model_dump_json(indent=1))
-    print_fits(profile, f"refitted the points of {args.refit} -> {args.out}")
+    print_profile(profile, f"refitted the points of {args.refit} -> {args.out}", args.verbose)
     return 0
 
 
@@ -361,49 +431,6 @@ def add_corun(args: argparse.Namespace, model: str, identity: ModelIdentity) -> 
     machine = {**profile.machine, "decode_corun": {**corun, "pinned_core": core}}
     profile = profile.model_copy(update={"machine": machine})
     Path(args.out).write_text(profile.model_dump_json(indent=1))
-    print_fits(profile, f"co-run step in {time.perf_counter() - started:.0f} s: {args.add_corun_to} -> {args.out}")
+    print_profile(profile, f"co-run step in {time.perf_counter() - started:.0f} s: {args.add_corun_to} -> {args.out}",
+                  args.verbose)
     return 0
-
-
-def print_fits(profile: Profile, headline: str) -> None:
-    print(f"{headline}; fits on the {profile.clock} clock")
-    for name in ("prefill", "decode", "transfer"):
-        fit = getattr(profile, f"{name}_fit")
-        terms = ", ".join(f"{k} {v:.3g}" for k, v in fit.coefficients.items())
-        print(f"  {name:<8} {terms}  (R^2 {fit.r2:.3f}, mean relative error {fit.mean_relative_error:.1%}, "
-              f"{fit.num_points} points)")
-    reference = profile.machine.get("reference")
-    if reference is not None:
-        print(f"  reference: a {reference['prompt_len']}-token prompt alone through a served engine took "
-              f"{reference['served_prefill_wall_s']:.3f} s ({reference['served_prefill_cpu_s']:.3f} s CPU); "
-              f"the prefill fit says {reference['profile_prefill_s']:.3f} s")
-    corun = profile.machine.get("decode_corun")
-    if corun is not None and "skipped" not in corun:
-        print_corun(corun, f"prompts on core {corun['prefill_core']}", profile.decode_corun)
-        beside = corun.get("beside_decode")
-        if beside is not None:
-            print_corun(beside, f"decode steps on core {beside['decode_core']}", profile.decode_beside_decode)
-    phases = profile.machine.get("phase_seconds")
-    if phases:
-        print("  time: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in phases.items()))
-    print(f"  KV link CPU: sender {profile.transfer_sender_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB, receiver "
-          f"{profile.transfer_receiver_cpu_per_byte * 2**20 * 1000:.2f} ms/MiB" + link_thread_share(profile))
-
-
-def link_thread_share(profile: Profile) -> str:
-    """How much of each side's link CPU its own sending/receiving thread spent (the rest: zmq's I/O thread)."""
-    points = profile.transfer_points
-    if not points or any(p.sender_thread_cpu_s is None for p in points):
-        return ""
-    shares = [sum(getattr(p, f"{side}_thread_cpu_s") for p in points) / max(sum(getattr(p, f"{side}_cpu_s")
-                                                                               for p in points), 1e-12)
-              for side in ("sender", "receiver")]
-    return f"; of that, the sending thread {shares[0]:.0%}, the receiving thread {shares[1]:.0%}"
-
-
-def print_corun(measured: dict, beside: str, factors: CoRun) -> None:
-    """One line per kind of neighbour: each shape's ratio, and the factors of the step's two parts."""
-    ratios = ", ".join(f"{shape} x{row['cpu_ratio']:.2f}" for shape, row in measured["batches"].items())
-    print(f"  co-run: decode steps beside {beside}: {ratios}; factors: weights x{factors.weights:.2f}, "
-          f"KV reads x{factors.kv_reads:.2f}")
-

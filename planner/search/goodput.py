@@ -4,6 +4,7 @@ pool of processes searches side by side, with the same result for any number of 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -113,9 +114,11 @@ def next_start(found: list[tuple[int, int, int, bool]], num_prefill: int, num_de
     return round(last + power * RATE_STEPS * step)
 
 
-def search_chain(settings: PlanSettings, num_engines: int, splits: list[tuple[int, int]], start: int) -> list[dict]:
+def search_chain(settings: PlanSettings, num_engines: int, splits: list[tuple[int, int]], start: int,
+                 done=None) -> list[dict]:
     """Rows of consecutive splits, each searched from the goodputs found before it in this chain (colocated 0PND
-    aside: its goodput does not scale with a tier); without one, from `start` with doubling steps."""
+    aside: its goodput does not scale with a tier); without one, from `start` with doubling steps. `done.put(line)`
+    (a queue, or None) hears of each split as it ends."""
     rows, found = [], []
     for x, y in splits:
         if found:
@@ -127,6 +130,8 @@ def search_chain(settings: PlanSettings, num_engines: int, splits: list[tuple[in
         row = split_row(x, y, num_engines, goodput.rate, goodput.rate, goodput.metrics)
         row["probes"] = goodput.probes
         rows.append(row)
+        if done is not None:
+            done.put(f"{row['config']} searched: goodput {row['goodput']:.3g} req/s ({goodput.probes} simulations)")
     return rows
 
 
@@ -148,15 +153,61 @@ def chains_of(num_engines: int) -> list[list[tuple[int, int]]]:
     return [chain for chain in (splits[:cut], splits[cut:]) if chain]
 
 
-def search_splits(settings: PlanSettings, num_engines: int, jobs: int = 1) -> list[dict]:
+def search_splits(settings: PlanSettings, num_engines: int, jobs: int = 1, show_progress: bool = False
+                  ) -> list[dict]:
     """Every split's goodput row, in split order. Each chain starts from the same guess, so the rows do not depend
-    on `jobs` (the processes searching chains at once) or on which chain ends first."""
+    on `jobs` (the processes searching chains at once) or on which chain ends first. show_progress: a bar on a
+    terminal, else a line per split searched, on stderr (pdserve/progress.py)."""
+    from pdserve.progress import Progress
+
     chains = chains_of(num_engines)
     start = grid_index(capacity_guess(settings, num_engines))
-    args = [(settings, num_engines, chain, start) for chain in chains]
-    if jobs <= 1 or len(chains) == 1:
-        results = [search_chain(*arg) for arg in args]
-    else:
-        with ProcessPoolExecutor(max_workers=min(jobs, len(chains))) as pool:
-            results = list(pool.map(search_chain, *zip(*args)))
+    total = sum(len(chain) for chain in chains)
+    progress = Progress(total, "pdserve plan: goodput search", unit="split") if show_progress else None
+    report = SplitReport(progress)
+    try:
+        if jobs <= 1 or len(chains) == 1:
+            results = [search_chain(settings, num_engines, chain, start, report if progress else None)
+                       for chain in chains]
+        else:
+            results = search_in_pool(settings, num_engines, chains, start, min(jobs, len(chains)), report, total)
+    finally:
+        report.close()
     return [row for rows in results for row in rows]
+
+
+class SplitReport:
+    """A split searched, on the progress display (nothing without one)."""
+
+    def __init__(self, progress) -> None:
+        self.progress = progress
+
+    def put(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress.start(line)
+            self.progress.finish()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+
+
+def search_in_pool(settings: PlanSettings, num_engines: int, chains: list, start: int, workers: int,
+                   report: SplitReport, total: int) -> list[list[dict]]:
+    """The chains searched by `workers` processes; each split's end reported as the workers send it."""
+    from multiprocessing import Manager
+    from queue import Empty
+
+    with Manager() if report.progress else contextlib.nullcontext() as manager, ProcessPoolExecutor(max_workers=workers) as pool:
+        queue = manager.Queue() if report.progress else None
+        futures = [pool.submit(search_chain, settings, num_engines, chain, start, queue) for chain in chains]
+        heard = 0
+        while queue is not None and heard < total:
+            try:
+                report.put(queue.get(timeout=0.2))
+                heard += 1
+            except Empty:
+                if any(future.done() and future.exception() for future in futures):
+                    break  # result() below raises the worker's error
+        return [future.result() for future in futures]
+

@@ -49,7 +49,16 @@ def summarize(rows: list[dict], unloaded: list[dict]) -> dict:
     return summary
 
 
+DIAGNOSE_LEGEND = ("TTFT p90, TPOT p90: the 90th percentiles (ms)",
+                   "step meas/prof: decode steps under load (from the ITLs) over the profile's step for their batch",
+                   "busy P meas/sim: the prefill engine's busy time, as its first tokens show it, over the simulated "
+                   "(one prefill engine)",
+                   "ref P, ref D: the reference runs around the point over the profile, prefill and decode "
+                   "(1.2 = 20% slower)")
+
+
 def print_diagnostics(summary: dict, per_point_speed: bool) -> None:
+    print("diagnostics (--diagnose):\n" + "\n".join(f"  {line}" for line in DIAGNOSE_LEGEND))
     pieces = summary["attainment_mae_pp_with_measured"]
     if pieces:
         print("  attainment MAE with one piece of every request measured instead of predicted: "

@@ -32,12 +32,27 @@ COMPARED = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms")  #
 GOAL_ATTAINMENT_MAE_PP = 5.0
 GOAL_P50_RELATIVE = 0.15
 GOAL_GOODPUT_MARGIN = 0.10
-COLUMNS = (("config", "config", "{}"), ("request_rate", "rate", "{:g}"),
-           ("measured_slo_attainment", "attain meas", "{:.0%}"), ("predicted_slo_attainment", "pred", "{:.0%}"),
-           *[(f"{side}_{key}", f"{key.replace('_ms', '').replace('median', 'p50')} {'meas' if side == 'measured' else 'pred'}",
-              "{:.0f}" if "ttft" in key else "{:.1f}") for key in COMPARED for side in ("measured", "predicted")],
-           *[(f"{side}_{FIRST_ITL}", f"p50_itl1 {'meas' if side == 'measured' else 'pred'}", "{:.0f}")
-             for side in ("measured", "predicted")])
+PLAIN = {"median_ttft_ms": "TTFT p50", "p90_ttft_ms": "TTFT p90", "median_tpot_ms": "TPOT p50",
+         "p90_tpot_ms": "TPOT p90", FIRST_ITL: "2nd token"}
+
+
+def side_columns(key: str, title: str, fmt: str) -> list[tuple[str, str, str]]:
+    return [(f"{side}_{key}", f"{title} {'meas' if side == 'measured' else 'pred'}", fmt)
+            for side in ("measured", "predicted")]
+
+
+COLUMNS = (("config", "split", "{}"), ("request_rate", "req/s", "{:g}"),
+           *side_columns("slo_attainment", "met", "{:.0%}"),
+           *[column for key in ("median_ttft_ms", "median_tpot_ms", FIRST_ITL)
+             for column in side_columns(key, PLAIN[key], "{:.1f}" if "tpot" in key else "{:.0f}")])
+P90_COLUMNS = tuple(column for key in ("p90_ttft_ms", "p90_tpot_ms")
+                    for column in side_columns(key, PLAIN[key], "{:.1f}" if "tpot" in key else "{:.0f}"))
+LEGEND = ("split: xPyD, x prefill and y decode engines (0PyD: each engine prefills its own); req/s: the sweep's "
+          "request rate",
+          "meas: what the sweep measured; pred: what the plan predicts from the profile",
+          "met: the share of requests that met every SLO",
+          "TTFT p50: median time to the first token (ms); TPOT p50: median time per output token after the first (ms)",
+          "2nd token: median wait for the second token (ms), where a disaggregated request's KV transfer sits")
 
 
 def replay(run: dict, profile: Profile, args: argparse.Namespace, slos_override: dict[str, float],
@@ -140,12 +155,13 @@ def run_validate(args: argparse.Namespace, profile: Profile) -> int:
     summary["per_point_speed"] = bool(args.per_point_speed)
     summary["host_cpu"] = {config: asdict(host) for config, host in hosts.items()}
     columns = COLUMNS
-    if args.diagnose:
+    if args.diagnose:  # the p90s and the diagnostics (planner/validate/diagnose.py prints their legend)
         unloaded = [row for config, model in models.items() for row in diagnose.unloaded_drift(
             diagnose.read_unloaded(of_config(all_runs, config)), model, cluster, effects[config])]
         summary.update(diagnose.summarize(rows, unloaded))
-        columns += diagnose.COLUMNS + (diagnose.REFERENCE_COLUMNS if references else ())
+        columns += P90_COLUMNS + diagnose.COLUMNS + (diagnose.REFERENCE_COLUMNS if references else ())
     print(format_table(rows, columns))
+    print("\n".join(["", *LEGEND]))
     print_summary(summary, hosts)
     if args.diagnose:
         diagnose.print_diagnostics(summary, args.per_point_speed)
@@ -161,11 +177,12 @@ def write_validation(args: argparse.Namespace, profile: Profile, sweep_dir: Path
                                                      "slos_ms_override": slos_override or None,
                                                      "machine": profile.machine, "step_scale": list(args.step_scale),
                                                      "points": rows, "summary": summary}, indent=1))
-    if not args.no_plots:
-        from pdserve.planner.plots import plot_validation
+    from pdserve.planner.plots import can_plot, plot_validation
 
+    plotted = not args.no_plots and can_plot("validation.png")
+    if plotted:
         plot_validation(rows, out / "validation.png")
-    print(f"wrote {out / 'validation.json'}" + ("" if args.no_plots else f" and {out / 'validation.png'}"))
+    print(f"wrote {out / 'validation.json'}" + (f" and {out / 'validation.png'}" if plotted else ""))
 
 
 def host_cpu_of(args: argparse.Namespace, profile: Profile, all_runs: list[dict], sweep_dir: Path
@@ -182,14 +199,15 @@ def host_cpu_of(args: argparse.Namespace, profile: Profile, all_runs: list[dict]
 
 def print_summary(summary: dict, hosts: dict[str, HostCpu]) -> None:
     mae = summary["attainment_mae_pp"]
-    print(f"\n{summary['num_points']} points; SLO attainment MAE "
-          + ("-" if mae is None else f"{mae:.1f} pp (goal <= {GOAL_ATTAINMENT_MAE_PP:g})"))
+    print(f"\n{summary['num_points']} points; the predicted share of requests meeting the SLOs is off by "
+          + ("-" if mae is None else f"{mae:.1f} percentage points on average (SLO attainment MAE; goal <= "
+                                     f"{GOAL_ATTAINMENT_MAE_PP:g})"))
     if summary["attainment_sampling_floor_pp"] is not None:
         print(f"  an exact simulator would still be {summary['attainment_sampling_floor_pp']:.1f} pp off on average: "
               "each point's attainment is a sample of its requests (binomial)")
     for key in (*COMPARED, FIRST_ITL):
         if f"{key}_mean_relative_error" in summary:
-            print(f"  {key}: mean |error| {summary[f'{key}_mean_relative_error']:.0%}, "
+            print(f"  {PLAIN[key]}: predicted {summary[f'{key}_mean_relative_error']:.0%} off on average, "
                   f"{summary[f'{key}_within_15pct']}/{summary['num_points']} within 15%")
     for group in summary["goodput"]:
         print(f"  goodput measured {group['measured']} predicted {group['predicted']}: best "

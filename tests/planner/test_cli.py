@@ -247,3 +247,15 @@ def test_validate_refuses_what_it_would_ignore(profile_path, tmp_path, capsys, e
 def test_validate_needs_a_sweep_directory(profile_path, tmp_path, capsys):
     assert main(["plan", "--profile", profile_path, "--validate", str(tmp_path)]) == 2
     assert "runs/*.json" in capsys.readouterr().err
+
+
+def test_plan_without_matplotlib_leaves_the_plot_out_with_a_sentence(profile_path, tmp_path, monkeypatch, capsys):
+    """simpy is in the base install, matplotlib in the [bench] extra: the plan still runs, the PNG is left out."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    out = tmp_path / "plan"
+    assert plan(profile_path, out, "--engines", "2", "--slo", "ttft:1000", "tpot:100", "--request-rate", "4") == 0
+    printed = capsys.readouterr().out
+    assert "plan_goodput.png left out: the plots need matplotlib" in printed
+    assert (out / "plan.json").exists() and not (out / "plan_goodput.png").exists()

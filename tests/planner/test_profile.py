@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
+import subprocess
+import sys
 
 import pytest
 
@@ -42,7 +45,8 @@ def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_pat
     model = model_factory()
     out = tmp_path / "profile.json"
     cores = os.sched_getaffinity(0)
-    assert main(["profile", "--model", model, "--quick", "--repeats", "1", "--out", str(out), *decode_flags]) == 0
+    assert main(["profile", "--model", model, "--quick", "--repeats", "1", "--out", str(out), "--verbose",
+                 *decode_flags]) == 0
     assert profile_decode_source(out) == ("served" if served else "in-process")  # served: the default on CPU
     assert os.sched_getaffinity(0) == cores  # pinned to one core only while measuring
     profile = load_profile(out)
@@ -156,7 +160,8 @@ def test_the_co_run_step_alone_goes_into_a_copy_of_an_older_profile(model_factor
     older.write_text(synthetic_profile(model_identity(model)).model_dump_json())
     assert main(["profile", "--model", model, "--quick", "--add-corun-to", str(older), "--out", str(older)]) == 2
     assert "write the copy elsewhere" in capsys.readouterr().err
-    assert main(["profile", "--model", model, "--quick", "--add-corun-to", str(older), "--out", str(copy)]) == 0
+    assert main(["profile", "--model", model, "--quick", "--add-corun-to", str(older), "--out", str(copy),
+                 "--verbose"]) == 0
     before, after = load_profile(older), load_profile(copy)
     assert before.decode_corun == NO_CORUN
     check_corun(after.machine["decode_corun"], shapes={"1x16": (1, 16), "2x16": (2, 16)})
@@ -210,3 +215,23 @@ def test_served_decode_passes_alternate_their_order_and_fit_each_shapes_median(m
     calls.clear()
     once = plan_served.served_decode_passes(None, shapes, passes=1)
     assert calls == [(shapes, True)] and [p.seconds for p in once] == pytest.approx([0.01, 0.04, 0.08])
+
+
+def test_profile_reports_progress_and_a_plain_summary_in_a_log(model_factory, tmp_path):
+    """Output not on a terminal (captured): one line per step with its number and the time left, then the summary
+    in plain words; the fits stay in the JSON unless --verbose."""
+    out = tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, "-m", "pdserve.cli", "profile", "--model", model_factory(), "--quick",
+                           "--no-corun", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    steps = re.findall(r"^pdserve profile \[(\d+)/(\d+)\] (.+) \((.+)\)$", done.stderr, re.MULTILINE)
+    total = 6  # load, one timed pass, served engine's decode shapes, reference prompt, co-run, KV link
+    assert [(int(n), int(of)) for n, of, _, _ in steps] == [(n, total) for n in range(1, total + 1)]
+    assert steps[0][3] == "time left not known yet" and all(left.endswith(" left") for *_, left in steps[1:])
+    assert "KV link" in steps[-1][2]
+    printed = done.stdout
+    assert re.search(r"prefill: [\d,.]+ ms for a 1,000-token prompt", printed)
+    assert re.search(r"decode step at batch 8 \(512 tokens of context each\): [\d,.]+ ms", printed)
+    assert re.search(r"KV link: ([\d.]+ GB/s|too fast)", printed)
+    assert "R^2" not in printed and "co-run:" not in printed  # the fit details: --verbose
+    assert json.loads(out.read_text())["prefill_fit"]["r2"] is not None
