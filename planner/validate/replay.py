@@ -210,8 +210,14 @@ def print_summary(summary: dict, hosts: dict[str, HostCpu]) -> None:
             print(f"  {PLAIN[key]}: predicted {summary[f'{key}_mean_relative_error']:.0%} off on average, "
                   f"{summary[f'{key}_within_15pct']}/{summary['num_points']} within 15%")
     for group in summary["goodput"]:
-        print(f"  goodput measured {group['measured']} predicted {group['predicted']}: best "
-              f"{group['measured_best'] or 'none'} vs {group['predicted_best'] or 'none'}"
+        print(f"  goodput (req/s) measured {goodputs_text(group['measured'])}, predicted "
+              f"{goodputs_text(group['predicted'])}: best measured {group['measured_best'] or 'none'}, predicted "
+              f"{group['predicted_best'] or 'none'}"
               + ("" if group["decisive"] else " (measured goodputs within 10%: not decisive)"))
     for config, host in hosts.items():
         print(f"  {config}: {host.describe()}")
+
+
+def goodputs_text(goodputs: dict[str, float]) -> str:
+    """{'0P2D': 6.0, '1P1D': 5.5} -> '0P2D 6, 1P1D 5.5'."""
+    return ", ".join(f"{config} {value:.3g}" for config, value in goodputs.items())
