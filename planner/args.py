@@ -20,20 +20,19 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--core", type=int, default=None,
                         help="CPU core to pin the engine to (default: the first this process may use)")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="measurements of each shape; the served decode shapes are timed in passes of "
-                             "alternating order and each shape's median is fitted (against a slow stretch of a shared "
-                             "host), the other points are all fitted")
+                        help="how many times each shape is timed; 3 steadies the decode figures of a host whose "
+                             "speed moves within minutes (a shared CPU machine), for about 2 more minutes")
     parser.add_argument("--quick", action="store_true", help="a handful of small shapes (tests, smoke runs)")
     decode = parser.add_mutually_exclusive_group()
     decode.add_argument("--served-decode", action="store_true",
-                        help="time decode steps through a served engine process (CURVE control socket, all its "
-                             "threads' CPU, as sweeps and `pdserve up` run engines): the default on CPU; CPU only")
+                        help="CPU only, and the default there: time decode steps through a served engine process, "
+                             "as `pdserve up` runs one (its serving loop included)")
     decode.add_argument("--in-process-decode", action="store_true",
                         help="time decode steps in this process, the engine thread's own CPU (the default on GPUs; "
                              "on CPU it misses the serving loop's share of each step)")
     parser.add_argument("--no-corun", action="store_true",
-                        help="skip the co-run step (CPU, two cores or more: decode steps timed while another core "
-                             "computes prompts); the profile's decode_corun_factor is then 1.0")
+                        help="CPU only: skip the co-run step (how much slower a decode step runs while another core "
+                             "computes; about a minute); the plan then assumes engines do not slow each other")
     parser.add_argument("--add-corun-to", default=None, metavar="P.json",
                         help="measure only the co-run step and write P.json with it to --out (a profile taken "
                              "before the step existed; default: a new profile)")
