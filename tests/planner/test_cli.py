@@ -259,3 +259,20 @@ def test_plan_without_matplotlib_leaves_the_plot_out_with_a_sentence(profile_pat
     printed = capsys.readouterr().out
     assert "plan_goodput.png left out: the plots need matplotlib" in printed
     assert (out / "plan.json").exists() and not (out / "plan_goodput.png").exists()
+
+
+def test_the_goodput_plot_draws_an_unbounded_split_and_names_the_slos_and_workload(tmp_path):
+    """A split whose search found no rate it fails at has an infinite goodput: drawn (hatched), not a matplotlib
+    error about infinite axis limits; the title carries the SLOs and the workload."""
+    from pdserve.planner.cli import plot_title
+    from pdserve.planner.plots import bar_heights, plot_goodput
+
+    rows = [{"config": "0P2D", "num_engines": 2, "goodput_per_engine": math.inf},
+            {"config": "1P1D", "num_engines": 2, "goodput_per_engine": 3.0}]
+    assert bar_heights([math.inf, 3.0]) == [pytest.approx(3.3), 3.0]
+    args = argparse.Namespace(engines=2, slo=["ttft:1000", "tpot:100"], num_prompts=200, dataset="random",
+                              input_len=256, output_len=32, request_rate=None)
+    title = plot_title(args)
+    assert "ttft:1000 tpot:100" in title and "256 in / 32 out tokens" in title and "200 requests" in title
+    plot_goodput(rows, tmp_path / "plan_goodput.png", rows[0], title)
+    assert (tmp_path / "plan_goodput.png").stat().st_size > 0
