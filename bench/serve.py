@@ -63,8 +63,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no cap)")
     load.add_argument("--seed", type=seed_arg, default=0, help="seed of the prompts, arrival times and sampling")
     load.add_argument("--warmup", type=int, default=0, metavar="N", help="requests sent first and not measured")
-    load.add_argument("--num-warmups", dest="warmup", type=int, default=argparse.SUPPRESS,
-                      help=argparse.SUPPRESS)  # vLLM's spelling; argparse's errors keep naming --warmup
+    load.add_argument("--num-warmups", dest="warmup", type=int, default=argparse.SUPPRESS, metavar="N",
+                      help="vLLM's spelling of --warmup (default: 0)")
     load.add_argument("--ignore-eos", action="store_true",
                       help="exact output lengths: send ignore_eos (and min_tokens) where the server takes them")
     out = parser.add_argument_group("results")

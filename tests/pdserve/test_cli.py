@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench.serve_vllm_args import RefusedFlag
 from pdserve.cli import build_parser, main
 from pdserve.cli_help import DeprecatedFlag
 
@@ -26,8 +27,8 @@ def test_every_option_of_every_subcommand_has_help_text():
     missing = []
     for name, parser in subcommand_parsers().items():
         for action in parser._actions:
-            if isinstance(action, (argparse._HelpAction, DeprecatedFlag)):
-                continue  # deprecated spellings are hidden on purpose
+            if isinstance(action, (argparse._HelpAction, DeprecatedFlag, RefusedFlag)):
+                continue  # deprecated spellings and refused vLLM flags are hidden on purpose
             if not action.help or action.help == argparse.SUPPRESS:
                 missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
     assert not missing, f"options without help text: {', '.join(missing)}"
