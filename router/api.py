@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.control.gc_freeze import freeze_startup_heap
 from pdserve.router.auth_throttle import AuthThrottle
+from pdserve.router.body_budget import BodyBudget
 from pdserve.router.body_limit import BodyLimit
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import (
@@ -47,7 +48,7 @@ from pdserve.router.responses import (
     ToolCallFormatter,
 )
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
-from pdserve.router.specs import chat_specs, check_n, completion_specs
+from pdserve.router.specs import chat_specs, check_n, check_raw_choices, completion_specs
 from pdserve.router.structured_output import checked_constraint, origin_of
 from pdserve.router.tool_calls import ToolCalling, tool_calling, with_tags_shown
 from pdserve.router.streaming import CLIENT_CLOSED_REQUEST, endpoint_label, respond
@@ -74,6 +75,8 @@ def create_app(config: RouterConfig, gateway: Gateway | None = None, on_started:
                     redirect_slashes=False)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.state.gateway = gateway
+    app.state.body_budget = BodyBudget(config.max_body_bytes_in_flight, config.body_budget_wait_s,
+                                       undeclared_bytes=config.max_request_bytes)
     _install_error_handlers(app, gateway)
     _install_routes(app, gateway)
     return app
@@ -275,6 +278,7 @@ def _install_generation_routes(app: FastAPI, gateway: Gateway, key_checked: list
             continuous_usage=body.continuous_usage_in_stream, num_prompt_logprobs=body.prompt_logprobs)
         return await respond(gateway, request, specs, formatter, body.stream)
 
+    completions.check_raw_body = partial(check_raw_choices, max_n=config.max_n)  # before the prompts are validated
     for path, endpoint in (("/v1/completions", completions), ("/v1/chat/completions", chat_completions)):
         app.router.add_api_route(path, endpoint, methods=["POST"], dependencies=key_checked,
                                  route_class_override=BodyRoute)

@@ -36,7 +36,7 @@ class BodyLimit:
 
 def refuse_declared(scope: Scope, max_bytes: int) -> JSONResponse | None:
     """The 413 for a request whose Content-Length is over the cap (None when it is not)."""
-    declared = _content_length(scope)
+    declared = content_length(scope)
     if declared is None or declared <= max_bytes:
         return None
     error = RequestTooLarge(too_large_message(max_bytes))
@@ -58,7 +58,7 @@ def counting_receive(receive: Receive, max_bytes: int) -> Receive:
     return counted
 
 
-def _content_length(scope: Scope) -> int | None:
+def content_length(scope: Scope) -> int | None:
     for name, value in scope["headers"]:
         if name == b"content-length":
             try:

@@ -28,6 +28,8 @@ class RouterConfig:
     max_retries: int = 2  # re-submissions of a request whose engine died before it streamed a token
     request_timeout_s: float = 600.0
     max_request_bytes: int = 4 << 20  # larger HTTP bodies: 413, refused before they are read whole
+    max_body_bytes_in_flight: int = 32 << 20  # request bodies parsed and served at once (router/body_budget.py)
+    body_budget_wait_s: float = 2.0  # a request that finds no room waits this long, then a 503
     preprocess_timeout_s: float = 5.0  # chat template + tokenization of one request, off the event loop
     num_preprocess_threads: int = 4  # tokenizer threads; more jobs wait for one (503 after 6 x the timeout)
     allow_request_chat_template: bool = False  # a `chat_template` in the request body replaces the model's
@@ -50,6 +52,8 @@ class RouterConfig:
             (self.max_concurrent_requests > 0,
              f"max concurrent requests {self.max_concurrent_requests} must be a positive count"),
             (self.max_request_bytes > 0, f"max request bytes {self.max_request_bytes} must be a positive size"),
+            (self.max_body_bytes_in_flight > 0,
+             f"max body bytes in flight {self.max_body_bytes_in_flight} must be a positive size"),
             (self.preprocess_timeout_s > 0,
              f"preprocess timeout {self.preprocess_timeout_s} must be > 0 seconds"),
             (self.num_preprocess_threads > 0,

@@ -11,6 +11,7 @@ BODY_TIMEOUT_S is a 408.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any, get_type_hints
@@ -23,6 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
+from pdserve.router.body_limit import content_length
 from pdserve.router.errors import BodyTimeout
 
 
@@ -66,20 +68,39 @@ async def read_body(receive: Receive, timeout_s: float | None = None) -> bytes:
         raise BodyTimeout(f"the request body did not arrive whole within {timeout_s:g}s: send it at once") from None
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+LARGE_BODY_BYTES = 256 << 10  # bodies from this size are parsed with the cyclic collector paused
+
+
+def loads(body: bytes) -> Any:
+    """json.loads; for a large body with the collector paused, since the hundreds of thousands of lists a
+    batch of prompts can hold would otherwise set off collection after collection while they are built."""
+    if len(body) < LARGE_BODY_BYTES or not gc.isenabled():
+        return json.loads(body)
+    gc.disable()
+    try:
+        return json.loads(body)
+    finally:
+        gc.enable()
+
+
+async def parse_body(request: Request, model: type[BaseModel],
+                     check_raw: Callable[[Any], None] | None = None) -> Any:
     """The request body as `model`, refused as FastAPI refuses it: bad JSON and invalid fields as a
-    RequestValidationError (locations under "body"), an unreadable body as HTTPException(400)."""
+    RequestValidationError (locations under "body"), an unreadable body as HTTPException(400).
+    `check_raw(parsed JSON)` runs before validation: it refuses what is too big to validate at all."""
     body: Any = await read_body(request.receive)
     if not body:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:
         if body and is_json(_content_type(request.scope)):
-            body = json.loads(body)
+            body = loads(body)
     except json.JSONDecodeError as exc:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": exc.msg}}], body=exc.doc) from exc
     except Exception as exc:  # noqa: BLE001 - not UTF-8, nested too deep, an integer too long: FastAPI's 400
         raise HTTPException(status_code=400, detail="There was an error parsing the body") from exc
+    if check_raw is not None:
+        check_raw(body)
     try:
         return model.model_validate(body, from_attributes=True)  # as FastAPI validates
     except ValidationError as exc:
@@ -97,10 +118,16 @@ class BodyRoute(APIRoute):
         endpoint = self.endpoint
         model = get_type_hints(endpoint)["body"]
         checks = [depends.dependency for depends in self.dependencies]
+        check_raw = getattr(endpoint, "check_raw_body", None)  # set by the app: e.g. the choice count
 
         async def handler(request: Request) -> Response:
             for check in checks:
                 await check(request)
-            return await endpoint(await parse_body(request, model), request)
+            budget = getattr(request.app.state, "body_budget", None)
+            if budget is None:
+                return await endpoint(await parse_body(request, model, check_raw), request)
+            declared = content_length(request.scope)
+            async with budget.holding(budget.undeclared_bytes if declared is None else declared):
+                return await endpoint(await parse_body(request, model, check_raw), request)
 
         return handler

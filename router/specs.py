@@ -5,6 +5,8 @@ of sample 0 only). Everything refused here is a 400 that names the fix."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pdserve.control.errors import InvalidRequestError
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.engine.generation_defaults import GenerationDefaults
@@ -74,10 +76,25 @@ def sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | N
 
 
 def check_n(request: SamplingRequest, num_prompts: int, max_n: int) -> None:
-    if request.n * num_prompts > max_n:
-        raise InvalidRequest(f"n={request.n} x {num_prompts} prompt(s) asks for {request.n * num_prompts} "
+    check_choices(request.n, num_prompts, max_n)
+
+
+def check_choices(n: int, num_prompts: int, max_n: int) -> None:
+    if n * num_prompts > max_n:
+        raise InvalidRequest(f"n={n} x {num_prompts} prompt(s) asks for {n * num_prompts} "
                              f"choices, over this server's limit of {max_n}: send several requests",
                              param="n")
+
+
+def check_raw_choices(body: Any, max_n: int) -> None:
+    """check_n on a completion request's parsed JSON, before it is validated: a batch of 650,000 prompts is
+    refused without building (and validating) a model of each. What is not a batch is left to validation."""
+    if not isinstance(body, dict):
+        return
+    prompt, n = body.get("prompt"), body.get("n")
+    if not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int):
+        return  # a string, or one prompt of token ids
+    check_choices(n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1, len(prompt), max_n)
 
 
 def _as_token_id(key: str) -> int | None:

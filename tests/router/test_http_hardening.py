@@ -259,3 +259,45 @@ def test_a_trailing_slash_is_404_not_a_redirect_to_the_host_header(tiny_model, t
                             assert "location" not in answer.headers
                             assert "evil.example" not in answer.text
     run(scenario())
+
+
+# ---- router memory bounded (issue 49 item 5) ----
+
+@pytest.mark.hostile
+def test_a_batch_of_650000_prompts_is_refused_before_validation_and_health_stays_fast(tiny_model, tokenization):
+    """650,000 one-token prompts in 3.9 MiB were validated whole (seconds on the loop) before their 400."""
+    async def scenario():
+        async with router_server(tiny_model, tokenization) as (gateway, url):
+            async with serving(gateway, engine_id="d0"), httpx.AsyncClient(base_url=url, timeout=30) as client:
+                for prompt in ([[1]] * 650_000, ["a"] * 650_000):
+                    body = json.dumps({"prompt": prompt, "max_tokens": 1, "n": 1}).encode()
+                    refused = asyncio.ensure_future(client.post(
+                        "/v1/completions", content=body, headers={"content-type": "application/json"}))
+                    latencies = []
+                    while not refused.done():
+                        start = time.monotonic()
+                        assert (await client.get("/health")).status_code == 200
+                        latencies.append(time.monotonic() - start)
+                    error = assert_openai_error(await refused, 400)
+                    assert error["param"] == "n" and "650000 prompt(s)" in error["message"], error
+                    assert max(latencies, default=0) <= 1.0, latencies
+    run(scenario())
+
+
+def test_the_body_budget_makes_a_request_wait_then_answers_503_with_retry_after(tiny_model, tokenization):
+    async def scenario():
+        async with router_app(tiny_model, tokenization, max_body_bytes_in_flight=1000,
+                              body_budget_wait_s=0.2) as (gateway, client):
+            async with serving(gateway, engine_id="d0"):
+                budget = client._transport.app.state.body_budget
+                async with budget.holding(990):  # another request's body, being parsed
+                    answer = await client.post("/v1/completions", content=BODY,
+                                               headers={"content-type": "application/json"})
+                    error = assert_openai_error(answer, 503)
+                    assert answer.headers["retry-after"] == "1" and "limit at once is 1000" in error["message"]
+                    late = asyncio.ensure_future(client.post("/v1/completions", content=BODY,
+                                                             headers={"content-type": "application/json"}))
+                    await asyncio.sleep(0.05)  # it waits for room ...
+                assert (await late).status_code == 200  # ... and is served once the other body is done
+                assert budget.used == 0
+    run(scenario())
