@@ -32,8 +32,10 @@ QUEUE_GAUGES = {
     "pdserve_num_requests_waiting_for_remote_kv": "waiting_for_remote_kv",
     "pdserve_num_requests_running": "running",
 }
-COUNTER_FIELDS = [name for name, _ in COUNTERS.values()] + ["prefix_cache_hit_rate", "mean_kv_transfer_ms",
-                                                            "mean_exposed_kv_transfer_ms"]
+# mean_kv_wait_ms: decode side, KVWant sent to KVDone verified (so it includes waiting in P's queue);
+# mean_kv_transfer_exposed_ms: prefill side, prompt computed to KVAck (the transfer compute did not hide).
+COUNTER_FIELDS = [name for name, _ in COUNTERS.values()] + ["prefix_cache_hit_rate", "mean_kv_wait_ms",
+                                                            "mean_kv_transfer_exposed_ms"]
 QUEUE_FIELDS = [f"{kind}_{stem}" for stem in QUEUE_GAUGES.values() for kind in ("max", "mean")]
 SUMMARY_FIELDS = COUNTER_FIELDS + QUEUE_FIELDS
 
@@ -70,7 +72,7 @@ def summarize_counters(deltas: dict[tuple[str, str, str], float]) -> dict[str, f
                                    if name == sample_name and (role is None or r == role)), 0.0)
     queries = summary["prefix_cache_queries"]
     summary["prefix_cache_hit_rate"] = summary["prefix_cache_hits"] / queries if queries else None
-    for role, field_name in (("decode", "mean_kv_transfer_ms"), ("prefill", "mean_exposed_kv_transfer_ms")):
+    for role, field_name in (("decode", "mean_kv_wait_ms"), ("prefill", "mean_kv_transfer_exposed_ms")):
         seconds = sum(v for (name, _, r), v in deltas.items() if name == TRANSFER_SECONDS and r == role)
         count = sum(v for (name, _, r), v in deltas.items() if name == TRANSFERS and r == role)
         summary[field_name] = 1000.0 * seconds / count if count else None

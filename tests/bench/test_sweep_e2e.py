@@ -82,7 +82,7 @@ def test_sweep_two_layouts_two_rates(model_factory, tmp_path, capsys):
             assert abs(row["kv_bytes_sent"] / per_token - NUM_PROMPTS * INPUT_LEN) <= PROBE_TOKENS
         else:
             assert row["kv_bytes_sent"] == 0
-        assert (row["mean_kv_transfer_ms"] is not None) == disaggregated
+        assert (row["mean_kv_wait_ms"] is not None) == disaggregated
         assert row["prefix_cache_queries"] >= NUM_PROMPTS * INPUT_LEN
         assert row["server_cpu_s"] > 0  # the router's own CPU (process_cpu_seconds_total) over the run
 

@@ -206,13 +206,13 @@ def test_metrics_differences_per_run():
     summary = summarize_counters(deltas)
     assert summary["kv_bytes_sent"] == 4000 and summary["kv_bytes_received"] == 4000
     assert summary["kv_transfers"] == 4  # the decode side's count, not both sides'
-    assert summary["mean_kv_transfer_ms"] == pytest.approx(1000 * 0.4 / 4)
-    assert summary["mean_exposed_kv_transfer_ms"] == pytest.approx(1000 * 0.04 / 4)
+    assert summary["mean_kv_wait_ms"] == pytest.approx(1000 * 0.4 / 4)
+    assert summary["mean_kv_transfer_exposed_ms"] == pytest.approx(1000 * 0.04 / 4)
     # the decode engine restarted (its counters went down): it counts from zero
     assert summary["prefix_cache_queries"] == 200 + 30 and summary["prefix_cache_hits"] == 50 + 3
     assert summary["prefix_cache_hit_rate"] == pytest.approx(53 / 230)
     assert summary["server_cpu_s"] == pytest.approx(1.5)  # the router's own CPU during the run
-    assert summarize_counters({})["mean_kv_transfer_ms"] is None
+    assert summarize_counters({})["mean_kv_wait_ms"] is None
 
 
 def test_queue_sampler_sums_engines_per_sample():
