@@ -42,6 +42,8 @@ def compare(rows: list[dict], goodputs: list[dict], slos: dict[str, float]) -> C
     loads = list(dict.fromkeys(load_label(row) for row in measured if row["phase"] == "sweep"))
     by_config = {g["config"]: g for g in goodputs}
     winner, sentence = pick_winner(goodputs, slos)
+    if slos and winner is None and not any(g["goodput_per_engine"] > 0 for g in goodputs):
+        sentence += closest(measured)
     basis = "at the highest rate within the SLOs" if slos else "at the highest load"
     headers = ["layout", "engines", "goodput (req/s)", "per engine"]
     headers += [f"attainment @ {load}" for load in loads] if slos else []
@@ -86,6 +88,24 @@ def pick_winner(goodputs: list[dict], slos: dict[str, float]) -> tuple[str | Non
     ratio = best["goodput_per_engine"] / second["goodput_per_engine"]
     return best["config"], (f"{best['config']} wins: {_per_engine(best)} against {second['config']}'s "
                             f"{_per_engine(second)}, {ratio:.2f}x ({ratio - 1:+.0%}).")
+
+
+def closest(measured: list[dict]) -> str:
+    """' Closest: 0P2D, 67% within the SLOs at 0.15 req/s (1P1D: 33%).' at the lightest listed load; '' when
+    fewer than two layouts ran it, or the closest two tie."""
+    listed = [row for row in measured if row["phase"] == "sweep" and row.get("slo_attainment") is not None]
+    if not listed:
+        return ""
+    lightest = min(listed, key=lambda row: (row["request_rate"], row.get("max_concurrency") or math.inf))
+    at = [row for row in listed if load_label(row) == load_label(lightest)]
+    if len(at) < 2:
+        return ""
+    at.sort(key=lambda row: row["slo_attainment"], reverse=True)
+    if at[0]["slo_attainment"] == at[1]["slo_attainment"]:
+        return ""  # no layout came closer than another
+    others = ", ".join(f"{row['config']}: {row['slo_attainment']:.0%}" for row in at[1:])
+    return (f" Closest: {at[0]['config']}, {at[0]['slo_attainment']:.0%} within the SLOs at {load_label(lightest)} "
+            f"({others}).")
 
 
 def _per_engine(goodput: dict) -> str:

@@ -307,6 +307,10 @@ def test_the_comparison_names_the_winner_and_by_how_much():
     missed = compare([{**row, "slo_attainment": 0.0} for row in rows],
                      [{**g, "goodput": 0.0, "goodput_per_engine": 0.0} for g in goodputs], {"ttft": 1})
     assert missed.winner is None and missed.cells[1][8:] == ["100", "-", "20", "none met; at 1 req/s"]
+    assert missed.sentence.endswith("lower the rates or loosen the SLOs.")  # a tie at 0%: none came closer
+    near = [{**row, "slo_attainment": 0.5 if row["config"] == "0P2D" else 0.25} for row in rows]
+    assert compare(near, [], {"ttft": 1}).sentence.endswith(" Closest: 0P2D, 50% within the SLOs at 1 req/s "
+                                                           "(1P1D: 25%).")
 
 
 @pytest.mark.parametrize("goodputs, says", [
