@@ -11,6 +11,8 @@ Shapes as in kernels.reference: caches [N, B, num_kv_heads, head_dim], block tab
 A sliding window W lets the query at position p see keys (p - W, p]; the plans for a window gather only
 the blocks a window can reach. Soft-capped logits (cap * tanh(logit / cap)) and sinks (one extra logit
 per head in the softmax denominator, with no value) leave SDPA for an explicit softmax.
+K and V are gathered in the cache's dtype; decode attention runs in float32 (bf16 K/V are upcast), prefill
+in the query's dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.length_groups import group_by_length
+
+
+# Decode gathers at most about this many positions of K and V per SDPA call (at least one sequence), so a
+# chunk's K/V is still in the core's cache when SDPA reads it (experiments/cpu_attention_dtype.py times it).
+DECODE_CHUNK_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -146,15 +153,37 @@ def decode_attention_planned(
         if group.max_len == 0:
             outs.append(torch.zeros_like(q))
             continue
-        # Whole blocks of the group's sequences in one gather, viewed [s, num_kv_heads, max_len, head_dim];
-        # SDPA (4-D, so torch's fused CPU kernel) does the rest, GQA included.
-        keys = _gather_padded(key_cache, group.block_ids, group.num_seqs, group.span)
-        values = _gather_padded(value_cache, group.block_ids, group.num_seqs, group.span)
-        outs.append(attend(q, keys, values, group.mask, False, scale, soft_cap, sinks, gqa))  # [s, num_heads, 1, head_dim]
+        outs.extend(_attend_group(q, key_cache, value_cache, group, scale, soft_cap, sinks, gqa))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     if plan.restore is not None:
         out = out.index_select(0, plan.restore)
     return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _attend_group(
+    q: torch.Tensor,  # [s, num_heads, 1, head_dim] float32
+    key_cache: torch.Tensor,  # [N, B, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    group: DecodeGroup,
+    scale: float,
+    soft_cap: float | None,
+    sinks: torch.Tensor | None,
+    gqa: bool,
+) -> list[torch.Tensor]:  # chunk by chunk, each [chunk, num_heads, 1, head_dim] float32
+    """One group, a chunk of its sequences at a time: each chunk gathers whole blocks (about
+    DECODE_CHUNK_TOKENS positions of K and V), upcasts them to float32, and SDPA (4-D, so torch's fused
+    CPU kernel) reads them while they are still in the core's cache."""
+    per_chunk = max(1, DECODE_CHUNK_TOKENS // group.span)
+    blocks_per_seq = group.block_ids.numel() // group.num_seqs
+    outs = []
+    for first in range(0, group.num_seqs, per_chunk):
+        count = min(per_chunk, group.num_seqs - first)
+        block_ids = group.block_ids.narrow(0, first * blocks_per_seq, count * blocks_per_seq)
+        keys = _gather_padded(key_cache, block_ids, count, group.span)
+        values = _gather_padded(value_cache, block_ids, count, group.span)
+        mask = None if group.mask is None else group.mask.narrow(0, first, count)
+        outs.append(attend(q.narrow(0, first, count), keys, values, mask, False, scale, soft_cap, sinks, gqa))
+    return outs
 
 
 def _gather_padded(
@@ -163,9 +192,9 @@ def _gather_padded(
     num_seqs: int,
     span: int,  # positions to keep per sequence, from its first gathered block
 ) -> torch.Tensor:  # [S, num_kv_heads, span, head_dim] float32 (a view when the cache is float32)
-    blocks = cache.index_select(0, block_ids)  # [S * num_blocks, B, num_kv_heads, head_dim]
+    blocks = cache.index_select(0, block_ids)  # [S * num_blocks, B, num_kv_heads, head_dim], in the cache's dtype
     per_seq = blocks.view(num_seqs, -1, *cache.shape[2:])[:, :span]
-    return per_seq.transpose(1, 2).float()
+    return per_seq.float().transpose(1, 2)
 
 
 @dataclass(frozen=True)
