@@ -291,9 +291,13 @@ def _install_info_routes(app: FastAPI, gateway: Gateway, key_checked: list,
     @app.get("/health")
     async def health() -> JSONResponse:
         engines = {role: len(gateway.registry.engines(role)) for role in ("prefill", "decode")}
-        ready = engines["decode"] > 0
-        return JSONResponse({"status": "ok" if ready else "no decode engine available", "engines": engines},
-                            status_code=200 if ready else 503)
+        if engines["decode"] == 0:
+            status = "no decode engine available"
+        elif gateway.preprocessor.stuck:
+            status = "every tokenizer thread is held by a request past --preprocess-timeout"
+        else:
+            status = "ok"
+        return JSONResponse({"status": status, "engines": engines}, status_code=200 if status == "ok" else 503)
 
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # some load balancers probe so
 

@@ -33,6 +33,7 @@ class Preprocessor:
         self.max_waiting = max_waiting  # requests waiting for a thread (each holds its body): more get a 503 at once
         self.num_waiting = 0
         self.num_running = 0  # jobs holding a thread, abandoned ones included
+        self._abandoned: set[Future] = set()  # jobs answered 400 past their time limit, still holding a thread
         self._free = asyncio.Semaphore(num_threads)  # bound to the serving loop at its first wait
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="pdserve-preprocess")
 
@@ -43,11 +44,13 @@ class Preprocessor:
         loop = asyncio.get_running_loop()
         self.num_running += 1
         future = self._executor.submit(fn, *args)
-        future.add_done_callback(lambda _: self._release_from_thread(loop))
+        future.add_done_callback(lambda done: self._release_from_thread(loop, done))
         try:
             async with asyncio.timeout(self.timeout_s):  # no extra task, unlike wait_for
                 return await asyncio.wrap_future(future)
         except TimeoutError:
+            if not future.done():
+                self._abandoned.add(future)
             raise PreprocessTimeout(
                 f"rendering the chat template and tokenizing this request took longer than the server's limit "
                 f"of {self.timeout_s:g}s: send a shorter prompt or simpler template variables (operators: "
@@ -68,13 +71,19 @@ class Preprocessor:
         finally:
             self.num_waiting -= 1
 
-    def _release_from_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+    @property
+    def stuck(self) -> bool:
+        """Every thread is held by a job past its time limit: no request can be tokenized until one ends."""
+        return len(self._abandoned) >= self.num_threads
+
+    def _release_from_thread(self, loop: asyncio.AbstractEventLoop, future: Future) -> None:
         try:
-            loop.call_soon_threadsafe(self._release)
+            loop.call_soon_threadsafe(self._release, future)
         except RuntimeError:  # the loop has closed: the server is shutting down
             pass
 
-    def _release(self) -> None:
+    def _release(self, future: Future) -> None:
+        self._abandoned.discard(future)
         self.num_running -= 1
         self._free.release()
 

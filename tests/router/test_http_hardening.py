@@ -301,3 +301,27 @@ def test_the_body_budget_makes_a_request_wait_then_answers_503_with_retry_after(
                 assert (await late).status_code == 200  # ... and is served once the other body is done
                 assert budget.used == 0
     run(scenario())
+
+
+# ---- /health says when the router cannot serve (issue 49 item 4) ----
+
+@pytest.mark.hostile
+def test_health_is_503_while_every_tokenizer_thread_is_held_past_its_limit(tiny_model, tokenization):
+    """Runaway template renders took every tokenizer thread and every later request got a 503, while /health said ok."""
+    import threading
+
+    from pdserve.router.preprocess import PreprocessTimeout
+
+    async def scenario():
+        async with router_app(tiny_model, tokenization, num_preprocess_threads=1,
+                              preprocess_timeout_s=0.2) as (gateway, client):
+            async with serving(gateway, engine_id="d0"):
+                release = threading.Event()
+                with pytest.raises(PreprocessTimeout):
+                    await gateway.preprocessor.run(release.wait, 10)
+                stuck = await client.get("/health")
+                assert stuck.status_code == 503 and "tokenizer thread" in stuck.json()["status"], stuck.text
+                release.set()
+                await wait_until(lambda: not gateway.preprocessor.stuck, what="the thread freed")
+                assert (await client.get("/health")).status_code == 200
+    run(scenario())
