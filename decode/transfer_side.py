@@ -61,7 +61,7 @@ class _PrefillLink:
     peer_incarnation: str = ""  # from its HelloAck
     stale: str | None = None  # why the link no longer reaches the engine it said Hello to (renewed after the drain)
     refused_for_hello: set[str] = field(default_factory=set)  # requests the engine answered `no_hello`
-    monitor: zmq.Socket | None = None  # the DEALER's disconnect events, watched once the engine accepted the link
+    monitor: zmq.Socket | None = None  # the DEALER's disconnect events
 
     def close(self) -> None:
         if self.monitor is not None:
@@ -72,15 +72,11 @@ class _PrefillLink:
     def connection_dropped(self) -> bool:
         """Whether the connection to the engine that accepted our Hello dropped (that process died, or the
         network between us failed) since the last call. Before a HelloAck nothing counts: a peer that is not
-        up yet, or refuses our keys, is the connect timeout's business (and a dead address costs no monitor)."""
+        up yet, or refuses our keys, is the connect timeout's business."""
         dropped = False
         while self.monitor is not None and self.monitor.poll(0):
             dropped |= recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
-        return dropped
-
-    def accepted(self, incarnation: str) -> None:
-        self.peer_incarnation = incarnation
-        self.monitor = self.client.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        return dropped and bool(self.peer_incarnation)
 
 
 class DecodeTransferSide(KVTransferSide):
@@ -180,7 +176,8 @@ class DecodeTransferSide(KVTransferSide):
             # no KVLayer frame can be larger than our whole cache: a bigger one drops the link
             client = ClientSocket(address, curve=self.curve, max_message_bytes=self.writer.kv_cache.nbytes)
             self._num_links += 1
-            link = _PrefillLink(address, client, self._num_links)
+            link = _PrefillLink(address, client, self._num_links,
+                                monitor=client.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED))
             self._links[address] = link
             hello = Hello(fingerprint=self.fingerprint.to_dict(), role="decode", engine_id=self.engine_id,
                           incarnation=self.incarnation)
@@ -276,7 +273,7 @@ class DecodeTransferSide(KVTransferSide):
         if not msg.ok:
             self._refuse(link, msg.reason)
             return
-        link.accepted(msg.incarnation)
+        link.peer_incarnation = msg.incarnation
         known = self._incarnations.get(link.address)
         if msg.incarnation:
             self._incarnations[link.address] = msg.incarnation
