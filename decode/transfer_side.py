@@ -62,6 +62,7 @@ class _PrefillLink:
     stale: str | None = None  # why the link no longer reaches the engine it said Hello to (renewed after the drain)
     refused_for_hello: set[str] = field(default_factory=set)  # requests the engine answered `no_hello`
     monitor: zmq.Socket | None = None  # the DEALER's disconnect events
+    drop_seen: bool = False  # a disconnect not yet reported (it may come before the HelloAck it concerns is read)
 
     def close(self) -> None:
         if self.monitor is not None:
@@ -72,11 +73,14 @@ class _PrefillLink:
     def connection_dropped(self) -> bool:
         """Whether the connection to the engine that accepted our Hello dropped (that process died, or the
         network between us failed) since the last call. Before a HelloAck nothing counts: a peer that is not
-        up yet, or refuses our keys, is the connect timeout's business."""
-        dropped = False
+        up yet, or refuses our keys, is the connect timeout's business. A drop seen before the HelloAck is read
+        is kept: that HelloAck came over the connection that dropped."""
         while self.monitor is not None and self.monitor.poll(0):
-            dropped |= recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
-        return dropped and bool(self.peer_incarnation)
+            self.drop_seen |= recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
+        if not (self.drop_seen and self.peer_incarnation):
+            return False
+        self.drop_seen = False
+        return True
 
 
 class DecodeTransferSide(KVTransferSide):

@@ -63,6 +63,12 @@ def asked_old(answer_hello: bool):
     else:
         assert isinstance(recv_flushing(prefill, side).msg, Hello)
     assert isinstance(recv_flushing(prefill, side).msg, KVWant)
+    if answer_hello:  # D has read the HelloAck (the KVWant may have left before it came)
+        deadline = time.monotonic() + 5
+        while not any(link.peer_incarnation == OLD for link in side._links.values()):
+            assert time.monotonic() < deadline, "D never read the HelloAck"
+            side.receive()
+            time.sleep(0.01)
     return scheduler_side, side, prefill
 
 
