@@ -100,11 +100,13 @@ def bench(args: argparse.Namespace, cluster: Cluster, result_path: Path, warmup:
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     if cluster.client_cores:
         os.sched_setaffinity(process.pid, cluster.client_cores)
-    samples = []  # (time, router CPU ms, client CPU ms) while bench runs
+    samples = []  # (time, router CPU ms, client CPU ms) while bench runs, and once after it ended
     while process.poll() is None:
         if watch is not None:
             samples.append((time.monotonic(), cpu_ms_of(watch), cpu_ms_of(process.pid)))
         time.sleep(CPU_SAMPLE_S)
+    if watch is not None and samples:  # the client's figure stays its last reading (it has exited)
+        samples.append((time.monotonic(), cpu_ms_of(watch), samples[-1][2]))
     if process.returncode != 0:
         raise RuntimeError(f"pdserve bench exited with code {process.returncode}: {' '.join(command)}")
     result = json.loads(result_path.read_text())
@@ -119,7 +121,8 @@ def cpu_over_load(samples: list[tuple[float, float, float]], duration_s: float) 
     if not samples:
         return 0.0, 0.0
     end = samples[-1]
-    start = next((s for s in samples if s[0] >= end[0] - duration_s), samples[0])
+    # the last reading taken before the load began (bench's own start-up before it), else the first
+    start = next((s for s in reversed(samples) if s[0] <= end[0] - duration_s), samples[0])
     return end[1] - start[1], end[2] - start[2]
 
 
