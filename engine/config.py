@@ -113,6 +113,10 @@ class ModelConfig:
     dtype_reason: str = ""  # why `dtype` was chosen (choose_dtype), logged at start
     # Each layer's sliding window ([num_layers]; None: full attention); empty: sliding_window for every layer.
     layer_sliding_windows: tuple[int | None, ...] = ()
+    # MLA (DeepSeek-V2/V3): per layer, each token caches one latent of kv_lora_rank values and one rotary key
+    # of qk_rope_head_dim values, shared by every head; 0: the model caches K and V per kv head.
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
 
     @classmethod
     def from_hf(
@@ -177,6 +181,7 @@ class ModelConfig:
             enforce_eager=bool(enforce_eager),
             dtype_reason=dtype_reason,
             layer_sliding_windows=_layer_sliding_windows(hf, num_layers, sliding_window, config_path),
+            **_latent_kv_shape(hf, config_path),
         )
 
     def sliding_window_of(self, layer_idx: int) -> int | None:
@@ -186,10 +191,42 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def is_mla(self) -> bool:
+        """The model caches MLA's latent (DeepSeek-V2/V3) rather than K and V."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_planes(self) -> int:
+        """Tensors the KV cache holds per layer: 2 (K and V), or 1 (MLA's latent)."""
+        return 1 if self.is_mla else 2
+
+    @property
+    def kv_plane_shape(self) -> tuple[int, int]:
+        """What one plane holds per token and layer: (kv heads, values per head); MLA's latent is one row of
+        kv_lora_rank + qk_rope_head_dim values."""
+        if self.is_mla:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return self.num_kv_heads, self.head_dim
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The paged KV cache: [num_layers, kv_planes, num_blocks, block_size, *kv_plane_shape]."""
+        return (self.num_layers, self.kv_planes, num_blocks, block_size, *self.kv_plane_shape)
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token: 2 x layers x kv_heads x head_dim x dtype bytes."""
+        """Every layer's cache for one token: layers x planes x heads x values x dtype bytes (K/V models:
+        2 x layers x kv_heads x head_dim; MLA: layers x (kv_lora_rank + qk_rope_head_dim))."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        heads, width = self.kv_plane_shape
+        return self.num_layers * self.kv_planes * heads * width * element
+
+
+def _latent_kv_shape(hf: dict, config_path: Path) -> dict[str, int]:
+    """MLA's cached widths (kv_lora_rank, qk_rope_head_dim) when config.json has a kv_lora_rank, else none."""
+    if hf.get("kv_lora_rank") is None:
+        return {}
+    return {"kv_lora_rank": _positive_int(hf, "kv_lora_rank", config_path),
+            "qk_rope_head_dim": _positive_int(hf, "qk_rope_head_dim", config_path)}
 
 
 def _with_standard_names(hf: dict) -> dict:

@@ -9,7 +9,9 @@ from typing import Callable
 
 import torch
 
+from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.attention.selector import get_attn_backend
+from pdserve.engine.attention.torch_paged import TorchPagedBackend
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_batch_sizes, context_buckets
 from pdserve.engine.forward_context import ForwardContext, use_forward_context
@@ -63,6 +65,17 @@ def kv_cache_num_blocks(model_config: ModelConfig, cache_config: CacheConfig, de
     return int(num_blocks)
 
 
+def _attn_backend_for(model_config: ModelConfig, device: torch.device, block_size: int) -> AttentionBackend:
+    """The device's attention backend; MLA (a latent cache) runs the torch-paged backend everywhere, since
+    the Triton kernels read K/V caches only."""
+    if model_config.is_mla:
+        if device.type == "cuda":
+            logger.info("MLA attention runs pdserve's torch path on %s (the Triton kernels do not read a latent "
+                        "cache)", device)
+        return TorchPagedBackend(block_size)
+    return get_attn_backend(device, block_size)
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str | torch.device = "cpu",
                  max_num_seqs: int | None = None) -> None:
@@ -71,19 +84,17 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = cache_config.block_size
         # Chosen once: every layer's attention, norms and rotary run this backend's kernels.
-        self.attn_backend = get_attn_backend(self.device, self.block_size)
+        self.attn_backend = _attn_backend_for(model_config, self.device, self.block_size)
         logger.info("computing in %s (%s)", str(model_config.dtype).removeprefix("torch."),
                     model_config.dtype_reason or "given")
         self.model = load_model(model_config, self.device)
         self.attn_backend.bind_layer_kernels(self.model)
         self.sampler = Sampler()
         self.num_blocks = kv_cache_num_blocks(model_config, cache_config, self.device)
-        # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], allocated once
-        self.kv_cache = torch.zeros(
-            model_config.num_layers, 2, self.num_blocks, self.block_size,
-            model_config.num_kv_heads, model_config.head_dim,
-            dtype=model_config.dtype, device=self.device,
-        )
+        # [num_layers, kv_planes, num_blocks, block_size, *kv_plane_shape], allocated once: K and V planes of
+        # [num_kv_heads, head_dim], or MLA's one latent plane of [1, kv_lora_rank + qk_rope_head_dim]
+        self.kv_cache = torch.zeros(model_config.kv_cache_shape(self.num_blocks, self.block_size),
+                                    dtype=model_config.dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_cache, self.attn_backend)
         # Decode-only steps up to max_num_seqs sequences replay CUDA graphs (CUDA only), else None.
         self.decode_graphs = self._build_decode_graphs(max_num_seqs or SchedulerConfig().max_num_seqs)
@@ -94,6 +105,8 @@ class ModelRunner:
             return f"CUDA graphs need a CUDA device (this runner is on {self.device})"
         if self.model_config.enforce_eager:
             return "enforce_eager is set"
+        if self.model_config.is_mla:
+            return "MLA attention runs the torch path, which reads sequence lengths on the host"
         if not self.attn_backend.supports_cuda_graphs:
             return (f"PDSERVE_KERNELS=torch: the {self.attn_backend.name} attention backend reads sequence lengths "
                     "on the host, which a CUDA graph cannot capture; unset it to capture graphs")
