@@ -78,6 +78,10 @@ class GenerateRequest(Message, type_name="generate"):
     prompt_token_ids: TokenIds
     sampling_params: SamplingParams
     prefill_kv_address: Annotated[str, Field(max_length=1024)] | None = None
+    # a migrated request (router/migration.py): the output tokens it already generated on an engine that was
+    # lost, which the client has. The engine prefills prompt + these itself (no prefill_kv_address) and goes
+    # on from there as if it had sampled them: max_tokens, seeds, penalties and a constraint count them.
+    resume_token_ids: TokenIds = ()
 
 
 class PrefillRequest(Message, type_name="prefill"):

@@ -18,6 +18,7 @@ from pdserve.decode.scheduler_side import DecodeSchedulerSide
 from pdserve.decode.transfer_side import DecodeTransferSide
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.request import InvalidRequestError
 from pdserve.kvtransfer.fingerprint import engine_fingerprint
 
 log = logging.getLogger("pdserve.decode")
@@ -49,7 +50,11 @@ class DecodeServer(EngineServer):
             return self.engine.keep_first_token(msg.request_id, msg.token_id, logprobs)
         if not isinstance(msg, GenerateRequest):
             return super().handle(peer_id, msg)
-        request = self.engine.make_request(msg.request_id, list(msg.prompt_token_ids), msg.sampling_params)
+        if msg.resume_token_ids and msg.prefill_kv_address is not None:
+            raise InvalidRequestError("a resumed request (resume_token_ids) prefills here: send it without "
+                                      "prefill_kv_address")
+        request = self.engine.make_request(msg.request_id, list(msg.prompt_token_ids), msg.sampling_params,
+                                           msg.resume_token_ids)
         request.prefill_kv_address = self.kv_peers.checked(msg.prefill_kv_address)
         self.engine.add_request(request)
         self.owners[msg.request_id] = peer_id

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 from pdserve.control.messages import TokenDelta
 from pdserve.engine import prompt_logprobs
@@ -16,7 +17,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from pdserve.engine.scheduler import KVFailurePolicy, Scheduler
 from pdserve.engine.stats import SchedulerStats
-from pdserve.engine.structured_output import PendingConstraints, StructuredOutputCompiler
+from pdserve.engine.structured_output import PendingConstraints, StructuredOutputCompiler, advance_over_output
 
 log = logging.getLogger("pdserve.engine")
 
@@ -49,8 +50,10 @@ class EngineCore:
         self._stepped_empty = False  # the last step scheduled nothing (has_runnable_work)
         self._compile_deltas: list[TokenDelta] = []  # aborts of compiling requests, sent with the next step
 
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Validate a request against this model and fill in what the model decides (eos, max_tokens)."""
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     resume_token_ids: Sequence[int] = ()) -> Request:
+        """Validate a request against this model and fill in what the model decides (eos, max_tokens).
+        resume_token_ids: output the request already has (a migrated request, GenerateRequest's field)."""
         config = self.model_config
         if params.n != 1:  # an engine samples once per request: n is fanned out before (router, LLM)
             raise InvalidRequestError(f"n={params.n}: an engine request samples one sequence; send n requests of n=1")
@@ -75,8 +78,11 @@ class EngineCore:
         if extra_eos and not params.ignore_eos:  # e.g. Llama 3's <|eot_id|> beside <|end_of_text|>
             params = params.replace(stop_token_ids=params.stop_token_ids + tuple(extra_eos))
         request = Request(request_id, list(prompt_token_ids), params, eos_token_id=eos, max_tokens=max_tokens)
+        if resume_token_ids:
+            resume_output(request, resume_token_ids, config.vocab_size)
         if self.structured_output.compiles_at_once(params):  # else add_request compiles it on a thread
             request.grammar = self.structured_output.grammar_state(params)
+            advance_over_output(request)
         return request
 
     def _check_fits_cache(self, num_tokens: int) -> None:
@@ -172,6 +178,21 @@ class EngineCore:
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
         self.scheduler.finish_externally(request_id, status)
+
+
+def resume_output(request: Request, token_ids: Sequence[int], vocab_size: int) -> None:
+    """Give a migrated request the output it already has, checked: the engine then goes on after it."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"resume token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if request.sampling_params.prompt_logprobs is not None:
+        raise InvalidRequestError("a resumed request cannot ask for prompt_logprobs: they went out with its first "
+                                  "token; send it without them")
+    if len(token_ids) >= request.max_tokens:
+        raise InvalidRequestError(f"the request resumes after {len(token_ids)} tokens but may have {request.max_tokens} "
+                                  "(max_tokens): nothing is left to generate")
+    for token_id in token_ids:
+        request.append_output_token(token_id)
 
 
 def _step_label(plan) -> str:

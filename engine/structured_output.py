@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pdserve.engine.grammar import check_isolated, checked_grammar
-from pdserve.engine.request import Request, SamplingParams
+from pdserve.engine.request import InvalidRequestError, Request, SamplingParams
 
 _BITS = torch.arange(32, dtype=torch.int32)  # one bit per token of a 32-token bitmask word
 
@@ -150,8 +150,28 @@ class PendingConstraints:
             error = future.exception()
             if error is None:
                 request.grammar = future.result()
+                error = _advance_or_error(request)
             ready.append((request, error))
         return ready
+
+
+def advance_over_output(request: Request) -> None:
+    """A resumed request's matcher taken over the output it already has (engine_core.resume_output), so that
+    it constrains what comes next; a token it refuses is an InvalidRequestError."""
+    if request.grammar is None:
+        return
+    for position, token_id in enumerate(request.output_token_ids):
+        if not request.grammar.accept(token_id):
+            raise InvalidRequestError(f"resume token {token_id} at output position {position} does not fit the "
+                                      f"request's structured output: resume with the tokens that engine generated")
+
+
+def _advance_or_error(request: Request) -> Exception | None:
+    try:
+        advance_over_output(request)
+    except InvalidRequestError as exc:
+        return exc
+    return None
 
 
 def mask_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
