@@ -16,9 +16,11 @@ import sys
 from pdserve.bench.serve_vllm_args import add_vllm_args, dataset_name, resolve_vllm_args
 from pdserve.cli_help import seed_arg
 
-DATASETS = ("random", "sharegpt", "prefix", "jsonl")
+DATASETS = ("random", "sharegpt", "prefix", "jsonl", "phased", "trace")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 DEFAULT_OUTPUT_LEN = 128
+DEFAULT_NUM_PROMPTS = 1000
+SCHEDULED_DATASETS = ("phased", "trace")  # their arrival times come with them, not from --request-rate
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -40,9 +42,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--dataset", "--dataset-name", default="random", type=dataset_name,
                       metavar="{" + ",".join(DATASETS) + "}",
                       help="random: exact token counts; sharegpt / jsonl: prompts from --dataset-path; prefix: "
-                           "prompts sharing a prefix (vLLM's custom and prefix_repetition are jsonl and prefix)")
-    data.add_argument("--dataset-path", default=None, help="the file of --dataset sharegpt or jsonl (default: none)")
-    data.add_argument("--num-prompts", type=int, default=1000, help="measured requests")
+                           "prompts sharing a prefix (vLLM's custom and prefix_repetition are jsonl and prefix); "
+                           "phased: a workload that shifts (--phases); trace: a JSONL replayed at its arrival offsets")
+    data.add_argument("--dataset-path", default=None,
+                      help="the file of --dataset sharegpt, jsonl or trace (default: none)")
+    data.add_argument("--num-prompts", type=int, default=None,
+                      help=f"measured requests (default {DEFAULT_NUM_PROMPTS}; phased, trace: all the schedule's, "
+                           "or its first N)")
     data.add_argument("--input-len", "--random-input-len", type=int, default=1024,
                       help="prompt tokens (random, prefix)")
     data.add_argument("--output-len", "--random-output-len", "--sharegpt-output-len", "--custom-output-len",
@@ -55,6 +61,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                       help="tokens each prefix group shares, within --input-len (default: half of it)")
     data.add_argument("--num-prefix-groups", "--prefix-repetition-num-prefixes", type=int, default=4,
                       help="groups of prompts sharing a prefix")
+    data.add_argument("--phases", default=None, metavar="IN:OUT:RATE:SECONDS[:RATIO],...",
+                      help="phased: the phases in order, each input and output length, requests per second, seconds "
+                           "and optional range ratio, e.g. 1000:48:0.3:60,128:256:1:60; or a JSON file of them")
+    data.add_argument("--phase-cycles", type=int, default=1, help="phased: times the phases run, in order")
+    data.add_argument("--save-trace", default=None, metavar="PATH",
+                      help="write the measured requests and their arrival offsets as a JSONL trace, which "
+                           "--dataset trace replays (default: none)")
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=math.inf,
                       help="requests per second, Poisson arrivals (default inf: all at once)")
@@ -101,7 +114,8 @@ def check_args(args: argparse.Namespace) -> None:
     from pdserve.bench.serve_arrivals import check_arrival_args, check_arrival_span
 
     resolve_vllm_args(args)
-    if args.num_prompts < 1:
+    check_scheduled_args(args)
+    if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError(f"--num-prompts {args.num_prompts} must be at least 1")
     if args.warmup < 0:
         raise ValueError(f"--warmup {args.warmup} must be 0 or more")
@@ -112,8 +126,10 @@ def check_args(args: argparse.Namespace) -> None:
                          "(e.g. 3600 for an hour)")
     if args.output_len is not None and args.output_len < 1:
         raise ValueError(f"--output-len {args.output_len} must be at least 1")
-    if args.dataset in ("sharegpt", "jsonl") and not args.dataset_path:
+    if args.dataset in ("sharegpt", "jsonl", "trace") and not args.dataset_path:
         raise ValueError(f"--dataset {args.dataset} reads a file: pass --dataset-path FILE")
+    if args.save_trace:
+        check_save_path(args.save_trace, "--save-trace")
     if args.save_result:
         check_save_path(args.save_result)
     elif args.result_dir:
@@ -121,7 +137,28 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.base_url.startswith(("http://", "https://")):
         raise ValueError(f"--base-url {args.base_url!r} is not an http(s) URL: write e.g. http://127.0.0.1:8000")
     check_arrival_args(args.request_rate, args.burstiness)
-    check_arrival_span(args.num_prompts, args.request_rate)
+    if args.dataset not in SCHEDULED_DATASETS:
+        check_arrival_span(args.num_prompts, args.request_rate)
+
+
+def check_scheduled_args(args: argparse.Namespace) -> None:
+    """The phased and trace datasets bring their own arrivals: --request-rate is theirs, and --num-prompts
+    (if given) takes their first N requests; --phases goes with phased only."""
+    if args.dataset in SCHEDULED_DATASETS and math.isfinite(args.request_rate):
+        where = "the phases give" if args.dataset == "phased" else "the trace's arrival_s give"
+        raise ValueError(f"--request-rate {args.request_rate:g} with --dataset {args.dataset}: {where} the arrival "
+                         "times: leave --request-rate out (with `pdserve sweep`, use --max-concurrencies)")
+    if args.dataset == "phased" and not args.phases:
+        raise ValueError("--dataset phased needs --phases IN:OUT:RATE:SECONDS,..., e.g. --phases "
+                         "1000:48:0.3:60,128:256:1:60")
+    if args.dataset != "phased" and (args.phases or args.phase_cycles != 1):
+        raise ValueError("--phases and --phase-cycles go with --dataset phased: add it, or leave them out")
+    if args.dataset == "phased":
+        from pdserve.bench.serve_phases import parse_phases, phase_windows
+
+        phase_windows(parse_phases(args.phases), args.phase_cycles)  # a bad phase is found before any work
+    if args.num_prompts is None and args.dataset not in SCHEDULED_DATASETS:
+        args.num_prompts = DEFAULT_NUM_PROMPTS
 
 
 def check_save_path(path: str, flag: str = "--save-result") -> None:

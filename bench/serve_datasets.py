@@ -50,7 +50,7 @@ def draw_lengths(rng: np.random.Generator, num: int, length: int, range_ratio: f
     return rng.integers(low, high + 1, size=num).tolist()
 
 
-def _plain_token_ids(tokenizer) -> np.ndarray:
+def plain_token_ids(tokenizer) -> np.ndarray:
     """The ids random prompts are drawn from: no special tokens, and only tokens that come back as
     themselves when decoded and encoded alone (not a byte of a character), so prompts re-encode exactly."""
     special = set(tokenizer.all_special_ids)
@@ -84,9 +84,15 @@ def random_dataset(tokenizer, num_prompts: int, input_len: int, output_len: int,
                    seed: int) -> list[SampleRequest]:
     """Prompts of random tokens, exact in length, drawn around --input-len / --output-len."""
     rng = np.random.default_rng(seed)
-    pool = _plain_token_ids(tokenizer)
+    pool = plain_token_ids(tokenizer)
     input_lens = draw_lengths(rng, num_prompts, input_len, range_ratio, "--input-len")
     output_lens = draw_lengths(rng, num_prompts, output_len, range_ratio, "--output-len")
+    return random_prompts(tokenizer, pool, rng, input_lens, output_lens)
+
+
+def random_prompts(tokenizer, pool: np.ndarray, rng: np.random.Generator, input_lens: list[int],
+                   output_lens: list[int]) -> list[SampleRequest]:
+    """One prompt of random tokens from `pool` per (input, output) length, exact in length."""
     samples = []
     for prompt_len, max_tokens in zip(input_lens, output_lens):
         text, ids = exact_prompt(tokenizer, rng.choice(pool, size=prompt_len).tolist(), pool, rng)
@@ -105,7 +111,7 @@ def prefix_dataset(tokenizer, num_prompts: int, input_len: int, output_len: int,
         raise ValueError(f"--prefix-len {prefix_len} must be above 0 and below the shortest prompt ({low} tokens "
                          "from --input-len and --range-ratio): each prompt needs tokens of its own after the prefix")
     rng = np.random.default_rng(seed)
-    pool = _plain_token_ids(tokenizer)
+    pool = plain_token_ids(tokenizer)
     prefixes = [exact_prompt(tokenizer, rng.choice(pool, size=prefix_len).tolist(), pool, rng)[1]
                 for _ in range(num_prefix_groups)]
     input_lens = draw_lengths(rng, num_prompts, input_len, range_ratio, "--input-len")
@@ -119,7 +125,7 @@ def prefix_dataset(tokenizer, num_prompts: int, input_len: int, output_len: int,
     return samples
 
 
-def _read_text(path: str | Path, what: str) -> str:
+def read_text(path: str | Path, what: str) -> str:
     file = Path(path)
     if not file.is_file():
         raise DatasetError(f"{path}: no such file: pass --dataset-path a {what} file")
@@ -139,7 +145,7 @@ def _turn_text(turn: Any, path: str | Path, index: int) -> str:
 
 def _sharegpt_pairs(path: str | Path) -> list[tuple[str, str]]:
     """(first human turn, first reply) of each conversation with at least two turns."""
-    text = _read_text(path, "ShareGPT JSON")
+    text = read_text(path, "ShareGPT JSON")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -184,7 +190,7 @@ def sharegpt_dataset(path: str | Path, tokenizer, num_prompts: int, output_len: 
 
 
 def _jsonl_records(path: str | Path) -> Iterator[tuple[int, dict]]:
-    for line_number, line in enumerate(_read_text(path, "JSONL").splitlines(), start=1):
+    for line_number, line in enumerate(read_text(path, "JSONL").splitlines(), start=1):
         if not line.strip():
             continue
         try:

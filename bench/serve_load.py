@@ -33,6 +33,7 @@ class LoadOutcome:
     duration_s: float  # from the first send to the last end
     client_cpu_s: float  # CPU this process spent meanwhile: near duration_s, the client may be the bottleneck
     interrupted: bool = False  # Ctrl-C: results holds only the requests that had ended, duration_s runs to it
+    indices: tuple[int, ...] = ()  # [len(results)] each result's place among the samples
 
 
 def open_session(api_key: str | None, stall_timeout_s: float, max_concurrency: int | None) -> aiohttp.ClientSession:
@@ -72,6 +73,8 @@ async def run_load(session: aiohttp.ClientSession, target: LoadTarget, samples: 
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        ended = [task.result() for task in tasks if not task.cancelled()]
-        return LoadOutcome(ended, time.perf_counter() - start, time.process_time() - start_cpu, interrupted=True)
-    return LoadOutcome(list(results), time.perf_counter() - start, time.process_time() - start_cpu)
+        indices = tuple(i for i, task in enumerate(tasks) if not task.cancelled())
+        return LoadOutcome([tasks[i].result() for i in indices], time.perf_counter() - start,
+                           time.process_time() - start_cpu, interrupted=True, indices=indices)
+    return LoadOutcome(list(results), time.perf_counter() - start, time.process_time() - start_cpu,
+                       indices=tuple(range(len(results))))

@@ -13,6 +13,7 @@ from pdserve.bench.serve_metrics import LATENCY_METRICS, STATISTICS, RequestResu
 # Per-request arrays, in the order the requests were sent; times in seconds, as vLLM writes them.
 PER_REQUEST_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "e2els", "errors")
 METRIC_KEYS = (*compute_metrics([], 1.0), "client_cpu_s")
+PHASE_KEYS = ("phases", "request_phases")  # per-phase metrics, and each request's phase (an index into them)
 LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
 
 
@@ -29,7 +30,8 @@ def parse_metadata(items: list[str] | None, reserved: set[str]) -> dict[str, str
     return metadata
 
 
-def build_result(metrics: dict, results: list[RequestResult], settings: dict, metadata: dict) -> dict:
+def build_result(metrics: dict, results: list[RequestResult], settings: dict, metadata: dict,
+                 phases: list[dict] | None = None, request_phases: list[int] | None = None) -> dict:
     per_request = {
         "input_lens": [r.input_len for r in results],
         "output_lens": [r.output_len for r in results],
@@ -38,7 +40,8 @@ def build_result(metrics: dict, results: list[RequestResult], settings: dict, me
         "e2els": [r.latency for r in results],
         "errors": [r.error for r in results],
     }
-    return {**settings, **metadata, **metrics, **per_request}
+    by_phase = {"phases": phases, "request_phases": request_phases} if phases else {}
+    return {**settings, **metadata, **metrics, **per_request, **by_phase}
 
 
 def _json_safe(value):
@@ -60,12 +63,20 @@ def failure_reasons(results: list[RequestResult], limit: int = 8) -> list[tuple[
     return [(count, reason) for reason, count in counts.most_common(limit)]
 
 
+def _rate_text(settings: dict) -> str:
+    if settings.get("phase_spec"):
+        return f"by phase: {settings['phase_spec']} x {settings['phase_cycles']} cycles"
+    if settings["dataset"] == "trace":
+        return "the trace's arrivals"
+    return str(settings["request_rate"])
+
+
 def format_table(metrics: dict, settings: dict, results: list[RequestResult]) -> str:
     rows = [
         ("Server", f"{settings['base_url']}{settings['endpoint']}"),
         ("Model", settings["model_id"]),
         ("Dataset", f"{settings['dataset']}, {settings['num_prompts']} prompts"),
-        ("Request rate (req/s)", f"{settings['request_rate']}, burstiness {settings['burstiness']}"),
+        ("Request rate (req/s)", f"{_rate_text(settings)}, burstiness {settings['burstiness']}"),
         ("Max concurrency", settings["max_concurrency"] or "none"),
         ("Completed / failed", f"{metrics['completed']} / {metrics['failed']}"),
         ("Duration (s)", f"{metrics['duration']:.2f}"),

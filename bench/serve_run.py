@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pdserve.bench.serve import DEFAULT_OUTPUT_LEN, base_url_of
+from pdserve.bench.serve import DEFAULT_OUTPUT_LEN, SCHEDULED_DATASETS, base_url_of
 from pdserve.bench.serve_arrivals import arrival_offsets
 from pdserve.bench.serve_client import COMPLETIONS_ENDPOINT, RequestShape
 from pdserve.bench.serve_datasets import (
@@ -24,19 +24,23 @@ from pdserve.bench.serve_datasets import (
 )
 from pdserve.bench.serve_load import LoadOutcome, LoadTarget, open_session, run_load
 from pdserve.bench.serve_metrics import compute_metrics, extra_percentiles
+from pdserve.bench.serve_phase_report import format_phase_table, phase_results
 from pdserve.bench.serve_preflight import ServedModel, ServerCheckError, served_models, supported_shape
 from pdserve.bench.serve_results import (
     METRIC_KEYS,
     PER_REQUEST_KEYS,
+    PHASE_KEYS,
     build_result,
     format_table,
     parse_metadata,
     save_result,
 )
+from pdserve.bench.serve_schedule import Schedule, phased_schedule, trace_schedule
+from pdserve.bench.serve_trace import write_trace
 from pdserve.bench.serve_vllm_args import result_path
 from pdserve.engine.tokenizer import TokenizerLoadError, load_tokenizer
 
-NEEDS_TOKENIZER = ("random", "prefix", "sharegpt")
+NEEDS_TOKENIZER = ("random", "prefix", "sharegpt", "phased")
 CLIENT_BUSY_SHARE = 0.9
 MIN_BUSY_CHECK_S = 1.0  # shorter runs are mostly start-up: their CPU share says nothing
 
@@ -56,6 +60,7 @@ def settings_of(args: argparse.Namespace, model: str, tokenizer_id: str | None, 
         "dataset": args.dataset, "dataset_path": args.dataset_path, "num_prompts": args.num_prompts,
         "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
         "prefix_len": args.prefix_len, "num_prefix_groups": args.num_prefix_groups,
+        "phase_spec": args.phases, "phase_cycles": args.phase_cycles if args.phases else None,
         "request_rate": args.request_rate, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
         "seed": args.seed, "warmup": args.warmup, "request_timeout": args.request_timeout,
         "ignore_eos": args.ignore_eos, "ignore_eos_sent": shape.ignore_eos, "min_tokens_sent": shape.min_tokens,
@@ -108,25 +113,40 @@ def make_samples(args: argparse.Namespace, tokenizer, count: int) -> list[Sample
     return repeat_to(samples, count)
 
 
-async def warm_up_and_measure(session, target: LoadTarget, samples: list[SampleRequest],
+def make_schedule(args: argparse.Namespace, tokenizer) -> Schedule:
+    """The run's warmup and measured requests with their arrival offsets (phase windows for phased and trace);
+    for those two, --num-prompts (if given) keeps the first N, and is then set to the number measured."""
+    if args.dataset not in SCHEDULED_DATASETS:
+        samples = make_samples(args, tokenizer, args.warmup + args.num_prompts)
+        offsets = arrival_offsets(args.num_prompts, args.request_rate, args.burstiness, args.seed)
+        return Schedule(samples[args.warmup:], offsets.tolist(), samples[:args.warmup])
+    schedule = phased_schedule(args, tokenizer) if args.dataset == "phased" else trace_schedule(args, tokenizer)
+    if args.num_prompts is not None and args.num_prompts < len(schedule.samples):
+        note(f"--num-prompts {args.num_prompts}: sending the first {args.num_prompts} of the "
+             f"{len(schedule.samples)} requests of the {args.dataset} schedule")
+        schedule = schedule.first_n(args.num_prompts)
+    args.num_prompts = len(schedule.samples)
+    return schedule
+
+
+async def warm_up_and_measure(session, target: LoadTarget, schedule: Schedule,
                               args: argparse.Namespace) -> LoadOutcome:
-    """The first --warmup samples sent at once (not measured), then the rest on their arrival times."""
-    if args.warmup:
-        warm = await run_load(session, target, samples[:args.warmup], [0.0] * args.warmup, args.max_concurrency)
+    """The warmup sent at once (not measured), then the measured requests on their arrival times."""
+    if schedule.warmup:
+        count = len(schedule.warmup)
+        warm = await run_load(session, target, schedule.warmup, [0.0] * count, args.max_concurrency)
         if warm.interrupted:
             raise KeyboardInterrupt  # nothing measured yet: no results
-        note(f"warmup: {args.warmup} requests sent, {sum(not r.success for r in warm.results)} failed")
-    measured = samples[args.warmup:]
-    offsets = arrival_offsets(len(measured), args.request_rate, args.burstiness, args.seed)
-    with tqdm(total=len(measured), desc="pdserve bench", unit="req", file=sys.stderr,
+        note(f"warmup: {count} requests sent, {sum(not r.success for r in warm.results)} failed")
+    with tqdm(total=len(schedule.samples), desc="pdserve bench", unit="req", file=sys.stderr,
               disable=True if args.disable_progress else None,  # None: off when stderr is no terminal
               dynamic_ncols=True) as progress:
-        return await run_load(session, target, measured, offsets, args.max_concurrency,
+        return await run_load(session, target, schedule.samples, schedule.offsets, args.max_concurrency,
                               on_done=lambda result: progress.update(1))
 
 
 def _reserved_keys(args: argparse.Namespace) -> set[str]:
-    return {*METRIC_KEYS, *PER_REQUEST_KEYS, *settings_of(args, "", None, RequestShape(args.endpoint, ""), {}, [])}
+    return {*METRIC_KEYS, *PER_REQUEST_KEYS, *PHASE_KEYS, *settings_of(args, "", None, RequestShape(args.endpoint, ""), {}, [])}
 
 
 async def bench_main(args: argparse.Namespace, base_url: str, slos: dict[str, float]) -> int:
@@ -139,7 +159,11 @@ async def bench_main(args: argparse.Namespace, base_url: str, slos: dict[str, fl
     if not model:
         raise ServerCheckError(f"{base_url}/v1/models lists no model: pass --model")
     tokenizer = load_bench_tokenizer(args, model, served)
-    samples = make_samples(args, tokenizer.tokenizer, args.warmup + args.num_prompts)
+    schedule = make_schedule(args, tokenizer.tokenizer)
+    if args.save_trace:
+        path = write_trace(args.save_trace, schedule.samples, schedule.offsets, schedule.windows, schedule.owners)
+        note(f"trace of the {len(schedule.samples)} measured requests written to {path}")
+    samples = schedule.samples
     async with open_session(args.api_key, args.request_timeout, args.max_concurrency) as session:
         asked = RequestShape(args.endpoint, model, ignore_eos=args.ignore_eos, min_tokens=args.ignore_eos,
                              token_id_prompts=args.endpoint == COMPLETIONS_ENDPOINT
@@ -149,7 +173,7 @@ async def bench_main(args: argparse.Namespace, base_url: str, slos: dict[str, fl
         for line in notes:
             note(line)
         target = LoadTarget(url, shape, args.request_timeout, tokenizer.count if tokenizer.tokenizer else None)
-        load = await warm_up_and_measure(session, target, samples, args)
+        load = await warm_up_and_measure(session, target, schedule, args)
     results = load.results
     if load.interrupted:
         notes.append(f"interrupted (Ctrl-C) after {len(results)} of {args.num_prompts} measured requests ended: "
@@ -162,10 +186,18 @@ async def bench_main(args: argparse.Namespace, base_url: str, slos: dict[str, fl
                      "it may have been the bottleneck (docs/results.md has its ceiling)")
         note(notes[-1])
     settings = settings_of(args, model, tokenizer.name, shape, slos, notes)
+    phases = []
+    if schedule.windows:
+        phases = phase_results(schedule.windows, schedule.owners, load.indices, results, slos,
+                               args.percentile_metrics, args.metric_percentiles)
     print(format_table(metrics, settings, results), flush=True)
+    if phases:
+        print(format_phase_table(phases), flush=True)
     out = result_path(args, model, datetime.now())
     if out is not None:
-        note(f"results written to {save_result(out, build_result(metrics, results, settings, metadata))}")
+        request_phases = [schedule.owners[i] for i in load.indices] if phases else None
+        result = build_result(metrics, results, settings, metadata, phases, request_phases)
+        note(f"results written to {save_result(out, result)}")
     if load.interrupted:
         return 130
     return 0 if metrics["completed"] else 1

@@ -12,7 +12,7 @@ from pathlib import Path
 
 # vLLM's --dataset-name values pdserve has, under pdserve's name.
 DATASET_NAMES = {"random": "random", "sharegpt": "sharegpt", "prefix": "prefix", "jsonl": "jsonl",
-                 "custom": "jsonl", "prefix_repetition": "prefix"}
+                 "custom": "jsonl", "prefix_repetition": "prefix", "phased": "phased", "trace": "trace"}
 BACKEND_ENDPOINTS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
 _HF = ("pdserve bench reads local files only: save the dataset as JSONL and pass --dataset-name custom "
@@ -60,8 +60,8 @@ def dataset_name(text: str) -> str:
     if text in DATASET_NAMES:
         return DATASET_NAMES[text]
     raise argparse.ArgumentTypeError(
-        f"{text!r}: pdserve bench has random, sharegpt, prefix (vLLM's prefix_repetition) and jsonl (vLLM's "
-        "custom); for another dataset save it as JSONL lines {\"prompt\": ..., \"output_len\": N} and pass "
+        f"{text!r}: pdserve bench has random, sharegpt, prefix (vLLM's prefix_repetition), jsonl (vLLM's "
+        "custom), phased and trace; for another dataset save it as JSONL lines {\"prompt\": ..., \"output_len\": N} and pass "
         "--dataset-name custom --dataset-path FILE")
 
 
