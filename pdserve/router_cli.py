@@ -36,6 +36,10 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
     parser.add_argument("--max-concurrent-requests", type=int, default=1024,
                         help="requests in flight beyond which the router answers 429")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    parser.add_argument("--migration-timeout", type=float, default=15.0,
+                        help="seconds a stream whose decode engine died or stopped beating waits for another decode "
+                             "engine (or the restarted one) to go on with it; then it ends with an error (0: no "
+                             "migration)")
     parser.add_argument("--max-request-bytes", type=int, default=4 << 20,
                         help="largest HTTP request body in bytes; larger ones get 413 (default 4 MiB)")
     parser.add_argument("--preprocess-timeout", type=float, default=5.0,
@@ -100,6 +104,7 @@ def router_config(args: argparse.Namespace):
         local_prefill_threshold=args.local_prefill_threshold, heartbeat_timeout_s=args.heartbeat_timeout,
         stats_interval_s=args.stats_interval, max_concurrent_requests=args.max_concurrent_requests,
         max_retries=args.max_retries, request_timeout_s=args.request_timeout, log_level=args.log_level,
+        migration_timeout_s=args.migration_timeout,
         max_request_bytes=args.max_request_bytes, preprocess_timeout_s=args.preprocess_timeout,
         allow_request_chat_template=args.allow_request_chat_template, tool_call_parser=args.tool_call_parser,
         chat_template=chat_template,
@@ -120,6 +125,7 @@ def check_router_flags(args: argparse.Namespace) -> str | None:
 SHARED_NUMBERS = {"local_prefill_threshold": "local_prefill_threshold", "heartbeat_timeout": "heartbeat_timeout_s",
                   "max_concurrent_requests": "max_concurrent_requests", "request_timeout": "request_timeout_s",
                   "max_request_bytes": "max_request_bytes", "preprocess_timeout": "preprocess_timeout_s",
+                  "migration_timeout": "migration_timeout_s",
                   "port": "port"}
 
 

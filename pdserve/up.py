@@ -135,6 +135,7 @@ def router_component(args: argparse.Namespace, model: str, name: str) -> Compone
                "--heartbeat-timeout", str(args.heartbeat_timeout),
                "--max-concurrent-requests", str(args.max_concurrent_requests),
                "--request-timeout", str(args.request_timeout), "--log-level", args.log_level,
+               "--migration-timeout", str(args.migration_timeout),
                "--max-request-bytes", str(args.max_request_bytes), "--preprocess-timeout", str(args.preprocess_timeout),
                *trust_flags(args)]
     if args.chat_template is not None:

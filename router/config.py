@@ -27,6 +27,7 @@ class RouterConfig:
     max_concurrent_requests: int = 1024  # more in flight: 429
     max_retries: int = 2  # re-submissions of a request whose engine died before it streamed a token
     request_timeout_s: float = 600.0
+    migration_timeout_s: float = 15.0  # a stream whose decode engine was lost waits this long for another; 0: off
     max_request_bytes: int = 4 << 20  # larger HTTP bodies: 413, refused before they are read whole
     max_body_bytes_in_flight: int = 32 << 20  # request bodies parsed and served at once (router/body_budget.py)
     body_budget_wait_s: float = 2.0  # a request that finds no room waits this long, then a 503
@@ -62,6 +63,8 @@ class RouterConfig:
              f"tool-call parser {self.tool_call_parser!r} is unknown: use one of {', '.join(TOOL_CALL_PARSERS)}"),
             (self.max_retries >= 0, f"max retries {self.max_retries} must be >= 0"),
             (self.request_timeout_s > 0, f"request timeout {self.request_timeout_s} must be > 0 seconds"),
+            (self.migration_timeout_s >= 0,
+             f"migration timeout {self.migration_timeout_s} must be >= 0 seconds (0 turns migration off)"),
             (0 <= self.port < 65536, f"port {self.port} must be in 0..65535 (0 picks a free port)"),
             (self.registration_address is not None or self.decode_addresses,
              "the router can reach no decode engine: give --decode-address addresses or a --registration-address"),

@@ -17,7 +17,10 @@ Failures, in order of preference:
   * the decode engine rejects the request before any token: the client's fault, a 400 with its words;
   * an engine's step raised while running the request (error_code "engine_step_failed"): EngineFailed,
     never retried, since the request could take the next engine's step down the same way;
-  * anything after tokens were streamed: EngineFailed. A non-streaming request has streamed nothing,
+  * the decode engine is lost (it died, or stopped beating) after tokens were relayed: the choice
+    migrates (router/migration.py): a new attempt on a decode engine goes on after those tokens, and
+    the same relay continues the same stream;
+  * anything else after tokens were streamed: EngineFailed. A non-streaming request has streamed nothing,
     so it may restart from scratch: `restartable` runners yield Restarted(index), and the caller
     drops what it gathered for that choice.
 Whatever ends the choice (finish, stop string, error, the client leaving = the consumer closing the
@@ -40,7 +43,8 @@ from pdserve.router.choice import ChoiceDelta, ChoiceSpec, Restarted
 from pdserve.router.errors import EngineFailed
 from pdserve.router.link import EngineUnreachable
 from pdserve.router.policies import Route
-from pdserve.router.relay import DEADLINE, Relay, RelayState, Retry
+from pdserve.router.migration import Migration
+from pdserve.router.relay import DEADLINE, Migrate, Relay, RelayState, Retry
 
 log = logging.getLogger("pdserve.router.generation")
 
@@ -91,6 +95,7 @@ class Submission:
         self.finished = False  # the decode engine ended the request itself: nothing to abort
         self.decode_sent = False  # a choice that ends at the prefill engine's first token never goes to D
         self.prefill = route.prefill  # aborted too if D does not finish: it may hold the prompt's KV for D
+        self.sampling_params: SamplingParams | None = None  # as sent (a migration sends the same seed again)
         # at the deadline (loop time) a timer puts (DEADLINE, None) in the inbox: one timer per attempt
         # rather than a timeout scope around every wait for a token
         self._timer = asyncio.get_running_loop().call_at(deadline, self.inbox.put, DEADLINE, None)
@@ -119,6 +124,19 @@ class Submission:
         except EngineUnreachable as exc:
             raise Retry(str(exc), exclude=decode.control_address) from exc
         self.decode_sent = True
+        self.sampling_params = params
+
+    def resume(self, spec: ChoiceSpec, params: SamplingParams, token_ids: list[int]) -> None:
+        """A migration: the prompt to the decode engine, which prefills it with `token_ids` (the output the client
+        has) and goes on after them. Its prompt logprobs were sent with the first token."""
+        params = params.replace(prompt_logprobs=None)
+        try:
+            self.route.decode.send(GenerateRequest(request_id=self.request_id, prompt_token_ids=tuple(spec.prompt_token_ids),
+                                                   sampling_params=params, resume_token_ids=tuple(token_ids)))
+        except EngineUnreachable as exc:
+            raise Retry(str(exc), exclude=self.route.decode.control_address) from exc
+        self.decode_sent = True
+        self.sampling_params = params
 
     def keep_first_token(self, delta: TokenDelta) -> None:
         """The prefill engine's first token is the client's: the decode engine continues from it, and
@@ -189,16 +207,27 @@ class ChoiceRunner:
 
     async def events(self) -> AsyncIterator[ChoiceDelta | Restarted]:
         attempt, force_local, excluded = 0, False, set()
+        relay: Relay | None = None  # kept across a migration, which continues its stream
+        migration = Migration(self.gateway, self.request_id, self.deadline)
         while True:
             emitted, retry = False, None
             submission: Submission | None = None
             try:
-                submission = (self._first_submission() if attempt == 0
-                              else self._submit(attempt, excluded, force_local))
-                async for delta in self._relay(submission):
+                if relay is not None and relay.state is RelayState.MIGRATING:
+                    submission = await migration.resume(relay, self._resumer(relay, attempt))
+                else:
+                    submission = (self._first_submission() if attempt == 0
+                                  else self._submit(attempt, excluded, force_local))
+                    relay = self._new_relay(submission)
+                async for delta in self._relay(relay):
                     emitted = True
                     yield delta
                 return
+            except Migrate as exc:
+                log.warning("request %s choice %d: %s; migrating", self.request_id, self.spec.index, exc)
+                migration.lose(exc)
+                attempt += 1
+                continue
             except Retry as exc:
                 retry = exc
             finally:
@@ -214,11 +243,30 @@ class ChoiceRunner:
             if emitted:
                 yield Restarted(self.spec.index)
 
-    async def _relay(self, submission: Submission) -> AsyncIterator[ChoiceDelta]:
+    def _resumer(self, relay: Relay, attempt: int):
+        """What a migration calls with the route it found: a new attempt that goes on after the relay's tokens."""
+        params = relay.submission.sampling_params or self.spec.sampling_params
+
+        def submit(route: Route) -> Submission:
+            submission = Submission(route, f"{self.request_id}-{self.spec.index}.{attempt}", self.deadline)
+            try:
+                submission.resume(self.spec, params, relay.token_ids)
+            except BaseException:
+                submission.close()
+                raise
+            return submission
+
+        return submit
+
+    def _new_relay(self, submission: Submission) -> Relay:
         detokenizer = self.gateway.tokenization.detokenizer(self.spec.prompt_token_ids, self.spec.sampling_params)
         relay = Relay(self.spec, submission, detokenizer)
         if relay.waits_for_shared_rows:
             self.spec.shared_prompt_logprobs.notify(submission.inbox)
+        return relay
+
+    async def _relay(self, relay: Relay) -> AsyncIterator[ChoiceDelta]:
+        submission = relay.submission
         while relay.state is not RelayState.FINISHED:
             source, item = await submission.inbox.get()
             for delta in relay.receive(source, item):

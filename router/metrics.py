@@ -100,6 +100,9 @@ class RouterMetrics:
                              buckets=TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.migrations = Counter("pdserve_router_migrations", "streams whose decode engine was lost mid-stream: "
+                                  "resumed on another engine, or failed (none within --migration-timeout)",
+                                  ["outcome"], registry=self.registry)
         self.registry.register(EngineCollector(links))
         # labelled series, each looked up once: labels() checks its arguments and takes a lock on every call
         self._requests_of: dict[tuple[str, str], Counter] = {}
@@ -118,6 +121,10 @@ class RouterMetrics:
         if series is None:
             series = self._finished_of[finish_reason] = self.finished.labels(finish_reason)
         series.inc()
+
+    def count_migration(self, outcome: str) -> None:
+        """One migration of a choice: "resumed" or "failed"."""
+        self.migrations.labels(outcome).inc()
 
     def observe_request(self, *, ttft: float | None, e2e: float, num_prompt_tokens: int,
                         num_generated_tokens: int, itls: list[float] = ()) -> None:

@@ -7,10 +7,13 @@ the choice's deltas by one object in one explicit state (docs/design/request-lif
 
 The first token comes from P as soon as it is sampled, or from D when D prefilled the prompt itself
 (recompute); the first one in is the choice's. P's is relayed at once and D is told it (FirstToken): D's
-stream then starts with that token again, and it is dropped. A choice that asked for prompt logprobs
+stream then starts with that token again, and it is dropped. When D is lost after tokens were relayed (its
+process died, or it stopped beating), the relay raises Migrate and waits in MIGRATING until the runner
+`resume`s it on a new attempt, which continues the same tokens and text (router/migration.py). A choice that asked for prompt logprobs
 gets them with its first token; when that token overtakes them (they come on P's socket, D's token on
 D's), the relay holds D's messages until they are in. `receive` raises what ends the attempt: Retry
-(send it again elsewhere), EngineFailed, InvalidRequest or RequestTimeout; the state is then FAILED.
+(send it again elsewhere), EngineFailed, InvalidRequest or RequestTimeout (the state is then FAILED), or
+Migrate (MIGRATING).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class RelayState(enum.Enum):
     WAITING_PROMPT_LOGPROBS = "waiting_prompt_logprobs"  # the first token is in before its prompt logprobs: held
     WAITING_DECODE = "waiting_decode"  # P's first token relayed and D told it; D's first token repeats it
     STREAMING = "streaming"  # D's tokens relayed as they come; P's part is over
+    MIGRATING = "migrating"  # D was lost after tokens were relayed: the runner resumes them on another engine
     FINISHED = "finished"  # the last delta (with its finish_reason) relayed
     FAILED = "failed"  # receive() raised: the runner retries the choice or reports the error
 
@@ -44,6 +48,14 @@ class Retry(Exception):
         super().__init__(reason)
         self.exclude = exclude  # the control address of the engine not to route to again
         self.force_local = force_local  # prefill on the decode engine (P failed)
+
+
+class Migrate(Exception):
+    """The decode engine was lost after tokens were relayed: resume the choice on another one."""
+
+    def __init__(self, reason: str, *, exclude: str) -> None:
+        super().__init__(reason)
+        self.exclude = exclude  # the control address of the engine that was lost
 
 
 class Relay:
@@ -70,9 +82,20 @@ class Relay:
     def receive(self, source: str, item: Any) -> list[ChoiceDelta]:
         try:
             return self._receive(source, item)
+        except Migrate:
+            self.state = RelayState.MIGRATING
+            raise
         except BaseException:
             self.state = RelayState.FAILED
             raise
+
+    def resume(self, submission: Any) -> None:
+        """MIGRATING -> STREAMING: the new attempt's decode engine goes on after `token_ids` (it was sent them
+        as resume_token_ids), so its tokens are relayed as they come, through the same detokenizer."""
+        if self.state is not RelayState.MIGRATING:
+            raise RuntimeError(f"a relay in state {self.state.name} has nothing to resume")
+        self.submission = submission
+        self.state = RelayState.STREAMING
 
     def _receive(self, source: str, item: Any) -> list[ChoiceDelta]:
         if source == DEADLINE:
@@ -97,6 +120,9 @@ class Relay:
         """What a link puts in the inbox besides tokens: an engine that left (retry elsewhere), or a chunk of
         the prompt's logprobs (gathered before the first token; dropped after it)."""
         if isinstance(item, EngineGone):
+            if source == "decode" and self.state in (RelayState.WAITING_DECODE, RelayState.STREAMING):
+                raise Migrate(f"decode engine {item.engine_id} left ({item.reason}) after {len(self.token_ids)} "
+                              "tokens", exclude=self.submission.route.decode.control_address)
             raise Retry(f"{source} engine {item.engine_id} left ({item.reason})",
                         exclude=getattr(self.submission.route, source).control_address,
                         force_local=source == "prefill")

@@ -175,6 +175,7 @@ class FakeEngine:
             if msg.prefill_kv_address is None:
                 self._send_prompt_logprobs(peer_id, msg)
             tokens = self.script or fake_tokens(msg.prompt_token_ids, msg.sampling_params.max_tokens or 16)
+            tokens = tokens[len(getattr(msg, "resume_token_ids", ())):]  # a migrated request goes on after its output
             self.active[msg.request_id] = _Active(peer_id, tokens, time.monotonic() + self.token_delay_s)
 
     def _stream(self, now: float) -> None:

@@ -86,8 +86,9 @@ def test_engine_that_misses_heartbeats_leaves_and_its_request_is_retried(tiny_mo
 
 
 def test_engine_lost_mid_stream_ends_the_stream_with_an_error(tiny_model, tokenization):
+    """No other decode engine, and the lost one stays silent: the migration gives up after its bound."""
     async def scenario():
-        async with router_app(tiny_model, tokenization) as (gateway, client):
+        async with router_app(tiny_model, tokenization, migration_timeout_s=0.5) as (gateway, client):
             engine, = await _engines(gateway, {"engine_id": "d0", "token_delay_s": 0.05})
 
             async def go_silent():
@@ -102,6 +103,8 @@ def test_engine_lost_mid_stream_ends_the_stream_with_an_error(tiny_model, tokeni
                 assert events[-1] == "[DONE]"
                 error = json.loads(events[-2])["error"]
                 assert error["code"] == "engine_failed" and "cannot be retried" in error["message"]
+                assert "no decode engine took it over" in error["message"] and "--migration-timeout" in error["message"]
+                assert gateway.metrics.registry.get_sample_value("pdserve_router_migrations_total", {"outcome": "failed"}) == 1
                 assert any(json.loads(e).get("choices") for e in events[:-2]), "tokens streamed before the loss"
             finally:
                 _close([engine])

@@ -13,7 +13,7 @@ from pdserve.control.sampling_params import SamplingParams
 from pdserve.router.choice import SHARED, ChoiceSpec, SharedPromptLogprobs
 from pdserve.router.errors import EngineFailed, InvalidRequest, RequestTimeout
 from pdserve.router.link import EngineGone, PromptLogprobsChunk
-from pdserve.router.relay import DEADLINE, Relay, RelayState, Retry
+from pdserve.router.relay import DEADLINE, Migrate, Relay, RelayState, Retry
 from tests.router.conftest import REPO
 
 PROMPT = [5, 6, 7, 8]
@@ -215,6 +215,48 @@ def test_the_deadline_ends_the_attempt_in_any_state():
     relay.receive(P, tokens(11))
     with pytest.raises(RequestTimeout, match="--request-timeout"):
         relay.receive(DEADLINE, None)
+    assert relay.state is S.FAILED
+
+
+def test_d_lost_while_streaming_migrates_and_the_new_attempt_continues_the_same_stream():
+    relay, submission = make_relay(stop_ids=(15,))
+    relay.receive(D, tokens(21))
+    relay.receive(D, tokens(22, 23))
+    with pytest.raises(Migrate) as lost:
+        relay.receive(D, EngineGone("d0", "missed heartbeats"))
+    assert relay.state is S.MIGRATING and lost.value.exclude == "tcp://d"
+    assert relay.token_ids == [21, 22, 23], "what the new attempt resumes after"
+    resumed = FakeSubmission(route=FakeRoute(decode=FakeLink("tcp://d2"), prefill=None))
+    relay.resume(resumed)
+    assert relay.state is S.STREAMING and relay.submission is resumed
+    assert relayed_ids(relay.receive(D, tokens(24))) == [24], "the new engine's tokens come as they are"
+    last = relay.receive(D, tokens(15, 99))
+    assert last[-1].finish_reason == "stop" and last[-1].text == "<15>", "the same detokenizer finds the stop"
+    assert relay.state is S.FINISHED and relay.token_ids == [21, 22, 23, 24, 15]
+
+
+def test_d_lost_after_ps_first_token_migrates_with_that_token():
+    relay, _ = make_relay()
+    relay.receive(P, tokens(11))
+    assert relay.state is S.WAITING_DECODE
+    with pytest.raises(Migrate):
+        relay.receive(D, EngineGone("d0", "its connection dropped"))
+    assert relay.state is S.MIGRATING and relay.token_ids == [11]
+    relay.resume(FakeSubmission(route=FakeRoute(decode=FakeLink("tcp://d2"), prefill=None)))
+    assert relayed_ids(relay.receive(D, tokens(12))) == [12], "D resumes after the first token: nothing dropped"
+
+
+def test_only_a_migrating_relay_resumes():
+    relay, _ = make_relay()
+    with pytest.raises(RuntimeError, match="WAITING_FIRST_TOKEN has nothing to resume"):
+        relay.resume(FakeSubmission())
+
+
+def test_an_engine_error_after_tokens_is_not_a_migration():
+    relay, _ = make_relay()
+    relay.receive(D, tokens(21))
+    with pytest.raises(EngineFailed):
+        relay.receive(D, tokens(finish="error", error="it broke", error_code="internal_error"))
     assert relay.state is S.FAILED
 
 
