@@ -12,7 +12,7 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 
 from pdserve.control.errors import ProtocolError
 
-PROTOCOL_VERSION = 5  # 2: SamplingParams.include_stop_str_in_output; 3: prompt_logprobs, structured output, TokenDelta.stopped_by_constraint; 4: KVHold; 5: incarnations
+PROTOCOL_VERSION = 6  # 2: SamplingParams.include_stop_str_in_output; 3: prompt_logprobs, structured output, TokenDelta.stopped_by_constraint; 4: KVHold; 5: incarnations; 6: sliding layers send only their window, per-layer fingerprint
 
 # ---- bounds: checked before anything sized by the peer is allocated ----
 MAX_HEADER_BYTES = 1 << 20  # control messages with long prompts will share this header format

@@ -33,7 +33,9 @@ class IncomingTransfer:
     computed_at: float | None = None  # when the prefill engine was known to have computed the prompt
     link_serial: int = 0  # the link (decode/transfer_side.py) its KVWant went on
     resent: bool = False  # its KVWant went again on a new link, once (the old one reached a restarted engine)
-    layer_tokens_received: int = 0  # sum over KVLayer messages of layers x tokens
+    # [num_layers]: each layer's first prompt position that travels (kvtransfer.layout), set when it is asked
+    first_positions: tuple[int, ...] = ()
+    layer_tokens_received: list[int] = field(default_factory=list)  # [num_layers]: tokens written per layer
     checksums: list[int] = field(default_factory=list)  # of the KVLayer messages, in arrival order
     first_token: int | None = None  # RECEIVED: sampled on the prefill engine, with its logprobs if asked
     first_logprobs: dict[int, float] | None = None

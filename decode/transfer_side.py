@@ -31,7 +31,8 @@ from pdserve.decode.kv_writer import KVWriter
 from pdserve.engine.kv_connector import KVTransferSide
 from pdserve.control.errors import ProtocolError, WireError
 from pdserve.kvtransfer.errors import KVTransferError
-from pdserve.kvtransfer.fingerprint import LayoutFingerprint
+from pdserve.kvtransfer.fingerprint import LayoutFingerprint, for_cache
+from pdserve.kvtransfer.layout import LinkLayout
 from pdserve.control.messages import Abort, Error
 from pdserve.kvtransfer.messages import Hello, HelloAck, KVAck, KVDone, KVHold, KVLayer, KVWant
 from pdserve.kvtransfer.payload import combine_checksums
@@ -89,6 +90,7 @@ class DecodeTransferSide(KVTransferSide):
                  incarnation: str = "", kv_peers: KVPeerTrust | None = None) -> None:
         super().__init__()
         self.fingerprint = fingerprint
+        self.layout: LinkLayout = fingerprint.link_layout()  # which tokens of which layers travel
         self.engine_id = engine_id
         self.incarnation = incarnation  # this process's, in every Hello
         self.kv_peers = kv_peers  # what the routers say is registered at each address
@@ -113,7 +115,11 @@ class DecodeTransferSide(KVTransferSide):
         self._held: OrderedDict[str, tuple[str, int]] = OrderedDict()  # KVHold sent: request id -> (address, serial)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.writer = KVWriter(kv_cache)  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        """The cache [num_layers, planes, num_blocks, block_size, *per_token] the KV goes into; the fingerprint
+        takes its planes and per-token shape from it."""
+        self.fingerprint = for_cache(self.fingerprint, tuple(kv_cache.shape))
+        self.layout = self.fingerprint.link_layout()
+        self.writer = KVWriter(kv_cache)
 
     def sockets(self) -> list:
         return [link.client.socket for link in self._links.values()]
@@ -139,6 +145,9 @@ class DecodeTransferSide(KVTransferSide):
 
     def ask(self, incoming: IncomingTransfer) -> None:
         """Send the KVWant (opening the link first if this is its first request), without waiting."""
+        incoming.first_positions = self.layout.first_positions(incoming.skip_tokens + incoming.num_tokens,
+                                                               incoming.skip_tokens)
+        incoming.layer_tokens_received = [0] * self.layout.num_layers
         try:
             link = self._link(incoming.address)
         except KVTransferError as exc:  # refused already: the same reason as the transfers it failed then
@@ -373,7 +382,8 @@ class DecodeTransferSide(KVTransferSide):
             self._fail(incoming, problem, ack_to=link)
             return
         self.writer.write(incoming, msg, msg.tensor(frame))
-        incoming.layer_tokens_received += (msg.layer_end - msg.layer_start) * msg.num_tokens
+        for layer in range(msg.layer_start, msg.layer_end):
+            incoming.layer_tokens_received[layer] += msg.num_tokens
         incoming.checksums.append(msg.checksum)
         self.stats.kv_bytes_received += msg.nbytes
 
@@ -382,10 +392,11 @@ class DecodeTransferSide(KVTransferSide):
         if incoming is None:
             log.warning("KVDone for unknown request %s from %s dropped", msg.request_id, link.address)
             return
-        expected = self.writer.kv_cache.shape[0] * incoming.num_tokens
+        end = incoming.skip_tokens + incoming.num_tokens
+        expected = LinkLayout.num_tokens_per_layer(incoming.first_positions, end)
         if incoming.layer_tokens_received != expected or msg.num_tokens != incoming.num_tokens:
-            self._fail(incoming, f"KV incomplete: {incoming.layer_tokens_received} of {expected} "
-                                 "layer-tokens arrived", ack_to=link)
+            self._fail(incoming, f"KV incomplete: {_short_diff(incoming.layer_tokens_received, expected)}",
+                       ack_to=link)
         elif combine_checksums(incoming.checksums) != msg.checksum:
             self._fail(incoming, "KV checksum over all layers does not match: a message was lost, "
                                  "repeated or reordered", ack_to=link)
@@ -441,3 +452,13 @@ class DecodeTransferSide(KVTransferSide):
             link.client.send(msg, timeout=0)
         except WireError as exc:  # the peer is gone; our side is already cleaned up
             log.info("could not send %s to %s: %s", msg.type_name, link.address, exc)
+
+
+def _short_diff(received: list[int], expected: list[int]) -> str:
+    """ "layer 3: 12 of 16 tokens arrived (and 2 more layers short)" """
+    wrong = [layer for layer, (got, want) in enumerate(zip(received, expected)) if got != want]
+    if not wrong:
+        return "every layer arrived, but KVDone counts another number of tokens"
+    layer = wrong[0]
+    more = f" (and {len(wrong) - 1} more layers)" if len(wrong) > 1 else ""
+    return f"layer {layer}: {received[layer]} of {expected[layer]} tokens arrived{more}"

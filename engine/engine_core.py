@@ -36,10 +36,12 @@ class EngineCore:
         self.model_config = model_config
         self.cache_config = cache_config
         self.runner = ModelRunner(model_config, cache_config, device, max_num_seqs=scheduler_config.max_num_seqs)
-        # Blocks leave the window only where no KV link reads a request's blocks (colocated engines).
-        window = shared_sliding_window(self.runner.model) if connector is None else None
+        # A KV link carries only the blocks inside each sliding layer's window, so blocks may leave it on
+        # prefill and decode engines too (docs/design/kv-link.md).
+        windows = [w for w in map(model_config.sliding_window_of, range(model_config.num_layers)) if w is not None]
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, window
+            self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            shared_sliding_window(self.runner.model), min(windows, default=None) if connector is not None else None,
         )
         self.scheduler = Scheduler(
             scheduler_config, self.kv_cache_manager, model_config.max_model_len, connector, kv_failure_policy

@@ -12,6 +12,10 @@ With a sliding window shared by every layer, a block whose tokens all left the w
 next token is freed at the next allocate_slots and its entry becomes None (get_block_ids shows
 SKIPPED_BLOCK_ID there, a position attention never reads). A freed block stays in the prefix cache until
 evicted; a prefix hit needs only the cached blocks its first new token can see.
+
+KV from a prefill engine holds, for sliding-window layers, only the blocks the window of the first decoded
+token reaches (docs/design/kv-link.md): the blocks before hold no valid KV of those layers, so they are
+never published to the prefix cache.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ def _cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, external_kv_window: int | None = None) -> None:
         """sliding_window: the window of every layer, whose blocks are freed as they leave it; None keeps
-        every block of a request until it is freed."""
+        every block of a request until it is freed. external_kv_window: the smallest sliding window of any
+        layer, on an engine that takes prompt KV from a prefill engine (None: no layer slides)."""
         if block_size <= 0:
             raise ValueError(f"block_size={block_size} must be a positive number of tokens per block")
         if sliding_window is not None and sliding_window < 1:
@@ -43,6 +48,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_prefix_caching
         self.sliding_window = sliding_window
+        self.external_kv_window = external_kv_window
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         # None: a block freed after it left the window
         self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
@@ -240,12 +246,20 @@ class KVCacheManager:
                 f"{len(req_blocks)} blocks of {self.block_size}"
             )
         num_full_blocks = num_tokens // self.block_size
-        num_cached = self.num_cached_blocks.get(request.request_id, 0)
+        num_cached = max(self.num_cached_blocks.get(request.request_id, 0), self._first_whole_block(request))
         if num_full_blocks <= num_cached:
             return
         block_hashes = self._update_block_hashes(request)
         self.pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full_blocks)
         self.num_cached_blocks[request.request_id] = num_full_blocks
+
+    def _first_whole_block(self, request: Request) -> int:
+        """The first block that holds every layer's KV: the window of the first decoded token's start for a
+        request whose prompt KV came from a prefill engine on a model with sliding layers, else 0."""
+        window = self.external_kv_window
+        if window is None or request.num_external_computed_tokens == 0:
+            return 0
+        return max(0, request.num_prompt_tokens - window + 1) // self.block_size
 
     def uncache_uncomputed(self, request: Request) -> None:
         """Unpublish the request's blocks past its computed tokens: allocate_slots published them for

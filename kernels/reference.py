@@ -3,7 +3,9 @@ and the implementation used on CPU.
 
 Shapes (T = tokens in the step, S = sequences, N = blocks in the pool, B = block size):
   key_cache / value_cache  [N, B, num_kv_heads, head_dim]   (one layer)
-  kv_cache                 [num_layers, 2, N, B, num_kv_heads, head_dim]   (all layers, K then V)
+  kv_cache                 [num_layers, 2, N, B, num_kv_heads, head_dim]   (all layers, K then V);
+                           kv_pack / kv_unpack take any [num_layers, planes, N, B, *per_token]
+                           (an MLA latent cache has 1 plane)
   block_tables             [S, max_blocks] int32, slot s of a sequence lives in
                            block block_tables[seq, s // B] at offset s % B
 Attention options: sliding_window W (the query at position p sees keys (p - W, p]), soft_cap
@@ -67,23 +69,23 @@ def paged_prefill_attention(
 
 
 def kv_pack(
-    kv_cache: torch.Tensor,  # [num_layers, 2, N, B, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_layers, planes, N, B, *per_token]: planes 2 (K, V) or 1 (a latent)
     block_ids: torch.Tensor,  # [num_blocks] int32/int64, the request's blocks holding the tokens, in order
     num_tokens: int,  # tokens to take, starting at offset 0 of block_ids[0]
     layer_start: int = 0,
     layer_end: int | None = None,
-) -> torch.Tensor:  # [layer_end - layer_start, 2, num_tokens, num_kv_heads, head_dim], contiguous
+) -> torch.Tensor:  # [layer_end - layer_start, planes, num_tokens, *per_token], contiguous
     """Gather num_tokens tokens of KV from the given blocks, for a range of layers, into one buffer."""
     layers = kv_cache[layer_start:layer_end]
     block_size = kv_cache.shape[3]
     num_blocks = (num_tokens + block_size - 1) // block_size
-    blocks = layers.index_select(2, block_ids[:num_blocks].long())  # [nl, 2, nb, B, H, D]
+    blocks = layers.index_select(2, block_ids[:num_blocks].long())  # [nl, planes, nb, B, *per_token]
     return blocks.flatten(2, 3)[:, :, :num_tokens].contiguous()
 
 
 def kv_unpack(
-    buffer: torch.Tensor,  # [num_layers_in_buffer, 2, num_tokens, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,  # [num_layers, 2, N, B, num_kv_heads, head_dim]
+    buffer: torch.Tensor,  # [num_layers_in_buffer, planes, num_tokens, *per_token]
+    kv_cache: torch.Tensor,  # [num_layers, planes, N, B, *per_token]
     block_ids: torch.Tensor,  # [num_blocks] int32/int64, destination blocks, in order
     num_tokens: int,
     layer_start: int = 0,
@@ -94,5 +96,5 @@ def kv_unpack(
     positions = torch.arange(num_tokens, device=kv_cache.device)
     slots = block_ids.long()[positions // block_size] * block_size + positions % block_size
     layers = kv_cache[layer_start:layer_start + num_layers_in]
-    flat = layers.flatten(2, 3)  # a view: [nl, 2, N * B, H, D]
+    flat = layers.flatten(2, 3)  # a view: [nl, planes, N * B, *per_token]
     flat.index_copy_(2, slots, buffer.to(kv_cache.dtype))

@@ -1,10 +1,10 @@
 """Triton kv_pack / kv_unpack: move a request's KV between the all-layers paged cache and one
 contiguous transfer buffer, for a range of layers.
 
-A cache block holds its B tokens contiguously ([B, num_kv_heads, head_dim]), and the buffer holds
-tokens contiguously too, so each (layer, K-or-V, block) is one contiguous run of
-tokens_in_block * num_kv_heads * head_dim elements on both sides. Programs copy CHUNK-element
-pieces of those runs: grid = (layers * 2, blocks, chunks per block).
+The cache is [num_layers, planes, N, B, *per_token]: planes 2 (K, V) or 1 (an MLA latent). A cache block
+holds its B tokens contiguously ([B, *per_token]), and the buffer holds tokens contiguously too, so each
+(layer, plane, block) is one contiguous run of tokens_in_block * prod(per_token) elements on both sides.
+Programs copy CHUNK-element pieces of those runs: grid = (layers * planes, blocks, chunks per block).
 """
 
 from __future__ import annotations
@@ -34,16 +34,17 @@ def _kv_copy_kernel(
     num_tokens, layer_start,
     stride_c_layer, stride_c_kv, stride_c_block,
     TOKEN_NUMEL: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, TO_BUFFER: tl.constexpr,
+    PLANES: tl.constexpr,
 ):
-    layer_kv = tl.program_id(0)  # index into the buffer's [num_layers_moved, 2]
+    layer_kv = tl.program_id(0)  # index into the buffer's [num_layers_moved, PLANES]
     block_index = tl.program_id(1)  # index into block_ids
     chunk = tl.program_id(2)
     tokens_here = tl.minimum(num_tokens - block_index * BLOCK_SIZE, BLOCK_SIZE)
     offsets = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = offsets < tokens_here * TOKEN_NUMEL
 
-    layer = layer_start + layer_kv // 2
-    kv = layer_kv % 2
+    layer = layer_start + layer_kv // PLANES
+    kv = layer_kv % PLANES
     block_id = tl.load(block_ids_ptr + block_index).to(tl.int64)
     cache_run = (kv_cache_ptr + layer.to(tl.int64) * stride_c_layer + kv * stride_c_kv
                  + block_id * stride_c_block)
@@ -58,10 +59,10 @@ def _kv_copy_kernel(
 
 def _check_cache_and_blocks(kv_cache, block_ids, num_tokens, layer_start, layer_end) -> None:
     check_tensor("kv_cache", kv_cache, 6, FLOAT_DTYPES)
-    if kv_cache.shape[1] != 2:
+    if kv_cache.shape[1] not in (1, 2):
         raise ValueError(
-            f"kv_cache has shape {tuple(kv_cache.shape)}; expected [num_layers, 2, num_blocks, "
-            f"block_size, num_kv_heads, head_dim] (K then V in dim 1)"
+            f"kv_cache has shape {tuple(kv_cache.shape)}; expected [num_layers, planes, num_blocks, "
+            f"block_size, num_kv_heads, head_dim] with planes 2 (K then V) or 1 (a latent)"
         )
     block_size, num_kv_heads, head_dim = kv_cache.shape[3:]
     inner = (num_kv_heads * head_dim, head_dim, 1)
@@ -90,8 +91,8 @@ def _check_cache_and_blocks(kv_cache, block_ids, num_tokens, layer_start, layer_
 def _check_buffer(name: str, buffer: torch.Tensor, kv_cache: torch.Tensor, num_tokens: int) -> None:
     check_tensor(name, buffer, 5, FLOAT_DTYPES)
     check_contiguous(name, buffer)
-    expected = (None, 2, num_tokens, *kv_cache.shape[4:])
-    check_shape(name, buffer, expected, "[num_layers_moved, 2, num_tokens, num_kv_heads, head_dim]")
+    expected = (None, kv_cache.shape[1], num_tokens, *kv_cache.shape[4:])
+    check_shape(name, buffer, expected, "[num_layers_moved, planes, num_tokens, num_kv_heads, head_dim]")
 
 
 def _launch_copy(kv_cache, buffer, block_ids, num_tokens, layer_start, num_layers_moved, to_buffer) -> None:
@@ -99,13 +100,14 @@ def _launch_copy(kv_cache, buffer, block_ids, num_tokens, layer_start, num_layer
     token_numel = kv_cache.shape[4] * kv_cache.shape[5]
     if num_tokens == 0 or num_layers_moved == 0:
         return
+    planes = kv_cache.shape[1]
     chunk = min(MAX_CHUNK, next_pow2(block_size * token_numel))
-    grid = (num_layers_moved * 2, cdiv(num_tokens, block_size), cdiv(block_size * token_numel, chunk))
+    grid = (num_layers_moved * planes, cdiv(num_tokens, block_size), cdiv(block_size * token_numel, chunk))
     _kv_copy_kernel[grid](
         kv_cache, buffer, block_ids,
         num_tokens, layer_start,
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        TOKEN_NUMEL=token_numel, BLOCK_SIZE=block_size, CHUNK=chunk, TO_BUFFER=to_buffer,
+        TOKEN_NUMEL=token_numel, BLOCK_SIZE=block_size, CHUNK=chunk, TO_BUFFER=to_buffer, PLANES=planes,
     )
 
 
@@ -120,18 +122,19 @@ def kv_pack(
     check_devices(("kv_cache", "block_ids"), (kv_cache, block_ids))
     num_layers_moved = layer_end - layer_start
     buffer = torch.empty(
-        (num_layers_moved, 2, num_tokens, *kv_cache.shape[4:]), dtype=kv_cache.dtype, device=kv_cache.device
+        (num_layers_moved, kv_cache.shape[1], num_tokens, *kv_cache.shape[4:]), dtype=kv_cache.dtype,
+        device=kv_cache.device,
     )
     _launch_copy(kv_cache, buffer, block_ids, num_tokens, layer_start, num_layers_moved, to_buffer=True)
     return buffer
 
 
 def launch_kv_pack(
-    kv_cache: torch.Tensor,  # [num_layers, 2, N, B, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_layers, planes, N, B, num_kv_heads, head_dim]
     block_ids: torch.Tensor,  # [num_blocks]
     num_tokens: int,
     layer_start: int,
-    out: torch.Tensor,  # [num_layers_moved, 2, num_tokens, num_kv_heads, head_dim], contiguous, written
+    out: torch.Tensor,  # [num_layers_moved, planes, num_tokens, num_kv_heads, head_dim], contiguous, written
 ) -> None:
     """kv_pack into a caller-provided buffer (reuse a pinned/preallocated one; tests poison it)."""
     check_tensor("out", out, 5, FLOAT_DTYPES)

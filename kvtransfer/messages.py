@@ -80,7 +80,8 @@ class KVLayer(Message, type_name="kv_layer", max_frames=1):
     """P -> D: KV of layers [layer_start, layer_end) for tokens [token_start, token_start + num_tokens),
     in one payload frame of `nbytes` bytes shaped `shape` in `dtype`, with its payload_checksum.
 
-    token_start lets chunked prefill send one layer range in several token chunks."""
+    token_start lets chunked prefill send one layer range in several token chunks, and a sliding-window
+    layer's KV start at its window (kvtransfer/layout.py)."""
 
     request_id: str = Field(max_length=MAX_ID_LEN)
     layer_start: int = Field(ge=0, le=MAX_LAYERS - 1)
@@ -88,7 +89,8 @@ class KVLayer(Message, type_name="kv_layer", max_frames=1):
     token_start: int = Field(ge=0, le=MAX_TOKENS)
     num_tokens: int = Field(ge=1, le=MAX_TOKENS)
     dtype: KVDtype
-    # [num_layers, 2, num_tokens, num_kv_heads, head_dim], checked by check_layout
+    # [num_layers, planes, num_tokens, num_kv_heads, head_dim], checked by check_layout; planes 2 is K and V,
+    # 1 a latent (MLA: [.., 1, width])
     shape: Annotated[tuple[FrameDim, ...], max_items(MAX_SHAPE_DIMS)]
     nbytes: int = Field(ge=1, le=MAX_FRAME_BYTES)
     checksum: int = Field(ge=0, le=MAX_CHECKSUM)
@@ -98,9 +100,10 @@ class KVLayer(Message, type_name="kv_layer", max_frames=1):
         num_layers = self.layer_end - self.layer_start
         if num_layers < 1:
             raise ProtocolError(f"kv_layer: layer_end={self.layer_end} must be greater than layer_start={self.layer_start}")
-        if len(self.shape) != 5 or self.shape[:3] != (num_layers, 2, self.num_tokens):
+        if len(self.shape) != 5 or self.shape[0] != num_layers or self.shape[1] not in (1, 2) \
+                or self.shape[2] != self.num_tokens:
             raise ProtocolError(
-                f"kv_layer.shape={list(self.shape)} must be [num_layers={num_layers}, 2, "
+                f"kv_layer.shape={list(self.shape)} must be [num_layers={num_layers}, planes (2 or 1), "
                 f"num_tokens={self.num_tokens}, num_kv_heads, head_dim]")
         expected = math.prod(self.shape) * DTYPE_SIZES[self.dtype]
         if self.nbytes != expected:
@@ -119,14 +122,15 @@ class KVLayer(Message, type_name="kv_layer", max_frames=1):
                 request_id=self.request_id)
 
     def tensor(self, frame: Any) -> Any:
-        """Zero-copy view of the payload frame: [num_layers, 2, num_tokens, num_kv_heads, head_dim]."""
+        """Zero-copy view of the payload frame: [num_layers, planes, num_tokens, num_kv_heads, head_dim]."""
         return tensor_from_frame(frame, self.dtype, self.shape)
 
     @classmethod
     def from_tensor(cls, kv: Any, *, request_id: str, layer_start: int, token_start: int) -> tuple[KVLayer, memoryview]:
-        """Header and payload for kv [num_layers, 2, num_tokens, num_kv_heads, head_dim] on the CPU."""
-        if kv.dim() != 5 or kv.shape[1] != 2:
-            raise ValueError(f"kv has shape {list(kv.shape)}: expected [num_layers, 2, num_tokens, num_kv_heads, head_dim]")
+        """Header and payload for kv [num_layers, planes, num_tokens, num_kv_heads, head_dim] on the CPU."""
+        if kv.dim() != 5 or kv.shape[1] not in (1, 2):
+            raise ValueError(f"kv has shape {list(kv.shape)}: expected [num_layers, planes (2 or 1), num_tokens, "
+                             "num_kv_heads, head_dim]")
         payload = as_buffer(kv)
         msg = cls(request_id=request_id, layer_start=layer_start, layer_end=layer_start + kv.shape[0],
                   token_start=token_start, num_tokens=kv.shape[2], dtype=dtype_name(kv.dtype),

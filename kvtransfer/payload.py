@@ -1,7 +1,8 @@
 """Payload frames of the KV link: flat byte views of tensors, tensor views of frames, checksums.
 
 A KVLayer payload has the layout of `kernels.reference.kv_pack`:
-    [layer_end - layer_start, 2, num_tokens, num_kv_heads, head_dim]   (K then V), engine KV dtype.
+    [layer_end - layer_start, planes, num_tokens, *per_token]   engine KV dtype; planes 2 is K then V
+    ([.., num_kv_heads, head_dim]), 1 is a latent ([.., 1, width], MLA).
 
 torch is imported only by the tensor helpers, so a process that only speaks the protocol (the
 router) does not load it.

@@ -22,7 +22,7 @@ class StreamedLayers:
     transfer: Transfer
     layer_start: int
     position: int  # prompt position of its first token
-    kv: torch.Tensor  # [layers, 2, T, kv_heads, head_dim] on the CPU (pinned when it comes from CUDA)
+    kv: torch.Tensor  # [layers, planes, T, *per_token] on the CPU (pinned when it comes from CUDA)
     ready: Any = None  # torch.cuda.Event recorded after the copy; None: already on the host
 
 
@@ -36,7 +36,7 @@ class HostCopies:
         return len(self._queue)
 
     def copy(self, transfer: Transfer, kv: torch.Tensor, layer_start: int, position: int) -> None:
-        """Queue kv [layers, 2, T, kv_heads, head_dim] (on the cache's device) for sending; on CUDA its
+        """Queue kv [layers, planes, T, *per_token] (on the cache's device) for sending; on CUDA its
         copy to the host starts now and the host does not wait for it here."""
         ready = None
         if kv.device.type == "cuda":

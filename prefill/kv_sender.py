@@ -1,5 +1,6 @@
 """Reads a prompt's KV out of the prefill engine's cache and sends it as KVLayer messages, then KVDone.
-Every KVLayer goes through `KVSender.send_layer`, which counts the bytes sent."""
+Each layer sends the tokens it carries (kvtransfer.layout: a sliding-window layer only its window's
+blocks). Every KVLayer goes through `KVSender.send_layer`, which counts the bytes sent."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from pdserve.engine.cpu_threads import one_cpu_thread
 from pdserve.engine.kv_connector import KVConnectorStats
 from pdserve.kernels.dispatch import kernel_for
+from pdserve.kvtransfer.layout import LayerSpan, LinkLayout
 from pdserve.kvtransfer.messages import KVDone, KVLayer
 from pdserve.kvtransfer.payload import combine_checksums
 from pdserve.control.sockets import ServerSocket
@@ -22,7 +24,7 @@ class KVSender:
     def __init__(self, server: ServerSocket, stats: KVConnectorStats) -> None:
         self.server = server
         self.stats = stats
-        self.kv_cache: torch.Tensor | None = None  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.kv_cache: torch.Tensor | None = None  # [num_layers, planes, num_blocks, block_size, *per_token]
         self._kv_pack = None  # the cache device's kv_pack, chosen when the cache is bound
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
@@ -37,33 +39,37 @@ class KVSender:
 
     def gather(self, layer_start: int, layer_end: int, slots: torch.Tensor) -> torch.Tensor:
         """KV of layers [layer_start, layer_end) at cache slots [T], on the cache's device:
-        [layers, 2, T, kv_heads, head_dim]."""
+        [layers, planes, T, *per_token]."""
         with one_cpu_thread(self.kv_cache.device):
             return self.kv_cache[layer_start:layer_end].flatten(2, 3).index_select(2, slots)
 
     def send_range(self, transfer: Transfer, block_ids: list[int], start: int, end: int) -> None:
-        """Every layer of prompt tokens [start, end) from the cache, grouped into ~4 MiB messages."""
-        if end <= start:
-            return
-        num_layers = self.kv_cache.shape[0]
+        """What every layer carries of prompt tokens [start, end), from the cache, in ~4 MiB messages."""
+        spans = LinkLayout.spans(transfer.first_positions, 0, self.kv_cache.shape[0], start, end)
+        for span in spans:
+            self._send_span(transfer, block_ids, span)
+        transfer.sent_upto = max(transfer.sent_upto, end)
+
+    def _send_span(self, transfer: Transfer, block_ids: list[int], span: LayerSpan) -> None:
+        """Tokens [span.start, span.end) of the span's layers, a group of layers per message."""
+        start, end = span.start, span.end
         per_layer = self.kv_cache[0, :, 0, 0].numel() * (end - start) * self.kv_cache.element_size()
-        step = max(1, min(num_layers, math.ceil(MESSAGE_TARGET_BYTES / per_layer)))
+        step = max(1, min(span.num_layers, math.ceil(MESSAGE_TARGET_BYTES / per_layer)))
         block_size = self.kv_cache.shape[3]
         aligned = start % block_size == 0
         table = torch.tensor(block_ids[start // block_size:], dtype=torch.int64, device=self.kv_cache.device)
         slots = None if aligned else self.slots(block_ids, start, end)
-        for layer_start in range(0, num_layers, step):
-            layer_end = min(num_layers, layer_start + step)
-            if aligned:  # whole blocks: [layers, 2, T, kv_heads, head_dim]
+        for layer_start in range(span.layer_start, span.layer_end, step):
+            layer_end = min(span.layer_end, layer_start + step)
+            if aligned:  # whole blocks: [layers, planes, T, *per_token]
                 with one_cpu_thread(self.kv_cache.device):
                     kv = self._kv_pack(self.kv_cache, table, end - start, layer_start, layer_end)
             else:
                 kv = self.gather(layer_start, layer_end, slots)
             self.send_payload(transfer, kv.cpu(), layer_start, start)
-        transfer.sent_upto = end
 
     def send_payload(self, transfer: Transfer, kv: torch.Tensor, layer_start: int, position: int) -> None:
-        """kv [layers, 2, T, kv_heads, head_dim] on the host: prompt tokens from `position` on."""
+        """kv [layers, planes, T, *per_token] on the host: prompt tokens from `position` on."""
         msg, payload = KVLayer.from_tensor(kv, request_id=transfer.request_id, layer_start=layer_start,
                                            token_start=position - transfer.skip_tokens)
         transfer.checksums.append(msg.checksum)

@@ -5,7 +5,8 @@ At each layer boundary, in this order:
 1. if a prompt chunk of the step has no KVWant yet, read the KV socket once
    (`PrefillTransferSide.read_messages`): a KVWant that arrived mid-step starts streaming here, and
    the layers stored before it go in one catch-up message;
-2. queue this layer of every streamed chunk for the host (`HostCopies.copy`);
+2. queue this layer of every streamed chunk for the host (`HostCopies.copy`): the chunk's tokens that
+   the layer carries (a sliding-window layer only those in its window at the handoff, kvtransfer.layout);
 3. send the queued layers whose copy has landed, in order.
 """
 
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.scheduler import ScheduledRequest
+from pdserve.kvtransfer.layout import LinkLayout
 from pdserve.prefill.transfers import Transfer, TransferState
 
 if TYPE_CHECKING:
@@ -57,8 +59,11 @@ class StepStream:
         for job in self.jobs:
             if job.transfer.state is not TransferState.STREAMING:  # failed or aborted meanwhile
                 continue
-            kv = self.side.sender.gather(job.next_layer, layer_idx + 1, job.slots)  # [layers, 2, T, H, D]
-            self.side.copies.copy(job.transfer, kv, job.next_layer, job.begin)
+            firsts = job.transfer.first_positions
+            for span in LinkLayout.spans(firsts, job.next_layer, layer_idx + 1, job.begin, job.end):
+                slots = job.slots[span.start - job.begin:]
+                kv = self.side.sender.gather(span.layer_start, span.layer_end, slots)  # [layers, planes, T, ...]
+                self.side.copies.copy(job.transfer, kv, span.layer_start, span.start)
             job.next_layer = layer_idx + 1
             if layer_idx == self.last_layer:  # queued in order: sent before anything else of this transfer
                 job.transfer.sent_upto = job.end
@@ -86,5 +91,5 @@ class StepStream:
             return
         begin = max(start, transfer.sent_upto)
         end = min(start + item.num_new_tokens, request.num_prompt_tokens)
-        if end > begin:
+        if end > max(begin, min(transfer.first_positions)):  # some layer carries some of these tokens
             self.jobs.append(StreamJob(transfer, begin, end, self.side.sender.slots(item.block_ids, begin, end)))

@@ -22,7 +22,7 @@ from pdserve.engine.kv_connector import KVTransferSide
 from pdserve.engine.request import Request
 from pdserve.control.errors import ProtocolError, WireError
 from pdserve.kvtransfer.errors import LayoutMismatchError
-from pdserve.kvtransfer.fingerprint import LayoutFingerprint, check_compatible
+from pdserve.kvtransfer.fingerprint import LayoutFingerprint, check_compatible, for_cache
 from pdserve.control.messages import Abort, Error
 from pdserve.kvtransfer.messages import Hello, HelloAck, KVAck, KVHold, KVWant
 from pdserve.control.sockets import ServerSocket
@@ -51,6 +51,7 @@ class PrefillTransferSide(KVTransferSide):
                               ("--kv-lease", lease_s)):
             if not seconds > 0:
                 raise ValueError(f"{flag} {seconds:g} must be > 0 seconds")
+        self.layout = fingerprint.link_layout()  # which tokens of which layers travel
         self.want_timeout_s = want_timeout_s
         self.hold_timeout_s = hold_timeout_s
         self.lease_s = lease_s
@@ -70,7 +71,11 @@ class PrefillTransferSide(KVTransferSide):
         self._peers: dict[bytes, tuple[str, str]] = {}  # accepted Hello: peer id -> (engine id, incarnation)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.sender.bind_kv_cache(kv_cache)  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        """The cache [num_layers, planes, num_blocks, block_size, *per_token] whose KV goes out; the fingerprint
+        takes its planes and per-token shape from it."""
+        self.fingerprint = for_cache(self.fingerprint, tuple(kv_cache.shape))
+        self.layout = self.fingerprint.link_layout()
+        self.sender.bind_kv_cache(kv_cache)
 
     def bind_scheduler(self, holds_prompt: Callable[[str], bool], waits_for_blocks: Callable[[str], bool]) -> None:
         """What the engine's scheduler knows of a prompt: queued or computing here; queued behind the last
@@ -277,6 +282,7 @@ class PrefillTransferSide(KVTransferSide):
             transfer.move(TransferState.FAILED, problem)
             self._answer_error(transfer.peer_id, "bad_want", problem, request.request_id)
             return False
+        transfer.first_positions = self.layout.first_positions(num_prompt, transfer.skip_tokens)
         transfer.move(TransferState.STREAMING)
         return True
 

@@ -39,7 +39,9 @@ class Transfer:
     peer_id: bytes = b""
     skip_tokens: int = 0
     num_tokens: int = 0
-    sent_upto: int = 0  # every layer of the prompt tokens before this position has been sent
+    sent_upto: int = 0  # every layer's tokens before this position that it carries have been sent
+    # [num_layers]: each layer's first prompt position that travels (kvtransfer.layout), set once the KVWant fits
+    first_positions: tuple[int, ...] = ()
     checksums: list[int] = field(default_factory=list)  # of the KVLayer messages, in send order
     held_by: bytes = b""  # the decode engine (peer id) that has it queued (KVHold): kept up to the hold timeout
     # from the scheduler, once the prompt is computed

@@ -32,6 +32,7 @@ def transfers(draw):
     num_tokens = draw(st.integers(1, len(block_ids) * BLOCK_SIZE - skip_tokens))
     incoming = IncomingTransfer(_Request(), torch.tensor(block_ids, dtype=torch.int64), skip_tokens, num_tokens,
                                 address="tcp://127.0.0.1:1")
+    incoming.first_positions = (skip_tokens,) * NUM_LAYERS  # every layer full: each carries every asked token
     lie = draw(st.sampled_from([None, None, None, "layers", "tokens", "heads", "dtype"]))  # one at most
     layer_start = draw(st.integers(0, NUM_LAYERS - 1))
     layer_end = draw(st.integers(layer_start + 1, NUM_LAYERS + (2 if lie == "layers" else 0)))
