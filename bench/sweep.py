@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pdserve.bench.serve_arrivals import check_arrival_span
-from pdserve.bench.sweep_args import DATASET_FLAGS
+from pdserve.bench.sweep_args import DATASET_FLAGS, resolve_num_prompts
 from pdserve.bench.sweep_cluster import Cluster, ClusterError, ClusterSpec
 from pdserve.bench.sweep_goodput import find_goodput
 from pdserve.bench.sweep_layouts import (
@@ -174,10 +174,11 @@ def _check_loads(args: argparse.Namespace, has_slos: bool) -> None:
     if args.warmup < 0 or args.goodput_steps < 0 or not args.goodput_start_rate > 0:
         raise ValueError(f"--warmup {args.warmup}, --goodput-steps {args.goodput_steps}, --goodput-start-rate "
                          f"{args.goodput_start_rate:g}: give counts >= 0 and a start rate > 0")
-    if args.num_prompts < 1:
+    resolve_num_prompts(args)
+    if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError(f"--num-prompts {args.num_prompts}: give 1 or more")
-    for rate in args.request_rates or []:
-        check_arrival_span(args.num_prompts, rate)  # bench would refuse each run, after its layout had started
+    for rate in args.request_rates or []:  # a phased or trace run (no count) takes no finite rate
+        check_arrival_span(args.num_prompts or 1, rate)  # bench would refuse each run, after its layout had started
     if args.find_goodput and not has_slos:
         raise ValueError("--find-goodput needs SLOs: add --goodput ttft:MS tpot:MS, or --slo-factors ttft:4 tpot:1.5")
     if args.devices and not args.device.startswith("cuda"):

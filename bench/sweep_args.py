@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from pdserve.cli_help import seed_arg
 
 # flags passed through to `pdserve bench` as they are, when given
 DATASET_FLAGS = ("--dataset", "--dataset-path", "--input-len", "--output-len", "--range-ratio", "--endpoint",
-                 "--burstiness")
+                 "--burstiness", "--phases", "--phase-cycles")
+DEFAULT_NUM_PROMPTS = 50
+SCHEDULED_DATASETS = ("phased", "trace")  # bench's datasets that bring their own arrival times
 
 
 def add_sweep_args(parser: argparse.ArgumentParser) -> None:
@@ -24,10 +27,16 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrencies", nargs="+", type=int, default=None, metavar="C",
                         help="caps on requests in flight (with --request-rates: every pair is run; default: no cap)")
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the built-in demo model)")
-    parser.add_argument("--num-prompts", type=int, default=50, help="requests per run")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help=f"requests per run (default {DEFAULT_NUM_PROMPTS}; phased, trace: the whole schedule)")
     parser.add_argument("--dataset", default=None,
-                        help="bench's dataset: random, sharegpt, prefix or jsonl (default: bench's, random)")
-    parser.add_argument("--dataset-path", default=None, help="bench's --dataset-path (sharegpt, jsonl; default: none)")
+                        help="bench's dataset: random, sharegpt, prefix, jsonl, phased or trace (default: bench's, "
+                             "random)")
+    parser.add_argument("--dataset-path", default=None,
+                        help="bench's --dataset-path (sharegpt, jsonl, trace; default: none)")
+    parser.add_argument("--phases", default=None, metavar="IN:OUT:RATE:SECONDS[:RATIO],...",
+                        help="bench's --phases, with --dataset phased: a workload that shifts (default: none)")
+    parser.add_argument("--phase-cycles", type=int, default=None, help="bench's --phase-cycles (default: bench's, 1)")
     parser.add_argument("--input-len", type=int, default=None,
                         help="bench's --input-len: prompt tokens (default: bench's)")
     parser.add_argument("--output-len", type=int, default=None,
@@ -85,3 +94,14 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds one bench run may take (default: no limit)")
     parser.add_argument("--metrics-interval", type=float, default=1.0, help="seconds between /metrics samples")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
+
+
+def resolve_num_prompts(args: argparse.Namespace) -> None:
+    """--num-prompts defaults to 50 requests per run; a phased or trace dataset sends its whole schedule at its own
+    arrival times, so its runs take no request rate (inf: no more than its own) and no goodput search."""
+    if args.dataset not in SCHEDULED_DATASETS:
+        args.num_prompts = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
+        return
+    if any(math.isfinite(rate) for rate in args.request_rates or []) or args.find_goodput:
+        raise ValueError(f"--dataset {args.dataset} brings its own arrival times: load it with --request-rates inf "
+                         "or --max-concurrencies C, without a rate or --find-goodput")

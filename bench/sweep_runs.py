@@ -27,7 +27,7 @@ WARMUP_TIMEOUT_S = 120.0
 class BenchOptions:
     """What every run of a sweep passes to `pdserve bench`, whatever the server and load."""
     model: str
-    num_prompts: int
+    num_prompts: int | None  # None: the whole schedule of a phased or trace dataset
     seed: int = 0  # a run's prompts come from seed + its index among the server's runs
     dataset_args: list[str] = field(default_factory=list)  # --dataset ..., --input-len ..., --seed ..., as given
     goodput: list[str] = field(default_factory=list)  # ["ttft:500", "tpot:50"]
@@ -51,8 +51,9 @@ def run_name(info: RunInfo) -> str:
 
 
 def bench_command(options: BenchOptions, url: str, info: RunInfo, result_path: Path, run_index: int = 0) -> list[str]:
-    command = [*BENCH_COMMAND, "--base-url", url, "--model", options.model,
-               "--num-prompts", str(options.num_prompts), "--request-rate", format_rate(info.request_rate),
+    count = ["--num-prompts", str(options.num_prompts)] if options.num_prompts is not None else []
+    command = [*BENCH_COMMAND, "--base-url", url, "--model", options.model, *count,
+               "--request-rate", format_rate(info.request_rate),
                "--seed", str(options.seed + run_index), *options.dataset_args, "--save-result", str(result_path)]
     if info.max_concurrency is not None:
         command += ["--max-concurrency", str(info.max_concurrency)]
