@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pdserve.bench.serve_arrivals import check_arrival_span
 from pdserve.bench.sweep_args import DATASET_FLAGS, resolve_num_prompts
-from pdserve.bench.sweep_cluster import Cluster, ClusterError, ClusterSpec
+from pdserve.bench.sweep_cluster import Cluster, ClusterError, ClusterSpec, engines_dtype
 from pdserve.bench.sweep_goodput import find_goodput
 from pdserve.bench.sweep_layouts import (
     ExternalServer,
@@ -112,7 +112,7 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
     up_args = _passed_through(args.up_args, "--up-args", SET_FOR_UP)
     bench_args = _passed_through(args.bench_args, "--bench-args", SET_FOR_BENCH)
     cluster = ClusterSpec(model, args.device, args.pin_cpus, args.cores_per_engine, devices, up_args, args.api_key,
-                          args.startup_timeout)
+                          args.startup_timeout, engines_dtype(model, up_args, args.device) if layouts else None)
     dataset_args = [item for flag in DATASET_FLAGS if getattr(args, _dest(flag)) is not None
                     for item in (flag, str(getattr(args, _dest(flag))))]
     bench = BenchOptions(model, args.num_prompts, args.seed, dataset_args, list(args.goodput or []), args.ignore_eos,
@@ -238,7 +238,7 @@ class Sweep:
         external server."""
         for layout in self.plan.layouts:
             info = RunInfo(layout.name, layout.num_engines, "sweep", math.nan, None, layout.num_prefill,
-                           layout.num_decode)
+                           layout.num_decode, self.plan.cluster.dtype)
             try:
                 with Cluster(self.plan.cluster, layout, self.plan.output_dir / "logs" / layout.name) as cluster:
                     work(cluster.url, info, cluster.client_cores)
@@ -451,7 +451,7 @@ def report(sweep: Sweep) -> None:
     plots = write_plots(loaded, sweep.goodputs, plan.output_dir, context)
     commands = [command for command in [sweep_command()] if command] + sweep.commands_run()
     write_report(plan.output_dir / "report.html", comparison, workload, describe_slos(plan.slos),
-                 machine_facts(plan.cluster.device), commands, plots)
+                 machine_facts(plan.cluster.device, plan.cluster.dtype), commands, plots)
 
 
 def _interrupt(*_: object) -> None:

@@ -34,6 +34,31 @@ class ClusterSpec:
     up_args: list[str] = field(default_factory=list)  # more `pdserve up` flags, as given
     api_key: str | None = None
     startup_timeout_s: float = 300.0
+    dtype: str | None = None  # what the engines compute in, resolved (engines_dtype); None: not known
+
+
+def engines_dtype(model: str, up_args: list[str], device: str) -> str | None:
+    """The dtype a layout's engines compute in: up's --dtype (auto unless --up-args gives one) resolved for this
+    model on this machine as the engines resolve it; None where the model directory has no config.json."""
+    import json
+
+    import torch
+
+    from pdserve.cli_help import dtype_arg
+    from pdserve.engine.config import choose_dtype
+
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    wanted = "auto"
+    for index, word in enumerate(up_args):
+        if word == "--dtype" and index + 1 < len(up_args):
+            wanted = up_args[index + 1]
+        elif word.startswith("--dtype="):
+            wanted = word.split("=", 1)[1]
+    hf = json.loads(config.read_text())
+    dtype, _ = choose_dtype(dtype_arg(wanted), hf.get("torch_dtype") or hf.get("dtype"), torch.device(device))
+    return str(dtype).removeprefix("torch.")
 
 
 def up_command(spec: ClusterSpec, layout: Layout, log_dir: Path) -> list[str]:

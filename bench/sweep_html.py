@@ -22,9 +22,15 @@ pre { background: #f6f6f6; padding: 0.6rem; overflow-x: auto; white-space: pre-w
 .answer { font-size: 1.15rem; }"""
 
 
-def machine_facts(device: str) -> dict[str, str]:
-    """What ran the sweep: CPU model and cores, OS, Python, pdserve and torch versions, the device."""
-    facts = {"device": device, "CPU": _cpu_model(), "cores": str(os.cpu_count()), "OS": platform.platform(),
+def machine_facts(device: str, dtype: str | None = None) -> dict[str, str]:
+    """What ran the sweep: CPU model and cores, native bf16 and AMX (or the GPU), the engines' dtype, OS, Python,
+    pdserve and torch versions, the device."""
+    from pdserve.engine.config import device_capability
+
+    capability = device_capability("cpu")
+    facts = {"device": device, "CPU": capability["name"], "cores": str(os.cpu_count()),
+             "native bf16 / AMX": f"{_yes_no(capability['native_bf16'])} / {_yes_no(capability['amx'])}",
+             **({"engines' dtype": dtype} if dtype else {}), "OS": platform.platform(),
              "Python": platform.python_version()}
     for package in ("pdserve", "torch"):
         try:
@@ -34,14 +40,8 @@ def machine_facts(device: str) -> dict[str, str]:
     return facts
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+def _yes_no(value: bool | None) -> str:
+    return "unknown" if value is None else ("yes" if value else "no")
 
 
 def write_report(path: Path, comparison: Comparison, workload: str, slos_text: str, machine: dict[str, str],

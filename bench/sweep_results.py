@@ -78,6 +78,7 @@ class RunInfo:
     max_concurrency: int | None
     num_prefill: int | None = None  # None for an external server
     num_decode: int | None = None
+    dtype: str | None = None  # what pdserve's engines computed in; None for an external server
 
 
 def summary_row(info: RunInfo, result: dict | None, metrics: dict, slos: dict[str, float], result_file: str,

@@ -93,6 +93,7 @@ def run_bench(options: BenchOptions, url: str, info: RunInfo, runs_dir: Path, sl
         result["sweep"] = {"config": info.config, "phase": info.phase, "request_rate": format_rate(info.request_rate),
                            "max_concurrency": info.max_concurrency, "num_engines": info.num_engines,
                            "num_prefill": info.num_prefill, "num_decode": info.num_decode,
+                           **({} if info.dtype is None else {"dtype": info.dtype}),
                            **({} if order is None else {"order": order})}
         result["server_metrics"] = figures
         result_path.write_text(json.dumps(result, indent=2))

@@ -33,14 +33,44 @@ def check_device(device: str | torch.device) -> torch.device:
                       f"CUDA_VISIBLE_DEVICES): use --device cpu, or run where a GPU is visible")
 
 
+def _cpu_capability() -> dict:
+    """torch's own probe of this CPU's instruction sets ({} where torch cannot tell)."""
+    try:
+        return torch._C._cpu._get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return {}
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX-BF16), as torch's own probe reports it;
     False where torch cannot tell."""
-    try:
-        capability = torch._C._cpu._get_cpu_capability()
-    except (AttributeError, RuntimeError):
-        return False
+    capability = _cpu_capability()
     return bool(capability.get("avx512_bf16") or capability.get("amx_bf16"))
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name (/proc/cpuinfo's "model name", else the platform's), "unknown" where neither says."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def device_capability(device: str | torch.device = "cpu") -> dict:
+    """What computes on `device`, as profiles and sweeps record it: {"device", "name", "native_bf16", "amx"}
+    (the CPU's model and instruction sets, or the GPU's name; amx None on a GPU)."""
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        return {"device": str(resolved), "name": torch.cuda.get_device_name(resolved),
+                "native_bf16": torch.cuda.is_bf16_supported(), "amx": None}
+    capability = _cpu_capability()
+    return {"device": resolved.type, "name": cpu_model_name(), "native_bf16": cpu_has_native_bf16(),
+            "amx": bool(capability.get("amx_bf16") or capability.get("amx_tile"))}
 
 
 def choose_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None,

@@ -14,8 +14,9 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--out", default="profile.json", help="where to write the profile JSON")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="the engine's dtype, as `pdserve up` takes it; auto: float32 on CPU, the checkpoint's "
-                             "dtype on a GPU")
+                        help="the engine's dtype, as `pdserve up` takes it; auto: bfloat16 on a CPU with native bf16 "
+                             "(avx512_bf16 or AMX), float32 on other CPUs, the checkpoint's dtype on a GPU; the "
+                             "profile records what it resolved to (default: auto)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the engine's step token budget")
     parser.add_argument("--core", type=int, default=None,
                         help="CPU core to pin the engine to (default: the first this process may use)")

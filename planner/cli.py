@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pdserve.planner.profile.fit import Profile, load_profile, model_identity
+from pdserve.planner.profile.report import compute_line
 from pdserve.planner.model.host_cpu import NO_HOST_CPU, HostCpu, plan_host_cpu
 from pdserve.planner.model.host_effects import HostEffects, host_effects
 from pdserve.planner.search.recommend import PlanSettings, plan_splits, recommend, run_split, smallest_engines
@@ -115,7 +116,7 @@ def run_plan(args: argparse.Namespace) -> int:
     check_output_dir(args.output_dir)  # before the simulations (a 100,000-request plan runs for a minute)
     profile = load_profile(args.profile)
     if args.model:
-        profile.check_model(model_identity(args.model), args.model)
+        profile.check_model(model_identity(args.model, profile.model.dtype), args.model)
     if args.validate:
         from pdserve.planner.validate.replay import run_validate
 
@@ -155,7 +156,8 @@ def run_plan(args: argparse.Namespace) -> int:
     smallest = smallest_engines(settings, args.target_rate, args.engines) if args.target_rate else None
     elapsed, cpu = time.perf_counter() - started, cpu_seconds() - started_cpu
     print(format_table(rows))
-    print("\n" + recommendation(best, args) + f"; {len(rows)} splits of {len(settings.workload)} requests "
+    print(f"\n{compute_line(profile)}")
+    print(recommendation(best, args) + f"; {len(rows)} splits of {len(settings.workload)} requests "
           f"simulated in {elapsed:.1f} s ({cpu:.1f} s of CPU)")
     if host is not NO_HOST_CPU:
         print(f"{host.describe()}: charged to the engines' steps while none is idle (one core per engine), in the "
@@ -176,7 +178,7 @@ def up_command(best: dict, args: argparse.Namespace, profile: Profile) -> str:
     device = str(profile.machine.get("device", "cpu")).split(":")[0]
     words = ["pdserve", "up"] + (["--model", args.model] if args.model else [])
     words += ["--num-prefill", str(best["num_prefill"]), "--num-decode", str(best["num_decode"])]
-    words += ([] if device == "cpu" else ["--device", device]) + ["--dtype", profile.engine.dtype]
+    words += ([] if device == "cpu" else ["--device", device]) + (["--dtype", profile.engine.dtype] if profile.engine.dtype else [])
     if profile.engine.max_num_batched_tokens != 2048:
         words += ["--max-num-batched-tokens", str(profile.engine.max_num_batched_tokens)]
     for flag, value, default in (("--prefill-policy", args.prefill_policy, "prefix_aware"),

@@ -42,8 +42,8 @@ def other_core(core: int, allowed: set[int]) -> int | None:
 
 
 def measure_decode_corun(session: tuple, model: str, core: int, max_num_batched_tokens: int, prompt_len: int,
-                         shapes: list[tuple[int, int]], repeats: int, kinds: tuple[str, ...] = (PREFILL, DECODE)
-                         ) -> dict[str, dict]:
+                         shapes: list[tuple[int, int]], repeats: int, kinds: tuple[str, ...] = (PREFILL, DECODE),
+                         dtype: str = "float32") -> dict[str, dict]:
     """The served engine's decode steps per shape, alone and beside each kind of neighbour on `core` (PREFILL: prompts
     computed there; DECODE: decode steps run there), per kind: each side's median CPU and wall seconds per step,
     the median of the rounds' paired ratios, the batch and the context tokens it attends, and the factor (the mean of
@@ -57,7 +57,7 @@ def measure_decode_corun(session: tuple, model: str, core: int, max_num_batched_
     keys = [f"{batch}x{prompt}" for batch, prompt in shapes]
     sides: dict[str | None, dict[str, list]] = {side: {key: [] for key in keys} for side in (None, *kinds)}
     with contextlib.ExitStack() as stack:
-        loops = {kind: stack.enter_context(busy_loop(kind, model, core, max_num_batched_tokens, prompt_len))
+        loops = {kind: stack.enter_context(busy_loop(kind, model, core, max_num_batched_tokens, prompt_len, dtype))
                  for kind in kinds}
         for loop in loops.values():
             loop.wait_ready()
@@ -138,11 +138,12 @@ class BusyLoop:
 
 
 @contextlib.contextmanager
-def busy_loop(kind: str, model: str, core: int, max_num_batched_tokens: int, prompt_len: int) -> Iterator[BusyLoop]:
+def busy_loop(kind: str, model: str, core: int, max_num_batched_tokens: int, prompt_len: int,
+              dtype: str = "float32") -> Iterator[BusyLoop]:
     ctx = mp.get_context("spawn")
     go, busy, ready, stop = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
-    process = ctx.Process(target=_work, args=(kind, model, core, max_num_batched_tokens, prompt_len, go, busy, ready,
-                                              stop),
+    process = ctx.Process(target=_work, args=(kind, model, core, max_num_batched_tokens, prompt_len, dtype, go, busy,
+                                              ready, stop),
                           name=f"corun-{kind}", daemon=True)
     process.start()
     try:
@@ -156,15 +157,15 @@ def busy_loop(kind: str, model: str, core: int, max_num_batched_tokens: int, pro
             process.join()
 
 
-def _work(kind: str, model: str, core: int, max_num_batched_tokens: int, prompt_len: int, go, busy, ready,
-          stop) -> None:
+def _work(kind: str, model: str, core: int, max_num_batched_tokens: int, prompt_len: int, dtype: str, go, busy,
+          ready, stop) -> None:
     """In the other process, pinned to `core` with one thread, while `go` is set: PREFILL, fresh prompts of
     prompt_len one after another; DECODE, steps of a batch of DECODE_LOOP_BATCH requests, each one replaced by a
     fresh one when it finishes (its prompt takes a step of its own). `busy` says whether it works."""
     from pdserve.planner.profile.measure import EngineProbe, one_core
 
     with one_core(core):
-        probe = EngineProbe(model, "cpu", max_num_batched_tokens)
+        probe = EngineProbe(model, "cpu", max_num_batched_tokens, dtype)
         prompt_len = min(prompt_len, probe.llm.model_config.max_model_len - 1)
         probe.prefill_points(16, 1)  # warm-up
         ready.set()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -21,6 +22,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pdserve.planner.profile.corun_fit import CoRun, corun_terms
+
+logger = logging.getLogger(__name__)
 
 PROFILE_VERSION = 1
 
@@ -122,7 +125,19 @@ class EngineSettings(BaseModel):
     # the sum of the contexts plus the groups' padding. None (profiles before this field): grouped where the
     # backend did not pad to the longest on a CPU, as the CPU backend has since it stopped padding.
     decode_groups_by_length: bool | None = None
-    dtype: str = "float32"  # the engine's weights and KV (profiles before this field: all float32 on CPU)
+    # The dtype the engine computed in and kept its KV in, resolved (never "auto"). None: a profile from before
+    # pdserve recorded it, whose dtype is unknown.
+    dtype: str | None = None
+
+
+class DeviceCapability(BaseModel):
+    """What the profiled engine computed on (engine.config.device_capability): the CPU's model and whether it has
+    native bf16 and AMX, or the GPU's name."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    device: str
+    name: str
+    native_bf16: bool | None = None
+    amx: bool | None = None
 
 
 class Profile(BaseModel):
@@ -140,6 +155,7 @@ class Profile(BaseModel):
     clock: str = "wall"  # the fits' time: "wall", or "cpu" (a shared machine: what a core of its own would take)
     transfer_sender_cpu_per_byte: float
     transfer_receiver_cpu_per_byte: float
+    capability: DeviceCapability | None = None  # None: a profile from before pdserve recorded it
 
     @property
     def decode_corun(self) -> CoRun:
@@ -176,6 +192,15 @@ class Profile(BaseModel):
             return getattr(self, f"transfer_{side}_cpu_per_byte")
         return cpu_per_byte(self.transfer_points, f"{side}_thread")
 
+    def check_dtype(self, dtype: str | None, where: str) -> None:
+        """A ProfileError where the profile's compute dtype and `where`'s are both known and differ (None: unknown)."""
+        mine = self.engine.dtype
+        if mine is None or dtype is None or mine == dtype:
+            return
+        raise ProfileError(f"the profile's engine computed in {mine} but {where} computed in {dtype}: steps timed in "
+                           f"one dtype do not predict the other; profile in {dtype} (`pdserve profile --dtype "
+                           f"{dtype}`), or sweep in {mine} (`pdserve sweep --up-args '--dtype {mine}'`)")
+
     def check_model(self, identity: ModelIdentity, where: str) -> None:
         differences = self.model.differences(identity)
         if differences:
@@ -202,6 +227,11 @@ def load_profile(path: str | Path) -> Profile:
     if problem:
         raise ProfileError(f"{path}: {problem}: a measured profile never has one (was it edited?); profile the "
                            "engine again with `pdserve profile`")
+    if profile.engine.dtype is None or profile.capability is None:
+        missing = " and ".join(what for what, value in (("compute dtype", profile.engine.dtype),
+                                                        ("device capability", profile.capability)) if value is None)
+        logger.warning("%s records no %s (a profile from before pdserve recorded it): taken as unknown, so "
+                       "`plan --validate` cannot check it against a sweep's; profile again to record it", path, missing)
     return profile
 
 
@@ -288,7 +318,8 @@ def cpu_per_byte(points: list[TransferPoint], side: str) -> float:
 
 
 def build_profile(model: ModelIdentity, machine: dict, engine: EngineSettings, prefill: list[PrefillPoint],
-                  decode: list[DecodePoint], transfer: list[TransferPoint], clock: str = "wall") -> Profile:
+                  decode: list[DecodePoint], transfer: list[TransferPoint], clock: str = "wall",
+                  capability: DeviceCapability | None = None) -> Profile:
     if clock not in CLOCKS:
         raise ProfileError(f"clock {clock!r} is unknown: use one of {', '.join(CLOCKS)}")
     return Profile(model=model, machine=machine, engine=engine, prefill_points=prefill, decode_points=decode,
@@ -296,4 +327,4 @@ def build_profile(model: ModelIdentity, machine: dict, engine: EngineSettings, p
                    decode_fit=fit_decode(decode, clock, engine.decode_pads_to_longest),
                    transfer_fit=fit_transfer(transfer, clock), clock=clock,
                    transfer_sender_cpu_per_byte=cpu_per_byte(transfer, "sender"),
-                   transfer_receiver_cpu_per_byte=cpu_per_byte(transfer, "receiver"))
+                   transfer_receiver_cpu_per_byte=cpu_per_byte(transfer, "receiver"), capability=capability)

@@ -23,8 +23,8 @@ import numpy as np
 
 from pdserve.planner.profile.fit import (
     DecodePoint,
+    DeviceCapability,
     EngineSettings,
-    ModelIdentity,
     PrefillPoint,
     Profile,
     TransferPoint,
@@ -241,7 +241,7 @@ def measure_served(args, model: str, core: int, machine: dict, max_len: int, pha
     with contextlib.ExitStack() as stack:
         first = f"timing {len(shapes)} decode shapes" if served else f"timing {reference}"
         with phases.step(f"starting a served engine process, {first} through it"):
-            session = stack.enter_context(served_engine(model, core, args.max_num_batched_tokens))
+            session = stack.enter_context(served_engine(model, core, args.max_num_batched_tokens, args.dtype))
             if served:
                 with timed_phase(machine, "served_decode"):
                     decode = served_decode_passes(session, shapes, args.repeats)
@@ -282,7 +282,8 @@ def measure_corun(args, model: str, core: int, session: tuple, prompt_len: int, 
         return {"factor": 1.0, "skipped": "one core: no second core to compute prompts on"}
     shapes, repeats = (QUICK_CORUN_SHAPES, 1) if args.quick else (CORUN_SHAPES, CORUN_REPEATS)
     shapes = fitting_shapes(shapes, max_len)
-    measured = measure_decode_corun(session, model, second, max_num_batched_tokens, prompt_len, shapes, repeats)
+    measured = measure_decode_corun(session, model, second, max_num_batched_tokens, prompt_len, shapes, repeats,
+                                    dtype=args.dtype)
     return {**measured[PREFILL], "beside_decode": measured[DECODE]}
 
 
@@ -316,9 +317,9 @@ def timed_phase(machine: dict, name: str):
 def machine_info(device: str, core: int | None) -> dict:
     import torch
 
-    cpu_name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    info = {"cpu": cpu_name, "cores": os.cpu_count(), "pinned_core": core, "torch": torch.__version__,
+    from pdserve.engine.config import cpu_model_name
+
+    info = {"cpu": cpu_model_name(), "cores": os.cpu_count(), "pinned_core": core, "torch": torch.__version__,
             "python": platform.python_version(), "device": device, "load_average": list(os.getloadavg()),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
     if device.startswith("cuda"):
@@ -328,21 +329,18 @@ def machine_info(device: str, core: int | None) -> dict:
 
 def run_profile(args: argparse.Namespace) -> int:
     from pdserve.demo_model import default_demo_model
+    from pdserve.engine.config import check_device, device_capability
 
     if args.refit:
         return refit(args)
     served_decode(args)  # refuses --served-decode on a GPU before anything is measured
-    if args.device == "cpu" and args.dtype not in ("auto", "float32"):
-        raise ValueError(f"--dtype {args.dtype} on CPU: the served engine and the co-run step of a CPU profile run "
-                         "float32, as `pdserve up` does on CPU by default; drop --dtype, or profile a GPU with it")
     if args.device != "cpu":
-        from pdserve.engine.config import check_device
-
         check_device(args.device)  # a clear error, not torch's, where there is no GPU
     model = args.model or str(default_demo_model())
-    identity = model_identity(model)
     if args.add_corun_to:
-        return add_corun(args, model, identity)
+        return add_corun(args, model)
+    args.dtype = resolve_dtype(model, args.dtype, args.device)  # once: every engine of the profile computes in it
+    identity = model_identity(model, args.dtype)
     started = time.perf_counter()
     phases = Phases(phase_count(args))
     try:
@@ -350,12 +348,24 @@ def run_profile(args: argparse.Namespace) -> int:
     finally:
         phases.close()
     clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
-    profile = note_reference(build_profile(identity, machine, settings, prefill, decode, transfer, clock))
+    profile = note_reference(build_profile(identity, machine, settings, prefill, decode, transfer, clock,
+                                           DeviceCapability(**device_capability(args.device))))
     Path(args.out).write_text(profile.model_dump_json(indent=1))
     print_profile(profile, f"profiled {profile.model.architecture} ({profile.model.num_layers} layers, hidden "
                   f"{profile.model.hidden_size}) on {device_name(profile.machine)} in "
                   f"{time.perf_counter() - started:.0f} s -> {args.out}", args.verbose)
     return 0
+
+
+def resolve_dtype(model: str, dtype: str, device: str) -> str:
+    """The dtype `--dtype` (auto, or a name) resolves to for this model on this device, as `pdserve up`'s engines
+    resolve it; printed with the reason."""
+    from pdserve.engine.config import ModelConfig
+
+    config = ModelConfig.from_hf(model, dtype=dtype, device=device)
+    resolved = str(config.dtype).removeprefix("torch.")
+    print(f"[pdserve profile] computing in {resolved} ({config.dtype_reason})", flush=True)
+    return resolved
 
 
 def measure_all(args, model: str, phases: Phases) -> tuple:
@@ -404,13 +414,13 @@ def refit(args: argparse.Namespace) -> int:
     refuse_overwrite(args.out, args.refit, "--refit", "the new one")
     old = load_profile(args.refit)
     profile = note_reference(build_profile(old.model, old.machine, old.engine, old.prefill_points, old.decode_points,
-                                           old.transfer_points, args.clock or old.clock))
+                                           old.transfer_points, args.clock or old.clock, old.capability))
     Path(args.out).write_text(profile.model_dump_json(indent=1))
     print_profile(profile, f"refitted the points of {args.refit} -> {args.out}", args.verbose)
     return 0
 
 
-def add_corun(args: argparse.Namespace, model: str, identity: ModelIdentity) -> int:
+def add_corun(args: argparse.Namespace, model: str) -> int:
     """--add-corun-to P.json: only the co-run step, written into a copy of P (at --out)."""
     from pdserve.planner.profile.served import REFERENCE_PROMPT_LEN, served_engine
     from pdserve.engine.config import ModelConfig
@@ -420,13 +430,14 @@ def add_corun(args: argparse.Namespace, model: str, identity: ModelIdentity) -> 
                          "a GPU profile keeps factor 1.0")
     refuse_overwrite(args.out, args.add_corun_to, "--add-corun-to", "the copy")
     profile = load_profile(args.add_corun_to)
-    profile.check_model(identity, model)
+    args.dtype = profile.engine.dtype or "float32"  # the co-run engines compute as the profiled one did
+    profile.check_model(model_identity(model, profile.model.dtype), model)
     started = time.perf_counter()
     core = args.core if args.core is not None else min(os.sched_getaffinity(0))
     prompt_len = (profile.machine.get("reference") or {}).get("prompt_len", REFERENCE_PROMPT_LEN)
     budget = profile.engine.max_num_batched_tokens  # the profiled engine's, not the flag's default
     max_len = ModelConfig.from_hf(model).max_model_len
-    with served_engine(model, core, budget) as session:
+    with served_engine(model, core, budget, args.dtype) as session:
         corun = measure_corun(args, model, core, session, prompt_len, budget, max_len)
     machine = {**profile.machine, "decode_corun": {**corun, "pinned_core": core}}
     profile = profile.model_copy(update={"machine": machine})

@@ -26,8 +26,25 @@ def summary_lines(profile: Profile) -> list[str]:
             f"  ({clock}; the fits, R² and co-run factors are in the JSON, and printed with --verbose)"]
 
 
+def compute_line(profile: Profile) -> str:
+    """What the profiled engine computed on and in: 'cpu (AMD EPYC; native bf16 yes, AMX no), bfloat16'."""
+    cap = profile.capability
+    device = str(profile.machine.get("device", "cpu"))
+    if cap is None:
+        where = f"{device} ({profile.machine.get('gpu') or profile.machine.get('cpu') or 'unrecorded'})"
+    elif cap.device == "cpu":
+        flags = ", ".join(f"{name} {'unknown' if value is None else ('yes' if value else 'no')}"
+                          for name, value in (("native bf16", cap.native_bf16), ("AMX", cap.amx)))
+        where = f"cpu ({cap.name}; {flags})"
+    else:
+        where = f"{cap.device} ({cap.name})"
+    dtype = profile.engine.dtype or "an unrecorded dtype (a profile from before pdserve recorded it)"
+    return f"the profile's engine: {where}, computing in {dtype}"
+
+
 def print_profile(profile: Profile, headline: str, verbose: bool = False) -> None:
     print(headline)
+    print(f"  {compute_line(profile)}")
     for line in summary_lines(profile):
         print(line)
     if verbose:

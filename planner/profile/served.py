@@ -35,8 +35,9 @@ REFERENCE_REPEATS = 3
 
 
 @contextlib.contextmanager
-def served_engine(model: str, core: int, max_num_batched_tokens: int) -> Iterator[tuple]:
-    """(driver, pid, prompts) of a `pdserve decode` process pinned to `core` with OMP_NUM_THREADS=1."""
+def served_engine(model: str, core: int, max_num_batched_tokens: int, dtype: str = "float32") -> Iterator[tuple]:
+    """(driver, pid, prompts) of a `pdserve decode` process pinned to `core` with OMP_NUM_THREADS=1, computing in
+    `dtype`."""
     from pdserve.control.keys import load_cluster_keys, write_cluster_keys
     from pdserve.local_cluster import Driver, EngineProcess
 
@@ -45,7 +46,7 @@ def served_engine(model: str, core: int, max_num_batched_tokens: int) -> Iterato
     allowed = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {core})  # the engine process inherits the one core
     try:
-        engine = EngineProcess("decode", model, "--max-num-batched-tokens", str(max_num_batched_tokens),
+        engine = EngineProcess("decode", model, "--max-num-batched-tokens", str(max_num_batched_tokens), "--dtype", dtype,
                                "--curve-dir", str(work / "keys"), env={"OMP_NUM_THREADS": "1"}, log_dir=work)
     finally:
         os.sched_setaffinity(0, allowed)

@@ -21,6 +21,7 @@ from pdserve.planner.model.host_effects import HostEffects, host_effects
 from pdserve.planner.model.metrics import predicted_metrics
 from pdserve.planner.model.workload import Workload
 from pdserve.planner.profile.fit import Profile
+from pdserve.planner.profile.report import compute_line
 from pdserve.planner.search.recommend import PlanSettings, simulate_split
 from pdserve.planner.validate import diagnose
 from pdserve.planner.validate.runs import (FIRST_ITL, check_run_model, load_runs, measured_metrics, of_config,
@@ -161,7 +162,7 @@ def run_validate(args: argparse.Namespace, profile: Profile) -> int:
         summary.update(diagnose.summarize(rows, unloaded))
         columns += P90_COLUMNS + diagnose.COLUMNS + (diagnose.REFERENCE_COLUMNS if references else ())
     print(format_table(rows, columns))
-    print("\n".join(["", *LEGEND]))
+    print("\n".join(["", compute_line(profile), *LEGEND]))
     print_summary(summary, hosts)
     if args.diagnose:
         diagnose.print_diagnostics(summary, args.per_point_speed)

@@ -62,9 +62,13 @@ def of_config(runs: list[dict], config: str) -> list[dict]:
 
 
 def check_run_model(profile: Profile, run: dict) -> None:
+    """The sweep's model is the profile's (where the run names a directory here), and its engines computed in the
+    profile's dtype (where both are known: a sweep before pdserve recorded it, or such a profile, is not checked)."""
     model_dir = Path(run.get("model_id") or "")
     if (model_dir / "config.json").is_file():
-        profile.check_model(model_identity(model_dir), f"the sweep's model {model_dir}")
+        profile.check_model(model_identity(model_dir, profile.model.dtype), f"the sweep's model {model_dir}")
+    sweep = run.get("sweep") or {}
+    profile.check_dtype(sweep.get("dtype"), f"the sweep's {sweep.get('config', '?')} engines")
 
 
 def completed(run: dict) -> list[int]:

@@ -93,6 +93,7 @@ def test_sweep_two_layouts_two_rates(model_factory, tmp_path, capsys):
         assert result["input_lens"] == [INPUT_LEN] * NUM_PROMPTS
         assert len(result["itls"]) == len(result["ttfts"]) == NUM_PROMPTS
         assert result["server_metrics"]["kv_transfers"] == row["kv_transfers"]
+        assert result["sweep"]["dtype"] == "float32"  # what the engines computed in (--up-args' --dtype)
 
     # each layout was warmed with one request per engine shaped like its runs, outside every run's metrics
     # window (the kv_transfers counts above): the 1P1D layout's two sent prompts would show in its first run

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -397,6 +398,33 @@ def test_the_plan_is_checked_before_anything_starts(argv, says):
         build_plan(sweep_args(*argv))
 
 
+@pytest.mark.parametrize("up_args, native_bf16, expected", [
+    ([], True, "bfloat16"), ([], False, "float32"), (["--dtype", "float16"], True, "float16"),
+    (["--dtype=half"], False, "float16"), (["--dtype", "float32"], True, "float32")])
+def test_the_sweep_records_the_dtype_its_engines_resolve(model_factory, monkeypatch, up_args, native_bf16, expected):
+    """On CPU, auto follows the CPU's native bf16 as the engines' own resolution does; --up-args' --dtype wins."""
+    from pdserve.bench.sweep_cluster import engines_dtype
+    from pdserve.engine import config
+
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: native_bf16)
+    assert engines_dtype(model_factory(), up_args, "cpu") == expected
+
+
+def test_a_sweep_run_records_its_engines_dtype_and_an_external_server_none(tmp_path, monkeypatch):
+    from pdserve.bench import sweep_runs
+
+    def bench_saving_an_empty_result(command: list[str], timeout_s, cores) -> str:
+        Path(command[command.index("--save-result") + 1]).write_text("{}")
+        return ""
+
+    monkeypatch.setattr(sweep_runs, "_run", bench_saving_an_empty_result)
+    options = sweep_runs.BenchOptions(model="m", num_prompts=1, metrics_interval_s=60.0)
+    for info, expected in ((RunInfo("1P1D", 2, "sweep", 1.0, None, 1, 1, "bfloat16"), {"dtype": "bfloat16"}),
+                           (RunInfo("vllm", 1, "sweep", 1.0, None), {})):
+        _, result = sweep_runs.run_bench(options, "http://127.0.0.1:9", info, tmp_path, {})
+        assert {k: v for k, v in result["sweep"].items() if k == "dtype"} == expected
+
+
 def test_loads_and_bench_command(tmp_path):
     from pdserve.bench.sweep import build_plan
     from pdserve.bench.sweep_runs import bench_command, run_name
@@ -498,7 +526,6 @@ def test_reference_runs_take_their_own_output_length():
 
 def test_raw_runs_go_outside_the_repository_unless_a_folder_is_named(tmp_path):
     import tempfile
-    from pathlib import Path
 
     from pdserve.bench.sweep import build_plan
 

@@ -6,6 +6,7 @@ import json
 
 from pdserve.planner.profile.fit import (
     DecodePoint,
+    DeviceCapability,
     EngineSettings,
     ModelIdentity,
     PrefillPoint,
@@ -43,12 +44,14 @@ def synthetic_profile(identity: ModelIdentity, noise: float = 0.0) -> Profile:
         transfer.append(TransferPoint(bytes=num_bytes, seconds=seconds, sender_cpu_s=seconds / 2,
                                       receiver_cpu_s=seconds / 3))
     machine = {"cpu": "synthetic", "cores": 1, "device": "cpu"}
-    return build_profile(identity, machine, EngineSettings(num_kv_blocks=4096), prefill, decode, transfer)
+    capability = DeviceCapability(device="cpu", name="synthetic", native_bf16=False, amx=False)
+    return build_profile(identity, machine, EngineSettings(num_kv_blocks=4096, dtype=identity.dtype), prefill, decode,
+                         transfer, capability=capability)
 
 
 def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0, later_shift: float = 0.0,
                 speed: tuple[float, float] = (1.0, 1.0), references: int = 0,
-                host: tuple[float, float] | None = None) -> None:
+                host: tuple[float, float] | None = None, dtype: str | None = None) -> None:
     """A sweep directory in `pdserve sweep`'s run format whose 'measured' arrays are the simulator's own
     prediction (times 1 + shift; the ITLs after the first also times 1 + later_shift), so a replay must find
     them again. `speed`: the 'machine' ran the profile's prefill and decode steps that much slower; `references`:
@@ -56,14 +59,16 @@ def write_sweep(sweep_dir, model_dir, profile, shift: float = 0.0, later_shift: 
     the last, as `pdserve sweep --reference-requests` writes them. `host` (CPU seconds per streamed token, cores in
     the background): the 'machine' charged them to its busy engines, and each run records that CPU over its tokens
     and duration (two thirds the router's server_cpu_s, a third the client's client_cpu_s); None: runs without
-    those figures (a sweep before them)."""
+    those figures (a sweep before them). `dtype`: the engines' compute dtype the runs record (None: a sweep before
+    pdserve recorded it)."""
     runs = sweep_dir / "runs"
     runs.mkdir(parents=True)
     workload = random_workload(30, 200, 20, range_ratio=0.3, seed=0)
     machine, effects = profile_machine(profile, speed, host)
     for config, (x, y) in (("1P1D", (1, 1)), ("0P2D", (0, 2))):
         spec = ClusterSpec(x, y, profile.engine, profile.model.kv_bytes_per_token)
-        layout = {"config": config, "num_prefill": x, "num_decode": y, "num_engines": x + y}
+        layout = {"config": config, "num_prefill": x, "num_decode": y, "num_engines": x + y,
+                  **({"dtype": dtype} if dtype else {})}
         for index, rate in enumerate((2.0, 6.0)):
             done = simulate(spec, machine, workload.arrivals(rate, seed=0), workload.prompt_lens, workload.output_lens,
                             effects=effects)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from pdserve.engine.config import cpu_has_native_bf16
 from pdserve.planner.profile.corun_fit import NO_CORUN, corun_terms
 from pdserve.planner.profile.fit import load_profile, model_identity
 from pdserve.planner.profile.served import SERVED_TOKENS
@@ -50,7 +51,11 @@ def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_pat
     assert profile_decode_source(out) == ("served" if served else "in-process")  # served: the default on CPU
     assert os.sched_getaffinity(0) == cores  # pinned to one core only while measuring
     profile = load_profile(out)
-    assert profile.model == model_identity(model)
+    native_bf16 = cpu_has_native_bf16()
+    assert profile.engine.dtype == ("bfloat16" if native_bf16 else "float32")  # auto, as resolved on this CPU
+    assert profile.model == model_identity(model, profile.engine.dtype)
+    assert profile.capability.device == "cpu" and profile.capability.native_bf16 == native_bf16
+    assert profile.capability.name == profile.machine["cpu"]
     assert profile.machine["pinned_core"] is not None and profile.machine["torch"]
     assert {p.batch for p in profile.decode_points} >= {1, 4}
     assert not profile.engine.decode_pads_to_longest  # the CPU backend groups by length: the sum and the padding
@@ -89,10 +94,16 @@ def test_served_decode_is_refused_on_a_gpu_before_measuring(tmp_path, capsys):
     assert "drop the flag" in capsys.readouterr().err and not out.exists()
 
 
-def test_a_half_precision_cpu_profile_is_refused_before_measuring(tmp_path, capsys):
-    out = tmp_path / "profile.json"
-    assert main(["profile", "--dtype", "bfloat16", "--out", str(out)]) == 2
-    assert "--dtype bfloat16 on CPU" in capsys.readouterr().err and not out.exists()
+@pytest.mark.parametrize("native_bf16, expected", [(True, "bfloat16"), (False, "float32")])
+def test_the_profile_resolves_auto_as_the_engines_do(model_factory, monkeypatch, capsys, native_bf16, expected):
+    """auto is resolved once, before anything is measured, to the dtype `pdserve up`'s engines compute in."""
+    from pdserve.engine import config
+    from pdserve.planner.profile.measure import resolve_dtype
+
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: native_bf16)
+    assert resolve_dtype(model_factory(), "auto", "cpu") == expected
+    assert resolve_dtype(model_factory(), "float16", "cpu") == "float16"
+    assert f"computing in {expected} (auto: this CPU has" in capsys.readouterr().out
 
 
 def test_on_a_gpu_every_shape_runs_once_untimed_first(monkeypatch):
