@@ -146,7 +146,8 @@ async def warm_up_and_measure(session, target: LoadTarget, schedule: Schedule,
 
 
 def _reserved_keys(args: argparse.Namespace) -> set[str]:
-    return {*METRIC_KEYS, *PER_REQUEST_KEYS, *PHASE_KEYS, *settings_of(args, "", None, RequestShape(args.endpoint, ""), {}, [])}
+    settings = settings_of(args, "", None, RequestShape(args.endpoint, ""), {}, [])
+    return {*METRIC_KEYS, *PER_REQUEST_KEYS, *PHASE_KEYS, *settings}
 
 
 async def bench_main(args: argparse.Namespace, base_url: str, slos: dict[str, float]) -> int:

@@ -94,7 +94,8 @@ class _LineChecker:
 
 def _trace_line(record, checker: _LineChecker, previous: float, default_output_len: int | None) -> TraceLine:
     if not isinstance(record, dict):
-        raise checker.fail(f"a JSON {type(record).__name__}, not an object", f"write one object per line, e.g. {EXAMPLE}")
+        raise checker.fail(f"a JSON {type(record).__name__}, not an object",
+                           f"write one object per line, e.g. {EXAMPLE}")
     unknown = sorted(set(record) - set(FIELDS))
     if unknown:
         raise checker.fail(f"unknown field {', '.join(map(repr, unknown))}", f"use only {', '.join(FIELDS)}")

@@ -19,7 +19,8 @@ def done(start: float, ttft: float, latency: float, output_len: int = 5) -> Requ
                          itls=[(latency - ttft) / (output_len - 1)] * (output_len - 1), latency=latency, start=start)
 
 
-WINDOWS = [PhaseWindow(1, 1, 0.0, 10.0, Phase(10, 5, 1.0, 10.0)), PhaseWindow(2, 1, 10.0, 20.0, Phase(10, 5, 2.0, 10.0)),
+WINDOWS = [PhaseWindow(1, 1, 0.0, 10.0, Phase(10, 5, 1.0, 10.0)),
+           PhaseWindow(2, 1, 10.0, 20.0, Phase(10, 5, 2.0, 10.0)),
            PhaseWindow(1, 2, 20.0, 30.0, Phase(10, 5, 1.0, 10.0))]
 
 
