@@ -264,3 +264,22 @@ def test_the_design_docs_state_diagram_names_exactly_the_codes_states():
     text = (REPO / "docs/design/request-lifecycle.md").read_text()
     diagram = text.split("```mermaid\nstateDiagram-v2", 1)[1].split("```", 1)[0]
     assert set(re.findall(r"\b[A-Z][A-Z_]{3,}\b", diagram)) == {state.name for state in RelayState}
+
+
+def test_a_stop_string_spanning_the_migration_point_is_found(tokenization):
+    """The real detokenizer, kept by the relay across a migration: a stop string made of the end of the last
+    token before it and the start of the first token after it ends the choice there."""
+    vocab = tokenization.tokenizer
+    words = [vocab.encode(word, add_special_tokens=False) for word in ("hello", " world", " again")]
+    token_ids = [t for ids in words for t in ids]
+    cut = len(words[0])  # the lost engine streamed "hello"; the new one goes on with " world again"
+    params = SamplingParams(max_tokens=16, stop=["o w"])
+    spec = ChoiceSpec(index=0, prompt_token_ids=PROMPT, sampling_params=params)
+    relay = Relay(spec, FakeSubmission(), tokenization.detokenizer(PROMPT, params))
+    before = [d for t in token_ids[:cut] for d in relay.receive(D, tokens(t))]
+    with pytest.raises(Migrate):
+        relay.receive(D, EngineGone("d0", "its connection dropped"))
+    relay.resume(FakeSubmission(route=FakeRoute(decode=FakeLink("tcp://d2"), prefill=None)))
+    after = [d for t in token_ids[cut:] for d in relay.receive(D, tokens(t))]
+    assert "".join(d.text for d in before + after) == "hell"
+    assert after[-1].finish_reason == "stop" and after[-1].stop_reason == "o w" and relay.state is S.FINISHED

@@ -1,0 +1,141 @@
+"""Streams survive a decode engine's death (issue #49 item 3), as real processes: `pdserve up` with one prefill
+and two decode engines, the real openai client streaming. SIGSTOP of a decode engine past the heartbeat timeout
+(then SIGCONT), and kill -9 of one: every stream completes with exactly the uninterrupted output (greedy equal
+to the offline engine; seeded equal to its own uninterrupted run, logprobs too), usage counts every token, the
+woken engine's late tokens go nowhere, and no KV block stays used on an engine that is up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from pdserve import LLM, SamplingParams
+from tests.router.conftest import UpProcess, scrape, wait_no_kv_used
+
+pytestmark = pytest.mark.hostile
+
+PROMPTS = ["def main():", "import os\nimport sys\n\nclass Parser:", "x = [", "for i in range(10):\n    total +="]
+MAX_TOKENS = 96  # long enough that a stream is still going when its engine is stopped
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    # --max-restarts 0: the killed engine stays dead (the survivor takes its streams); --heartbeat-timeout 1: the
+    # stopped engine leaves routing after 1 s (the router's stall bound)
+    up = UpProcess(tiny_model, tmp_path_factory.mktemp("up-1p2d"), "--num-prefill", "1", "--num-decode", "2",
+                   "--max-restarts", "0", "--heartbeat-timeout", "1", "--migration-timeout", "20")
+    yield up
+    assert up.stop() == 0, up.logs()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    return LLM(tiny_model, dtype="float32", block_size=4, num_kv_blocks=512)
+
+
+def migrations(cluster) -> float:
+    return scrape(cluster.url).get("pdserve_router_migrations_total", {}).get((("outcome", "resumed"),), 0.0)
+
+
+class Streams:
+    """Several streamed completions at once, each read on its own thread; `started` is released once per stream
+    that has its second chunk (so every stream is mid-way when the test strikes)."""
+
+    def __init__(self, client, model: str, requests: list[dict]) -> None:
+        self.started = threading.Semaphore(0)
+        self.pool = ThreadPoolExecutor(len(requests))
+        self.futures = [self.pool.submit(self._read, client, model, request) for request in requests]
+
+    def _read(self, client, model: str, request: dict) -> dict:
+        chunks = client.completions.create(model=model, stream=True, stream_options={"include_usage": True},
+                                           max_tokens=MAX_TOKENS, **request)
+        result = {"token_ids": [], "text": "", "logprobs": [], "finish_reason": None, "usage": None}
+        for number, chunk in enumerate(chunks):
+            if number == 1:
+                self.started.release()
+            if chunk.usage is not None:
+                result["usage"] = chunk.usage
+            for choice in chunk.choices:
+                result["token_ids"] += choice.model_extra.get("token_ids") or []
+                result["text"] += choice.text
+                if choice.logprobs is not None:
+                    result["logprobs"] += choice.logprobs.token_logprobs
+                result["finish_reason"] = choice.finish_reason or result["finish_reason"]
+        return result
+
+    def wait_started(self) -> None:
+        for _ in self.futures:
+            assert self.started.acquire(timeout=120), "a stream did not start"
+
+    def results(self) -> list[dict]:
+        try:
+            return [future.result(timeout=180) for future in self.futures]
+        finally:
+            self.pool.shutdown()
+
+
+def greedy_requests() -> list[dict]:
+    return [{"prompt": prompt, "temperature": 0, "extra_body": {"return_token_ids": True, "ignore_eos": True}}
+            for prompt in PROMPTS]
+
+
+def assert_greedy(offline, results: list[dict]) -> None:
+    for prompt, result in zip(PROMPTS, results):
+        expected = offline.generate(prompt, SamplingParams(
+            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0].outputs[0]
+        assert result["token_ids"] == expected.token_ids, "no token repeated, none missing"
+        assert result["text"] == expected.text and result["finish_reason"] == "length"
+        assert result["usage"].completion_tokens == MAX_TOKENS
+        assert result["usage"].prompt_tokens == len(offline.tokenizer.encode(prompt))
+
+
+def seeded_requests() -> list[dict]:
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    return [{"prompt": PROMPTS[0], "temperature": 1.0, "top_p": 0.9, "seed": 1234, "logprobs": 2, "extra_body": extra},
+            {"prompt": PROMPTS[1], "temperature": 0.8, "seed": 7, "frequency_penalty": 0.5, "extra_body": extra}]
+
+
+def test_a_stopped_decode_engine_hands_its_streams_over_and_its_late_tokens_go_nowhere(cluster, client, offline,
+                                                                                        tiny_model):
+    seeded_baseline = Streams(client, tiny_model, seeded_requests()).results()
+    before = migrations(cluster)
+    streams = Streams(client, tiny_model, greedy_requests() + seeded_requests())
+    streams.wait_started()
+    stopped = cluster.pid_of("decode-0")
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        results = streams.results()  # the streams decode-0 had go on on decode-1 once it misses heartbeats
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    assert migrations(cluster) > before, "decode-0 had streams mid-way"
+    assert_greedy(offline, results[:len(PROMPTS)])
+    for result, baseline in zip(results[len(PROMPTS):], seeded_baseline):
+        assert result["token_ids"] == baseline["token_ids"], "a seed's sequence goes on across the migration"
+        assert result["text"] == baseline["text"] and result["usage"].completion_tokens == MAX_TOKENS
+        assert result["logprobs"] == pytest.approx(baseline["logprobs"], abs=1e-3)
+    used = wait_no_kv_used(cluster.url, timeout=60)  # decode-0 is back, and dropped what it was decoding
+    assert len(used) == 3 and all(value == 0 for value in used.values()), used
+
+
+def test_kill_9_of_a_decode_engine_loses_no_stream(cluster, client, offline, tiny_model):
+    wait_no_kv_used(cluster.url, timeout=60)
+    before = migrations(cluster)
+    streams = Streams(client, tiny_model, greedy_requests() * 2)
+    streams.wait_started()
+    os.kill(cluster.pid_of("decode-0"), signal.SIGKILL)
+    results = streams.results()
+    assert migrations(cluster) > before, "decode-0 had streams mid-way"
+    assert_greedy(offline, results[:len(PROMPTS)])
+    assert_greedy(offline, results[len(PROMPTS):])
+    used = wait_no_kv_used(cluster.url, timeout=60)
+    assert len(used) == 2 and all(value == 0 for value in used.values()), f"the surviving engines: {used}"
