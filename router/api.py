@@ -247,7 +247,7 @@ def _install_generation_routes(app: FastAPI, gateway: Gateway, key_checked: list
         check_n(body, body.num_prompts(), config.max_n)  # before any tokenizing: a 4 MiB batch is refused at once
         constraint = await checked_constraint(body, gateway.preprocessor, origin=origin_of(request))
         if body.has_text_prompt():
-            tokenized = await gateway.preprocessor.run(gateway.tokenization.completion_prompts, body)
+            tokenized = await gateway.preprocessor.run(gateway.tokenization.completion_prompts, body, max_model_len)
         else:  # token ids: nothing to tokenize, so no hop to the tokenizer's threads
             tokenized = gateway.tokenization.completion_prompts(body)
         prompts = [Prompt(text, ids) for text, ids in tokenized]
@@ -267,7 +267,7 @@ def _install_generation_routes(app: FastAPI, gateway: Gateway, key_checked: list
         body = with_tags_shown(body, tools)
         constraint = await checked_constraint(body, gateway.preprocessor, tools, origin_of(request))
         text, token_ids = await gateway.preprocessor.run(gateway.tokenization.chat_prompt, body,
-                                                         config.allow_request_chat_template)
+                                                         config.allow_request_chat_template, max_model_len)
         specs = chat_specs(body, token_ids, max_model_len, config.max_n, gateway.generation_defaults, vocab_size,
                            constraint)
         formatter = partial(  # built by respond() once the engines have the request

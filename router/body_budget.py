@@ -2,7 +2,8 @@
 token ids of a body take many times its size, so a burst of large bodies is what grows the router's
 memory. A request reserves its Content-Length (or the body cap, `undeclared_bytes`, when it sends none) before its body is
 read, and gives it back when its handler returns (for a stream: once it is set up). A request that finds
-no room waits up to `wait_s`, then gets a 503 with Retry-After.
+no room waits up to `wait_s`, then gets a 503 with Retry-After. When the budget goes idle after at least
+`trim_after_bytes` of bodies, the heap's free memory is handed back to the OS (heap_trim.py) on a thread.
 
     async with budget.holding(num_bytes):
         ...read, parse, preprocess, submit...
@@ -15,6 +16,10 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from pdserve.router.errors import APIError
+from pdserve.router.heap_trim import trim_heap
+
+
+TRIM_DELAY_S = 0.5
 
 
 class BodyBudgetFull(APIError):
@@ -23,10 +28,13 @@ class BodyBudgetFull(APIError):
 
 
 class BodyBudget:
-    def __init__(self, capacity: int, wait_s: float, undeclared_bytes: int) -> None:
+    def __init__(self, capacity: int, wait_s: float, undeclared_bytes: int, trim_after_bytes: int = 16 << 20) -> None:
         self.capacity, self.wait_s = capacity, wait_s
         self.undeclared_bytes = undeclared_bytes  # reserved for a body sent without Content-Length (chunked)
+        self.trim_after_bytes = trim_after_bytes
         self.used = 0
+        self.bytes_since_trim = 0
+        self.num_trims = 0
         self._freed = asyncio.Condition()
 
     @contextlib.asynccontextmanager
@@ -39,6 +47,7 @@ class BodyBudget:
             async with self._freed:
                 self.used -= num_bytes
                 self._freed.notify_all()
+            self._trim_when_idle()
 
     async def _reserve(self, num_bytes: int) -> None:
         async with self._freed:
@@ -50,3 +59,15 @@ class BodyBudget:
                     f"the server is parsing {self.used} bytes of request bodies, its limit at once is "
                     f"{self.capacity}: retry shortly (operators: RouterConfig.max_body_bytes_in_flight)") from None
             self.used += num_bytes
+            self.bytes_since_trim += num_bytes
+
+    def _trim_when_idle(self) -> None:
+        """A trim shortly after the last body of a burst is let go (its answer and error frames freed too)."""
+        if self.used == 0 and self.bytes_since_trim >= self.trim_after_bytes:
+            asyncio.get_running_loop().call_later(TRIM_DELAY_S, self._trim)
+
+    def _trim(self) -> None:
+        if self.used == 0 and self.bytes_since_trim >= self.trim_after_bytes:
+            self.bytes_since_trim = 0
+            self.num_trims += 1
+            asyncio.get_running_loop().run_in_executor(None, trim_heap)

@@ -13,10 +13,14 @@ AutoToolCallFormatter (tool_choice "auto") with the calls a tool-call parser rea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from fastapi.responses import JSONResponse, Response
 
 from pdserve.control.prompt_logprobs import PositionLogprobs
 from pdserve.router.choice import ChoiceDelta, PromptRows
@@ -36,6 +40,46 @@ def sse(obj: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+# whole answers holding more values than this (logprob tables) are built and encoded on a worker thread
+OFF_LOOP_VALUES = 20_000
+ENCODE_SLICE = 64  # items of a long list encoded per call of the C encoder: it holds the GIL while it runs
+_encode_body = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode  # JSONResponse's
+
+
+def encoded_pieces(obj: Any) -> Iterator[str]:
+    """obj as compact JSON in pieces: dicts and short lists walked, long lists encoded ENCODE_SLICE items at
+    a time, so no single call holds the GIL for long. "".join of the pieces equals JSONResponse's body
+    (for string keys, which every answer has)."""
+    if isinstance(obj, dict):
+        yield "{"
+        for i, (key, value) in enumerate(obj.items()):
+            yield ("," if i else "") + _encode_body(str(key)) + ":"
+            yield from encoded_pieces(value)
+        yield "}"
+    elif isinstance(obj, list) and len(obj) > ENCODE_SLICE:
+        yield "["
+        for start in range(0, len(obj), ENCODE_SLICE):
+            yield ("," if start else "") + _encode_body(obj[start:start + ENCODE_SLICE])[1:-1]
+        yield "]"
+    elif isinstance(obj, list):
+        yield "["
+        for i, item in enumerate(obj):
+            if i:
+                yield ","
+            yield from encoded_pieces(item)
+        yield "]"
+    else:
+        yield _encode_body(obj)
+
+
+async def whole_answer(formatter: Formatter) -> Response:
+    """The whole (non-streamed) answer; a big one (logprob tables: 50 MB with prompt_logprobs=20, n=16 and a
+    2,000-token prompt) built and encoded on a worker thread, in pieces, so the event loop keeps serving."""
+    if formatter.size_hint() < OFF_LOOP_VALUES:
+        return JSONResponse(formatter.body())
+    body = await asyncio.to_thread(lambda: "".join(encoded_pieces(formatter.body())).encode())
+    return Response(body, media_type="application/json")
 
 
 @dataclass
@@ -101,6 +145,13 @@ class Formatter:
                          for i in range(len(self.prompts)))
         return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
                 "total_tokens": num_prompt + num_completion, "prompt_tokens_details": {"cached_tokens": num_cached}}
+
+    def size_hint(self) -> int:
+        """About how many values the whole answer holds: each token's, and its logprob tables'."""
+        generated = sum(len(total.token_ids) for total in self.totals) * (1 + (self.num_logprobs or 0))
+        num_tabled = sum(len(self.prompt_of(index).token_ids) for index, total in enumerate(self.totals)
+                         if total.prompt_logprobs is not None)
+        return generated + num_tabled * (1 + max(self.num_prompt_logprobs or 0, self.num_logprobs or 0))
 
     def _envelope(self, choices: list[dict], obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}

@@ -17,7 +17,7 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from pdserve.router.errors import APIError
 from pdserve.router.gateway import Gateway
@@ -28,6 +28,7 @@ from pdserve.router.responses import (
     ChoiceTotal,
     Formatter,
     sse,
+    whole_answer,
 )
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
@@ -181,7 +182,7 @@ async def _respond_whole(gateway: Gateway, request: Request, events: AsyncIterat
     await _until_disconnect(request, gather())
     timing.record(gateway, formatter)
     gateway.metrics.count_request(endpoint_label(request), "200")
-    return JSONResponse(formatter.body())
+    return await whole_answer(formatter)
 
 
 class _StreamOutcome:

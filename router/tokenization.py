@@ -12,6 +12,7 @@ from pdserve.engine.chat import render_chat
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.router.errors import InvalidRequest
+from pdserve.router.prompt_bound import PromptBound
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.tool_calls import template_tools
 
@@ -24,27 +25,48 @@ class Tokenization:
         # apply_chat_template's own parameters (tokenize, return_tensors, ...): not template variables
         signature = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
         self.renderer_params = {p.name for p in signature if p.kind is not p.VAR_KEYWORD} - {"conversation"}
+        self.prompt_bound = PromptBound.of(self.tokenizer)  # None: every prompt is tokenized to be measured
 
     # ---- prompts ----
 
-    def completion_prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-        """(text, token ids) of each prompt of a completion request (a string, token ids, or a batch)."""
+    def completion_prompts(self, request: CompletionRequest,
+                           max_model_len: int | None = None) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of each prompt of a completion request (a string, token ids, or a batch).
+        A text prompt that cannot fit max_model_len tokens is refused before it is tokenized."""
         prompt = request.prompt
         if isinstance(prompt, str):
-            return [self._text_prompt(prompt)]
+            return [self._text_prompt(prompt, max_model_len)]
         if not prompt:
             raise InvalidRequest("prompt is an empty list: send a string, a list of token ids, or a batch of them",
                                  param="prompt")
         if isinstance(prompt[0], int):
             return [(None, list(prompt))]
+        for text in prompt:
+            if isinstance(text, str):
+                self.check_fits(text, max_model_len, "prompt")
         return [self._text_prompt(p) if isinstance(p, str) else (None, list(p)) for p in prompt]
 
-    def _text_prompt(self, text: str) -> tuple[str, list[int]]:
+    def _text_prompt(self, text: str, max_model_len: int | None = None) -> tuple[str, list[int]]:
+        self.check_fits(text, max_model_len, "prompt")
         return text, self.tokenizer.encode(text)
 
-    def chat_prompt(self, request: ChatCompletionRequest, allow_template: bool = False) -> tuple[str, list[int]]:
+    def check_fits(self, text: str, max_model_len: int | None, param: str) -> None:
+        """A 400 for a text too long to fit max_model_len tokens, told from its length alone (prompt_bound.py)."""
+        if max_model_len is None or self.prompt_bound is None:
+            return
+        min_tokens = self.prompt_bound.min_tokens(text)
+        if min_tokens >= max_model_len:
+            bound = self.prompt_bound
+            raise InvalidRequest(
+                f"the prompt has at least {min_tokens} tokens (its {len(text)} characters, where one token of this "
+                f"model covers at most {bound.max_token_len} {bound.unit()}), but the model's context length is "
+                f"{max_model_len} tokens: shorten the prompt", param=param)
+
+    def chat_prompt(self, request: ChatCompletionRequest, allow_template: bool = False,
+                    max_model_len: int | None = None) -> tuple[str, list[int]]:
         """The chat template applied to the messages (and the request's tools, for templates that show them),
-        then tokenized (the template adds the special tokens). The request's tool choice is checked before
+        then tokenized (the template adds the special tokens); a rendered prompt that cannot fit
+        max_model_len tokens is refused before it is tokenized. The request's tool choice is checked before
         (router/tool_calls.py)."""
         conversation = [message.model_dump(exclude_none=True) for message in request.messages]
         try:
@@ -53,6 +75,7 @@ class Tokenization:
                                **self.template_kwargs(request, allow_template))
         except InvalidRequestError as exc:
             raise InvalidRequest(str(exc), param=exc.field) from exc
+        self.check_fits(text, max_model_len, "messages")
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     def template_kwargs(self, request: ChatCompletionRequest, allow_template: bool) -> dict[str, Any]:

@@ -71,7 +71,7 @@ def test_a_batch_over_the_choice_limit_is_refused_before_it_is_tokenized(tiny_mo
             async with serving(gateway, engine_id="d0"):
                 tokenized = []
                 original = gateway.tokenization.completion_prompts
-                gateway.tokenization.completion_prompts = lambda body: tokenized.append(body) or original(body)
+                gateway.tokenization.completion_prompts = lambda body, *rest: tokenized.append(body) or original(body, *rest)
                 try:
                     answer = await client.post("/v1/completions", json={"prompt": ["hi there"] * 100_000})
                     error = assert_openai_error(answer, 400)
