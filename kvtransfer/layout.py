@@ -73,12 +73,13 @@ def parse_windows(layer_windows: str) -> tuple[int | None, ...]:
     Raises ValueError naming a bad entry."""
     windows: list[int | None] = []
     for entry in layer_windows.split(","):
-        value, _, count = entry.partition("*")
-        if not (value == "full" or value.isdigit() and int(value) > 0) or not (count == "" or count.isdigit()
-                                                                              and int(count) > 0):
+        value, star, count = entry.partition("*")
+        good_value = value == "full" or value.isdigit() and int(value) > 0
+        good_count = not star or count.isdigit() and int(count) > 0
+        if not (good_value and good_count):
             raise ValueError(f"layer_windows entry {entry!r} is not 'full' or a window in tokens, "
                              f"optionally '*' a count of layers")
-        repeat = int(count) if count else 1
+        repeat = int(count) if star else 1
         if len(windows) + repeat > MAX_LAYERS:
             raise ValueError(f"layer_windows describes more than {MAX_LAYERS} layers")
         windows.extend([None if value == "full" else int(value)] * repeat)

@@ -1,0 +1,134 @@
+"""The KV link carries what the decode engine needs of sliding-window layers, and no more: prefill and decode
+processes over real ZeroMQ, greedy fp32 output equal to transformers, the bytes of every request exactly
+what the layout says (a sliding layer: the blocks its window reaches from the first decoded token; a full
+layer: every token), no block left behind, and a pair whose per-layer windows differ refused with a
+sentence that names the layers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pdserve.local_cluster import Driver, EngineProcess
+from tests.decode.test_disaggregated import BLOCK, ENGINE_ARGS, assert_no_leaks, running_pair
+from tests.engine.parity import assert_greedy_match, hf_greedy
+from tests.engine.test_transformers_backend import make_hf_model_dir
+
+WINDOW = 8
+KV_HEADS, HEAD_DIM, FP32 = 2, 16, 4
+LAYER_TOKEN_BYTES = 2 * KV_HEADS * HEAD_DIM * FP32  # K and V of one layer and one token
+GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+# 4x the window (block aligned), 4x plus a partial block, about 6x: each several windows long
+PROMPTS = [list(range(10, 10 + 4 * WINDOW)), list(range(60, 60 + 4 * WINDOW + 3)), list(range(200, 250))]
+# Each model's layers: its sliding window, or None for full attention.
+LAYER_WINDOWS = {
+    "mistral": [WINDOW, WINDOW],
+    "gemma3": [WINDOW] * 5 + [None],
+}
+
+
+@pytest.fixture(scope="module")
+def window_model_dir(model_factory, tmp_path_factory):
+    built: dict[str, str] = {}
+
+    def make(case: str) -> str:
+        if case not in built:
+            if case == "mistral":
+                built[case] = model_factory("mistral", sliding_window=WINDOW)
+            else:
+                fields = {"head_dim": HEAD_DIM, "num_key_value_heads": KV_HEADS, "sliding_window": WINDOW,
+                          "num_hidden_layers": 6, "query_pre_attn_scalar": 24}
+                built[case] = make_hf_model_dir(tmp_path_factory.mktemp("hf-gemma3"), "Gemma3TextConfig",
+                                                "Gemma3ForCausalLM", model_factory("llama"), **fields)
+        return built[case]
+
+    return make
+
+
+def expected_bytes(prompt_len: int, windows: list[int | None]) -> int:
+    """A sliding layer sends the tokens from the first block that the first decoded token's window (at position
+    prompt_len) reaches; a full layer sends every token."""
+    first_in_window = max(0, prompt_len - WINDOW + 1) // BLOCK * BLOCK
+    tokens = sum(prompt_len if window is None else prompt_len - first_in_window for window in windows)
+    return tokens * LAYER_TOKEN_BYTES
+
+
+def full_kv_bytes(prompt_len: int, windows: list[int | None]) -> int:
+    return len(windows) * prompt_len * LAYER_TOKEN_BYTES
+
+
+@pytest.mark.parametrize("case, streaming", [("mistral", "on"), ("mistral", "off"), ("gemma3", "on")])
+def test_only_the_window_travels_and_output_equals_transformers(window_model_dir, case, streaming, tmp_path):
+    model_dir = window_model_dir(case)
+    windows = LAYER_WINDOWS[case]
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with running_pair(model_dir, tmp_path, prefill_args=("--kv-streaming", streaming)) as driver:
+        sent_before = 0
+        for i, prompt in enumerate(PROMPTS):  # one at a time: each request's bytes on their own
+            result = driver.generate([prompt], prefix=f"{case}-{i}-", **GREEDY)[0]
+            theirs, logits = hf_greedy(reference, prompt, GREEDY["max_tokens"])
+            assert_greedy_match(result.token_ids, theirs, logits, f"{case} 1P1D prompt of {len(prompt)}")
+            sent = driver.prefill_stats().kv_bytes_sent - sent_before
+            assert sent == expected_bytes(len(prompt), windows), f"prompt of {len(prompt)} tokens"
+            assert sent < full_kv_bytes(len(prompt), windows)
+            sent_before += sent
+        decode_stats = driver.decode_stats()
+        assert decode_stats.kv_bytes_received == sent_before
+        assert decode_stats.num_kv_transfers == len(PROMPTS) and decode_stats.num_kv_transfers_failed == 0
+        assert_no_leaks(driver)
+
+
+def test_decode_prefix_hits_use_only_blocks_that_hold_every_layers_kv(window_model_dir, tmp_path):
+    """D publishes a received prompt's blocks from its window's first block on: the blocks before hold no sliding
+    KV. A prompt that shares only those blocks gets no hit; one that shares the window's blocks gets them, and P
+    sends only the rest."""
+    model_dir = window_model_dir("mistral")
+    windows = LAYER_WINDOWS["mistral"]
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    first = list(range(300, 336))  # 36 tokens: the window of position 36 starts at token 28 (block 7)
+    shares_unpublished = first[:32] + [9] * 8  # would need blocks 6 and 7 for a hit of 32: 6 is unpublished
+    shares_window = first + [5, 6, 7, 8, 9]  # hit of 36 tokens: the window of position 36 needs blocks 7, 8
+    with running_pair(model_dir, tmp_path) as driver:
+        sent_before = 0
+        for name, prompt, hit in (("first", first, 0), ("unpublished", shares_unpublished, 0),
+                                  ("window", shares_window, 36)):
+            result = driver.generate([prompt], prefix=f"{name}-", **GREEDY)[0]
+            theirs, logits = hf_greedy(reference, prompt, GREEDY["max_tokens"])
+            assert_greedy_match(result.token_ids, theirs, logits, f"mistral 1P1D, {name} prompt")
+            sent = driver.prefill_stats().kv_bytes_sent - sent_before
+            expected = expected_bytes(len(prompt), windows) if hit == 0 else \
+                len(windows) * (len(prompt) - hit) * LAYER_TOKEN_BYTES
+            assert sent == expected, f"{name} prompt"
+            sent_before += sent
+        assert driver.decode_stats().prefix_cache_hits == 36
+        assert_no_leaks(driver)
+
+
+def test_a_pair_whose_layer_windows_differ_is_refused_naming_the_layers(window_model_dir, tmp_path):
+    """The same weights with another window in config.json: P refuses D's link, naming each differing layer;
+    D computes the prompt itself, and nothing leaks on either side."""
+    model_dir = window_model_dir("mistral")
+    other = tmp_path / "mistral-window-16"
+    shutil.copytree(model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "sliding_window": 2 * WINDOW}))
+    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, log_dir=tmp_path)
+    decode = EngineProcess("decode", str(other), *ENGINE_ARGS, *prefill.kv_peer_args(), log_dir=tmp_path)
+    driver = Driver(decode, prefill)
+    try:
+        result = driver.generate([PROMPTS[0]], prefix="mismatch-", **GREEDY)[0]
+        assert len(result.token_ids) == GREEDY["max_tokens"]
+        assert driver.decode_stats().num_kv_transfers_failed == 1
+        assert driver.prefill_stats().kv_bytes_sent == 0
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+        prefill.stop()
+        decode.stop()
+    sentence = "layer_windows differ at layers 0, 1: local 0=8 1=8, remote 0=16 1=16"
+    log = decode.log_path.read_text()
+    assert sentence in log, f"the decode engine's log does not say {sentence!r}"
