@@ -226,6 +226,7 @@ class EngineLink:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self.broken = f"the link to engine {self.engine_id} at {self.control_address} broke"
+                self.fail_streams(self.broken)  # its requests move now; the registry takes it out of routing next
 
     def _dispatch(self, msg: Message, frames: list[memoryview]) -> None:
         if isinstance(msg, TokenDelta):  # per streamed token: keep this branch first and lean (issue #17)
