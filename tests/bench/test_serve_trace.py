@@ -106,3 +106,15 @@ def test_a_saved_phased_schedule_replays_as_the_same_schedule(tmp_path, tokenize
     assert [w.name for w in replay.windows] == [w.name for w in phased.windows]
     assert [w.start_s for w in replay.windows] == [phased.offsets[phased.owners.index(i)] for i in range(4)]
     assert replay.warmup == phased.samples[:1]
+
+
+def test_a_saved_random_schedule_replays_without_phases(tmp_path, tokenizer):
+    from pdserve.bench.serve_arrivals import arrival_offsets
+    from pdserve.bench.serve_datasets import random_dataset
+
+    samples = random_dataset(tokenizer, 6, 12, 3, 0.3, seed=5)
+    offsets = arrival_offsets(6, 4.0, 1.0, seed=5).tolist()
+    path = write_trace(tmp_path / "random.jsonl", samples, offsets)
+    assert all("phase" not in json.loads(line) for line in path.read_text().splitlines())
+    replay = trace_schedule(argparse.Namespace(dataset_path=str(path), output_len=None, seed=0, warmup=0), tokenizer)
+    assert (replay.samples, replay.offsets, replay.windows, replay.owners) == (samples, offsets, [], None)
