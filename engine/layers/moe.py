@@ -1,6 +1,7 @@
-"""Mixture-of-experts feed-forward: a router picks the top-k experts of each token, the chosen experts
-run as two grouped GEMMs over the (token, expert) pairs sorted by expert, and each token sums its
-experts' outputs weighted by the router; an optional shared expert, scaled by a sigmoid gate, is added.
+"""Mixture-of-experts feed-forward: a router picks the top-k experts of each token (softmax top-k, or
+DeepSeek-V3's sigmoid scores with group-limited top-k), the chosen experts run as two grouped GEMMs over
+the (token, expert) pairs sorted by expert, and each token sums its experts' outputs weighted by the
+router; an optional shared expert, scaled by a sigmoid gate, is added.
 
 Expert weights are held fused, in transformers 5's in-memory layout: gate_up_proj [E, 2I, H] (gate
 rows, then up rows) and down_proj [E, H, I]. A checkpoint tensor of one expert loads into its rows
@@ -16,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.layers.linear import Linear, copy_checked
+from pdserve.engine.config import ConfigError
+from pdserve.engine.layers.linear import Linear, copy_checked, default_weight_loader
 from pdserve.kernels.dispatch import kernel_for
 
 
@@ -43,6 +45,57 @@ def select_experts(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, expert_ids
+
+
+def select_experts_grouped(
+    router_logits: torch.Tensor,  # [T, E] float32
+    correction_bias: torch.Tensor,  # [E] float32, shifts which experts are chosen, not their weights
+    top_k: int,
+    num_groups: int,
+    top_k_groups: int,
+    renormalize: bool,
+    scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [T, k] float32, expert ids [T, k] int64)
+    """DeepSeek-V3's routing: sigmoid scores; the experts split into num_groups equal groups, each scored by
+    the sum of its two best biased scores; the k best biased scores among the top_k_groups best groups win.
+    Their weights are the unbiased scores, renormalised to sum to 1 if asked, times scaling_factor."""
+    scores = router_logits.float().sigmoid()
+    biased = scores + correction_bias.float()
+    num_tokens, num_experts = biased.shape
+    group_scores = biased.view(num_tokens, num_groups, -1).topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    best_groups = group_scores.topk(top_k_groups, dim=-1, sorted=False).indices  # [T, top_k_groups]
+    in_best_group = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    in_best_group = in_best_group.repeat_interleave(num_experts // num_groups, dim=1)  # [T, E]
+    expert_ids = biased.masked_fill(~in_best_group, float("-inf")).topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, expert_ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, expert_ids
+
+
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek-V3's router under Hugging Face's names (mlp.gate.weight, mlp.gate.e_score_correction_bias),
+    both kept and computed in float32 as transformers keeps them."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, num_groups: int, top_k_groups: int,
+                 renormalize: bool, scaling_factor: float) -> None:
+        super().__init__()
+        if num_experts % num_groups or num_experts // num_groups < 2 or not 1 <= top_k_groups <= num_groups:
+            raise ConfigError(f"group-limited routing needs n_routed_experts ({num_experts}) split into n_group "
+                             f"({num_groups}) groups of at least 2 experts, and 1 <= topk_group ({top_k_groups}) "
+                             f"<= n_group: fix config.json")
+        self.top_k, self.num_groups, self.top_k_groups = top_k, num_groups, top_k_groups
+        self.renormalize, self.scaling_factor = renormalize, scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+        for param in (self.weight, self.e_score_correction_bias):
+            param.weight_loader = default_weight_loader
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H] -> ([T, k], [T, k])
+        logits = F.linear(hidden.float(), self.weight)  # [T, E]
+        return select_experts_grouped(logits, self.e_score_correction_bias, self.top_k, self.num_groups,
+                                      self.top_k_groups, self.renormalize, self.scaling_factor)
 
 
 class ExpertWeights(nn.Module):

@@ -1,0 +1,207 @@
+"""DeepSeek-V3: multi-head latent attention (engine/layers/mla.py) and DeepSeek's mixture of experts.
+
+Attention: the query comes through a low-rank pair (q_a_proj, q_a_layernorm, q_b_proj) or, when
+q_lora_rank is null, one q_proj; kv_a_proj_with_mqa gives each token a latent (normalised by
+kv_a_layernorm) and a rope key shared by every head, which is all the KV cache keeps. Rotary applies
+to the rope parts only; with rope_interleave, their pairs (x0, x1), (x2, x3), .. are rotated, which is
+the usual halves rotation after a fixed reordering of q_pe and k_pe (the same for both, so their
+products are unchanged).
+
+Feed-forward: the first first_k_dense_replace layers are dense; the others route each token to
+num_experts_per_tok of n_routed_experts (engine/layers/moe.py's group-limited routing, sigmoid scores
+with a correction bias) and add n_shared_experts always-on experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pdserve.engine.attention.backend import AttentionBackend
+from pdserve.engine.config import ConfigError, ModelConfig
+from pdserve.engine.layers.linear import Linear, MergedLinear, default_weight_loader
+from pdserve.engine.layers.mla import LatentAttention, LatentUpProjection
+from pdserve.engine.layers.moe import ExpertWeights, GroupLimitedRouter
+from pdserve.engine.layers.norm import RMSNorm
+from pdserve.engine.layers.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, Rotation
+from pdserve.engine.models.llama import GatedMLP
+
+
+def _field(config: ModelConfig, name: str) -> int:
+    value = config.hf_config.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{config.architecture} config.json needs a positive integer `{name}`, got {value!r}")
+    return value
+
+
+def softmax_scale(config: ModelConfig, qk_head_dim: int) -> float:
+    """qk_head_dim ** -0.5, times mscale^2 when a rope scaling sets mscale_all_dim (YaRN's
+    0.1 * mscale_all_dim * ln(factor) + 1, for factor > 1), as transformers computes it."""
+    scale = qk_head_dim ** -0.5
+    scaling = config.rope_scaling or {}
+    mscale_all_dim = scaling.get("mscale_all_dim") or 0
+    factor = scaling.get("factor", 1.0)
+    if mscale_all_dim and factor > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[.., (x0, x1), (x2, x3), ..] -> [.., x0, x2, .., x1, x3, ..]: interleaved rope pairs as halves."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class DeepseekV3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        hf = config.hf_config
+        self.num_heads, self.kv_lora_rank = config.num_heads, config.kv_lora_rank
+        self.nope_dim, self.rope_dim = _field(config, "qk_nope_head_dim"), config.qk_rope_head_dim
+        self.v_dim = _field(config, "v_head_dim")
+        self.interleave = bool(hf.get("rope_interleave", True))
+        q_size, bias = self.num_heads * (self.nope_dim + self.rope_dim), config.attention_bias
+        latent_size = self.kv_lora_rank + self.rope_dim
+        self.q_lora_rank = hf.get("q_lora_rank")
+        if self.q_lora_rank:  # hidden -> q_a (rank q_lora_rank) | latent + k_pe, one product
+            self.fused_qkv_a_proj = MergedLinear(config.hidden_size, {"q": self.q_lora_rank, "kv": latent_size}, bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = Linear(self.q_lora_rank, q_size)
+        else:
+            self.q_proj = Linear(config.hidden_size, q_size)
+            self.kv_a_proj_with_mqa = Linear(config.hidden_size, latent_size, bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = LatentUpProjection(self.kv_lora_rank, self.num_heads, self.nope_dim, self.v_dim)
+        self.o_proj = Linear(self.num_heads * self.v_dim, config.hidden_size, bias)
+        self.attn = LatentAttention(layer_idx, self.kv_b_proj, self.kv_lora_rank, self.rope_dim,
+                                    softmax_scale(config, self.nope_dim + self.rope_dim))
+
+    def forward(self, rotation: Rotation, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        if self.q_lora_rank:
+            q_a, latent_kv = self.fused_qkv_a_proj.split(self.fused_qkv_a_proj(hidden))
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        else:
+            q, latent_kv = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
+        q_nope, q_pe = q.view(hidden.shape[0], self.num_heads, -1).split((self.nope_dim, self.rope_dim), dim=-1)
+        latent, k_pe = latent_kv.split((self.kv_lora_rank, self.rope_dim), dim=-1)  # [T, L], [T, R]
+        latent = self.kv_a_layernorm(latent.contiguous())
+        k_pe = k_pe[:, None, :]  # [T, 1, R]: one rope key for every head
+        if self.interleave:
+            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+        q_pe, k_pe = rotation(q_pe, k_pe)
+        return self.o_proj(self.attn(q_nope, q_pe, latent, k_pe[:, 0]))
+
+
+class DeepseekV3MoE(nn.Module):
+    """Group-limited routed experts plus always-on shared experts (transformers' names: gate, experts,
+    shared_experts)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hf = config.hf_config
+        num_experts, expert_size = _field(config, "n_routed_experts"), _field(config, "moe_intermediate_size")
+        self.gate = GroupLimitedRouter(
+            config.hidden_size, num_experts, top_k=_field(config, "num_experts_per_tok"),
+            num_groups=int(hf.get("n_group") or 1), top_k_groups=int(hf.get("topk_group") or 1),
+            renormalize=bool(hf.get("norm_topk_prob", True)),
+            scaling_factor=float(hf.get("routed_scaling_factor", 1.0)))
+        self.experts = ExpertWeights(num_experts, config.hidden_size, expert_size)
+        num_shared = int(hf.get("n_shared_experts") or 0)
+        self.shared_experts = GatedMLP(config, expert_size * num_shared) if num_shared else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        weights, expert_ids = self.gate(hidden)
+        out = self.experts(hidden, weights, expert_ids)
+        if self.shared_experts is not None:
+            out += self.shared_experts(hidden)
+        return out
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DeepseekV3Attention(config, layer_idx)
+        first_sparse = int(config.hf_config.get("first_k_dense_replace") or 0)
+        self.mlp = DeepseekV3MoE(config) if layer_idx >= first_sparse else GatedMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, rotation: Rotation, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rotation, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens.weight.weight_loader = default_weight_loader
+        self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        rotation = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden, residual = layer(rotation, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    # per-expert checkpoint projection name -> which rows of the fused expert weights it fills
+    expert_projections = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        _check_supported(config)
+        self.config = config
+        # checkpoint name fragment -> (our fused parameter fragment, shard id)
+        self.packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        if config.hf_config.get("q_lora_rank"):
+            self.packed_modules_mapping.update(q_a_proj=("fused_qkv_a_proj", "q"),
+                                               kv_a_proj_with_mqa=("fused_qkv_a_proj", "kv"))
+        self.model = DeepseekV3Model(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden] -> logits [R, vocab] (float32)."""
+        return self.lm_head(hidden).float()
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor, attn_backend: AttentionBackend) -> None:
+        """kv_cache [num_layers, 1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]."""
+        for layer_idx, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.bind_kv_cache(kv_cache[layer_idx, 0])
+
+
+def _check_supported(config: ModelConfig) -> None:
+    """What this implementation does not cover, refused at start with the way out."""
+    activation = config.hf_config.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ConfigError(f"{config.architecture} with hidden_act={activation!r}: pdserve's DeepSeek-V3 code is "
+                          "SiLU-gated only")
+    rope_type = (config.rope_scaling or {}).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"{config.architecture} with rope scaling {rope_type!r} (DeepSeek-V3's long-context "
+                          f"checkpoints use yarn): pdserve's rotary supports {', '.join(SUPPORTED_ROPE_TYPES)}; "
+                          "use a config without it")
+    if not config.is_mla:
+        raise ConfigError(f"{config.architecture} config.json has no kv_lora_rank: it is not an MLA model; restore "
+                          "the model directory's config.json")
