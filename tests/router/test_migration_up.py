@@ -139,3 +139,21 @@ def test_kill_9_of_a_decode_engine_loses_no_stream(cluster, client, offline, tin
     assert_greedy(offline, results[len(PROMPTS):])
     used = wait_no_kv_used(cluster.url, timeout=60)
     assert len(used) == 2 and all(value == 0 for value in used.values()), f"the surviving engines: {used}"
+
+
+def test_streams_wait_for_their_restarted_engine_when_it_was_the_only_one(tiny_model, tmp_path, offline):
+    """One decode engine, killed mid-stream: `pdserve up` restarts it, and its streams go on there (within
+    --migration-timeout), each with exactly the uninterrupted tokens."""
+    up = UpProcess(tiny_model, tmp_path, "--num-prefill", "0", "--num-decode", "1", "--heartbeat-timeout", "1",
+                   "--migration-timeout", "60")
+    try:
+        client = openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        streams = Streams(client, tiny_model, greedy_requests())
+        streams.wait_started()
+        os.kill(up.pid_of("decode-0"), signal.SIGKILL)
+        assert_greedy(offline, streams.results())
+        assert migrations(up) >= 1
+        used = wait_no_kv_used(up.url, timeout=60)
+        assert len(used) == 1 and all(value == 0 for value in used.values()), used
+    finally:
+        assert up.stop() == 0, up.logs()
