@@ -4,6 +4,7 @@ and a table under the run's own."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from pdserve.bench.serve_metrics import RequestResult, compute_metrics, extra_percentiles
@@ -29,6 +30,7 @@ def phase_results(windows: Sequence[PhaseWindow], owners: Sequence[int], indices
     members: list[list[RequestResult]] = [[] for _ in windows]
     for index, result in zip(indices, results):
         members[owners[index]].append(result)
+    sent = Counter(owners)
     entries = []
     for number, (window, group) in enumerate(zip(windows, members)):
         duration = _span_s(group) or max(window.end_s - window.start_s, MIN_DURATION_S)
@@ -36,7 +38,7 @@ def phase_results(windows: Sequence[PhaseWindow], owners: Sequence[int], indices
             "name": window.name, "phase": window.phase, "cycle": window.cycle,
             "spec": window.spec.label() if window.spec else None,
             "window_start_s": window.start_s, "window_end_s": window.end_s,
-            "num_requests": sum(1 for owner in owners if owner == number),
+            "num_requests": sent[number],
             **compute_metrics(group, duration, slos_ms),
             **extra_percentiles(group, percentile_metrics, metric_percentiles),
         })
