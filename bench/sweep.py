@@ -45,7 +45,7 @@ from pdserve.progress import Progress
 
 # flags the sweep gives `pdserve up` and `pdserve bench` for each layout and run
 SET_FOR_UP = ("--model", "--num-prefill", "--num-decode", "--prefill", "--decode", "--port", "--log-dir", "--device",
-              "--pin-cpus", "--prefill-devices", "--decode-devices", "--api-key")
+              "--pin-cpus", "--no-pin-cpus", "--prefill-devices", "--decode-devices", "--api-key")
 SET_FOR_BENCH = ("--base-url", "--model", "--num-prompts", "--request-rate", "--max-concurrency", "--seed",
                  "--save-result", "--metadata", "--goodput", "--api-key", *DATASET_FLAGS)
 

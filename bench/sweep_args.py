@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from pdserve.cli_help import seed_arg
+from pdserve.cli_help import add_pin_cpus_arg, seed_arg
 
 # flags passed through to `pdserve bench` as they are, when given
 DATASET_FLAGS = ("--dataset", "--dataset-path", "--input-len", "--output-len", "--range-ratio", "--endpoint",
@@ -79,8 +79,7 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--devices", default=None,
                         help="with --device cuda: GPU indices to use, one per engine (default: 0, 1, 2, ...)")
-    parser.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
-                        help="on CPU: pin engines to their own cores (on by default)")
+    add_pin_cpus_arg(parser)
     parser.add_argument("--cores-per-engine", type=int, default=1, help="on CPU with pinning: cores each engine gets")
     parser.add_argument("--up-args", default="", metavar="'ARGS'",
                         help="more `pdserve up` flags, one string (e.g. '--dtype float32 --insecure')")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.bench.sweep_layouts import Layout, cpu_plan, device_plan
+from pdserve.cli_help import pins_cpus
 from pdserve.bench.sweep_metrics import scrape_metrics
 
 POLL_S = 0.2
@@ -28,7 +29,7 @@ class ClusterError(RuntimeError):
 class ClusterSpec:
     model: str
     device: str = "cpu"  # cpu or cuda
-    pin_cpus: bool = True
+    pin_cpus: bool | None = None  # --pin-cpus as given: None pins where the engines fit the cores (pins_cpus)
     cores_per_engine: int = 1
     devices: list[str] | None = None  # GPU indices on cuda
     up_args: list[str] = field(default_factory=list)  # more `pdserve up` flags, as given
@@ -70,9 +71,19 @@ def up_command(spec: ClusterSpec, layout: Layout, log_dir: Path) -> list[str]:
         if prefill_gpus:
             command += ["--prefill-devices", ",".join(prefill_gpus)]
         command += ["--decode-devices", ",".join(decode_gpus)]
-    elif spec.pin_cpus:
-        command.append("--pin-cpus")
+    else:  # resolved here, so `up` pins exactly when the sweep gave it the cores to
+        command.append("--pin-cpus" if engine_cores(spec, layout) else "--no-pin-cpus")
     return command + spec.up_args
+
+
+def engine_cores(spec: ClusterSpec, layout: Layout) -> list[int] | None:
+    """The cores a layout's `pdserve up` is pinned to on CPU (cpu_plan), or None where it is not pinned."""
+    if spec.device.startswith("cuda"):
+        return None
+    available = sorted(os.sched_getaffinity(0))
+    if not pins_cpus(spec.pin_cpus, layout.num_engines * spec.cores_per_engine, len(available)):
+        return None
+    return cpu_plan(layout, available, spec.cores_per_engine)
 
 
 class Cluster:
@@ -101,11 +112,9 @@ class Cluster:
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         command = up_command(self.spec, self.layout, self.log_dir)
-        cores = None
-        if not self.spec.device.startswith("cuda") and self.spec.pin_cpus:
-            available = sorted(os.sched_getaffinity(0))
-            cores = cpu_plan(self.layout, available, self.spec.cores_per_engine)
-            self.client_cores = [core for core in available if core not in cores] or None
+        cores = engine_cores(self.spec, self.layout)
+        if cores:
+            self.client_cores = [core for core in sorted(os.sched_getaffinity(0)) if core not in cores] or None
         env = {**os.environ, **({"PDSERVE_API_KEY": self.spec.api_key} if self.spec.api_key else {})}
         with open(self.output_path, "w") as output:
             # its own session: a Ctrl-C at the terminal reaches the sweep, which then stops `up` in order

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,19 +25,27 @@ REFERENCE_PHASE = "reference"  # a sweep's reference runs: the machine's speed a
 
 def parse_slos(items: list[str] | None, flag: str = "--goodput") -> dict[str, float]:
     """["ttft:500", "tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds); errors name `flag`."""
-    slos: dict[str, float] = {}
+    return parse_metric_values(items, lambda ms: ms > 0, lambda item: (
+        f"{flag} {item!r}: give METRIC:MILLISECONDS with METRIC one of {', '.join(SLO_METRICS)} and a positive "
+        "number, e.g. ttft:500 tpot:50"))
+
+
+def parse_metric_values(items: list[str] | None, accepts: Callable[[float], bool],
+                        problem: Callable[[str], str]) -> dict[str, float]:
+    """["ttft:4", ...] -> {"ttft": 4.0, ...}: each item METRIC:VALUE with METRIC one of SLO_METRICS and a finite
+    VALUE that `accepts` takes, else a ValueError saying problem(item)."""
+    values: dict[str, float] = {}
     for item in items or []:
-        name, sep, value = item.partition(":")
+        name, sep, text = item.partition(":")
         name = name.strip().lower()
         try:
-            milliseconds = float(value)
+            value = float(text)
         except ValueError:
-            milliseconds = math.nan
-        if not sep or name not in SLO_METRICS or not milliseconds > 0 or math.isinf(milliseconds):
-            raise ValueError(f"{flag} {item!r}: give METRIC:MILLISECONDS with METRIC one of "
-                             f"{', '.join(SLO_METRICS)} and a positive number, e.g. ttft:500 tpot:50")
-        slos[name] = milliseconds
-    return slos
+            value = math.nan
+        if not sep or name not in SLO_METRICS or not math.isfinite(value) or not accepts(value):
+            raise ValueError(problem(item))
+        values[name] = value
+    return values
 
 
 def request_latencies_ms(result: dict, index: int) -> dict[str, float]:

@@ -6,26 +6,16 @@ from __future__ import annotations
 
 import math
 
-from pdserve.bench.sweep_results import SLO_METRICS
+from pdserve.bench.sweep_results import SLO_METRICS, parse_metric_values
 
 UNLOADED_PHASE = "unloaded"
 
 
 def parse_slo_factors(items: list[str] | None) -> dict[str, float]:
     """["ttft:4", "tpot:1.3"] -> {"ttft": 4.0, "tpot": 1.3}."""
-    factors: dict[str, float] = {}
-    for item in items or []:
-        name, sep, value = item.partition(":")
-        name = name.strip().lower()
-        try:
-            factor = float(value)
-        except ValueError:
-            factor = math.nan
-        if not sep or name not in SLO_METRICS or not factor >= 1 or math.isinf(factor):
-            raise ValueError(f"--slo-factors {item!r}: give METRIC:FACTOR with METRIC one of {', '.join(SLO_METRICS)} "
-                             f"and a factor >= 1 (an SLO below the unloaded latency cannot be met), e.g. ttft:4 tpot:1.3")
-        factors[name] = factor
-    return factors
+    return parse_metric_values(items, lambda factor: factor >= 1, lambda item: (
+        f"--slo-factors {item!r}: give METRIC:FACTOR with METRIC one of {', '.join(SLO_METRICS)} and a factor >= 1 "
+        "(an SLO below the unloaded latency cannot be met), e.g. ttft:4 tpot:1.3"))
 
 
 def slos_from_unloaded(rows: list[dict], factors: dict[str, float]) -> tuple[dict[str, float], dict]:

@@ -12,12 +12,10 @@ Needs podman, podman-compose and the built image (deploy/container_smoke.sh make
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -25,9 +23,9 @@ from pathlib import Path
 from pdserve.bench.sweep_cluster import Cluster, ClusterSpec
 from pdserve.bench.sweep_layouts import parse_layout
 from pdserve.bench.sweep_results import RunInfo
-from pdserve.bench.sweep_runs import BenchOptions, run_bench, warm_up
+from pdserve.bench.sweep_runs import BenchOptions
 
-from ab_runs import median_table  # experiments/ab_runs.py, beside this script
+from ab_runs import bench_figures, median_table, output_dir, run_alternating, save_and_print  # experiments/ab_runs.py
 from ab_runs import mode_order as ab_order
 
 PROJECT = "pdserve-cpu-bench"
@@ -101,11 +99,7 @@ def bench_once(options: BenchOptions, url: str, name: str, out: Path, request_ra
     layout = parse_layout("1P1D")
     info = RunInfo(config=name, num_engines=layout.num_engines, phase="sweep", request_rate=request_rate,
                    max_concurrency=None, num_prefill=1, num_decode=1)
-    warm_up(options, url, count=4)
-    _, result = run_bench(options, url, info, out, slos={})
-    if result is None or result["failed"]:
-        raise RuntimeError(f"the run {name} did not complete every request: see {out}")
-    return {figure: result[figure] for figure in FIGURES}
+    return bench_figures(options, url, info, out, FIGURES)
 
 
 def one_run(args: argparse.Namespace, mode: str, index: int, out: Path, stack: ComposeStack) -> dict:
@@ -131,19 +125,14 @@ def report(results: dict[str, list[dict]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = Path(args.output_dir or tempfile.mkdtemp(prefix="pdserve-container-cost-"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args.output_dir, "pdserve-container-cost-")
     stack = ComposeStack(args.compose_file)
-    results: dict[str, list[dict]] = {"containers": [], "bare": []}
     try:
-        for index, mode in enumerate(mode_order(args.repeats)):
-            results[mode].append(one_run(args, mode, index, out, stack))
+        results = run_alternating(("containers", "bare"), args.repeats,
+                                  lambda mode, index: one_run(args, mode, index, out, stack))
     finally:
         stack.compose("down", "-v", "-t", "5")
-    (out / "container_cost.json").write_text(json.dumps(results, indent=2))
-    print(report(results))
-    print(f"runs and logs: {out}")
-    return 0
+    return save_and_print(results, out, "container_cost", report(results))
 
 
 if __name__ == "__main__":

@@ -10,24 +10,22 @@ and the CURVE/plaintext ratio of each figure.
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
 from pathlib import Path
 
 from pdserve.bench.sweep_cluster import Cluster, ClusterSpec
 from pdserve.bench.sweep_layouts import parse_layout
 from pdserve.bench.sweep_results import RunInfo
-from pdserve.bench.sweep_runs import BenchOptions, run_bench, warm_up
+from pdserve.bench.sweep_runs import BenchOptions
 
-from ab_runs import median_table  # experiments/ab_runs.py, beside this script
+from ab_runs import bench_figures, median_table, output_dir, run_alternating, save_and_print  # experiments/ab_runs.py
 from ab_runs import mode_order as ab_order
 
 MODES = {"curve": [], "insecure": ["--insecure"]}
 FIGURES = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "median_itl_ms", "output_throughput")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None, doc: str = __doc__) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a Hugging Face model directory")
     parser.add_argument("--layout", default="1P1D", help="xPyD layout of each `pdserve up`")
     parser.add_argument("--repeats", type=int, default=2, help="runs per mode (alternating: ABBA ...)")
@@ -44,8 +42,12 @@ def mode_order(repeats: int) -> list[str]:
 
 
 def one_run(args: argparse.Namespace, mode: str, index: int, out: Path) -> dict:
+    return bench_against_up(args, ClusterSpec(model=args.model, up_args=MODES[mode]), mode, index, out)
+
+
+def bench_against_up(args: argparse.Namespace, spec: ClusterSpec, mode: str, index: int, out: Path) -> dict:
+    """One `pdserve up` of args.layout started as `spec` says, warmed, and one bench load against it: FIGURES."""
     layout = parse_layout(args.layout)
-    spec = ClusterSpec(model=args.model, up_args=MODES[mode])
     options = BenchOptions(model=args.model, num_prompts=args.num_prompts, seed=index,
                            dataset_args=["--dataset", "random", "--input-len", str(args.input_len),
                                          "--output-len", str(args.output_len)])
@@ -53,11 +55,7 @@ def one_run(args: argparse.Namespace, mode: str, index: int, out: Path) -> dict:
                    request_rate=float("inf"), max_concurrency=args.max_concurrency,
                    num_prefill=layout.num_prefill, num_decode=layout.num_decode)
     with Cluster(spec, layout, out / f"{mode}-{index}") as cluster:
-        warm_up(options, cluster.url, count=4)
-        _, result = run_bench(options, cluster.url, info, out, slos={}, client_cores=cluster.client_cores)
-    if result is None or result["failed"]:
-        raise RuntimeError(f"the {mode} run {index} did not complete every request: see {out}")
-    return {figure: result[figure] for figure in FIGURES}
+        return bench_figures(options, cluster.url, info, out, FIGURES, cluster.client_cores)
 
 
 def report(results: dict[str, list[dict]]) -> str:
@@ -66,15 +64,9 @@ def report(results: dict[str, list[dict]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = Path(args.output_dir or tempfile.mkdtemp(prefix="pdserve-curve-cost-"))
-    out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict]] = {mode: [] for mode in MODES}
-    for index, mode in enumerate(mode_order(args.repeats)):
-        results[mode].append(one_run(args, mode, index, out))
-    (out / "curve_cost.json").write_text(json.dumps(results, indent=2))
-    print(report(results))
-    print(f"runs and logs: {out}")
-    return 0
+    out = output_dir(args.output_dir, "pdserve-curve-cost-")
+    results = run_alternating(tuple(MODES), args.repeats, lambda mode, index: one_run(args, mode, index, out))
+    return save_and_print(results, out, "curve_cost", report(results))
 
 
 if __name__ == "__main__":

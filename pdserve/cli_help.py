@@ -76,6 +76,21 @@ FOREIGN_FLAGS = {
 }
 
 
+def add_pin_cpus_arg(parser: argparse.ArgumentParser) -> None:
+    """`--pin-cpus / --no-pin-cpus`: one flag with one default for `pdserve up` and `pdserve sweep`, so that a
+    bench against `up` and a sweep's runs see engines placed alike (docs/serving/deploy.md, "Core pinning")."""
+    parser.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=None,
+                        help="on CPU: give each engine its own cores (sched_setaffinity) and a thread per core; "
+                             "--no-pin-cpus: torch's threads, placed by the OS (default: pinned when every engine "
+                             "gets cores of its own, else not)")
+
+
+def pins_cpus(pin_cpus: bool | None, cores_wanted: int, cores_available: int) -> bool:
+    """--pin-cpus resolved: as given, else pinned when the engines' cores (one each, or --cores-per-engine) fit the
+    cores this process may use."""
+    return pin_cpus if pin_cpus is not None else cores_wanted <= cores_available
+
+
 def unrecognized_message(unknown: list[str], known_flags: list[str] = ()) -> str:
     """argparse's "unrecognized arguments" plus, for each flag vLLM or SGLang users bring along (or a model given
     as a positional argument, as `vllm serve MODEL` takes it), what pdserve takes instead, and for a near miss

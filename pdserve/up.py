@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pdserve.cli_help import DeprecatedFlag
+from pdserve.cli_help import DeprecatedFlag, add_pin_cpus_arg, pins_cpus
 from pdserve.router.config import open_api_warning
 from pdserve.router_cli import LOG_LEVELS, check_router_flags, resolve_model
 from pdserve.supervisor import Component, ComponentFailed, RestartPolicy, Supervisor, full_disk_note, log_tail
@@ -41,8 +41,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                         help="with --device cuda: comma-separated GPU indices for prefill engines (default 0..N-1)")
     parser.add_argument("--decode-devices", default=None,
                         help="with --device cuda: GPU indices for decode engines (default: the next M GPUs)")
-    parser.add_argument("--pin-cpus", action="store_true",
-                        help="on CPU: give each engine its own cores (sched_setaffinity) and threads to match")
+    add_pin_cpus_arg(parser)
     parser.add_argument("--log-dir", default=None,
                         help="where each component's log file goes (default: a new up-<time> folder under "
                              "~/.cache/pdserve/logs, or $PDSERVE_CACHE/logs; the last 10 are kept)")
@@ -157,7 +156,8 @@ def engine_components(args: argparse.Namespace, model: str, registration: str) -
     gpus = (_devices(args.prefill_devices, args.num_prefill, 0)
             + _devices(args.decode_devices, args.num_decode, args.num_prefill) if cuda else [])
     cores = sorted(os.sched_getaffinity(0))
-    cpu_sets = split_cpus(cores, len(roles)) if args.pin_cpus and not cuda else None
+    pinned = not cuda and pins_cpus(args.pin_cpus, len(roles), len(cores))
+    cpu_sets = split_cpus(cores, len(roles)) if pinned else None
     shared_threads = cpu_threads_each(len(cores), len(roles))
     components = []
     for position, (role, index) in enumerate(zip(roles, indexes)):

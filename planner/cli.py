@@ -178,7 +178,8 @@ def up_command(best: dict, args: argparse.Namespace, profile: Profile) -> str:
     device = str(profile.machine.get("device", "cpu")).split(":")[0]
     words = ["pdserve", "up"] + (["--model", args.model] if args.model else [])
     words += ["--num-prefill", str(best["num_prefill"]), "--num-decode", str(best["num_decode"])]
-    words += ([] if device == "cpu" else ["--device", device]) + (["--dtype", profile.engine.dtype] if profile.engine.dtype else [])
+    words += [] if device == "cpu" else ["--device", device]
+    words += ["--dtype", profile.engine.dtype] if profile.engine.dtype else []  # unknown: up's own default
     if profile.engine.max_num_batched_tokens != 2048:
         words += ["--max-num-batched-tokens", str(profile.engine.max_num_batched_tokens)]
     for flag, value, default in (("--prefill-policy", args.prefill_policy, "prefix_aware"),

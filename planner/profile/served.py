@@ -46,8 +46,9 @@ def served_engine(model: str, core: int, max_num_batched_tokens: int, dtype: str
     allowed = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {core})  # the engine process inherits the one core
     try:
-        engine = EngineProcess("decode", model, "--max-num-batched-tokens", str(max_num_batched_tokens), "--dtype", dtype,
-                               "--curve-dir", str(work / "keys"), env={"OMP_NUM_THREADS": "1"}, log_dir=work)
+        engine = EngineProcess("decode", model, "--max-num-batched-tokens", str(max_num_batched_tokens),
+                               "--dtype", dtype, "--curve-dir", str(work / "keys"), env={"OMP_NUM_THREADS": "1"},
+                               log_dir=work)
     finally:
         os.sched_setaffinity(0, allowed)
     driver = Driver(engine, curve=load_cluster_keys(work / "keys").client)

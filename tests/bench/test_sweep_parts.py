@@ -151,49 +151,29 @@ def test_slo_attainment_counts_every_request_failed_ones_as_misses():
 
 # ---- /metrics ----
 
-BEFORE = """\
-# TYPE pdserve_kv_bytes_sent counter
-pdserve_kv_bytes_sent_total{engine="prefill-0",role="prefill"} 1000.0
-# TYPE pdserve_kv_bytes_received counter
-pdserve_kv_bytes_received_total{engine="decode-0",role="decode"} 1000.0
-# TYPE pdserve_kv_transfers counter
-pdserve_kv_transfers_total{engine="prefill-0",role="prefill"} 2.0
-pdserve_kv_transfers_total{engine="decode-0",role="decode"} 2.0
-# TYPE pdserve_kv_transfer_seconds counter
-pdserve_kv_transfer_seconds_total{engine="prefill-0",role="prefill"} 0.01
-pdserve_kv_transfer_seconds_total{engine="decode-0",role="decode"} 0.2
-# TYPE pdserve_prefix_cache_queries counter
-pdserve_prefix_cache_queries_total{engine="prefill-0",role="prefill"} 100.0
-pdserve_prefix_cache_queries_total{engine="decode-0",role="decode"} 100.0
-# TYPE pdserve_prefix_cache_hits counter
-pdserve_prefix_cache_hits_total{engine="prefill-0",role="prefill"} 10.0
-pdserve_prefix_cache_hits_total{engine="decode-0",role="decode"} 50.0
-# TYPE process_cpu_seconds counter
-process_cpu_seconds_total 12.5
-"""
-AFTER = """\
-# TYPE pdserve_kv_bytes_sent counter
-pdserve_kv_bytes_sent_total{engine="prefill-0",role="prefill"} 5000.0
-# TYPE pdserve_kv_bytes_received counter
-pdserve_kv_bytes_received_total{engine="decode-0",role="decode"} 5000.0
-# TYPE pdserve_kv_transfers counter
-pdserve_kv_transfers_total{engine="prefill-0",role="prefill"} 6.0
-pdserve_kv_transfers_total{engine="decode-0",role="decode"} 6.0
-# TYPE pdserve_kv_transfer_seconds counter
-pdserve_kv_transfer_seconds_total{engine="prefill-0",role="prefill"} 0.05
-pdserve_kv_transfer_seconds_total{engine="decode-0",role="decode"} 0.6
-# TYPE pdserve_prefix_cache_queries counter
-pdserve_prefix_cache_queries_total{engine="prefill-0",role="prefill"} 300.0
-pdserve_prefix_cache_queries_total{engine="decode-0",role="decode"} 30.0
-# TYPE pdserve_prefix_cache_hits counter
-pdserve_prefix_cache_hits_total{engine="prefill-0",role="prefill"} 60.0
-pdserve_prefix_cache_hits_total{engine="decode-0",role="decode"} 3.0
-# TYPE pdserve_num_requests_waiting gauge
-pdserve_num_requests_waiting{engine="prefill-0",role="prefill"} 3.0
-pdserve_num_requests_waiting{engine="decode-0",role="decode"} 1.0
-# TYPE process_cpu_seconds counter
-process_cpu_seconds_total 14.0
-"""
+ENGINES = ("prefill", "decode")
+
+
+def exposition(counters: dict[str, tuple[float | None, float | None]], router_cpu_s: float,
+               waiting: tuple[float, float] | None = None) -> str:
+    """/metrics text as the router serves it: each pdserve counter's (prefill-0, decode-0) totals (None: that
+    engine has none), the engines' waiting gauges, and the router's own CPU."""
+    lines = []
+    families = [(name, "counter", "_total", values) for name, values in counters.items()]
+    families += [("num_requests_waiting", "gauge", "", waiting)] if waiting else []
+    for name, kind, suffix, values in families:
+        lines.append(f"# TYPE pdserve_{name} {kind}")
+        lines += [f'pdserve_{name}{suffix}{{engine="{role}-0",role="{role}"}} {float(value)!r}'
+                  for role, value in zip(ENGINES, values) if value is not None]
+    return "\n".join([*lines, "# TYPE process_cpu_seconds counter", f"process_cpu_seconds_total {router_cpu_s!r}", ""])
+
+
+BEFORE = exposition({"kv_bytes_sent": (1000, None), "kv_bytes_received": (None, 1000), "kv_transfers": (2, 2),
+                     "kv_transfer_seconds": (0.01, 0.2), "prefix_cache_queries": (100, 100),
+                     "prefix_cache_hits": (10, 50)}, router_cpu_s=12.5)
+AFTER = exposition({"kv_bytes_sent": (5000, None), "kv_bytes_received": (None, 5000), "kv_transfers": (6, 6),
+                    "kv_transfer_seconds": (0.05, 0.6), "prefix_cache_queries": (300, 30),
+                    "prefix_cache_hits": (60, 3)}, router_cpu_s=14.0, waiting=(3, 1))
 
 
 def samples_of(text: str):

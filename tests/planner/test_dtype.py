@@ -30,7 +30,8 @@ def test_validate_refuses_a_sweep_whose_engines_computed_in_another_dtype(profil
 def test_validate_replays_a_sweep_in_the_profiles_dtype_and_names_it(profile_path, tmp_path, tiny_model, capsys):
     write_sweep(tmp_path / "sweep", tiny_model, load_profile(profile_path), dtype="float32")
     assert validate(profile_path, tmp_path / "sweep", tmp_path / "out") == 0
-    assert "the profile's engine: cpu (synthetic; native bf16 no, AMX no), computing in float32" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "the profile's engine: cpu (synthetic; native bf16 no, AMX no), computing in float32" in printed
     assert (tmp_path / "out" / "validation.json").exists()
 
 

@@ -149,9 +149,11 @@ def test_up_shares_the_cores_out_as_threads_among_three_engines_or_more(monkeypa
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     components = engine_components(up_args("--num-prefill", "1", "--num-decode", "2"), "/m", "tcp://r:1")
     assert [c.env["OMP_NUM_THREADS"] for c in components] == ["1", "1", "1"] and all(c.cpus is None for c in components)
-    assert all("OMP_NUM_THREADS" not in c.env for c in engine_components(up_args(), "/m", "tcp://r:1")), "1P1D"
+    unpinned = engine_components(up_args("--no-pin-cpus"), "/m", "tcp://r:1")
+    assert all("OMP_NUM_THREADS" not in c.env for c in unpinned), "1P1D"
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
-    components = engine_components(up_args("--num-prefill", "2", "--num-decode", "2"), "/m", "tcp://r:1")
+    components = engine_components(up_args("--num-prefill", "2", "--num-decode", "2", "--no-pin-cpus"), "/m",
+                                   "tcp://r:1")
     assert [c.env["OMP_NUM_THREADS"] for c in components] == ["2"] * 4
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the operator's own choice stands
