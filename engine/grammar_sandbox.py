@@ -52,11 +52,14 @@ class WorkerDied(Exception):
 
 
 class _Worker:
-    def __init__(self, config: SandboxConfig) -> None:
+    """One worker process speaking grammar_worker's frames; `command` runs another worker module on the same
+    frames (router/template_sandbox.py's)."""
+
+    def __init__(self, config: SandboxConfig, command: list[str] | None = None) -> None:
         self.config = config
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.engine.grammar_worker", str(config.memory_bytes), str(config.cpu_s),
-             str(config.stack_bytes)],
+            command or [sys.executable, "-m", "pdserve.engine.grammar_worker", str(config.memory_bytes),
+                        str(config.cpu_s), str(config.stack_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.ready = False  # its ready frame read
 

@@ -267,7 +267,7 @@ def _install_generation_routes(app: FastAPI, gateway: Gateway, key_checked: list
         body = with_tags_shown(body, tools)
         constraint = await checked_constraint(body, gateway.preprocessor, tools, origin_of(request))
         text, token_ids = await gateway.preprocessor.run(gateway.tokenization.chat_prompt, body,
-                                                         config.allow_request_chat_template, max_model_len)
+                                                         gateway.template_sandbox, max_model_len)
         specs = chat_specs(body, token_ids, max_model_len, config.max_n, gateway.generation_defaults, vocab_size,
                            constraint)
         formatter = partial(  # built by respond() once the engines have the request

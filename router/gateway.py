@@ -3,6 +3,8 @@ metrics, admission) that the API handlers and the generation code share."""
 
 from __future__ import annotations
 
+import asyncio
+
 from pdserve.engine.generation_defaults import load_generation_defaults
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import NoEngineAvailable, Overloaded
@@ -10,6 +12,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import Route, RoutingPolicy
 from pdserve.router.preprocess import Preprocessor
 from pdserve.router.registry import EngineRegistry
+from pdserve.router.template_sandbox import TemplateSandbox
 from pdserve.router.tokenization import Tokenization
 
 
@@ -20,6 +23,9 @@ class Gateway:
         self.generation_defaults = load_generation_defaults(config.model)  # generation_config.json's sampling
         self.preprocessor = Preprocessor(config.num_preprocess_threads, config.preprocess_timeout_s,
                                          max_waiting=config.max_concurrent_requests)
+        # request-supplied chat templates are rendered in killable worker processes, started with the router
+        self.template_sandbox = (TemplateSandbox(config.model, config.preprocess_timeout_s)
+                                 if config.allow_request_chat_template else None)
         self.registry = EngineRegistry(config)
         self.policy = RoutingPolicy(config)
         self.metrics = RouterMetrics(self.registry.links)
@@ -28,9 +34,13 @@ class Gateway:
 
     async def start(self) -> None:
         await self.registry.start()
+        if self.template_sandbox is not None:  # ready before the router says it is
+            await asyncio.to_thread(self.template_sandbox.wait_started)
 
     async def close(self) -> None:
         self.preprocessor.close()
+        if self.template_sandbox is not None:
+            self.template_sandbox.close()
         await self.registry.close()
 
     # ---- admission ----

@@ -14,6 +14,7 @@ from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.prompt_bound import PromptBound
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.template_sandbox import TemplateSandbox
 from pdserve.router.tool_calls import template_tools
 
 
@@ -62,17 +63,22 @@ class Tokenization:
                 f"model covers at most {bound.max_token_len} {bound.unit()}), but the model's context length is "
                 f"{max_model_len} tokens: shorten the prompt", param=param)
 
-    def chat_prompt(self, request: ChatCompletionRequest, allow_template: bool = False,
+    def chat_prompt(self, request: ChatCompletionRequest, template_sandbox: TemplateSandbox | None = None,
                     max_model_len: int | None = None) -> tuple[str, list[int]]:
         """The chat template applied to the messages (and the request's tools, for templates that show them),
         then tokenized (the template adds the special tokens); a rendered prompt that cannot fit
-        max_model_len tokens is refused before it is tokenized. The request's tool choice is checked before
+        max_model_len tokens is refused before it is tokenized. A template in the request is allowed only with
+        a template_sandbox, and rendered in it. The request's tool choice is checked before
         (router/tool_calls.py)."""
         conversation = [message.model_dump(exclude_none=True) for message in request.messages]
+        options = dict(add_generation_prompt=request.add_generation_prompt,
+                       continue_final_message=request.continue_final_message, tools=template_tools(request),
+                       **self.template_kwargs(request, template_sandbox is not None))
         try:
-            text = render_chat(self.tokenizer, conversation, add_generation_prompt=request.add_generation_prompt,
-                               continue_final_message=request.continue_final_message, tools=template_tools(request),
-                               **self.template_kwargs(request, allow_template))
+            if "chat_template" in options:
+                text = template_sandbox.render(conversation, **options)
+            else:
+                text = render_chat(self.tokenizer, conversation, **options)
         except InvalidRequestError as exc:
             raise InvalidRequest(str(exc), param=exc.field) from exc
         self.check_fits(text, max_model_len, "messages")

@@ -22,7 +22,7 @@ ALLOWED = {
     "decode": {"engine", "kernels", "control", "kvtransfer"},
     # the torch-free engine modules the router shares
     "router": {"control", "engine.tokenizer", "engine.detokenizer", "engine.block_pool", "engine.generation_defaults",
-               "engine.chat", "engine.grammar"},
+               "engine.chat", "engine.grammar", "engine.grammar_sandbox", "engine.grammar_worker"},
     # `pdserve bench` and `sweep`: any OpenAI-compatible server, and `pdserve up` as a subprocess
     "bench": {"cli_help", "progress", "router_cli", "engine.config", "engine.tokenizer"},
     # `pdserve profile` and `plan`: bench's datasets and metrics, the public engine API, the wire and the KV link

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 import time
 
 import httpx
@@ -16,7 +17,7 @@ import zmq
 
 from pdserve.control.messages import Register
 from pdserve.control.protocol import encode
-from pdserve.router.preprocess import QUEUE_WAIT_FACTOR
+from pdserve.router.preprocess import QUEUE_WAIT_FACTOR, PreprocessTimeout
 from tests.router.conftest import assert_openai_error, router_app, router_server, wait_until
 from tests.router.fake_engine import FakeEngine, fake_tokens
 
@@ -136,29 +137,31 @@ def test_runaway_renders_on_every_thread_make_waiting_requests_503_not_400(tiny_
     for that time (no 400 for a prompt it did not send): it gets a 503 with Retry-After once no thread has
     come free for QUEUE_WAIT_FACTOR time limits."""
     async def scenario():
-        async with router_app(tiny_model, tokenization, allow_request_chat_template=True, num_preprocess_threads=1,
+        async with router_app(tiny_model, tokenization, num_preprocess_threads=1,
                               preprocess_timeout_s=0.2) as (gateway, client):
             async with serving(gateway, engine_id="d0"):
-                runaway = asyncio.create_task(client.post("/v1/chat/completions",
-                                                          json=chat(chat_template=TEMPLATE_BOMB)))
+                release = threading.Event()  # a job that ignores its time limit (request templates are killed)
+                runaway = asyncio.create_task(gateway.preprocessor.run(release.wait, 30))
                 await wait_until(lambda: gateway.preprocessor.num_running == 1, what="the runaway on the thread")
                 started = time.monotonic()
                 waiting = await client.post("/v1/chat/completions", json=chat())
                 assert assert_openai_error(waiting, 503)["code"] == "server_busy"
                 assert waiting.headers["Retry-After"] == "1"
                 assert time.monotonic() - started >= QUEUE_WAIT_FACTOR * 0.2
-                assert assert_openai_error(await runaway, 400)["code"] == "preprocessing_timeout"
+                with pytest.raises(PreprocessTimeout):
+                    await runaway
+                release.set()
     run(scenario())
 
 
 def test_requests_waiting_for_a_tokenizer_thread_are_bounded(tiny_model, tokenization):
     """Waiting requests hold their bodies: no more than --max-concurrent-requests wait; the next gets a 503 at once."""
     async def scenario():
-        async with router_app(tiny_model, tokenization, allow_request_chat_template=True, num_preprocess_threads=1,
+        async with router_app(tiny_model, tokenization, num_preprocess_threads=1,
                               preprocess_timeout_s=0.5, max_concurrent_requests=2) as (gateway, client):
             async with serving(gateway, engine_id="d0"):
-                runaway = asyncio.create_task(client.post("/v1/chat/completions",
-                                                          json=chat(chat_template=TEMPLATE_BOMB)))
+                release = threading.Event()  # a job that ignores its time limit (request templates are killed)
+                runaway = asyncio.create_task(gateway.preprocessor.run(release.wait, 30))
                 await wait_until(lambda: gateway.preprocessor.num_running == 1, what="the runaway on the thread")
                 waiting = [asyncio.create_task(client.post("/v1/chat/completions", json=chat())) for _ in range(2)]
                 await wait_until(lambda: gateway.preprocessor.num_waiting == 2, what="two requests waiting")
@@ -167,7 +170,10 @@ def test_requests_waiting_for_a_tokenizer_thread_are_bounded(tiny_model, tokeniz
                 assert time.monotonic() - started < 1.0
                 error = assert_openai_error(refused, 503)
                 assert error["code"] == "server_busy" and "2 requests are already waiting" in error["message"]
-                for task in (runaway, *waiting):
+                with pytest.raises(PreprocessTimeout):
+                    await runaway
+                release.set()
+                for task in waiting:
                     await task
     run(scenario())
 
