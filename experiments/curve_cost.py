@@ -24,8 +24,8 @@ MODES = {"curve": [], "insecure": ["--insecure"]}
 FIGURES = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "median_itl_ms", "output_throughput")
 
 
-def parse_args(argv: list[str] | None = None, doc: str = __doc__) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a Hugging Face model directory")
     parser.add_argument("--layout", default="1P1D", help="xPyD layout of each `pdserve up`")
     parser.add_argument("--repeats", type=int, default=2, help="runs per mode (alternating: ABBA ...)")
