@@ -9,7 +9,8 @@ A full block is published to the prefix cache (hash -> block) once its KV is (or
 the step in flight) valid; blocks waiting for remote KV are published later by cache_blocks().
 
 With a sliding window shared by every layer, a block whose tokens all left the window of the request's
-next token is freed at the next allocate_slots and its entry becomes None (get_block_ids shows
+next token is freed at the next allocate_slots (external tokens' blocks before the window of the first
+token computed after them are never allocated) and its entry becomes None (get_block_ids shows
 SKIPPED_BLOCK_ID there, a position attention never reads). A freed block stays in the prefix cache until
 evicted; a prefix hit needs only the cached blocks its first new token can see.
 
@@ -144,10 +145,10 @@ class KVCacheManager:
         )
         num_total_tokens = (request.num_computed_tokens + num_new_computed_tokens
                             + num_external_computed_tokens + num_new_tokens)
-        self._free_outside_window(req_blocks, request.num_computed_tokens + num_new_computed_tokens
-                                  + num_external_computed_tokens, new_computed_blocks)
+        num_unneeded = self._free_outside_window(req_blocks, request.num_computed_tokens + num_new_computed_tokens
+                                                 + num_external_computed_tokens, new_computed_blocks)
         num_blocks_to_allocate = max(
-            0, _cdiv(num_total_tokens, self.block_size) - len(req_blocks) - len(new_computed_blocks)
+            0, _cdiv(num_total_tokens, self.block_size) - len(req_blocks) - len(new_computed_blocks) - num_unneeded
         )
         # Touching a free cached hit takes it out of the free queue, so it counts against the supply.
         num_free_hits = sum(1 for block in new_computed_blocks if block is not None and block.ref_cnt == 0)
@@ -155,6 +156,7 @@ class KVCacheManager:
             return None
 
         self._append_computed_blocks(request.request_id, req_blocks, new_computed_blocks)
+        req_blocks.extend([None] * num_unneeded)
         new_blocks = self.pool.get_new_blocks(num_blocks_to_allocate)
         req_blocks.extend(new_blocks)
         self.req_to_blocks[request.request_id] = req_blocks
@@ -163,11 +165,13 @@ class KVCacheManager:
         return new_blocks
 
     def _free_outside_window(self, req_blocks: list[KVBlock | None], first_new_position: int,
-                             hits: list[KVBlock]) -> None:
+                             hits: list[KVBlock]) -> int:
         """Free the held blocks (and drop the prefix hits) whose tokens all lie before the window of the
-        token at first_new_position, the first this request computes from now on."""
+        token at first_new_position, the first this request computes from now on. Returns how many blocks
+        after those and the hits lie before it too: external tokens' blocks that nothing will read (a KV
+        link sends a sliding layer only its window), which need no allocation."""
         if self.sliding_window is None:
-            return
+            return 0
         num_skipped = max(0, first_new_position - self.sliding_window + 1) // self.block_size
         leaving = [i for i in range(min(num_skipped, len(req_blocks))) if req_blocks[i] is not None]
         self.pool.free_blocks(req_blocks[i] for i in reversed(leaving))
@@ -175,6 +179,7 @@ class KVCacheManager:
             req_blocks[i] = None
         num_hits_skipped = min(max(0, num_skipped - len(req_blocks)), len(hits))
         hits[:num_hits_skipped] = [None] * num_hits_skipped  # never touched: they stay as they are
+        return max(0, num_skipped - len(req_blocks) - len(hits))
 
     def _check_allocate_args(
         self,

@@ -5,7 +5,7 @@ first decode step, as on a colocated engine."""
 
 from __future__ import annotations
 
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_cache_manager import SKIPPED_BLOCK_ID, KVCacheManager
 from pdserve.kvtransfer.layout import window_start
 from tests.engine.test_kv_cache_manager import BLOCK_SIZE, assert_all_blocks_free, make_request
 
@@ -50,12 +50,15 @@ def test_locally_computed_and_colocated_blocks_are_all_published():
     assert_all_blocks_free(manager)
 
 
-def test_every_layer_sliding_frees_the_blocks_before_the_window_at_the_first_decode_step():
+def test_every_layer_sliding_allocates_only_the_window_for_received_kv():
+    """The blocks before the first decoded token's window are never allocated: nothing writes or reads them."""
     manager = KVCacheManager(32, block_size=BLOCK_SIZE, sliding_window=WINDOW, external_kv_window=WINDOW)
     request = make_request(list(range(200, 224)))  # 24 tokens: position 24 sees 19..24, from block 4 on
     receive(manager, request)
+    assert [block is not None for block in manager.req_to_blocks[request.request_id]] == [False] * 4 + [True] * 2
+    assert manager.get_block_ids(request.request_id)[:4] == [SKIPPED_BLOCK_ID] * 4
     assert published(manager, request) == [False] * 4 + [True] * 2
-    assert manager.num_used_blocks == 6
+    assert manager.num_used_blocks == 2
     request.append_output_token(7)
     assert manager.allocate_slots(request, 1) is not None
     assert [block is not None for block in manager.req_to_blocks[request.request_id]] == [False] * 4 + [True] * 3
@@ -67,5 +70,20 @@ def test_every_layer_sliding_frees_the_blocks_before_the_window_at_the_first_dec
     assert num_hit == 24 and hits[4] is manager.req_to_blocks[request.request_id][4]
     # One that would need an unpublished block (a hit at 20 needs block 3) gets none.
     assert manager.get_computed_blocks(make_request(list(range(200, 220)) + [1, 2, 3]))[1] == 0
+    manager.free(request)
+    assert_all_blocks_free(manager)
+
+
+def test_a_received_prompt_longer_than_the_pool_fits_when_its_window_does():
+    manager = KVCacheManager(4, block_size=BLOCK_SIZE, sliding_window=WINDOW, external_kv_window=WINDOW)
+    request = make_request(list(range(300, 340)))  # 40 tokens: 10 blocks' worth, in a pool of 4
+    receive(manager, request)
+    assert manager.num_used_blocks == 2  # blocks 8 and 9: positions 32..39, the window of position 40
+    for token in range(3):
+        request.append_output_token(token)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+    assert manager.num_used_blocks <= 3
+    manager.check_invariants()
     manager.free(request)
     assert_all_blocks_free(manager)
