@@ -62,12 +62,18 @@ def send_raw(sock: zmq.Socket, peer: bytes, num_requests: int, num_messages: int
         sock.send_multipart([peer, b"done"])
 
 
-def raw_router(address: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # else a full HWM drops messages instead of waiting
+def raw_socket(kind: int) -> zmq.Socket:
+    """A plain pyzmq socket with the baselines' high-water marks and linger."""
+    sock = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
     sock.setsockopt(zmq.LINGER, 1000)
+    return sock
+
+
+def raw_router(address: str) -> zmq.Socket:
+    sock = raw_socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # else a full HWM drops messages instead of waiting
     sock.bind(address)
     return sock
 
@@ -100,10 +106,7 @@ def receive_raw(sock: zmq.Socket, num_requests: int) -> None:
 
 
 def raw_dealer(address: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.SNDHWM, HWM)
-    sock.setsockopt(zmq.RCVHWM, HWM)
-    sock.setsockopt(zmq.LINGER, 1000)
+    sock = raw_socket(zmq.DEALER)
     sock.connect(address)
     return sock
 

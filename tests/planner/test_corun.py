@@ -16,30 +16,36 @@ from pdserve.planner.model.workload import random_workload
 from tests.planner.test_simulator import model
 
 
+S, PREFILL, FACTOR = 0.1, 1.0, 1.5  # seconds per decode step and per prefill step; the slow-down
+
+
+def two_requests(spec: ClusterSpec, effects: HostEffects):
+    """A (40 tokens out) at 0.0 and B (3 out) at 1.55, 16-token prompts, constant steps: S per decode step,
+    PREFILL per prompt."""
+    cost = model(prefill_intercept=PREFILL, decode_intercept=S)
+    return simulate(spec, cost, [0.0, 1.55], [16, 16], [40, 3], effects=effects)
+
+
 def test_decode_steps_beside_another_engines_prefill_are_slower_by_the_factor():
     # 1P1D, constant steps: s per decode step, P per prefill step, no transfer time. A's prompt is done at P and
     # it decodes from there. B arrives at 1.55: the prefill engine computes it over [1.55, 2.55]. A's step under
     # way at 1.55 (from 1.5) keeps its time; the steps starting at 1.6 .. 2.5 take f * s; from 2.65 on s again.
-    s, prefill, factor = 0.1, 1.0, 1.5
-    cost, corun = model(prefill_intercept=prefill, decode_intercept=s), HostEffects(corun=CoRun.uniform(factor))
-    a, b = simulate(ClusterSpec(1, 1), cost, [0.0, 1.55], [16, 16], [40, 3], effects=corun)
+    s, prefill, factor = S, PREFILL, FACTOR
+    a, b = two_requests(ClusterSpec(1, 1), HostEffects(corun=CoRun.uniform(factor)))
     normal_steps, slowed_steps = 6 + 26, 7  # 39 steps make A's 40 tokens after its first
     assert a.first_token == pytest.approx(prefill)
     assert a.finish == pytest.approx(prefill + normal_steps * s + slowed_steps * factor * s)
     assert b.first_token == pytest.approx(1.55 + prefill)  # a prefill step is not slowed by decodes
     assert b.second_token == pytest.approx(prefill + 6 * s + 7 * factor * s + s)  # joins at 2.65, after A's step
-    alone_a, _ = simulate(ClusterSpec(1, 1), cost, [0.0, 1.55], [16, 16], [40, 3],
-                          effects=HostEffects(corun=CoRun.uniform(1.0)))
+    alone_a, _ = two_requests(ClusterSpec(1, 1), HostEffects(corun=CoRun.uniform(1.0)))
     assert alone_a.finish == pytest.approx(prefill + 39 * s)
 
 
 def test_a_decode_run_is_retimed_when_an_engine_it_does_not_serve_starts_or_ends_a_prefill():
     # 1P2D, round robin: A decodes on the first decode engine, B goes to the second. Only the prefill engine's
     # start (1.55) and end (2.55) of B's prompt reach A's engine, and its run changes speed at the next boundary.
-    s, prefill, factor = 0.1, 1.0, 1.5
-    cost, corun = model(prefill_intercept=prefill, decode_intercept=s), HostEffects(corun=CoRun.uniform(factor))
-    a, b = simulate(ClusterSpec(1, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3],
-                    effects=corun)
+    s, prefill, factor = S, PREFILL, FACTOR
+    a, b = two_requests(ClusterSpec(1, 2, decode_policy="round_robin"), HostEffects(corun=CoRun.uniform(factor)))
     assert a.decode_engine is not b.decode_engine
     assert a.finish == pytest.approx(prefill + (6 + 26) * s + 7 * factor * s)
 
@@ -49,18 +55,16 @@ def test_decode_steps_beside_another_engines_decode_steps_are_slower_by_that_fac
     # over [1.55, 2.55] (no factor for prompts here); B then decodes two steps beside A, each f * s: 2.55-2.70-2.85.
     # A's step under way at 2.55 (from 2.5) keeps its time; the two starting at 2.6 and 2.75 (B decodes then) take
     # f * s; B is done at 2.85, so from A's next boundary (2.9) on, s again.
-    s, prefill, factor = 0.1, 1.0, 1.5
-    cost, beside = model(prefill_intercept=prefill, decode_intercept=s), HostEffects(beside_decode=CoRun.uniform(factor))
-    a, b = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3],
-                    effects=beside)
+    s, prefill, factor = S, PREFILL, FACTOR
+    beside = HostEffects(beside_decode=CoRun.uniform(factor))
+    a, b = two_requests(ClusterSpec(0, 2, decode_policy="round_robin"), beside)
     assert a.decode_engine is not b.decode_engine
     assert b.first_token == pytest.approx(2.55)
     assert b.finish == pytest.approx(2.55 + 2 * factor * s)
     assert a.finish == pytest.approx(prefill + 37 * s + 2 * factor * s)
     # B's prompt slows A too, by the other factor: 8 steps of 1.2 s from 1.6 to 2.56, then 2 of f * s to 2.86
     both = HostEffects(corun=CoRun.uniform(1.2), beside_decode=CoRun.uniform(factor))
-    a_both, _ = simulate(ClusterSpec(0, 2, decode_policy="round_robin"), cost, [0.0, 1.55], [16, 16], [40, 3],
-                         effects=both)
+    a_both, _ = two_requests(ClusterSpec(0, 2, decode_policy="round_robin"), both)
     assert a_both.finish == pytest.approx(prefill + 29 * s + 8 * 1.2 * s + 2 * factor * s)
 
 
