@@ -74,7 +74,7 @@ def test_every_layer_sliding_allocates_only_the_window_for_received_kv():
     assert_all_blocks_free(manager)
 
 
-def test_a_received_prompt_longer_than_the_pool_fits_when_its_window_does():
+def test_a_received_prompt_longer_than_the_pool_holds_only_its_window():
     manager = KVCacheManager(4, block_size=BLOCK_SIZE, sliding_window=WINDOW, external_kv_window=WINDOW)
     request = make_request(list(range(300, 340)))  # 40 tokens: 10 blocks' worth, in a pool of 4
     receive(manager, request)
