@@ -22,6 +22,7 @@ import zmq
 
 from pdserve.control.errors import InvalidRequestError, PeerUnreachableError, ProtocolError, WireError
 from pdserve.control.gc_freeze import freeze_startup_heap
+from pdserve.control.admission import EXIT_NOT_ADMITTED, AdmissionWatch, NotAdmitted
 from pdserve.control.heartbeat import Heartbeat, advertised_address
 from pdserve.control.keys import ClusterCurve
 from pdserve.control.messages import (
@@ -102,6 +103,8 @@ class EngineServer:
         self.owners: dict[str, bytes] = {}  # request id -> control peer that sent it
         self._stop = threading.Event()
         self.heartbeats: list[Heartbeat] = []  # one per router this engine registers with
+        self.admissions: list[AdmissionWatch] = []  # one per router: did it admit this engine?
+        self._contacted = False  # a router reached this engine (control socket or registration link)
         self.advertise_host: str | None = None
         self.progress_file: str | None = None
         self._progress_marked = 0.0
@@ -134,9 +137,18 @@ class EngineServer:
                     stats = self.stats()
                     for heartbeat in self.heartbeats:
                         heartbeat.set_stats(stats)
+                self._check_admission()
                 self._mark_progress()
+        except NotAdmitted as exc:
+            log.error("%s", exc)
+            raise SystemExit(EXIT_NOT_ADMITTED) from None
         finally:
             self.close()
+
+    def _check_admission(self) -> None:
+        for watch in self.admissions:
+            watch.admitted = watch.admitted or self._contacted
+            watch.check()
 
     def enable_progress_file(self, path: str) -> None:
         """Touch `path` as the loop goes round (at most every PROGRESS_MARK_S): its mtime is the loop's
@@ -167,6 +179,8 @@ class EngineServer:
     def close(self) -> None:
         for heartbeat in self.heartbeats:
             heartbeat.stop()
+        for watch in self.admissions:
+            watch.close()
         self.kv_transfer.close()
         self.control.close()
 
@@ -174,6 +188,7 @@ class EngineServer:
 
     def _drain_control(self) -> None:
         for routed in self.control.drain(_refusal, limit=CONTROL_MESSAGES_PER_ITERATION):
+            self._contacted = True  # only an authenticated peer gets a message through
             try:
                 self.handle(routed.peer_id, routed.msg)
             except ValueError as exc:  # InvalidRequestError and friends: the client's fault, named
@@ -261,11 +276,17 @@ class EngineServer:
         for router, register in zip(routers, registrations):
             heartbeat = Heartbeat(router, interval_s, self.curve.client if self.curve else None, stall_s)
             heartbeat.register = register
-            heartbeat.on_message = functools.partial(self.on_router_message, router=router)
+            heartbeat.on_message = functools.partial(self._on_registration_link, router=router)
             heartbeat.set_stats(stats)
             self.heartbeats.append(heartbeat)
+            self.admissions.append(AdmissionWatch(router, heartbeat.socket, register.control_address,
+                                                  secured=self.curve is not None))
         for heartbeat in self.heartbeats:
             heartbeat.start()
+
+    def _on_registration_link(self, msg: Any, router: str = "") -> None:
+        self._contacted = True
+        self.on_router_message(msg, router=router)
 
     def on_router_message(self, msg: Any, router: str = "") -> None:
         """What a router sends on its registration link (on that heartbeat's thread): nothing, by default."""

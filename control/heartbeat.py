@@ -100,6 +100,11 @@ class Heartbeat(threading.Thread):
         # used by this thread only once started; the router never answers on it
         self._client = ClientSocket(router_address, curve=curve, max_message_bytes=CONTROL_MESSAGE_BYTES)
 
+    @property
+    def socket(self):
+        """The DEALER to the router (its connection events tell control/admission.py whether it took us)."""
+        return self._client.socket
+
     def wants_stats(self) -> bool:
         return time.monotonic() - self._stats_time >= self.interval_s / 2
 
