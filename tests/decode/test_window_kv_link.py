@@ -1,4 +1,5 @@
-"""The KV link carries what the decode engine needs of sliding-window layers, and no more: prefill and decode
+"""The KV link carries what the decode engine needs of sliding-window layers, and no more (Mistral: every layer
+slides; Gemma 3 5:1 and gpt-oss 1:1 sliding : full): prefill and decode
 processes over real ZeroMQ, greedy fp32 output equal to transformers, the bytes of every request exactly
 what the layout says (a sliding layer: the blocks its window reaches from the first decoded token; a full
 layer: every token), no block left behind, and a pair whose per-layer windows differ refused with a
@@ -28,6 +29,11 @@ PROMPTS = [list(range(10, 10 + 4 * WINDOW)), list(range(60, 60 + 4 * WINDOW + 3)
 LAYER_WINDOWS = {
     "mistral": [WINDOW, WINDOW],
     "gemma3": [WINDOW] * 5 + [None],
+    "gpt-oss": [WINDOW, None],  # alternating, with attention sinks; experts through transformers' own code
+}
+HF_MODELS = {
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"num_hidden_layers": 6, "query_pre_attn_scalar": 24}),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
@@ -40,10 +46,10 @@ def window_model_dir(model_factory, tmp_path_factory):
             if case == "mistral":
                 built[case] = model_factory("mistral", sliding_window=WINDOW)
             else:
-                fields = {"head_dim": HEAD_DIM, "num_key_value_heads": KV_HEADS, "sliding_window": WINDOW,
-                          "num_hidden_layers": 6, "query_pre_attn_scalar": 24}
-                built[case] = make_hf_model_dir(tmp_path_factory.mktemp("hf-gemma3"), "Gemma3TextConfig",
-                                                "Gemma3ForCausalLM", model_factory("llama"), **fields)
+                config_class, architecture, fields = HF_MODELS[case]
+                fields = {"head_dim": HEAD_DIM, "num_key_value_heads": KV_HEADS, "sliding_window": WINDOW, **fields}
+                built[case] = make_hf_model_dir(tmp_path_factory.mktemp(f"hf-{case}"), config_class, architecture,
+                                                model_factory("llama"), **fields)
         return built[case]
 
     return make
@@ -61,7 +67,8 @@ def full_kv_bytes(prompt_len: int, windows: list[int | None]) -> int:
     return len(windows) * prompt_len * LAYER_TOKEN_BYTES
 
 
-@pytest.mark.parametrize("case, streaming", [("mistral", "on"), ("mistral", "off"), ("gemma3", "on")])
+@pytest.mark.parametrize("case, streaming", [("mistral", "on"), ("mistral", "off"), ("gemma3", "on"),
+                                             ("gpt-oss", "off")])
 def test_only_the_window_travels_and_output_equals_transformers(window_model_dir, case, streaming, tmp_path):
     model_dir = window_model_dir(case)
     windows = LAYER_WINDOWS[case]
