@@ -455,7 +455,7 @@ class DecodeTransferSide(KVTransferSide):
 
 
 def _short_diff(received: list[int], expected: list[int]) -> str:
-    """ "layer 3: 12 of 16 tokens arrived (and 2 more layers short)" """
+    """ "layer 3: 12 of 16 tokens arrived (and 2 more layers)": the first layer that is short or over """
     wrong = [layer for layer, (got, want) in enumerate(zip(received, expected)) if got != want]
     if not wrong:
         return "every layer arrived, but KVDone counts another number of tokens"
