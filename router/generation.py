@@ -33,7 +33,7 @@ import asyncio
 import logging
 import random
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -243,7 +243,7 @@ class ChoiceRunner:
             if emitted:
                 yield Restarted(self.spec.index)
 
-    def _resumer(self, relay: Relay, attempt: int):
+    def _resumer(self, relay: Relay, attempt: int) -> Callable[[Route], Submission]:
         """What a migration calls with the route it found: a new attempt that goes on after the relay's tokens."""
         params = relay.submission.sampling_params or self.spec.sampling_params
 

@@ -47,6 +47,15 @@ def migrations(cluster) -> float:
     return scrape(cluster.url).get("pdserve_router_migrations_total", {}).get((("outcome", "resumed"),), 0.0)
 
 
+def busiest_decode_engine(cluster) -> str:
+    """The decode engine the router has the most requests open on (the policy may put every stream on one)."""
+    inflight = scrape(cluster.url)["pdserve_engine_requests_in_flight"]
+    counts = {dict(labels)["engine"]: value for labels, value in inflight.items() if dict(labels)["role"] == "decode"}
+    busiest = max(counts, key=counts.get)
+    assert counts[busiest] > 0, counts
+    return busiest
+
+
 class Streams:
     """Several streamed completions at once, each read on its own thread; `started` is released once per stream
     that has its second chunk (so every stream is mid-way when the test strikes)."""
@@ -99,31 +108,36 @@ def assert_greedy(offline, results: list[dict]) -> None:
         assert result["usage"].prompt_tokens == len(offline.tokenizer.encode(prompt))
 
 
-def seeded_requests() -> list[dict]:
+def replayed_requests() -> list[dict]:
+    """Requests compared with their own uninterrupted run: seeded sampling (logprobs, a penalty), and a
+    structured output whose matcher must be taken over the tokens already streamed."""
     extra = {"return_token_ids": True, "ignore_eos": True}
+    constrained = {**extra, "structured_outputs": {"regex": "[a-z ]{4000}"}}  # longer than MAX_TOKENS: ends at length
     return [{"prompt": PROMPTS[0], "temperature": 1.0, "top_p": 0.9, "seed": 1234, "logprobs": 2, "extra_body": extra},
-            {"prompt": PROMPTS[1], "temperature": 0.8, "seed": 7, "frequency_penalty": 0.5, "extra_body": extra}]
+            {"prompt": PROMPTS[1], "temperature": 0.8, "seed": 7, "frequency_penalty": 0.5, "extra_body": extra},
+            {"prompt": PROMPTS[2], "temperature": 0.7, "seed": 99, "extra_body": constrained}]
 
 
 def test_a_stopped_decode_engine_hands_its_streams_over_and_its_late_tokens_go_nowhere(cluster, client, offline,
                                                                                         tiny_model):
-    seeded_baseline = Streams(client, tiny_model, seeded_requests()).results()
+    baseline = Streams(client, tiny_model, replayed_requests()).results()
     before = migrations(cluster)
-    streams = Streams(client, tiny_model, greedy_requests() + seeded_requests())
+    streams = Streams(client, tiny_model, greedy_requests() + replayed_requests())
     streams.wait_started()
-    stopped = cluster.pid_of("decode-0")
+    stopped = cluster.pid_of(busiest_decode_engine(cluster))
     os.kill(stopped, signal.SIGSTOP)
     try:
-        results = streams.results()  # the streams decode-0 had go on on decode-1 once it misses heartbeats
+        results = streams.results()  # the stopped engine's streams go on on the other once it misses heartbeats
     finally:
         os.kill(stopped, signal.SIGCONT)
-    assert migrations(cluster) > before, "decode-0 had streams mid-way"
+    assert migrations(cluster) > before, "the stopped engine had streams mid-way"
     assert_greedy(offline, results[:len(PROMPTS)])
-    for result, baseline in zip(results[len(PROMPTS):], seeded_baseline):
-        assert result["token_ids"] == baseline["token_ids"], "a seed's sequence goes on across the migration"
-        assert result["text"] == baseline["text"] and result["usage"].completion_tokens == MAX_TOKENS
-        assert result["logprobs"] == pytest.approx(baseline["logprobs"], abs=1e-3)
-    used = wait_no_kv_used(cluster.url, timeout=60)  # decode-0 is back, and dropped what it was decoding
+    for result, uninterrupted in zip(results[len(PROMPTS):], baseline):
+        assert result["token_ids"] == uninterrupted["token_ids"], "a seed's sequence goes on across the migration"
+        assert result["text"] == uninterrupted["text"] and result["usage"].completion_tokens == MAX_TOKENS
+        assert result["logprobs"] == pytest.approx(uninterrupted["logprobs"], abs=1e-3)
+    assert set(results[-1]["text"]) <= set("abcdefghijklmnopqrstuvwxyz "), "the constraint held across the move"
+    used = wait_no_kv_used(cluster.url, timeout=60)  # the stopped engine is back, and dropped what it was decoding
     assert len(used) == 3 and all(value == 0 for value in used.values()), used
 
 
@@ -132,9 +146,9 @@ def test_kill_9_of_a_decode_engine_loses_no_stream(cluster, client, offline, tin
     before = migrations(cluster)
     streams = Streams(client, tiny_model, greedy_requests() * 2)
     streams.wait_started()
-    os.kill(cluster.pid_of("decode-0"), signal.SIGKILL)
+    os.kill(cluster.pid_of(busiest_decode_engine(cluster)), signal.SIGKILL)
     results = streams.results()
-    assert migrations(cluster) > before, "decode-0 had streams mid-way"
+    assert migrations(cluster) > before, "the killed engine had streams mid-way"
     assert_greedy(offline, results[:len(PROMPTS)])
     assert_greedy(offline, results[len(PROMPTS):])
     used = wait_no_kv_used(cluster.url, timeout=60)
