@@ -1,14 +1,59 @@
 """Where the engine's time goes: torch profiler over one offline generate call (a batch of prompts
-prefilled, then decoded greedily), the ops sorted by their own CPU time.
+prefilled, then decoded greedily), the ops sorted by their own CPU time. With --parts, instead, the
+engine's parts (scheduler, prepare, linears, attention, norms, rotary, sampler, ...) timed in this
+thread's CPU seconds, which a busy host inflates less than wall time; run it on one thread.
 
     OMP_NUM_THREADS=1 taskset -c 0 python experiments/profile_engine.py --model DIR \\
-        --num-prompts 8 --prompt-len 256 --max-tokens 64
+        --num-prompts 8 --prompt-len 256 --max-tokens 64 [--dtype bfloat16] [--parts]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import time
+
+# (module, attribute, part): what --parts times; nested parts are inside "forward + logits"
+PARTS = [
+    ("pdserve.engine.engine_core", "EngineCore.step", "engine step"),
+    ("pdserve.engine.scheduler", "Scheduler.schedule", "schedule"),
+    ("pdserve.engine.scheduler", "Scheduler.update_from_output", "update from output"),
+    ("pdserve.engine.model_runner", "ModelRunner.prepare", "prepare (step tensors)"),
+    ("pdserve.engine.model_runner", "ModelRunner.step_logits", "forward + logits"),
+    ("pdserve.engine.layers.linear", "_packed_linear", "linears (lm_head too)"),
+    ("pdserve.engine.models.llama", "LlamaForCausalLM.compute_logits", "lm_head"),
+    ("pdserve.kernels.torch_paged", "decode_attention_planned", "decode attention"),
+    ("pdserve.kernels.torch_paged", "prefill_attention_planned", "prefill attention"),
+    ("pdserve.kernels.torch_paged", "store_kv_planned", "KV store"),
+    ("pdserve.kernels.torch_paged", "plan_decode", "decode plan"),
+    ("pdserve.engine.layers.norm", "RMSNorm.forward", "norms"),
+    ("pdserve.engine.layers.rotary", "TableRotation.__call__", "rotary"),
+    ("pdserve.engine.layers.sampler", "Sampler.__call__", "sampler"),
+]
+
+
+def time_parts() -> collections.Counter:
+    """Wrap each of PARTS so that its thread CPU seconds add up in the returned counter."""
+    import importlib
+
+    spent: collections.Counter = collections.Counter()
+    for module_name, attribute, part in PARTS:
+        owner = importlib.import_module(module_name)
+        *path, name = attribute.split(".")
+        for step in path:
+            owner = getattr(owner, step)
+        setattr(owner, name, _timed(getattr(owner, name), part, spent))
+    return spent
+
+
+def _timed(fn, part: str, spent: collections.Counter):
+    def timed(*args, **kwargs):
+        started = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[part] += time.thread_time() - started
+    return timed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,20 +63,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rows", type=int, default=14, help="ops to list")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--parts", action="store_true", help="the engine's parts instead of the op table")
     args = parser.parse_args(argv)
+    spent = time_parts() if args.parts else None
 
     from torch.profiler import ProfilerActivity, profile
 
     from pdserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype="float32", num_kv_blocks=4096)
+    llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=4096, max_num_seqs=max(args.num_prompts, 1),
+              max_num_batched_tokens=max(2048, args.prompt_len * args.num_prompts), enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": list(range(100 + i, 100 + i + args.prompt_len))} for i in range(args.num_prompts)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts, params)  # warm-up: first-step allocations and thread start
-    start = time.perf_counter()
+    if spent is not None:
+        spent.clear()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     llm.generate(prompts, params)
-    print(f"generate: {time.perf_counter() - start:.2f} s for {args.num_prompts} x {args.prompt_len} prompt tokens "
-          f"and {args.num_prompts} x {args.max_tokens} output tokens")
+    cpu = time.thread_time() - cpu_start
+    print(f"generate: {time.perf_counter() - start:.2f} s ({cpu:.2f} s of this thread's CPU) for {args.num_prompts} x "
+          f"{args.prompt_len} prompt tokens and {args.num_prompts} x {args.max_tokens} output tokens")
+    if spent is not None:
+        for part, seconds in spent.most_common():
+            print(f"  {part:<24} {seconds:7.3f} s {100 * seconds / cpu:5.1f}%")
+        return 0
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(prompts, params)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))

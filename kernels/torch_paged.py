@@ -172,7 +172,9 @@ def _attend_group(
 ) -> list[torch.Tensor]:  # chunk by chunk, each [chunk, num_heads, 1, head_dim] float32
     """One group, a chunk of its sequences at a time: each chunk gathers whole blocks (about
     DECODE_CHUNK_TOKENS positions of K and V), upcasts them to float32, and SDPA (4-D, so torch's fused
-    CPU kernel) reads them while they are still in the core's cache."""
+    CPU kernel) reads them while they are still in the core's cache. Under GQA the query heads that
+    share a KV head are that head's query rows (the mask [c, 1, 1, L] is the same for each), so SDPA
+    runs one (sequence, KV head) pair per group of query heads."""
     per_chunk = max(1, DECODE_CHUNK_TOKENS // group.span)
     blocks_per_seq = group.block_ids.numel() // group.num_seqs
     outs = []
@@ -182,7 +184,14 @@ def _attend_group(
         keys = _gather_padded(key_cache, block_ids, count, group.span)
         values = _gather_padded(value_cache, block_ids, count, group.span)
         mask = None if group.mask is None else group.mask.narrow(0, first, count)
-        outs.append(attend(q.narrow(0, first, count), keys, values, mask, False, scale, soft_cap, sinks, gqa))
+        rows = q.narrow(0, first, count)
+        if gqa and soft_cap is None and sinks is None:  # SDPA: one pair per KV head, not per query head
+            heads = rows.shape[1]
+            rows = rows.view(count, keys.shape[1], heads // keys.shape[1], rows.shape[-1])  # [c, Hkv, group, D]
+            out = attend(rows, keys, values, mask, False, scale, None, None, False)
+            outs.append(out.view(count, heads, 1, rows.shape[-1]))
+        else:
+            outs.append(attend(rows, keys, values, mask, False, scale, soft_cap, sinks, gqa))
     return outs
 
 

@@ -87,7 +87,23 @@ class TableRotation:
         self.cos, self.sin = cos_sin.chunk(2, dim=-1)  # [T, 1, head_dim // 2] each
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rotate(query, self.cos, self.sin), _rotate(key, self.cos, self.sin)
+        both = _heads_side_by_side(query, key)
+        if both is None:
+            return _rotate(query, self.cos, self.sin), _rotate(key, self.cos, self.sin)
+        rotated = _rotate(both, self.cos, self.sin)  # [T, H + Hkv, head_dim]: one pass over both
+        return rotated[:, :query.shape[1]], rotated[:, query.shape[1]:]
+
+
+def _heads_side_by_side(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """A [T, H + Hkv, head_dim] view of query's and key's heads when key's heads follow query's in
+    memory, row by row (q and k split from one fused projection), else None."""
+    tokens, num_heads, head_dim = query.shape
+    if (key.dtype != query.dtype or key.shape[0] != tokens or key.shape[2] != head_dim
+            or query.stride() != key.stride() or query.stride()[1:] != (head_dim, 1)
+            or key.untyped_storage().data_ptr() != query.untyped_storage().data_ptr()
+            or key.data_ptr() != query.data_ptr() + num_heads * head_dim * query.element_size()):
+        return None
+    return query.as_strided((tokens, num_heads + key.shape[1], head_dim), query.stride())
 
 
 class KernelRotation:
