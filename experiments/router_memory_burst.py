@@ -49,18 +49,19 @@ class RssSampler(threading.Thread):
             time.sleep(self.interval_s)
 
 
-def start_up(model: str | None, log_dir: str) -> tuple[subprocess.Popen, str, int]:
+def start_up(model: str | None, log_dir: str) -> tuple[subprocess.Popen, str, dict[str, int]]:
+    """`pdserve up`, its URL, and each component's pid by name (router, prefill-0, decode-0)."""
     command = [sys.executable, "-m", "pdserve", "up", "--port", "0", "--log-dir", log_dir, "--log-level", "warning",
                "--max-model-len", "2048"] + (["--model", model] if model else [])
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    router_pid = None
+    pids = {}
     for line in process.stdout:
         print(line, end="", flush=True)
-        if line.startswith("[pdserve up] router ready"):
-            router_pid = int(line.split(" pid ")[1].split(",")[0])
+        if line.startswith("[pdserve up] ") and " ready (" in line:
+            pids[line.split()[2]] = int(line.split(" pid ")[1].split(",")[0])
         if line.startswith("PDSERVE_READY role=up"):
             fields = dict(item.split("=", 1) for item in line.split()[1:])
-            return process, fields["url"], router_pid
+            return process, fields["url"], pids
     raise RuntimeError("pdserve up exited before it was ready")
 
 
@@ -116,7 +117,8 @@ def main() -> None:
     parser.add_argument("--kind", choices=("completion", "chat", "both"), default="both")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as log_dir:
-        process, url, router_pid = start_up(args.model, log_dir)
+        process, url, pids = start_up(args.model, log_dir)
+        router_pid = pids["router"]
         try:
             time.sleep(3.0)  # past start-up's own allocations
             baseline = rss_mib(router_pid)
