@@ -9,8 +9,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from tests.router.conftest import REPO
 
 READY_TIMEOUT_S = 30
@@ -24,14 +22,6 @@ def start_fake_server(*args: str) -> tuple[subprocess.Popen, str]:
         process.kill()
         raise RuntimeError(f"the fake server did not start: {line!r}")
     return process, line.split("url=")[1].strip()
-
-
-@pytest.fixture(scope="module")
-def fake_url():
-    process, url = start_fake_server()
-    yield url
-    process.kill()
-    process.wait()
 
 
 def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

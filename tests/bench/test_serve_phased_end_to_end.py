@@ -6,19 +6,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-from tests.bench.test_serve_failures import bench, start_fake_server
+from tests.bench.test_serve_failures import bench
 
 PHASES = "24:3:30:0.6,6:9:50:0.4"
-
-
-@pytest.fixture(scope="module")
-def fake_url():
-    process, url = start_fake_server()
-    yield url
-    process.kill()
-    process.wait()
 
 
 def run_phased(fake_url, tokenizer: str, tmp_path) -> tuple[dict, list[dict], str]:

@@ -11,15 +11,10 @@ import sys
 
 import pytest
 
-from tests.bench.test_serve_failures import start_fake_server
-
 
 @pytest.fixture(scope="module")
-def fake_port():
-    process, url = start_fake_server()
-    yield url.rsplit(":", 1)[1]
-    process.kill()
-    process.wait()
+def fake_port(fake_url):
+    return fake_url.rsplit(":", 1)[1]
 
 
 def vllm_bench(cwd, command: str, **rewrites: str) -> subprocess.CompletedProcess:
