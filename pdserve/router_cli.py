@@ -49,7 +49,8 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
                         help="a Jinja chat template file (or the template itself) used instead of the model's, e.g. "
                              "for a model that has none (vLLM's --chat-template; default: the model's own)")
     parser.add_argument("--allow-request-chat-template", action="store_true",
-                        help="accept a `chat_template` in the request body (a template is code run on the router)")
+                        help="accept a `chat_template` in the request body (a template is code: it renders in a worker "
+                             "process killed at the time limit)")
     parser.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                         help="serve tool_choice \"auto\" (and tools without tool_choice) by reading the model's own "
                              "tool calls from its output: hermes = <tool_call>{\"name\": ..., \"arguments\": ...}"
