@@ -1,7 +1,7 @@
 """Offline throughput of a tiny random-weight MoE model: pdserve's engine against transformers'
 generate(), batch 32 and 1, in one process (experiments/offline_throughput.py's two runners).
 
-    python experiments/moe_offline_throughput.py [--arch qwen3-moe|qwen2-moe|mixtral] [--size tiny|small]
+    python experiments/moe_offline_throughput.py [--arch qwen3-moe|qwen2-moe|mixtral|deepseek-v3] [--size tiny|small]
                                                  [--batch 32 --batch 1]
                                                  [--prompt-len 128] [--new-tokens 64] [--repeats 3] [--expert-loop]
 
@@ -45,6 +45,11 @@ ARCHS = {
         "num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 48}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # MLA (latent 32 + rope 16) and 8 experts in 4 groups, top-2 of the best 2 groups, a shared expert
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+        "first_k_dense_replace": 1, "moe_intermediate_size": 32, "kv_lora_rank": 32, "q_lora_rank": 48,
+        "qk_rope_head_dim": 16, "qk_nope_head_dim": 24, "v_head_dim": 20, "num_key_value_heads": None}),
 }
 
 

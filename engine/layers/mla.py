@@ -145,8 +145,9 @@ def latent_decode(
             continue
         for first, count, latents in _decode_chunks(cache, group):  # latents [count, 1, span, L + R] float32
             mask = None if group.mask is None else group.mask.narrow(0, first, count)  # [count, 1, 1, span]
-            outs.append(F.scaled_dot_product_attention(q.narrow(0, first, count), latents,
-                                                       latents[..., :kv_lora_rank], attn_mask=mask, scale=scale))
+            # the whole rows as values (SDPA's fused kernel wants keys and values alike), the rope part dropped
+            o = F.scaled_dot_product_attention(q.narrow(0, first, count), latents, latents, attn_mask=mask, scale=scale)
+            outs.append(o[..., :kv_lora_rank])
     out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [S, 1, H, L]
     if plan.restore is not None:
         out = out.index_select(0, plan.restore)
@@ -164,9 +165,9 @@ def latent_prefill(
     for seq in plan:
         q = query[seq.begin:seq.end].transpose(0, 1)[None]  # [1, H, q, L + R]
         latents = _context_rows(cache, seq).to(query.dtype)[None, None]  # [1, 1, span, L + R]
-        o = F.scaled_dot_product_attention(q, latents, latents[..., :kv_lora_rank], attn_mask=seq.mask,
-                                           is_causal=seq.mask is None, scale=scale, enable_gqa=True)
-        out[seq.begin:seq.end] = o[0].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, latents, latents, attn_mask=seq.mask, is_causal=seq.mask is None,
+                                           scale=scale, enable_gqa=True)  # [1, H, q, L + R]
+        out[seq.begin:seq.end] = o[0, ..., :kv_lora_rank].transpose(0, 1)
     return out
 
 
@@ -193,8 +194,7 @@ def decompressed_decode(
         for first, count, latents in _decode_chunks(cache, group):  # latents [count, 1, span, L + R] float32
             keys, values = _decompress(latents[:, 0], kv_b_proj, weight)  # [count, H, span, D], [count, H, span, v]
             mask = None if group.mask is None else group.mask.narrow(0, first, count)
-            outs.append(F.scaled_dot_product_attention(q.narrow(0, first, count), keys, values, attn_mask=mask,
-                                                       scale=scale))
+            outs.append(_attend(q.narrow(0, first, count), keys, values, mask, False, scale))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [S, H, 1, v]
     if plan.restore is not None:
         out = out.index_select(0, plan.restore)
@@ -213,10 +213,20 @@ def decompressed_prefill(
     for seq in plan:
         q = query[seq.begin:seq.end].transpose(0, 1)[None]  # [1, H, q, nope + R]
         keys, values = _decompress(_context_rows(cache, seq).to(query.dtype)[None], kv_b_proj, weight)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=seq.mask, is_causal=seq.mask is None,
-                                           scale=scale)  # [1, H, q, v]
+        o = _attend(q, keys, values, seq.mask, seq.mask is None, scale)  # [1, H, q, v]
         out[seq.begin:seq.end] = o[0].transpose(0, 1)
     return out
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+            scale: float) -> torch.Tensor:  # [s, H, q, v_dim]
+    """SDPA with values zero-padded to the keys' width: torch's fused CPU kernel needs them alike (else the
+    unfused path materialises every attention weight)."""
+    v_dim = values.shape[-1]
+    if v_dim != keys.shape[-1]:
+        values = F.pad(values, (0, keys.shape[-1] - v_dim))
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scale)
+    return out[..., :v_dim]
 
 
 def _decompress(latents: torch.Tensor, kv_b_proj: LatentUpProjection,
