@@ -59,7 +59,7 @@ class Migration:
         token_ids = relay.spec.prompt_token_ids + relay.token_ids
         while True:
             try:
-                submission = submit(self.gateway.route(token_ids, self.excluded, True))
+                submission = submit(self.gateway.route(token_ids, self.excluded, force_local=True))
                 break
             except NoEngineAvailable:
                 pass
