@@ -32,8 +32,8 @@ class LayoutFingerprint:
     block_size: int  # tokens per KV block
     weights_hash: str  # hash_weights_file(model dir)
     kv_planes: int = 2  # per layer: 2 (K and V) or 1 (an MLA latent)
-    # one entry per layer, comma separated: "full" (full attention) or its sliding window in tokens;
-    # "" stands for every layer full
+    # each layer's sliding window in tokens or "full", comma separated, runs written once ("4096*5,full");
+    # "" stands for every layer full (kvtransfer.layout.parse_windows)
     layer_windows: str = ""
 
     def __post_init__(self) -> None:
