@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import importlib
 import time
+from collections.abc import Iterator
 
 # (module, attribute, part): what --parts times; nested parts are inside "forward + logits"
 PARTS = [
@@ -32,18 +35,23 @@ PARTS = [
 ]
 
 
-def time_parts() -> collections.Counter:
-    """Wrap each of PARTS so that its thread CPU seconds add up in the returned counter."""
-    import importlib
-
+@contextlib.contextmanager
+def timed_parts() -> Iterator[collections.Counter]:
+    """While open, each of PARTS adds its thread CPU seconds to the yielded counter; restored on exit."""
     spent: collections.Counter = collections.Counter()
+    originals = []
     for module_name, attribute, part in PARTS:
         owner = importlib.import_module(module_name)
         *path, name = attribute.split(".")
         for step in path:
             owner = getattr(owner, step)
+        originals.append((owner, name, getattr(owner, name)))
         setattr(owner, name, _timed(getattr(owner, name), part, spent))
-    return spent
+    try:
+        yield spent
+    finally:
+        for owner, name, original in reversed(originals):
+            setattr(owner, name, original)
 
 
 def _timed(fn, part: str, spent: collections.Counter):
@@ -66,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--parts", action="store_true", help="the engine's parts instead of the op table")
     args = parser.parse_args(argv)
-    spent = time_parts() if args.parts else None
+    with timed_parts() if args.parts else contextlib.nullcontext() as spent:
+        return _profile(args, spent)
 
+
+def _profile(args: argparse.Namespace, spent: collections.Counter | None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from pdserve import LLM, SamplingParams
