@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from pdserve.control.messages import GenerateRequest
 from tests.router.conftest import router_app, wait_until
 from tests.router.fake_engine import FakeEngine, fake_tokens
@@ -28,7 +30,9 @@ def _stream_events(text: str) -> list[dict]:
     return [json.loads(line) for line in lines[:-1]]
 
 
-def test_a_stream_whose_engine_stops_beating_goes_on_on_another_engine(tiny_model, tokenization):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stream_whose_engine_stops_beating_goes_on_on_another_engine(tiny_model, tokenization, stream):
+    """Streamed, the client's stream goes on; whole, the answer is gathered across the move (not restarted)."""
     async def scenario():
         async with router_app(tiny_model, tokenization, heartbeat_timeout_s=0.5) as (gateway, client):
             engines = await _engines(gateway, "d0", "d1")
@@ -42,11 +46,13 @@ def test_a_stream_whose_engine_stops_beating_goes_on_on_another_engine(tiny_mode
                 return lost
             silencer = asyncio.create_task(silence_the_one_streaming())
             try:
-                body = {"prompt": PROMPT_IDS, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
-                        "stream_options": {"include_usage": True}}
+                body = {"prompt": PROMPT_IDS, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream,
+                        "return_token_ids": True}
+                if stream:
+                    body["stream_options"] = {"include_usage": True}
                 response = await client.post("/v1/completions", json=body)
                 lost = await silencer
-                events = _stream_events(response.text)
+                events = _stream_events(response.text) if stream else [response.json()]
                 assert all("error" not in event for event in events), events
                 survivor, = [e for e in engines if e is not lost]
                 resumed, = [m for m in survivor.received if isinstance(m, GenerateRequest)]
@@ -56,6 +62,7 @@ def test_a_stream_whose_engine_stops_beating_goes_on_on_another_engine(tiny_mode
                 assert list(resumed.prompt_token_ids) == PROMPT_IDS, "the output is not sent as prompt text"
                 assert resumed.prefill_kv_address is None and resumed.sampling_params.prompt_logprobs is None
                 choices = [c for event in events for c in event.get("choices", [])]
+                assert [t for c in choices for t in c["token_ids"]] == expected, "none lost, none repeated"
                 assert choices[-1]["finish_reason"] == "length"
                 assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
                 assert events[-1]["usage"]["prompt_tokens"] == len(PROMPT_IDS)
