@@ -63,7 +63,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                       help="groups of prompts sharing a prefix")
     data.add_argument("--phases", default=None, metavar="IN:OUT:RATE:SECONDS[:RATIO],...",
                       help="phased: the phases in order, each input and output length, requests per second, seconds "
-                           "and optional range ratio, e.g. 1000:48:0.3:60,128:256:1:60; or a JSON file of them")
+                           "and optional range ratio, e.g. 1000:48:0.3:60,128:256:1:60; or a JSON file of them (default: none; "
+                           "required with --dataset phased)")
     data.add_argument("--phase-cycles", type=int, default=1, help="phased: times the phases run, in order")
     data.add_argument("--save-trace", default=None, metavar="PATH",
                       help="write the measured requests and their arrival offsets as a JSONL trace, which "
