@@ -127,3 +127,12 @@ def test_yarn_rope_is_refused_with_the_reason(deepseek_dir, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="rope scaling 'yarn'"):
         LLM(str(tmp_path), dtype="float32", num_kv_blocks=8)
+
+
+def test_mla_runs_the_torch_paged_backend_on_every_device(deepseek_dir):
+    """The Triton kernels read K/V caches only: an MLA model gets the torch-paged backend on CUDA too."""
+    from pdserve.engine.attention.torch_paged import TorchPagedBackend
+    from pdserve.engine.model_runner import _attn_backend_for
+
+    config = ModelConfig.from_hf(deepseek_dir("deepseek-v3"), dtype="float32")
+    assert isinstance(_attn_backend_for(config, torch.device("cuda"), 16), TorchPagedBackend)
