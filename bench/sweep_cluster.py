@@ -57,8 +57,12 @@ def engines_dtype(model: str, up_args: list[str], device: str) -> str | None:
             wanted = up_args[index + 1]
         elif word.startswith("--dtype="):
             wanted = word.split("=", 1)[1]
+    try:
+        torch_device = torch.device(device)
+    except RuntimeError:  # not a device torch knows: run_sweep's device check refuses it with the fix
+        return None
     hf = json.loads(config.read_text())
-    dtype, _ = choose_dtype(dtype_arg(wanted), hf.get("torch_dtype") or hf.get("dtype"), torch.device(device))
+    dtype, _ = choose_dtype(dtype_arg(wanted), hf.get("torch_dtype") or hf.get("dtype"), torch_device)
     return str(dtype).removeprefix("torch.")
 
 
