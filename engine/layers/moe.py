@@ -61,12 +61,12 @@ def select_experts_grouped(
     Their weights are the unbiased scores, renormalised to sum to 1 if asked, times scaling_factor."""
     scores = router_logits.float().sigmoid()
     biased = scores + correction_bias.float()
-    num_tokens, num_experts = biased.shape
-    group_scores = biased.view(num_tokens, num_groups, -1).topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    grouped = biased.view(biased.shape[0], num_groups, -1)  # [T, G, E / G]
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
     best_groups = group_scores.topk(top_k_groups, dim=-1, sorted=False).indices  # [T, top_k_groups]
     in_best_group = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
-    in_best_group = in_best_group.repeat_interleave(num_experts // num_groups, dim=1)  # [T, E]
-    expert_ids = biased.masked_fill(~in_best_group, float("-inf")).topk(top_k, dim=-1, sorted=False).indices
+    candidates = grouped.masked_fill(~in_best_group[:, :, None], float("-inf")).flatten(1)  # [T, E]
+    expert_ids = candidates.topk(top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, expert_ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
