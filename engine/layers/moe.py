@@ -1,5 +1,5 @@
 """Mixture-of-experts feed-forward: a router picks the top-k experts of each token (softmax top-k, or
-DeepSeek-V3's sigmoid scores with group-limited top-k), the chosen experts run as two grouped GEMMs over
+DeepSeek's group-limited top-k), the chosen experts run as two grouped GEMMs over
 the (token, expert) pairs sorted by expert, and each token sums its experts' outputs weighted by the
 router; an optional shared expert, scaled by a sigmoid gate, is added.
 
@@ -49,20 +49,22 @@ def select_experts(
 
 def select_experts_grouped(
     router_logits: torch.Tensor,  # [T, E] float32
-    correction_bias: torch.Tensor,  # [E] float32, shifts which experts are chosen, not their weights
+    correction_bias: torch.Tensor | None,  # [E] float32, shifts which experts are chosen, not their weights
     top_k: int,
     num_groups: int,
     top_k_groups: int,
     renormalize: bool,
     scaling_factor: float,
+    sigmoid: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [T, k] float32, expert ids [T, k] int64)
-    """DeepSeek-V3's routing: sigmoid scores; the experts split into num_groups equal groups, each scored by
-    the sum of its two best biased scores; the k best biased scores among the top_k_groups best groups win.
-    Their weights are the unbiased scores, renormalised to sum to 1 if asked, times scaling_factor."""
-    scores = router_logits.float().sigmoid()
-    biased = scores + correction_bias.float()
+    """DeepSeek's group-limited routing. The experts split into num_groups equal groups; the k best (biased)
+    scores among the top_k_groups best groups win. DeepSeek-V3 (sigmoid): sigmoid scores, a group scored by
+    the sum of its two best biased scores. DeepSeek-V2 (softmax): softmax scores, a group by its best one.
+    The weights are the unbiased scores, renormalised to sum to 1 if asked, times scaling_factor."""
+    scores = router_logits.float().sigmoid() if sigmoid else router_logits.float().softmax(dim=-1)
+    biased = scores if correction_bias is None else scores + correction_bias.float()
     grouped = biased.view(biased.shape[0], num_groups, -1)  # [T, G, E / G]
-    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1) if sigmoid else grouped.amax(dim=-1)  # [T, G]
     best_groups = group_scores.topk(top_k_groups, dim=-1, sorted=False).indices  # [T, top_k_groups]
     in_best_group = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
     candidates = grouped.masked_fill(~in_best_group[:, :, None], float("-inf")).flatten(1)  # [T, E]
@@ -74,28 +76,30 @@ def select_experts_grouped(
 
 
 class GroupLimitedRouter(nn.Module):
-    """DeepSeek-V3's router under Hugging Face's names (mlp.gate.weight, mlp.gate.e_score_correction_bias),
-    both kept and computed in float32 as transformers keeps them."""
+    """DeepSeek's router under Hugging Face's names (mlp.gate.weight, and DeepSeek-V3's
+    mlp.gate.e_score_correction_bias), kept and computed in float32 as transformers keeps them."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, num_groups: int, top_k_groups: int,
-                 renormalize: bool, scaling_factor: float) -> None:
+                 renormalize: bool, scaling_factor: float, sigmoid: bool = True) -> None:
         super().__init__()
-        if num_experts % num_groups or num_experts // num_groups < 2 or not 1 <= top_k_groups <= num_groups:
+        if num_experts % num_groups or (sigmoid and num_experts // num_groups < 2) or not 1 <= top_k_groups <= num_groups:
             raise ConfigError(f"group-limited routing needs n_routed_experts ({num_experts}) split into n_group "
-                             f"({num_groups}) groups of at least 2 experts, and 1 <= topk_group ({top_k_groups}) "
-                             f"<= n_group: fix config.json")
+                              f"({num_groups}) equal groups (of at least 2 experts with sigmoid scores), and "
+                              f"1 <= topk_group ({top_k_groups}) <= n_group: fix config.json")
         self.top_k, self.num_groups, self.top_k_groups = top_k, num_groups, top_k_groups
-        self.renormalize, self.scaling_factor = renormalize, scaling_factor
+        self.renormalize, self.scaling_factor, self.sigmoid = renormalize, scaling_factor, sigmoid
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
-                                                    requires_grad=False)
-        for param in (self.weight, self.e_score_correction_bias):
-            param.weight_loader = default_weight_loader
+        self.weight.weight_loader = default_weight_loader
+        self.e_score_correction_bias = None
+        if sigmoid:  # DeepSeek-V3's scores come with a correction bias
+            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
+            self.e_score_correction_bias.weight_loader = default_weight_loader
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H] -> ([T, k], [T, k])
         logits = F.linear(hidden.float(), self.weight)  # [T, E]
         return select_experts_grouped(logits, self.e_score_correction_bias, self.top_k, self.num_groups,
-                                      self.top_k_groups, self.renormalize, self.scaling_factor)
+                                      self.top_k_groups, self.renormalize, self.scaling_factor, self.sigmoid)
 
 
 class ExpertWeights(nn.Module):

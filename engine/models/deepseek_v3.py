@@ -1,4 +1,4 @@
-"""DeepSeek-V3: multi-head latent attention (engine/layers/mla.py) and DeepSeek's mixture of experts.
+"""DeepSeek-V3 (and V2): multi-head latent attention (engine/layers/mla.py) and DeepSeek's mixture of experts.
 
 Attention: the query comes through a low-rank pair (q_a_proj, q_a_layernorm, q_b_proj) or, when
 q_lora_rank is null, one q_proj; kv_a_proj_with_mqa gives each token a latent (normalised by
@@ -8,8 +8,8 @@ the usual halves rotation after a fixed reordering of q_pe and k_pe (the same fo
 products are unchanged).
 
 Feed-forward: the first first_k_dense_replace layers are dense; the others route each token to
-num_experts_per_tok of n_routed_experts (engine/layers/moe.py's group-limited routing, sigmoid scores
-with a correction bias) and add n_shared_experts always-on experts.
+num_experts_per_tok of n_routed_experts (engine/layers/moe.py's group-limited routing: V3's sigmoid scores
+with a correction bias, or V2's softmax scores) and add n_shared_experts always-on experts.
 """
 
 from __future__ import annotations
@@ -94,19 +94,34 @@ class DeepseekV3Attention(nn.Module):
         return self.o_proj(self.attn(q_nope, q_pe, latent, k_pe[:, 0]))
 
 
+def _router(config: ModelConfig, sigmoid_routing: bool) -> GroupLimitedRouter:
+    """DeepSeek-V3: sigmoid scores with a correction bias, n_group / topk_group, norm_topk_prob. DeepSeek-V2:
+    softmax scores, no renormalisation, one group (topk_method greedy) or n_group / topk_group
+    (group_limited_greedy)."""
+    hf = config.hf_config
+    groups, top_groups, renormalize = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1), False
+    if sigmoid_routing:
+        renormalize = bool(hf.get("norm_topk_prob", True))
+    elif hf.get("topk_method", "greedy") == "greedy":
+        groups = top_groups = 1
+    elif hf.get("topk_method") != "group_limited_greedy":
+        raise ConfigError(f"{config.architecture} with topk_method={hf.get('topk_method')!r}: pdserve routes "
+                          "DeepSeek-V2 experts with greedy or group_limited_greedy only")
+    return GroupLimitedRouter(config.hidden_size, _field(config, "n_routed_experts"),
+                              top_k=_field(config, "num_experts_per_tok"), num_groups=groups, top_k_groups=top_groups,
+                              renormalize=renormalize, scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                              sigmoid=sigmoid_routing)
+
+
 class DeepseekV3MoE(nn.Module):
     """Group-limited routed experts plus always-on shared experts (transformers' names: gate, experts,
     shared_experts)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, sigmoid_routing: bool) -> None:
         super().__init__()
         hf = config.hf_config
         num_experts, expert_size = _field(config, "n_routed_experts"), _field(config, "moe_intermediate_size")
-        self.gate = GroupLimitedRouter(
-            config.hidden_size, num_experts, top_k=_field(config, "num_experts_per_tok"),
-            num_groups=int(hf.get("n_group") or 1), top_k_groups=int(hf.get("topk_group") or 1),
-            renormalize=bool(hf.get("norm_topk_prob", True)),
-            scaling_factor=float(hf.get("routed_scaling_factor", 1.0)))
+        self.gate = _router(config, sigmoid_routing)
         self.experts = ExpertWeights(num_experts, config.hidden_size, expert_size)
         num_shared = int(hf.get("n_shared_experts") or 0)
         self.shared_experts = GatedMLP(config, expert_size * num_shared) if num_shared else None
@@ -120,11 +135,11 @@ class DeepseekV3MoE(nn.Module):
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, sigmoid_routing: bool) -> None:
         super().__init__()
         self.self_attn = DeepseekV3Attention(config, layer_idx)
         first_sparse = int(config.hf_config.get("first_k_dense_replace") or 0)
-        self.mlp = DeepseekV3MoE(config) if layer_idx >= first_sparse else GatedMLP(config)
+        self.mlp = DeepseekV3MoE(config, sigmoid_routing) if layer_idx >= first_sparse else GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -140,14 +155,14 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, sigmoid_routing: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_tokens.weight.weight_loader = default_weight_loader
         self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i, sigmoid_routing) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -160,6 +175,7 @@ class DeepseekV3Model(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
+    sigmoid_routing = True  # DeepSeek-V3's router; False: DeepSeek-V2's (softmax scores, no correction bias)
     # per-expert checkpoint projection name -> which rows of the fused expert weights it fills
     expert_projections = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
@@ -172,7 +188,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         if config.hf_config.get("q_lora_rank"):
             self.packed_modules_mapping.update(q_a_proj=("fused_qkv_a_proj", "q"),
                                                kv_a_proj_with_mqa=("fused_qkv_a_proj", "kv"))
-        self.model = DeepseekV3Model(config)
+        self.model = DeepseekV3Model(config, self.sigmoid_routing)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -189,6 +205,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         """kv_cache [num_layers, 1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]."""
         for layer_idx, layer in enumerate(self.model.layers):
             layer.self_attn.attn.bind_kv_cache(kv_cache[layer_idx, 0])
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V2: the same MLA (its rope always rotates interleaved pairs) and DeepSeek-V2's routing."""
+
+    sigmoid_routing = False
 
 
 def _check_supported(config: ModelConfig) -> None:

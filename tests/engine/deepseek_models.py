@@ -1,4 +1,4 @@
-"""Tiny random-weight DeepSeek-V3 model directories made by transformers' own DeepseekV3Config and
+"""Tiny random-weight DeepSeek-V3 (and V2) model directories made by transformers' own config classes and
 save_pretrained (the hub's per-expert checkpoint format), with the demo tokenizer's files."""
 
 from __future__ import annotations
@@ -36,9 +36,19 @@ DEEPSEEK_CASES = {
 }
 
 
-def make_deepseek_model_dir(out_dir: Path, tokenizer_dir: str, dtype: str = "float32", **overrides) -> str:
-    config = transformers.DeepseekV3Config(**{**DEEPSEEK_V3_SHAPE, **overrides})
-    config.architectures = ["DeepseekV3ForCausalLM"]
+# DeepSeek-V2 (same shape): softmax routing, top-2 of all experts (greedy), or of the best 2 of 4 groups by
+# their best expert (group_limited_greedy); no renormalisation, no correction bias
+DEEPSEEK_V2_CASES = {
+    "deepseek-v2-greedy": {"topk_method": "greedy"},
+    "deepseek-v2-group-limited": {"topk_method": "group_limited_greedy", "q_lora_rank": None},
+}
+
+
+def make_deepseek_model_dir(out_dir: Path, tokenizer_dir: str, dtype: str = "float32", version: int = 3,
+                            **overrides) -> str:
+    """A DeepSeek-V3 (or, with version=2, DeepSeek-V2) model dir of DEEPSEEK_V3_SHAPE with `overrides`."""
+    config = getattr(transformers, f"DeepseekV{version}Config")(**{**DEEPSEEK_V3_SHAPE, **overrides})
+    config.architectures = [f"DeepseekV{version}ForCausalLM"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (MLA + group-limited MoE) on pdserve's native code: greedy output equals transformers'
+"""DeepSeek-V3 (MLA + group-limited MoE), and DeepSeek-V2, on pdserve's native code: greedy output equals transformers'
 generate() token for token in fp32 (batched prompts, chunked prefill, prefix hits, every attention mode),
 within the rounding rule in bf16; the KV cache holds one latent row per token and layer, and no block leaks."""
 
@@ -16,8 +16,8 @@ from pdserve import LLM
 from pdserve.engine.config import ConfigError, ModelConfig
 from pdserve.engine.layers.mla import LatentAttention
 from pdserve.engine.layers.moe import select_experts_grouped
-from pdserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
-from tests.engine.deepseek_models import DEEPSEEK_CASES, DEEPSEEK_V3_SHAPE, make_deepseek_model_dir
+from pdserve.engine.models.deepseek_v3 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from tests.engine.deepseek_models import DEEPSEEK_CASES, DEEPSEEK_V2_CASES, DEEPSEEK_V3_SHAPE, make_deepseek_model_dir
 from tests.engine.moe_models import VOCAB_SIZE
 from tests.engine.test_llm_parity import GREEDY_WITH_LOGPROBS, assert_matches_transformers, make_prompts, run_parity
 from tests.engine.test_moe import assert_bf16_parity
@@ -34,7 +34,8 @@ def deepseek_dir(model_factory, tmp_path_factory):
     def make(case: str, dtype: str = "float32") -> str:
         if (case, dtype) not in built:
             out = tmp_path_factory.mktemp(f"{case}-{dtype}")
-            built[case, dtype] = make_deepseek_model_dir(out, model_factory("llama"), dtype, **DEEPSEEK_CASES[case])
+            version, overrides = (2, DEEPSEEK_V2_CASES[case]) if case in DEEPSEEK_V2_CASES else (3, DEEPSEEK_CASES[case])
+            built[case, dtype] = make_deepseek_model_dir(out, model_factory("llama"), dtype, version, **overrides)
         return built[case, dtype]
 
     return make
@@ -53,6 +54,14 @@ def test_greedy_matches_transformers_fp32(deepseek_dir, case):
     assert type(llm.engine.runner.model) is DeepseekV3ForCausalLM
     assert tuple(llm.engine.runner.kv_cache.shape) == (3, 1, NUM_KV_BLOCKS, 4, 1, LATENT_WIDTH)
     assert llm.engine.stats().prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("case", list(DEEPSEEK_V2_CASES))
+def test_deepseek_v2_matches_transformers_fp32(deepseek_dir, case):
+    """The same MLA, DeepSeek-V2's softmax routing (greedy, and group-limited by each group's best expert)."""
+    llm = run_parity(deepseek_dir(case), make_prompts(VOCAB_SIZE, seed=2), max_num_batched_tokens=16,
+                     num_kv_blocks=NUM_KV_BLOCKS)
+    assert type(llm.engine.runner.model) is DeepseekV2ForCausalLM
 
 
 @pytest.mark.parametrize("decode_mode, prefill_mode", itertools.product(("absorbed", "decompressed"), repeat=2))
