@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Iterator
@@ -17,6 +18,8 @@ from pdserve.engine.layers.linear import pack_linear_weights
 from pdserve.engine.models.registry import resolve_model_class
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+log = logging.getLogger("pdserve.loader")
 
 
 class ModelLoadError(ValueError):
@@ -127,9 +130,14 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     packed = getattr(model, "packed_modules_mapping", {})
     tied = model.config.tie_word_embeddings
     loaded: set[tuple[str, object]] = set()
+    extra_layers: set[int] = set()
     for name, tensor in weights:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue  # recomputed / shared with the embedding
+        extra_layer = _layer_past_model(name, model)
+        if extra_layer is not None:
+            extra_layers.add(extra_layer)
+            continue
         target, shard_id = _target_of(name, packed, model)
         param = params.get(target)
         if param is None:
@@ -142,9 +150,21 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
                                  f"(quantized ones are not supported): use the model's unquantized weights")
         param.weight_loader(param, tensor, shard_id, name)
         loaded.update(_shards_filled(param, target, shard_id))
+    if extra_layers:
+        log.info("skipped the checkpoint's layers %s (past num_hidden_layers = %d: multi-token-prediction "
+                 "layers, which pdserve does not run)", sorted(extra_layers), model.config.num_layers)
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in _expected_loads(model) - loaded)
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {', '.join(missing[:5])}")
+
+
+def _layer_past_model(name: str, model: nn.Module) -> int | None:
+    """The layer index of a tensor past the model's num_hidden_layers, for a model that skips those; else None."""
+    match = _LAYER_INDEX.match(name)
+    if match is None or not getattr(model, "skips_layers_past_num_layers", False):
+        return None
+    index = int(match[1])
+    return index if index >= model.config.num_layers else None
 
 
 def _shards_filled(param: nn.Parameter, target: str, shard_id: object) -> list[tuple[str, object]]:

@@ -1,6 +1,7 @@
 """Rotary position embedding (rotate-halves layout) with precomputed cos/sin tables.
 
-Supported scalings: default, linear, llama3. Others raise a clear error at start-up.
+Scalings: default, linear and llama3 computed here; any other static type transformers knows (yarn, ..)
+through transformers' own ROPE_INIT_FUNCTIONS. Sequence-dependent types (dynamic, longrope) are refused.
 """
 
 from __future__ import annotations
@@ -11,8 +12,13 @@ from typing import Callable
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Types whose frequencies change with the sequence length: one fixed table cannot hold them.
+SEQUENCE_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3") + tuple(
+    t for t in ROPE_INIT_FUNCTIONS if t not in SEQUENCE_DEPENDENT_ROPE_TYPES + ("linear", "llama3"))
 
 # (query [T, H, D], key [T, Hkv, D]) -> both rotated: one step's rotation, applied by every layer
 Rotation = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -43,17 +49,44 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = _base_inv_freq(head_dim, theta)
-    rope_type = (scaling or {}).get("rope_type", "default")
+def rope_type_of(scaling: dict | None) -> str:
+    """The scaling's type; older configs name it `type`."""
+    scaling = scaling or {}
+    return scaling.get("rope_type") or scaling.get("type") or "default"
+
+
+def _transformers_rope(rope_type: str, head_dim: int, theta: float, scaling: dict,
+                       max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2], attention factor) from transformers' own init function for `rope_type`,
+    given a config holding just what those functions read."""
+    config = PretrainedConfig()
+    config.head_dim, config.hidden_size, config.num_attention_heads = head_dim, head_dim, 1
+    config.max_position_embeddings = max_positions
+    config.rope_parameters = {**scaling, "rope_type": rope_type, "rope_theta": theta}
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config)
+    if inv_freq.shape != (head_dim // 2,):
+        raise UnsupportedRopeError(f"rope scaling {rope_type!r} rotates {2 * inv_freq.shape[0]} of {head_dim} dims "
+                                   f"(partial_rotary_factor); pdserve rotates whole heads: use --model-impl transformers")
+    return inv_freq.float(), float(attention_factor)
+
+
+def rope_parameters(head_dim: int, theta: float, scaling: dict | None,
+                    max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2], attention factor): cos and sin are multiplied by the factor, as in
+    transformers' rotary (1.0 except for types such as yarn)."""
+    rope_type = rope_type_of(scaling)
     if rope_type == "default":
-        return inv_freq
+        return _base_inv_freq(head_dim, theta), 1.0
     if rope_type == "linear":
-        return inv_freq / scaling["factor"]
+        return _base_inv_freq(head_dim, theta) / scaling["factor"], 1.0
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
+        return _llama3_inv_freq(_base_inv_freq(head_dim, theta), scaling), 1.0
+    if rope_type in SUPPORTED_ROPE_TYPES:
+        return _transformers_rope(rope_type, head_dim, theta, scaling, max_positions)
+    why = ("its frequencies change with the sequence length, which one precomputed table cannot hold"
+           if rope_type in SEQUENCE_DEPENDENT_ROPE_TYPES else "neither pdserve nor transformers knows it")
     raise UnsupportedRopeError(
-        f"rope scaling type {rope_type!r} is not supported by pdserve yet (supported: "
+        f"rope scaling type {rope_type!r} is not supported by pdserve ({why}; supported: "
         f"{', '.join(SUPPORTED_ROPE_TYPES)}); use a checkpoint without it or --model-impl transformers"
     )
 
@@ -64,11 +97,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq, attention_factor = rope_parameters(head_dim, theta, scaling, max_positions)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
+        cos, sin = freqs.cos(), freqs.sin()
+        if attention_factor != 1.0:
+            cos, sin = cos * attention_factor, sin * attention_factor
         # [max_positions, head_dim]: cos | sin, the layout the Triton rotary kernel reads too
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        self.register_buffer("cos_sin_cache", torch.cat((cos, sin), dim=-1), persistent=False)
         self.make_rotation: Callable[..., Rotation] = TableRotation
 
     def use_kernel(self, kernel: RotaryKernel) -> None:

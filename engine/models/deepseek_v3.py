@@ -14,10 +14,9 @@ with a correction bias, or V2's softmax scores) and add n_shared_experts always-
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
+from transformers.modeling_rope_utils import yarn_get_mscale
 
 from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.config import ConfigError, ModelConfig
@@ -25,7 +24,7 @@ from pdserve.engine.layers.linear import Linear, MergedLinear, default_weight_lo
 from pdserve.engine.layers.mla import LatentAttention, LatentUpProjection
 from pdserve.engine.layers.moe import ExpertWeights, GroupLimitedRouter
 from pdserve.engine.layers.norm import RMSNorm
-from pdserve.engine.layers.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, Rotation
+from pdserve.engine.layers.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, Rotation, rope_type_of
 from pdserve.engine.models.llama import GatedMLP
 
 
@@ -37,14 +36,13 @@ def _field(config: ModelConfig, name: str) -> int:
 
 
 def softmax_scale(config: ModelConfig, qk_head_dim: int) -> float:
-    """qk_head_dim ** -0.5, times mscale^2 when a rope scaling sets mscale_all_dim (YaRN's
-    0.1 * mscale_all_dim * ln(factor) + 1, for factor > 1), as transformers computes it."""
+    """qk_head_dim ** -0.5, times mscale^2 when a rope scaling sets mscale_all_dim (transformers' YaRN
+    mscale of factor and mscale_all_dim), as transformers' DeepSeek attention computes it."""
     scale = qk_head_dim ** -0.5
     scaling = config.rope_scaling or {}
     mscale_all_dim = scaling.get("mscale_all_dim") or 0
-    factor = scaling.get("factor", 1.0)
-    if mscale_all_dim and factor > 1:
-        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    if rope_type_of(scaling) != "default" and mscale_all_dim:
+        mscale = yarn_get_mscale(scaling["factor"], mscale_all_dim)
         scale *= mscale * mscale
     return scale
 
@@ -178,6 +176,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     sigmoid_routing = True  # DeepSeek-V3's router; False: DeepSeek-V2's (softmax scores, no correction bias)
     # per-expert checkpoint projection name -> which rows of the fused expert weights it fills
     expert_projections = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    # released checkpoints add multi-token-prediction layers (model.layers.{num_hidden_layers}..): not served
+    skips_layers_past_num_layers = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -219,11 +219,11 @@ def _check_supported(config: ModelConfig) -> None:
     if activation != "silu":
         raise ConfigError(f"{config.architecture} with hidden_act={activation!r}: pdserve's DeepSeek-V3 code is "
                           "SiLU-gated only")
-    rope_type = (config.rope_scaling or {}).get("rope_type", "default")
+    rope_type = rope_type_of(config.rope_scaling)
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(f"{config.architecture} with rope scaling {rope_type!r} (DeepSeek-V3's long-context "
-                          f"checkpoints use yarn): pdserve's rotary supports {', '.join(SUPPORTED_ROPE_TYPES)}; "
-                          "use a config without it")
+        raise ConfigError(f"{config.architecture} with rope scaling {rope_type!r}: pdserve's rotary supports "
+                          f"{', '.join(SUPPORTED_ROPE_TYPES)} (sequence-dependent types need a table per length); "
+                          "use --model-impl transformers")
     if not config.is_mla:
         raise ConfigError(f"{config.architecture} config.json has no kv_lora_rank: it is not an MLA model; restore "
                           "the model directory's config.json")

@@ -33,6 +33,13 @@ DEEPSEEK_CASES = {
     # every expert routed to every token: bf16 rounding cannot swap an expert (a swap moves a token's output by
     # a whole expert's share, beyond any rounding rule); the weights, scaling and shared expert still count
     "deepseek-v3-all-experts": {"num_experts_per_tok": 8, "topk_group": 4},
+    # YaRN as DeepSeek-V3's release uses it, pretrained on 32 positions and stretched 4x (prompts reach 79):
+    # mscale != mscale_all_dim, so cos/sin carry an attention factor (1.012) and the softmax scale mscale^2 (1.265)
+    "deepseek-v3-yarn": {
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.9,
+                            "rope_theta": 10000.0},
+    },
 }
 
 

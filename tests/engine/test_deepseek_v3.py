@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
@@ -45,7 +47,7 @@ def _latent_layers(llm: LLM) -> list[LatentAttention]:
     return [m for m in llm.engine.runner.model.modules() if isinstance(m, LatentAttention)]
 
 
-@pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-plain-q"])
+@pytest.mark.parametrize("case", ["deepseek-v3", "deepseek-v3-plain-q", "deepseek-v3-yarn"])
 def test_greedy_matches_transformers_fp32(deepseek_dir, case):
     """Ten prompts of 1 to 70 tokens at once, prefilled in 16-token chunks beside decodes, repeated
     prompts hitting the prefix cache; every block free at the end (run_parity)."""
@@ -126,16 +128,41 @@ def test_group_limited_routing_equals_transformers(seed):
     assert not torch.equal(unbiased, ids.sort(dim=-1).values), "the bias must change some token's experts"
 
 
-def test_yarn_rope_is_refused_with_the_reason(deepseek_dir, tmp_path):
-    model_dir = deepseek_dir("deepseek-v3")
+def _model_dir_copy(model_dir: str, out, config_changes: dict) -> str:
+    """`model_dir`'s files linked into `out`, with config.json changed by `config_changes`."""
     config = json.loads(open(f"{model_dir}/config.json").read())
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0,
-                                 "original_max_position_embeddings": 64, "mscale_all_dim": 1.0}
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (out / name).symlink_to(f"{model_dir}/{name}")
+    (out / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return str(out)
+
+
+def test_sequence_dependent_rope_is_refused_with_the_reason(deepseek_dir, tmp_path):
+    model_dir = _model_dir_copy(deepseek_dir("deepseek-v3"), tmp_path, {
+        "rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}})
+    with pytest.raises(ConfigError, match="rope scaling 'dynamic'.*sequence-dependent"):
+        LLM(model_dir, dtype="float32", num_kv_blocks=8)
+
+
+def test_multi_token_prediction_layers_are_skipped(deepseek_dir, tmp_path, caplog):
+    """A released checkpoint's extra layer (model.layers.{num_hidden_layers}.*, here a copy of layer 2 with
+    MTP's own tensors) loads: skipped with one log line; the model's output is unchanged."""
+    model_dir = deepseek_dir("deepseek-v3")
+    weights = load_file(f"{model_dir}/model.safetensors")
+    extra = {name.replace("model.layers.2.", "model.layers.3."): tensor.clone()
+             for name, tensor in weights.items() if name.startswith("model.layers.2.")}
+    extra["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    extra["model.layers.3.shared_head.head.weight"] = torch.zeros(VOCAB_SIZE, 64)
+    save_file({**weights, **extra}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).symlink_to(f"{model_dir}/{name}")
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="rope scaling 'yarn'"):
-        LLM(str(tmp_path), dtype="float32", num_kv_blocks=8)
+    prompts = make_prompts(VOCAB_SIZE, seed=3)[:3]
+    with caplog.at_level(logging.INFO, logger="pdserve.loader"):
+        outputs = LLM(str(tmp_path), dtype="float32", block_size=4, num_kv_blocks=64).generate(
+            [{"prompt_token_ids": p} for p in prompts], GREEDY_WITH_LOGPROBS)
+    skips = [r.getMessage() for r in caplog.records if r.name == "pdserve.loader"]
+    assert len(skips) == 1 and "layers [3]" in skips[0], skips
+    assert_matches_transformers(model_dir, prompts, outputs)
 
 
 def test_mla_runs_the_torch_paged_backend_on_every_device(deepseek_dir):
