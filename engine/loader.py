@@ -6,7 +6,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -62,21 +62,25 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint; a progress bar on a terminal (none in a log file)."""
+def iterate_weights(model_dir: Path, skip: Callable[[str], bool] = lambda name: False
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint but those `skip` names (never read); a progress bar on a terminal
+    (none in a log file)."""
     from tqdm import tqdm
 
     files = safetensors_files(model_dir)
     with tqdm(total=sum(f.stat().st_size for f in files), desc="loading weights", unit="B", unit_scale=True,
               disable=None, leave=False) as bar:
         for file in files:
-            yield from _file_weights(file, bar)
+            yield from _file_weights(file, bar, skip)
 
 
-def _file_weights(file: Path, bar) -> Iterator[tuple[str, torch.Tensor]]:
+def _file_weights(file: Path, bar, skip: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     try:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():
+                if skip(name):
+                    continue
                 tensor = handle.get_tensor(name)
                 bar.update(tensor.numel() * tensor.element_size())
                 yield name, tensor
@@ -130,14 +134,9 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     packed = getattr(model, "packed_modules_mapping", {})
     tied = model.config.tie_word_embeddings
     loaded: set[tuple[str, object]] = set()
-    extra_layers: set[int] = set()
     for name, tensor in weights:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue  # recomputed / shared with the embedding
-        extra_layer = _layer_past_model(name, model)
-        if extra_layer is not None:
-            extra_layers.add(extra_layer)
-            continue
         target, shard_id = _target_of(name, packed, model)
         param = params.get(target)
         if param is None:
@@ -150,21 +149,31 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
                                  f"(quantized ones are not supported): use the model's unquantized weights")
         param.weight_loader(param, tensor, shard_id, name)
         loaded.update(_shards_filled(param, target, shard_id))
-    if extra_layers:
-        log.info("skipped the checkpoint's layers %s (past num_hidden_layers = %d: multi-token-prediction "
-                 "layers, which pdserve does not run)", sorted(extra_layers), model.config.num_layers)
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in _expected_loads(model) - loaded)
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {', '.join(missing[:5])}")
 
 
-def _layer_past_model(name: str, model: nn.Module) -> int | None:
-    """The layer index of a tensor past the model's num_hidden_layers, for a model that skips those; else None."""
-    match = _LAYER_INDEX.match(name)
-    if match is None or not getattr(model, "skips_layers_past_num_layers", False):
-        return None
-    index = int(match[1])
-    return index if index >= model.config.num_layers else None
+class ExtraLayerSkip:
+    """skip(name) for a model that sets skips_layers_past_num_layers: True for tensors of layers at index >=
+    num_hidden_layers (DeepSeek's multi-token-prediction layers), which it notes to log once."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.enabled = bool(getattr(model, "skips_layers_past_num_layers", False))
+        self.num_layers = model.config.num_layers if self.enabled else 0
+        self.skipped: set[int] = set()
+
+    def __call__(self, name: str) -> bool:
+        match = _LAYER_INDEX.match(name) if self.enabled else None
+        if match is None or int(match[1]) < self.num_layers:
+            return False
+        self.skipped.add(int(match[1]))
+        return True
+
+    def log_skipped(self) -> None:
+        if self.skipped:
+            log.info("skipped the checkpoint's layers %s (past num_hidden_layers = %d: multi-token-prediction "
+                     "layers, which pdserve does not run)", sorted(self.skipped), self.num_layers)
 
 
 def _shards_filled(param: nn.Parameter, target: str, shard_id: object) -> list[tuple[str, object]]:
@@ -184,10 +193,12 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Mo
             model = model_class(config)
     finally:
         torch.set_default_dtype(previous_dtype)
-    weights = iterate_weights(Path(config.model_dir))
+    skip = ExtraLayerSkip(model)
+    weights = iterate_weights(Path(config.model_dir), skip)
     if hasattr(model, "load_weights"):  # a model that maps checkpoint names itself (transformers backend)
         model.load_weights(weights)
     else:
         load_weights(model, weights)
         pack_linear_weights(model)  # CPU: oneDNN layout, see engine/layers/linear.py
+    skip.log_skipped()
     return model.eval()
