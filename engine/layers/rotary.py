@@ -1,13 +1,12 @@
 """Rotary position embedding (rotate-halves layout) with precomputed cos/sin tables.
 
-Scalings: default, linear and llama3 computed here; any other static type transformers knows (yarn, ..)
-through transformers' own ROPE_INIT_FUNCTIONS. Sequence-dependent types (dynamic, longrope) are refused.
+Scalings: every static type transformers knows (linear, llama3, yarn, ..), through transformers' own
+ROPE_INIT_FUNCTIONS; sequence-dependent types (dynamic, longrope) are refused.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable
 
 import torch
@@ -17,8 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 # Types whose frequencies change with the sequence length: one fixed table cannot hold them.
 SEQUENCE_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3") + tuple(
-    t for t in ROPE_INIT_FUNCTIONS if t not in SEQUENCE_DEPENDENT_ROPE_TYPES + ("linear", "llama3"))
+SUPPORTED_ROPE_TYPES = ("default",) + tuple(t for t in ROPE_INIT_FUNCTIONS if t not in SEQUENCE_DEPENDENT_ROPE_TYPES)
 
 # (query [T, H, D], key [T, Hkv, D]) -> both rotated: one step's rotation, applied by every layer
 Rotation = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -35,20 +33,6 @@ def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:  # [head_dim //
     return 1.0 / (theta ** exponents)
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1 scaling: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
-    factor = scaling["factor"]
-    low_freq_factor = scaling.get("low_freq_factor", 1.0)
-    high_freq_factor = scaling.get("high_freq_factor", 4.0)
-    old_context = scaling.get("original_max_position_embeddings", 8192)
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_context / low_freq_factor, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_context / high_freq_factor) & (wavelen <= old_context / low_freq_factor)
-    return torch.where(is_medium, smoothed, scaled)
-
-
 def rope_type_of(scaling: dict | None) -> str:
     """The scaling's type; older configs name it `type`."""
     scaling = scaling or {}
@@ -63,10 +47,15 @@ def _transformers_rope(rope_type: str, head_dim: int, theta: float, scaling: dic
     config.head_dim, config.hidden_size, config.num_attention_heads = head_dim, head_dim, 1
     config.max_position_embeddings = max_positions
     config.rope_parameters = {**scaling, "rope_type": rope_type, "rope_theta": theta}
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config)
+    try:
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config)
+    except KeyError as exc:
+        raise UnsupportedRopeError(f"rope scaling {rope_type!r} needs {exc} in config.json's rope_scaling: "
+                                   "restore the model's config.json") from exc
     if inv_freq.shape != (head_dim // 2,):
         raise UnsupportedRopeError(f"rope scaling {rope_type!r} rotates {2 * inv_freq.shape[0]} of {head_dim} dims "
-                                   f"(partial_rotary_factor); pdserve rotates whole heads: use --model-impl transformers")
+                                   "(partial_rotary_factor); pdserve rotates whole heads: use --model-impl "
+                                   "transformers")
     return inv_freq.float(), float(attention_factor)
 
 
@@ -77,10 +66,6 @@ def rope_parameters(head_dim: int, theta: float, scaling: dict | None,
     rope_type = rope_type_of(scaling)
     if rope_type == "default":
         return _base_inv_freq(head_dim, theta), 1.0
-    if rope_type == "linear":
-        return _base_inv_freq(head_dim, theta) / scaling["factor"], 1.0
-    if rope_type == "llama3":
-        return _llama3_inv_freq(_base_inv_freq(head_dim, theta), scaling), 1.0
     if rope_type in SUPPORTED_ROPE_TYPES:
         return _transformers_rope(rope_type, head_dim, theta, scaling, max_positions)
     why = ("its frequencies change with the sequence length, which one precomputed table cannot hold"
