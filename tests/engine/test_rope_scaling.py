@@ -1,7 +1,6 @@
-"""Rope scalings: pdserve's cos/sin table equals transformers' rotary (yarn through transformers' own
-ROPE_INIT_FUNCTIONS, its attention factor included; default, linear and llama3 kept as computed before and
-equal to transformers'), sequence-dependent types are refused, and Llama / Qwen2 with yarn generate what
-transformers generates."""
+"""Rope scalings: pdserve's cos/sin table equals transformers' rotary bit for bit (scalings through
+transformers' own ROPE_INIT_FUNCTIONS, yarn's attention factor included), sequence-dependent types and
+incomplete scalings are refused with the reason, and Llama / Qwen2 with yarn generate what transformers generates."""
 
 from __future__ import annotations
 
@@ -57,6 +56,11 @@ def test_sequence_dependent_scalings_are_refused(rope_type):
                "short_factor": [1.0] * (HEAD_DIM // 2), "long_factor": [4.0] * (HEAD_DIM // 2)}
     with pytest.raises(UnsupportedRopeError, match=f"{rope_type}.*change with the sequence length"):
         RotaryEmbedding(HEAD_DIM, MAX_POSITIONS, THETA, scaling)
+
+
+def test_incomplete_scaling_names_the_missing_key():
+    with pytest.raises(UnsupportedRopeError, match="'llama3' needs 'low_freq_factor'"):
+        RotaryEmbedding(HEAD_DIM, MAX_POSITIONS, THETA, {"rope_type": "llama3", "factor": 8.0})
 
 
 def test_unknown_scaling_is_refused():
