@@ -76,7 +76,7 @@ def test_kv_transfer_rejects():
         kv_pack(kv_cache, blocks, 40)
     with pytest.raises(ValueError, match=r"layer range \[2, 5\)"):
         kv_pack(kv_cache, blocks, 20, 2, 5)
-    with pytest.raises(ValueError, match="K then V in dim 1"):
+    with pytest.raises(ValueError, match=r"planes 2 \(K then V\) or 1 \(a latent\)"):
         kv_pack(torch.randn(3, 3, 4, 16, 2, 64), blocks, 20)
     with pytest.raises(ValueError, match="contiguous"):
         kv_pack(kv_cache.transpose(4, 5), blocks, 20)
