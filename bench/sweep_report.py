@@ -42,7 +42,9 @@ def compare(rows: list[dict], goodputs: list[dict], slos: dict[str, float]) -> C
     loads = list(dict.fromkeys(load_label(row) for row in measured if row["phase"] == "sweep"))
     by_config = {g["config"]: g for g in goodputs}
     winner, sentence = pick_winner(goodputs, slos)
-    if slos and winner is None and not any(g["goodput_per_engine"] > 0 for g in goodputs):
+    if slos and not any(_finite_rate(row) for row in measured if row["phase"] == "sweep"):
+        winner, sentence = winner_by_attainment(measured)
+    elif slos and winner is None and not any(g["goodput_per_engine"] > 0 for g in goodputs):
         sentence += closest(measured)
     basis = "at the highest rate within the SLOs" if slos else "at the highest load"
     headers = ["layout", "engines", "goodput (req/s)", "per engine"]
@@ -88,6 +90,31 @@ def pick_winner(goodputs: list[dict], slos: dict[str, float]) -> tuple[str | Non
     ratio = best["goodput_per_engine"] / second["goodput_per_engine"]
     return best["config"], (f"{best['config']} wins: {_per_engine(best)} against {second['config']}'s "
                             f"{_per_engine(second)}, {ratio:.2f}x ({ratio - 1:+.0%}).")
+
+
+def winner_by_attainment(measured: list[dict]) -> tuple[str | None, str]:
+    """For a sweep with no finite request rate (--max-concurrencies, or a phased or trace schedule), where goodput
+    in req/s is not defined: the layout whose runs kept the most requests within the SLOs, on average."""
+    by_config: dict[str, list[float]] = {}
+    for row in measured:
+        if row["phase"] == "sweep" and row.get("slo_attainment") is not None:
+            by_config.setdefault(row["config"], []).append(row["slo_attainment"])
+    if not by_config:
+        return None, "No run measured SLO attainment."
+    why = "these runs had no finite request rate, so layouts are compared by SLO attainment, not goodput"
+    ranked = sorted(((sum(v) / len(v), config) for config, v in by_config.items()), reverse=True)
+    (best, best_config), rest = ranked[0], ranked[1:]
+    if not rest:
+        return best_config, f"{best_config} kept {best:.0%} of requests within the SLOs ({why})."
+    second, second_config = rest[0]
+    if math.isclose(best, second, abs_tol=1e-9):
+        return None, f"No winner: {best_config} and {second_config} both kept {best:.0%} within the SLOs ({why})."
+    return best_config, (f"{best_config} wins: {best:.0%} of requests within the SLOs against {second_config}'s "
+                         f"{second:.0%}, {100 * (best - second):.0f} points ({why}).")
+
+
+def _finite_rate(row: dict) -> bool:
+    return row.get("request_rate") is not None and math.isfinite(row["request_rate"])
 
 
 def closest(measured: list[dict]) -> str:

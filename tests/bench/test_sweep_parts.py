@@ -294,6 +294,23 @@ def test_the_comparison_names_the_winner_and_by_how_much():
                                                            "(1P1D: 25%).")
 
 
+def test_a_sweep_without_a_finite_rate_compares_layouts_by_attainment():
+    """--max-concurrencies or a phased schedule runs at rate inf, where goodput in req/s is not defined: the
+    sentence must not say no layout met the SLOs when one kept every request within them."""
+    from pdserve.bench.sweep_report import compare
+
+    rows = [{**row, "request_rate": math.inf, "max_concurrency": 8,
+             "slo_attainment": 1.0 if row["config"] == "1P1D" else 0.75}
+            for row in synthetic_rows() if row["request_rate"] == 1]
+    goodputs = [{"config": c, "num_engines": 2, "goodput": 0.0, "goodput_per_engine": 0.0, "upper_bound": None}
+                for c in ("1P1D", "0P2D")]
+    comparison = compare(rows, goodputs, {"ttft": 250})
+    assert comparison.winner == "1P1D"
+    assert comparison.sentence.startswith("1P1D wins: 100% of requests within the SLOs against 0P2D's 75%, 25 points")
+    tied = compare([{**row, "slo_attainment": 1.0} for row in rows], goodputs, {"ttft": 250})
+    assert tied.winner is None and tied.sentence.startswith("No winner: 1P1D and 0P2D both kept 100% within the SLOs")
+
+
 @pytest.mark.parametrize("goodputs, says", [
     ([(4.0, None), (4.0, None)], "No winner: 1P1D and 0P2D tie at at least 2 req/s per engine"),
     ([(0.0, 1.0), (0.0, 1.0)], "No layout kept 90% of requests within the SLOs"),
