@@ -25,7 +25,7 @@ from pdserve.engine.layers.mla import LatentAttention, LatentUpProjection
 from pdserve.engine.layers.moe import ExpertWeights, GroupLimitedRouter
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, Rotation, rope_type_of
-from pdserve.engine.models.llama import GatedMLP
+from pdserve.engine.models.llama import DecoderStack, GatedMLP
 
 
 def _field(config: ModelConfig, name: str) -> int:
@@ -152,24 +152,10 @@ class DeepseekV3DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class DeepseekV3Model(nn.Module):
+class DeepseekV3Model(DecoderStack):
     def __init__(self, config: ModelConfig, sigmoid_routing: bool) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.embed_tokens.weight.weight_loader = default_weight_loader
-        self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i, sigmoid_routing) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        rotation = self.rotary_emb(positions, hidden.dtype)
-        for layer in self.layers:
-            hidden, residual = layer(rotation, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        super().__init__(config, config.qk_rope_head_dim,
+                         (DeepseekV3DecoderLayer(config, i, sigmoid_routing) for i in range(config.num_layers)))
 
 
 class DeepseekV3ForCausalLM(nn.Module):

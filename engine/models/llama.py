@@ -5,7 +5,7 @@ Weights load under Hugging Face names; q/k/v and gate/up are fused into one proj
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -83,18 +83,18 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, flags: ArchFlags,
-                 make_mlp: Callable[[ModelConfig, int], nn.Module]) -> None:
+class DecoderStack(nn.Module):
+    """Embedding, one cos/sin table looked up once per step for every layer, the decoder layers, the final norm.
+    Each model family brings its own layers (called layer(rotation, hidden, residual))."""
+
+    def __init__(self, config: ModelConfig, rope_dim: int, layers: Iterable[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_tokens.weight.weight_loader = default_weight_loader
-        # one cos/sin table for all layers, looked up once per step
-        self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, flags, i, make_mlp(config, i)) for i in range(config.num_layers))
+        self.rotary_emb = RotaryEmbedding(rope_dim, config.max_position_embeddings, config.rope_theta,
+                                          config.rope_scaling)
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -104,6 +104,13 @@ class DecoderModel(nn.Module):
             hidden, residual = layer(rotation, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+class DecoderModel(DecoderStack):
+    def __init__(self, config: ModelConfig, flags: ArchFlags,
+                 make_mlp: Callable[[ModelConfig, int], nn.Module]) -> None:
+        super().__init__(config, config.head_dim,
+                         (DecoderLayer(config, flags, i, make_mlp(config, i)) for i in range(config.num_layers)))
 
 
 class LlamaForCausalLM(nn.Module):
