@@ -5,11 +5,13 @@ watch itself against real CURVE sockets."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 
 import pytest
 
+from pdserve.control.errors import TransportTimeout
 from pdserve.control.admission import EXIT_NOT_ADMITTED, AdmissionWatch, NotAdmitted
 from pdserve.control.keys import load_cluster_keys, write_cluster_keys
 from pdserve.control.messages import Deregister
@@ -45,11 +47,16 @@ def test_engines_with_other_keys_say_they_were_refused_and_exit_non_zero(tiny_mo
         up.stop()
 
 
-def watch_against(server_keys, client_curve, timeout_s: float) -> tuple[AdmissionWatch, ClientSocket, ServerSocket]:
+def watch_against(server_keys, client_curve, timeout_s: float, watch_after_s: float = 0.0
+                  ) -> tuple[AdmissionWatch, ClientSocket, ServerSocket]:
     server = ServerSocket("tcp://127.0.0.1:0", curve=server_keys)
     client = ClientSocket(server.address, curve=client_curve)
+    time.sleep(watch_after_s)  # the first handshake may be over before the watch exists
     watch = AdmissionWatch(server.address, client.socket, "tcp://10.9.8.7:5600", timeout_s=timeout_s)
-    client.send(Deregister(engine_id="e", control_address="tcp://10.9.8.7:5600"), timeout=1.0)
+    try:
+        client.send(Deregister(engine_id="e", control_address="tcp://10.9.8.7:5600"), timeout=1.0)
+    except TransportTimeout:
+        pass  # a refused connection takes nothing (the DEALER queues only on a connection that completed)
     return watch, client, server
 
 
@@ -89,3 +96,17 @@ def test_a_router_not_listening_yet_is_waited_for(tmp_path):
         assert checked_until_refused(watch, 1.5) is None
     finally:
         watch.close(), client.close()
+
+
+@pytest.mark.parametrize("watch_after_s", [0.0, 0.3])
+def test_a_plaintext_engine_against_a_curve_router_is_refused_after_its_one_handshake(tmp_path, watch_after_s):
+    """ZeroMQ never retries a handshake that failed on the mechanism (NULL against CURVE): that one failure is
+    the refusal, seen even when it happened before the watch was made."""
+    keys = load_cluster_keys(write_cluster_keys(tmp_path / "keys"))
+    watch, client, server = watch_against(keys.server, None, timeout_s=30.0, watch_after_s=watch_after_s)
+    try:
+        refusal = checked_until_refused(watch, 3.0)
+        assert refusal is not None and re.search(r"\d+ connection handshakes? failed", refusal), refusal
+        assert "no CURVE keys (--insecure)" not in refusal  # the watch was told the engine is secured
+    finally:
+        watch.close(), client.close(), server.close()
