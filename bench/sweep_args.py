@@ -16,8 +16,9 @@ SCHEDULED_DATASETS = ("phased", "trace")  # bench's datasets that bring their ow
 
 def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", nargs="*", default=["1P1D", "0P2D"], metavar="xPyD",
-                        help="layouts of `pdserve up`: x prefill and y decode engines (0P = colocated); "
-                             "none with --base-url: only the external servers")
+                        help="layouts of `pdserve up`: x prefill and y decode engines (0P = colocated), or "
+                             "adaptive[:N]: N dual-role engines whose roles the router picks per request (N: the "
+                             "largest static layout's engine count); none with --base-url: only the external servers")
     parser.add_argument("--base-url", action="append", default=[], metavar="NAME=URL",
                         help="an OpenAI-compatible server already running, benchmarked as one more row "
                              "(repeatable; default: none)")

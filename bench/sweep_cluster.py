@@ -68,9 +68,12 @@ def engines_dtype(model: str, up_args: list[str], device: str) -> str | None:
 
 def up_command(spec: ClusterSpec, layout: Layout, log_dir: Path) -> list[str]:
     command = [sys.executable, "-m", "pdserve", "up", "--model", spec.model, "--port", "0",
-               "--num-prefill", str(layout.num_prefill), "--num-decode", str(layout.num_decode),
                "--log-dir", str(log_dir), "--device", spec.device]
-    if spec.device.startswith("cuda"):
+    if layout.num_dual:
+        command += ["--num-engines", str(layout.num_dual), "--adaptive"]
+    else:
+        command += ["--num-prefill", str(layout.num_prefill), "--num-decode", str(layout.num_decode)]
+    if spec.device.startswith("cuda") and not layout.num_dual:
         prefill_gpus, decode_gpus = device_plan(layout, spec.devices)
         if prefill_gpus:
             command += ["--prefill-devices", ",".join(prefill_gpus)]

@@ -1,5 +1,6 @@
-"""xPyD layouts for `pdserve sweep`: parsing "1P2D", and where each layout's engines run (CPU cores or
-GPUs). Also the `--base-url NAME=URL` rows of external servers."""
+"""xPyD layouts for `pdserve sweep`: parsing "1P2D" and "adaptive" (dual-role engines under the router's
+adaptive policy), and where each layout's engines run (CPU cores or GPUs). Also the `--base-url NAME=URL` rows
+of external servers."""
 
 from __future__ import annotations
 
@@ -7,20 +8,25 @@ import re
 from dataclasses import dataclass
 
 LAYOUT_PATTERN = re.compile(r"(\d+)P(\d+)D", re.IGNORECASE)
+ADAPTIVE_PATTERN = re.compile(r"adaptive(?::(\d+))?", re.IGNORECASE)
+DEFAULT_ADAPTIVE_ENGINES = 2  # when no static layout is listed beside "adaptive"
 
 
 @dataclass(frozen=True)
 class Layout:
     num_prefill: int  # 0 = colocated: the decode engines prefill themselves
     num_decode: int
+    num_dual: int = 0  # dual-role engines (`pdserve up --num-engines N --adaptive`); then no fixed roles
 
     @property
     def name(self) -> str:
+        if self.num_dual:
+            return "adaptive" if self.num_dual == DEFAULT_ADAPTIVE_ENGINES else f"adaptive:{self.num_dual}"
         return f"{self.num_prefill}P{self.num_decode}D"
 
     @property
     def num_engines(self) -> int:
-        return self.num_prefill + self.num_decode
+        return self.num_prefill + self.num_decode + self.num_dual
 
 
 @dataclass(frozen=True)
@@ -31,11 +37,18 @@ class ExternalServer:
     num_engines: int = 1
 
 
-def parse_layout(text: str) -> Layout:
+def parse_layout(text: str, adaptive_engines: int = DEFAULT_ADAPTIVE_ENGINES) -> Layout:
+    """'1P2D', or 'adaptive' (adaptive_engines dual-role engines) / 'adaptive:N'."""
+    adaptive = ADAPTIVE_PATTERN.fullmatch(text.strip())
+    if adaptive is not None:
+        num_dual = int(adaptive.group(1)) if adaptive.group(1) else adaptive_engines
+        if num_dual < 1:
+            raise ValueError(f"config {text!r} has no engine: write adaptive:N with N >= 1")
+        return Layout(0, 0, num_dual)
     match = LAYOUT_PATTERN.fullmatch(text.strip())
     if match is None:
-        raise ValueError(f"config {text!r} is not xPyD: write prefill and decode engine counts, e.g. 1P1D, "
-                         f"2P1D, or 0P2D (colocated)")
+        raise ValueError(f"config {text!r} is not xPyD or adaptive: write prefill and decode engine counts, e.g. "
+                         f"1P1D, 2P1D, or 0P2D (colocated), or adaptive[:N] (N dual-role engines)")
     layout = Layout(int(match.group(1)), int(match.group(2)))
     if layout.num_decode < 1:
         raise ValueError(f"config {text!r} has no decode engine: every layout needs at least one (e.g. 1P1D)")
@@ -43,7 +56,11 @@ def parse_layout(text: str) -> Layout:
 
 
 def parse_layouts(texts: list[str]) -> list[Layout]:
-    layouts = [parse_layout(text) for text in texts]
+    """Every listed layout; a bare 'adaptive' gets as many engines as the largest static layout listed, so the
+    comparison is at the same engine count."""
+    static = [parse_layout(text) for text in texts if not ADAPTIVE_PATTERN.fullmatch(text.strip())]
+    engines = max((layout.num_engines for layout in static), default=DEFAULT_ADAPTIVE_ENGINES)
+    layouts = [parse_layout(text, engines) for text in texts]
     names = [layout.name for layout in layouts]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:

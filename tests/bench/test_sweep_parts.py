@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench.sweep_cluster import ClusterSpec, up_command
 from pdserve.bench.sweep_goodput import find_goodput
 from pdserve.bench.sweep_layouts import (
     Layout,
@@ -54,6 +55,27 @@ def test_a_layout_listed_twice_is_refused():
     with pytest.raises(ValueError, match="1P1D given twice"):
         parse_layouts(["1P1D", "0P2D", "1p1d"])
     assert [layout.name for layout in parse_layouts(["2P1D", "0P2D"])] == ["2P1D", "0P2D"]
+
+
+def test_adaptive_takes_as_many_dual_role_engines_as_the_largest_static_layout():
+    layouts = parse_layouts(["1P2D", "0P2D", "adaptive"])
+    assert [(layout.name, layout.num_dual, layout.num_engines) for layout in layouts] == [
+        ("1P2D", 0, 3), ("0P2D", 0, 2), ("adaptive:3", 3, 3)]
+    assert [layout.name for layout in parse_layouts(["Adaptive"])] == ["adaptive"]  # alone: 2 engines
+    assert parse_layout("adaptive:4").num_engines == 4
+    with pytest.raises(ValueError, match="adaptive:N with N >= 1"):
+        parse_layout("adaptive:0")
+    with pytest.raises(ValueError, match="given twice"):
+        parse_layouts(["1P1D", "adaptive", "adaptive:2"])
+
+
+def test_an_adaptive_layout_starts_up_with_dual_role_engines(tmp_path):
+    spec = ClusterSpec(model="m", device="cpu", pin_cpus=False)
+    command = up_command(spec, parse_layout("adaptive:3"), tmp_path)
+    assert command[command.index("--num-engines") + 1] == "3" and "--adaptive" in command
+    assert "--num-prefill" not in command and "--num-decode" not in command
+    static = up_command(spec, parse_layout("1P1D"), tmp_path)
+    assert "--adaptive" not in static and static[static.index("--num-prefill") + 1] == "1"
 
 
 def test_external_servers():
