@@ -44,6 +44,8 @@ def read_runs(all_runs: list[dict], sweep_dir: Path) -> list[dict]:
         sweep = run.get("sweep") or {}
         if sweep.get("num_decode") is None or not run.get("ttfts"):
             continue  # an external server's run, or one that failed before any request
+        if str(run.get("config", "")).startswith("adaptive"):
+            continue  # dual-role engines: the replay simulates fixed roles
         missing = [key for key in REPLAYED_KEYS if key not in run] + [
             f"sweep.{key}" for key in ("num_prefill", "num_engines") if key not in sweep]
         if missing:
