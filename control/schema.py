@@ -31,7 +31,7 @@ INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
 WireInt = Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)]  # any int msgpack can carry
 MAX_TOKEN_ID = (1 << 31) - 1
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-Role = Literal["prefill", "decode"]
+Role = Literal["prefill", "decode", "dual"]  # dual: takes either role per request (pdserve engine)
 ROLES: tuple[str, ...] = typing.get_args(Role)
 
 

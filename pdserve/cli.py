@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
         service = commands.add_parser(role, help=f"run one {role} engine service")
         _add_model_args(service)
         add_engine_args(service, role)
+    dual = commands.add_parser("engine", help="run one engine that takes either role per request: prefill for a "
+                                              "peer, decode from a peer's KV, or both")
+    _add_model_args(dual)
+    add_engine_args(dual, "dual")
     from pdserve.router_cli import add_router_args
     from pdserve.up import add_up_args
 
@@ -184,10 +188,10 @@ def _run(argv: list[str] | None) -> int:
             from pdserve.generate import run_generate
 
             return run_generate(args)
-        if args.command in ("prefill", "decode"):
+        if args.command in ("prefill", "decode", "engine"):
             from pdserve.engines import run_engine
 
-            return run_engine(args, args.command)
+            return run_engine(args, "dual" if args.command == "engine" else args.command)
         if args.command == "router":
             from pdserve.router_cli import run_router
 

@@ -20,6 +20,8 @@ ALLOWED = {
     "kvtransfer": {"control"},
     "prefill": {"engine", "kernels", "control", "kvtransfer"},
     "decode": {"engine", "kernels", "control", "kvtransfer"},
+    # the engine that takes either role: both roles' servers and connectors side by side
+    "dualrole": {"engine", "kernels", "control", "kvtransfer", "prefill", "decode"},
     # the torch-free engine modules the router shares
     "router": {"control", "engine.tokenizer", "engine.detokenizer", "engine.block_pool", "engine.generation_defaults",
                "engine.chat", "engine.grammar", "engine.grammar_sandbox", "engine.grammar_worker"},

@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ("engine", "engine.attention", "engine.layers", "engine.models", "kernels", "control", "kvtransfer",
-               "prefill", "decode", "router", "bench", "planner", "planner.profile", "planner.model", "planner.search",
+               "prefill", "decode", "dualrole", "router", "bench", "planner", "planner.profile", "planner.model", "planner.search",
                "planner.validate")
 
 

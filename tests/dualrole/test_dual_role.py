@@ -1,0 +1,87 @@
+"""Dual-role engines (`pdserve engine`) between real processes over real ZeroMQ: each takes the prefill
+role for one request and the decode role for another at the same time, or both for one (colocated), and
+works beside the fixed-role engines. Greedy output equals the offline engine's token for token, and no
+engine holds a KV block afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from pdserve.local_cluster import Driver, EngineProcess
+from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+
+
+@dataclass
+class Cluster:
+    a: EngineProcess  # dual, streams its layers while a prompt computes
+    b: EngineProcess  # dual, sends a prompt's KV once it is computed
+    prefill: EngineProcess  # fixed role, trusted by A
+    decode: EngineProcess  # fixed role, pulls from A
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_factory):
+    return model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    return colocated_tokens(model_dir, PROMPTS, **GREEDY)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    """A and B trust each other's KV address (and A the fixed prefill engine's): known before any starts."""
+    tmp = tmp_path_factory.mktemp("dual")
+    kv = {name: f"ipc://{tmp}/{name}-kv.sock" for name in ("a", "b", "p")}
+    started = []
+
+    def start(role: str, *args: str) -> EngineProcess:
+        started.append(EngineProcess(role, model_dir, *ENGINE_ARGS, *args, log_dir=tmp))
+        return started[-1]
+
+    try:
+        a = start("engine", "--engine-id", "dual-a", "--kv-address", kv["a"], "--kv-streaming", "on",
+                  "--kv-peer", kv["b"], "--kv-peer", kv["p"])
+        b = start("engine", "--engine-id", "dual-b", "--kv-address", kv["b"], "--kv-peer", kv["a"])
+        prefill = start("prefill", "--kv-address", kv["p"], "--kv-streaming", "on")
+        decode = start("decode", "--kv-peer", kv["a"])
+        yield Cluster(a, b, prefill, decode)
+    finally:
+        for process in started:
+            process.stop()
+
+
+def submit_all(driver: Driver, prefix: str, prompts=PROMPTS, remote: bool = True) -> list[str]:
+    ids = [f"{prefix}{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        driver.submit(request_id, prompt, remote, **GREEDY)
+    return ids
+
+
+def tokens(driver: Driver, ids: list[str]) -> list[list[int]]:
+    results = driver.collect(ids)
+    assert all(results[i].finish_reason == "length" for i in ids), {i: results[i].error for i in ids}
+    return [results[i].token_ids for i in ids]
+
+
+def test_each_dual_engine_prefills_for_the_other_while_decoding_for_it(cluster, expected):
+    """A prefills what B decodes while B prefills what A decodes: both roles at once on each engine."""
+    a_to_b, b_to_a = Driver(cluster.b, cluster.a), Driver(cluster.a, cluster.b)
+    try:
+        before = a_to_b.prefill_stats().num_kv_transfers, a_to_b.decode_stats().num_kv_transfers
+        ab_ids, ba_ids = submit_all(a_to_b, "ab"), submit_all(b_to_a, "ba")  # all ten in flight at once
+        assert tokens(a_to_b, ab_ids) == expected
+        assert tokens(b_to_a, ba_ids) == expected
+        assert_no_leaks(a_to_b)
+        assert_no_leaks(b_to_a)
+        a, b = a_to_b.prefill_stats(), a_to_b.decode_stats()
+        assert a.role == b.role == "dual"
+        # each engine sent five prompts' KV and received five (the sum of both roles' transfers)
+        assert (a.num_kv_transfers - before[0], b.num_kv_transfers - before[1]) == (2 * len(PROMPTS),) * 2
+        assert a.num_kv_transfers_failed == b.num_kv_transfers_failed == 0
+    finally:
+        a_to_b.close()
+        b_to_a.close()
