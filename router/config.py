@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 PREFILL_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 DECODE_POLICIES = ("round_robin", "least_kv")
+ROUTINGS = ("static", "adaptive")  # static: the prefill and decode policies; adaptive: router/adaptive.py
 TOOL_CALL_PARSERS = ("hermes",)  # formats of a model's own tool calls the router reads (router/tool_calls.py)
 
 
@@ -22,6 +23,11 @@ class RouterConfig:
     prefill_policy: str = "prefix_aware"
     decode_policy: str = "least_kv"
     local_prefill_threshold: int = 0  # uncached prompt tokens <= this: prefill on the decode engine
+    routing: str = "static"
+    slo_ttft_ms: float = 2000.0  # the SLOs the adaptive policy routes for (--slo ttft:MS tpot:MS)
+    slo_tpot_ms: float = 150.0
+    step_profile: str | None = None  # a `pdserve profile` JSON: the adaptive policy's step model (None: built-in)
+    adaptive_lean_interval_s: float = 0.0  # the adaptive policy's lean loop period; 0: no lean
     heartbeat_timeout_s: float = 3.0  # an engine silent this long leaves routing
     stats_interval_s: float = 1.0  # how often static engines are polled for stats
     max_concurrent_requests: int = 1024  # more in flight: 429
@@ -46,6 +52,11 @@ class RouterConfig:
              f"prefill policy {self.prefill_policy!r} is unknown: use one of {', '.join(PREFILL_POLICIES)}"),
             (self.decode_policy in DECODE_POLICIES,
              f"decode policy {self.decode_policy!r} is unknown: use one of {', '.join(DECODE_POLICIES)}"),
+            (self.routing in ROUTINGS, f"routing {self.routing!r} is unknown: use one of {', '.join(ROUTINGS)}"),
+            (self.slo_ttft_ms > 0 and self.slo_tpot_ms > 0,
+             f"SLOs ttft:{self.slo_ttft_ms:g} tpot:{self.slo_tpot_ms:g} must be > 0 milliseconds"),
+            (self.adaptive_lean_interval_s >= 0,
+             f"adaptive lean interval {self.adaptive_lean_interval_s} must be >= 0 seconds (0 turns the lean off)"),
             (self.local_prefill_threshold >= 0,
              f"local prefill threshold {self.local_prefill_threshold} must be >= 0 tokens"),
             (self.heartbeat_timeout_s > 0, f"heartbeat timeout {self.heartbeat_timeout_s} must be > 0 seconds"),

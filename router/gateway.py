@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.engine.generation_defaults import load_generation_defaults
+from pdserve.router.adaptive_policy import make_policy
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import NoEngineAvailable, Overloaded
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policies import Route, RoutingPolicy
+from pdserve.router.policies import Route
 from pdserve.router.preprocess import Preprocessor
 from pdserve.router.registry import EngineRegistry
 from pdserve.router.template_sandbox import TemplateSandbox
@@ -27,8 +28,8 @@ class Gateway:
         self.template_sandbox = (TemplateSandbox(config.model, config.preprocess_timeout_s)
                                  if config.allow_request_chat_template else None)
         self.registry = EngineRegistry(config)
-        self.policy = RoutingPolicy(config)
-        self.metrics = RouterMetrics(self.registry.links)
+        self.policy = make_policy(config)
+        self.metrics = RouterMetrics(self.registry.links, self.policy)
         self.num_in_flight = 0
         self.registry.on_change.append(self.policy.forget)
 

@@ -99,9 +99,12 @@ class Submission:
         # at the deadline (loop time) a timer puts (DEADLINE, None) in the inbox: one timer per attempt
         # rather than a timeout scope around every wait for a token
         self._timer = asyncio.get_running_loop().call_at(deadline, self.inbox.put, DEADLINE, None)
-        route.decode.open_stream(request_id, _Sink(self.inbox, "decode"), route.num_prompt_tokens)
+        local_tokens = route.num_uncached_tokens if route.prefill is None else 0  # the prompt D computes itself
+        route.decode.open_stream(request_id, _Sink(self.inbox, "decode"), route.num_prompt_tokens,
+                                 num_prefill_tokens=local_tokens)
         if route.prefill is not None:
-            route.prefill.open_stream(request_id, _Sink(self.inbox, "prefill"), route.num_uncached_tokens)
+            route.prefill.open_stream(request_id, _Sink(self.inbox, "prefill"), route.num_uncached_tokens,
+                                      num_prefill_tokens=route.num_uncached_tokens, decodes=False)
 
     def submit(self, spec: ChoiceSpec) -> None:
         """Send the prompt to the prefill and the decode engine at once (EngineUnreachable -> Retry)."""

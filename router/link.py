@@ -85,6 +85,13 @@ class EngineLink:
         # or its uncached part) plus those that came back; `open_tokens` is their sum (router.policies)
         self.stream_tokens: dict[str, int] = {}
         self.open_tokens = 0
+        # of those, the prompts it computes and has not answered yet (request id -> uncached tokens), their sum and
+        # the sum of their squares; and the streams that only prefill here (a prefill engine's part)
+        self.prefilling: dict[str, int] = {}
+        self.queued_prefill_tokens = 0
+        self.queued_prefill_squares = 0
+        self.prefill_only: dict[str, int] = {}  # request id -> tokens counted in open_tokens
+        self.prefill_only_tokens = 0
         self._stats_waiters: list[asyncio.Future] = []
         # a plain (synchronous) socket on the registry's context: sends never wait, and reading is the
         # loop's reader callback on its file descriptor
@@ -131,18 +138,44 @@ class EngineLink:
 
     # ---- streams ----
 
-    def open_stream(self, request_id: str, sink: StreamSink, num_tokens: int = 0) -> None:
+    def open_stream(self, request_id: str, sink: StreamSink, num_tokens: int = 0, *, num_prefill_tokens: int = 0,
+                    decodes: bool = True) -> None:
         """Deltas of request_id go to sink until close_stream; num_tokens: the prompt tokens it puts on this engine
-        (the load the policies read, grown by every token that comes back)."""
+        (the load the policies read, grown by every token that comes back); num_prefill_tokens: those the engine
+        computes itself (queued until the request's first token); decodes: False for a prefill engine's part."""
         self.streams[request_id] = sink
         self.stream_tokens[request_id] = num_tokens
         self.open_tokens += num_tokens
         self.num_inflight += 1
+        if num_prefill_tokens > 0:
+            self.prefilling[request_id] = num_prefill_tokens
+            self.queued_prefill_tokens += num_prefill_tokens
+            self.queued_prefill_squares += num_prefill_tokens * num_prefill_tokens
+        if not decodes:
+            self.prefill_only[request_id] = num_tokens
+            self.prefill_only_tokens += num_tokens
 
     def close_stream(self, request_id: str) -> None:
         if self.streams.pop(request_id, None) is not None:
             self.open_tokens -= self.stream_tokens.pop(request_id)
             self.num_inflight -= 1
+            self._prefilled(request_id)
+            self.prefill_only_tokens -= self.prefill_only.pop(request_id, 0)
+
+    def _prefilled(self, request_id: str) -> None:
+        num_tokens = self.prefilling.pop(request_id, 0)
+        self.queued_prefill_tokens -= num_tokens
+        self.queued_prefill_squares -= num_tokens * num_tokens
+
+    @property
+    def num_decoding(self) -> int:
+        """Requests open on this engine that it decodes (or will, once prefilled)."""
+        return self.num_inflight - len(self.prefill_only)
+
+    @property
+    def decode_tokens(self) -> int:
+        """The tokens of those requests (the ledger's open_tokens less the prefill-only streams')."""
+        return self.open_tokens - self.prefill_only_tokens
 
     def fail_streams(self, reason: str) -> None:
         gone = EngineGone(self.engine_id, reason)
@@ -235,6 +268,8 @@ class EngineLink:
                 if msg.token_ids:
                     self.stream_tokens[msg.request_id] += len(msg.token_ids)
                     self.open_tokens += len(msg.token_ids)
+                    if self.prefilling:
+                        self._prefilled(msg.request_id)
                 sink.put_nowait(msg)
         elif isinstance(msg, PromptLogprobs):
             sink = self.streams.get(msg.request_id)

@@ -15,7 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.router.adaptive_policy import AdaptivePolicy
 from pdserve.router.link import EngineLink
+from pdserve.router.policies import RoutingPolicy
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -77,8 +79,41 @@ class EngineCollector(Collector):
             yield family
 
 
+class AdaptiveCollector(Collector):
+    """The adaptive policy's decisions by path, each engine's lean changes and its lean now, from the policy's own
+    counts (router/adaptive_policy.py) at scrape time."""
+
+    def __init__(self, policy: AdaptivePolicy, links: dict[str, EngineLink]) -> None:
+        self.policy = policy
+        self.links = links
+
+    def _label(self, address: str) -> str:
+        link = self.links.get(address)
+        return link.label if link is not None else address
+
+    def collect(self) -> Iterator[Metric]:
+        decisions = CounterMetricFamily("pdserve_router_adaptive_decisions", "requests the adaptive policy routed, "
+                                        "by path: local (one engine prefills and decodes) or disaggregated",
+                                        labels=["path"])
+        for path, count in self.policy.decisions.items():
+            decisions.add_metric([path], count)
+        yield decisions
+        changes = CounterMetricFamily("pdserve_router_adaptive_lean_changes", "changes of an engine's lean, by the "
+                                      "lean it took (prefill, decode, none)", labels=["engine", "lean"])
+        for (address, lean), count in sorted(self.policy.lean_changes.items()):
+            changes.add_metric([self._label(address), lean], count)
+        yield changes
+        leans = GaugeMetricFamily("pdserve_router_adaptive_lean", "each dual-role engine's lean now: 1 prefill, "
+                                  "-1 decode, 0 none", labels=["engine"])
+        controller = self.policy.lean
+        for address, link in sorted(self.links.items()):
+            if link.up and link.role == "dual":
+                leans.add_metric([link.label], controller.lean(address) if controller is not None else 0)
+        yield leans
+
+
 class RouterMetrics:
-    def __init__(self, links: dict[str, EngineLink]) -> None:
+    def __init__(self, links: dict[str, EngineLink], policy: RoutingPolicy | None = None) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total and the rest: the router's own CPU
         self.requests = Counter("pdserve_requests", "HTTP API requests by endpoint and status code",
@@ -104,6 +139,8 @@ class RouterMetrics:
                                   "resumed on another engine, or failed (none within --migration-timeout)",
                                   ["outcome"], registry=self.registry)
         self.registry.register(EngineCollector(links))
+        if isinstance(policy, AdaptivePolicy):
+            self.registry.register(AdaptiveCollector(policy, links))
         # labelled series, each looked up once: labels() checks its arguments and takes a lock on every call
         self._requests_of: dict[tuple[str, str], Counter] = {}
         self._finished_of: dict[str, Counter] = {}

@@ -108,6 +108,9 @@ class RoutingPolicy:
         prefill = None
         if prefills and not force_local and num_uncached > self.local_prefill_threshold:
             prefill = self._pick_prefill(prefills, hashes)
+        if prefill is decode:  # a dual-role engine picked for both sides: it prefills its own request
+            prefill = None
+        if prefill is not None:
             self.index(prefill).add(hashes.for_block_size(_block_size(prefill)))
         if prefill is None or not first_token_only:  # else the decode engine never gets the prompt
             self.index(decode).add(decode_hashes)

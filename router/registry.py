@@ -20,8 +20,8 @@ heartbeat timeout or the engine left routing (a restarted engine registers again
 A Register with a new incarnation (a random id each engine process makes at start) is a restarted engine
 at the same address: the old entry leaves routing at once (its open requests get EngineGone) and the new
 one takes its place, from whichever connection sent it.
-Every decode engine that registers gets KVPeers back on its registration link: the KV addresses of
-the prefill engines the router knows, the only ones it will pull KV from (docs/serving/security.md), with
+Every decode (or dual-role) engine that registers gets KVPeers back on its registration link: the KV addresses
+of the prefill-capable engines (prefill and dual roles) the router knows, the only ones it will pull KV from (docs/serving/security.md), with
 the incarnation registered at each (a decode engine renews its KV link to one that restarted).
 
 The registration socket takes any number of peers: it tracks at most MAX_REGISTRATION_PEERS of them
@@ -52,6 +52,9 @@ from pdserve.router.link import EngineLink
 log = logging.getLogger("pdserve.router.registry")
 
 ROLES = ("prefill", "decode")
+DUAL = "dual"  # a dual-role engine (`pdserve engine`): a member of both pools
+KV_SERVING_ROLES = ("prefill", DUAL)  # engines that serve KV to others: their KV addresses are every puller's peers
+KV_PULLING_ROLES = ("decode", DUAL)  # engines told those peers (KVPeers)
 MAX_REGISTRATION_PEERS = 4096
 MAX_PENDING_ENGINES = 64
 RESTART_DELAY_S = 1.0
@@ -101,8 +104,8 @@ class EngineRegistry:
     # ---- queries ----
 
     def engines(self, role: str) -> list[EngineLink]:
-        """Routable engines of one role."""
-        return [link for link in self.links.values() if link.up and link.role == role]
+        """Routable engines that can take one role: its fixed-role engines and every dual-role one."""
+        return [link for link in self.links.values() if link.up and link.role in (role, DUAL)]
 
     def max_model_len(self) -> int | None:
         """The context length every routable decode engine accepts (None when there is none)."""
@@ -223,15 +226,16 @@ class EngineRegistry:
         link.last_seen = time.monotonic()
         self._assign_label(link)
         self._announce_kv_peers()
-        if msg.role == "decode":
+        if msg.role in KV_PULLING_ROLES:
             self._answer(peer_id, self._kv_peers_message())
 
     # ---- the KV peers decode engines may pull from ----
 
     def _current_kv_peers(self) -> dict[str, str]:
-        """KV address -> the incarnation registered there, for every prefill engine known (at most MAX_KV_PEERS)."""
+        """KV address -> the incarnation registered there, for every prefill-capable engine known (prefill and dual
+        roles; at most MAX_KV_PEERS)."""
         peers = {link.info.kv_address: link.info.incarnation for link in self.links.values()
-                 if link.info is not None and link.info.role == "prefill" and link.info.kv_address}
+                 if link.info is not None and link.info.role in KV_SERVING_ROLES and link.info.kv_address}
         return dict(sorted(peers.items())[:MAX_KV_PEERS])
 
     def _kv_peers_message(self) -> KVPeers:
@@ -239,14 +243,14 @@ class EngineRegistry:
                        incarnations={address: known for address, known in self._kv_peers.items() if known})
 
     def _announce_kv_peers(self) -> None:
-        """Tell every registered decode engine when the set of prefill KV addresses changed."""
+        """Tell every registered decode and dual engine when the set of prefill KV addresses changed."""
         peers = self._current_kv_peers()
         if peers == self._kv_peers:
             return
         self._kv_peers = peers
         message = self._kv_peers_message()
         for link in self.links.values():
-            if link.owner is not None and link.info is not None and link.info.role == "decode":
+            if link.owner is not None and link.info is not None and link.info.role in KV_PULLING_ROLES:
                 self._answer(link.owner, message)
 
     def _answer(self, peer_id: bytes, msg: Message) -> None:
@@ -319,8 +323,8 @@ class EngineRegistry:
             log.error("engine at %s is a %s engine but was given as --%s: fix the router's arguments",
                       link.control_address, link.info.role, expected)
             return False
-        if link.info.role == "prefill" and not link.info.kv_address:
-            log.error("prefill engine %s has no KV address", link.engine_id)
+        if link.info.role in KV_SERVING_ROLES and not link.info.kv_address:
+            log.error("%s engine %s has no KV address", link.info.role, link.engine_id)
             return False
         self._assign_label(link)
         return True

@@ -1,0 +1,104 @@
+"""`--routing adaptive`: RoutingPolicy's interface over router/adaptive.py's choice. It reads each engine's load
+from the router's ledger (EngineLink), asks `choose` for the (prefill, decode) pair, counts the decision, and
+runs the lean loop (router/lean.py) when --adaptive-lean-interval is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from pdserve.router.adaptive import LEAN_NONE, Choice, EngineLoad, Slo, choose
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import NoEngineAvailable
+from pdserve.router.lean import LEAN_NAMES, LeanController
+from pdserve.router.link import EngineLink
+from pdserve.router.policies import DEFAULT_INDEX_BLOCKS, PromptHashes, Route, RoutingPolicy, _block_size
+from pdserve.router.step_model import StepModel, load_step_model
+
+log = logging.getLogger("pdserve.router.adaptive")
+
+DEFAULT_HORIZON_TOKENS = 64.0  # a request's output tokens before any has finished
+HORIZON_WEIGHT = 0.05  # weight of each finished request in the running mean of output lengths
+MIN_HORIZON_TOKENS, MAX_HORIZON_TOKENS = 4.0, 8192.0
+
+
+class AdaptivePolicy(RoutingPolicy):
+    def __init__(self, config: RouterConfig, model: StepModel | None = None) -> None:
+        super().__init__(config)
+        self.model = model or (load_step_model(config.step_profile) if config.step_profile else StepModel())
+        self.slo = Slo(ttft_s=config.slo_ttft_ms / 1000, tpot_s=config.slo_tpot_ms / 1000)
+        self.horizon_tokens = DEFAULT_HORIZON_TOKENS
+        self.lean = LeanController(config.adaptive_lean_interval_s) if config.adaptive_lean_interval_s > 0 else None
+        self.decisions = {"local": 0, "disaggregated": 0}  # read by router.metrics at scrape time
+        self.lean_changes: dict[tuple[str, str], int] = {}  # (control address, new lean) -> changes
+        self.clock = time.monotonic
+
+    def route(self, token_ids: Sequence[int], prefills: list[EngineLink], decodes: list[EngineLink],
+              force_local: bool = False, first_token_only: bool = False) -> Route:
+        hashes = PromptHashes(token_ids)
+        links = {link.control_address: link for link in (*prefills, *decodes)}
+        prefill_capable = {link.control_address for link in prefills}
+        decode_capable = {link.control_address for link in decodes}
+        loads = [self._load(link, hashes, link.control_address in prefill_capable,
+                            link.control_address in decode_capable) for link in links.values()]
+        choice = choose(len(token_ids), loads, self.model, self.slo, self.horizon_tokens,
+                        allow_remote_prefill=not force_local)
+        if choice is None:
+            raise NoEngineAvailable("no decode engine is available: start one (`pdserve engine --router-address "
+                                    "...`) or wait until a registered engine answers its heartbeats")
+        self._count(choice, links)
+        decode = links[choice.decode]
+        prefill = links[choice.prefill] if choice.prefill is not None else None
+        num_uncached = next(load.uncached_tokens for load in loads if load.address == choice.decode)
+        if prefill is not None:
+            self.index(prefill).add(hashes.for_block_size(_block_size(prefill)))
+        if prefill is None or not first_token_only:
+            self.index(decode).add(hashes.for_block_size(_block_size(decode)))
+        return Route(decode, prefill, num_uncached, hashes)
+
+    def _load(self, link: EngineLink, hashes: PromptHashes, can_prefill: bool, can_decode: bool) -> EngineLoad:
+        block_size = _block_size(link)
+        num_cached = self.index(link).num_matched_blocks(hashes.for_block_size(block_size)) * block_size
+        blocks_total = link.stats.kv_blocks_total if link.stats and link.stats.kv_blocks_total else DEFAULT_INDEX_BLOCKS
+        return EngineLoad(
+            address=link.control_address, can_prefill=can_prefill, can_decode=can_decode,
+            uncached_tokens=max(len(hashes.token_ids) - num_cached, 1),
+            queued_prefill_tokens=link.queued_prefill_tokens, queued_prefill_squares=link.queued_prefill_squares,
+            num_queued_prompts=len(link.prefilling), num_decoding=link.num_decoding,
+            decode_context_tokens=link.decode_tokens, kv_free_tokens=blocks_total * block_size - link.open_tokens,
+            lean=self.lean.lean(link.control_address) if self.lean else LEAN_NONE)
+
+    def _count(self, choice: Choice, links: dict[str, EngineLink]) -> None:
+        self.decisions["local" if choice.local else "disaggregated"] += 1
+        if self.lean is None:
+            return
+        self.lean.observe(choice)
+        now = self.clock()
+        if self.lean.due(now):
+            num_decoding = {address: link.num_decoding for address, link in links.items()}
+            addresses = sorted(address for address, link in links.items() if link.role == "dual")
+            for change in self.lean.tick(now, addresses, num_decoding):
+                key = (change.address, LEAN_NAMES[change.new])
+                self.lean_changes[key] = self.lean_changes.get(key, 0) + 1
+                log.info("engine at %s now leans to %s (was %s)", change.address, LEAN_NAMES[change.new],
+                         LEAN_NAMES[change.old])
+
+    def record_output(self, link: EngineLink, token_ids: Sequence[int], prompt_hashes: PromptHashes | None = None
+                      ) -> None:
+        """As RoutingPolicy's, and the running mean of output lengths (the horizon a prefill's stall is spread over)."""
+        super().record_output(link, token_ids, prompt_hashes)
+        if prompt_hashes is not None:
+            num_output = len(token_ids) - len(prompt_hashes.token_ids)
+            mean = self.horizon_tokens + HORIZON_WEIGHT * (num_output - self.horizon_tokens)
+            self.horizon_tokens = min(max(mean, MIN_HORIZON_TOKENS), MAX_HORIZON_TOKENS)
+
+    def forget(self, link: EngineLink) -> None:
+        super().forget(link)
+        if self.lean is not None and not link.up:
+            self.lean.leans.pop(link.control_address, None)
+
+
+def make_policy(config: RouterConfig) -> RoutingPolicy:
+    return AdaptivePolicy(config) if config.routing == "adaptive" else RoutingPolicy(config)
