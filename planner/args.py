@@ -6,7 +6,7 @@ import argparse
 
 from pdserve.cli_help import seed_arg
 
-DATASETS = ("random", "sharegpt", "prefix", "jsonl")
+DATASETS = ("random", "sharegpt", "prefix", "jsonl", "phased")
 
 
 def add_profile_args(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +79,12 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--prefix-len", type=int, default=None,
                       help="prefix dataset: tokens shared within a group (default: half of --input-len)")
     data.add_argument("--num-prefix-groups", type=int, default=4, help="prefix dataset: groups of prompts")
+    data.add_argument("--phases", default=None, metavar="IN:OUT:RATE:SECONDS[:RATIO],...",
+                      help="phased: the phases in order, as `pdserve bench` takes them, e.g. 1000:48:2:30,128:256:6:30 "
+                           "(or a JSON file of them); simulated at a rate R, every phase's rate is scaled by one factor "
+                           "so that the run's mean is R (the phases' rates give the mix, their durations stay); "
+                           "--num-prompts does not apply (default: none; required with --dataset phased)")
+    data.add_argument("--phase-cycles", type=int, default=1, help="phased: times the phases run, in order")
     data.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma arrivals' shape: 1 = Poisson, below 1 burstier, above 1 steadier")
     data.add_argument("--seed", type=seed_arg, default=0, help="seed of the prompts and arrivals (as bench's)")
@@ -92,6 +98,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                          help="prompts up to this many tokens are prefilled on the decode engine (0 = none)")
     cluster.add_argument("--kv-streaming", default="off", choices=["on", "off"],
                          help="off: KV sent after the prefill (pdserve's default on CPU); on: layer by layer")
+    cluster.add_argument("--adaptive", action="store_true",
+                         help="also simulate the N engines as dual-role engines under the adaptive policy (the router "
+                              "picks each request's prefill and decode engine, or one engine, from their load and "
+                              "the step model), printed beside the best static split; always simulated whole")
     cluster.add_argument("--exact-up-to", type=int, default=8, metavar="N",
                          help="simulate every engine behind the router up to N engines; above, one engine per tier")
     parser.add_argument("--step-scale", nargs=2, type=float, default=(1.0, 1.0), metavar=("PREFILL", "DECODE"),

@@ -17,8 +17,9 @@ from pdserve.planner.profile.fit import Profile, load_profile, model_identity
 from pdserve.planner.profile.report import compute_line
 from pdserve.planner.model.host_cpu import NO_HOST_CPU, HostCpu, plan_host_cpu
 from pdserve.planner.model.host_effects import HostEffects, host_effects
-from pdserve.planner.search.recommend import PlanSettings, plan_splits, recommend, run_split, smallest_engines
-from pdserve.planner.search.goodput import search_splits
+from pdserve.planner.search.recommend import (PlanSettings, plan_adaptive, plan_splits, recommend, run_split,
+                                              smallest_engines)
+from pdserve.planner.search.goodput import search_adaptive, search_splits
 from pdserve.planner.model.simulator import ClusterSpec, StepModel
 from pdserve.planner.model.workload import Workload, workload_from_args
 from pdserve.bench.sweep_results import parse_slos
@@ -153,12 +154,18 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         rows = plan_splits(settings, args.engines, args.request_rate)
     best = recommend(rows)
+    adaptive = None
+    if args.adaptive:
+        adaptive = (search_adaptive(settings, args.engines, rows) if args.request_rate is None
+                    else plan_adaptive(settings, args.engines, args.request_rate))
     smallest = smallest_engines(settings, args.target_rate, args.engines) if args.target_rate else None
     elapsed, cpu = time.perf_counter() - started, cpu_seconds() - started_cpu
-    print(format_table(rows))
+    print(format_table(rows + ([adaptive] if adaptive else [])))
     print(f"\n{compute_line(profile)}")
-    print(recommendation(best, args) + f"; {len(rows)} splits of {len(settings.workload)} requests "
+    print(recommendation(best, args) + f"; {len(rows)} splits of {settings.workload.describe()} "
           f"simulated in {elapsed:.1f} s ({cpu:.1f} s of CPU)")
+    if adaptive is not None:
+        print(adaptive_line(adaptive, best, args.engines))
     if host is not NO_HOST_CPU:
         print(f"{host.describe()}: charged to the engines' steps while none is idle (one core per engine), in the "
               f"splits simulated whole (up to --exact-up-to {args.exact_up_to} engines)")
@@ -168,8 +175,19 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"smallest cluster for {args.target_rate:g} req/s: " + (
             f"{smallest['num_engines']} engines as {smallest['config']}" if smallest else
             f"none up to {args.engines} engines; give more --engines"))
-    write_outputs(args, profile, rows, best, smallest, elapsed, cpu, host)
+    write_outputs(args, profile, rows, best, smallest, elapsed, cpu, host, adaptive)
     return 0
+
+
+def adaptive_line(adaptive: dict, best: dict | None, num_engines: int) -> str:
+    """The adaptive layout beside the best static split, as the simulator predicts them."""
+    attained = "-" if adaptive["slo_attainment"] is None else f"{adaptive['slo_attainment']:.0%}"
+    line = (f"adaptive ({num_engines} dual-role engines, each request's prefill and decode engine chosen at its "
+            f"arrival): goodput {adaptive['goodput']:.3g} req/s (attainment {attained})")
+    if best is None:
+        return line + "; no static split has any goodput (predicted)"
+    ratio = adaptive["goodput"] / best["goodput"] if best["goodput"] else math.inf
+    return line + f", {ratio:.2f}x the best static split {best['config']} ({best['goodput']:.3g} req/s) (predicted)"
 
 
 def up_command(best: dict, args: argparse.Namespace, profile: Profile) -> str:
@@ -210,14 +228,15 @@ def plot_title(args: argparse.Namespace) -> str:
 
 
 def write_outputs(args, profile: Profile, rows: list[dict], best: dict, smallest: dict | None, elapsed: float,
-                  cpu: float, host: HostCpu) -> None:
+                  cpu: float, host: HostCpu, adaptive: dict | None = None) -> None:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {"profile": str(args.profile), "model": profile.model.model_dump(), "machine": profile.machine,
               "engines": args.engines, "slos_ms": parse_slos(args.slo, "--slo"), "request_rate": args.request_rate,
               "dataset": {k: getattr(args, k) for k in ("dataset", "dataset_path", "num_prompts", "input_len",
-                                                         "output_len", "range_ratio", "burstiness", "seed")},
-              "step_scale": list(args.step_scale), "host_cpu": asdict(host), "splits": rows, "recommended": best,
+                                                         "output_len", "range_ratio", "burstiness", "seed",
+                                                         "phases", "phase_cycles")},
+              "step_scale": list(args.step_scale), "host_cpu": asdict(host), "splits": rows, "recommended": best, "adaptive": adaptive,
               "smallest": smallest,
               "seconds": elapsed, "cpu_seconds": cpu}
     (out / "plan.json").write_text(json.dumps(result, indent=1, default=str))

@@ -41,6 +41,7 @@ except ImportError as exc:  # a dependency of pdserve; missing only from an inst
                       ) from exc
 
 from pdserve.kernels.length_groups import group_padding
+from pdserve.planner.model.adaptive import AdaptivePolicy, AdaptiveTargets, RecentWork
 from pdserve.planner.model.host_effects import DECODING, IDLE, NO_HOST_EFFECTS, PREFILLING, HostEffects
 from pdserve.planner.profile.corun_fit import NO_CORUN, CoRun
 from pdserve.planner.profile.fit import EngineSettings, Profile
@@ -99,6 +100,7 @@ class ClusterSpec:
     decode_policy: str = "least_kv"
     local_prefill_threshold: int = 0
     kv_streaming: bool = False
+    adaptive: AdaptiveTargets | None = None  # None: fixed roles; else num_decode dual-role engines, this policy's SLOs
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
@@ -110,7 +112,7 @@ class ClusterSpec:
 
     @property
     def name(self) -> str:
-        return f"{self.num_prefill}P{self.num_decode}D"
+        return "adaptive" if self.adaptive else f"{self.num_prefill}P{self.num_decode}D"
 
 
 @dataclass
@@ -123,6 +125,7 @@ class SimRequest:
     num_generated: int = 0  # up to join_clock while decoding
     kv_tokens: int = 0  # KV slots allocated on admission (whole blocks)
     join_clock: int = 0  # the decode engine's clock when it began decoding
+    finish_clock: int = 0  # ... and when it will have generated its last token
     remote: bool = False
     want_time: float | None = None  # the decode engine allocated its blocks
     prompt_done: float | None = None  # the prefill engine computed it
@@ -250,6 +253,7 @@ class SimEngine:
         self._finishes: list[tuple[int, int, SimRequest]] = []  # (finish clock, index, request)
         self.clock = 0
         self._context_base = 0  # sum over decoding of (tokens at join - clock at join)
+        self._finish_clock_sum = 0  # sum over decoding of the clock at which each finishes
         self._longest: list[tuple[int, int]] = []  # max-heap of (-(tokens at join - clock at join), index), lazy
         self._group_padding: int | None = None  # a grouping backend's padding, from when the batch last changed
         self.fixed_tokens = 0  # KV of prefilling requests, requests waiting for KV, prompts held for a transfer
@@ -271,6 +275,7 @@ class SimEngine:
         self._due_at: float | None = None  # when the next expected arrival wakes this engine from idle
         self._admitted_at: dict[int, float] = {}  # remote arrivals a run went past: index -> when admission was due
         self.num_preemptions = 0
+        self.prompt_work = None if role != "dual" else RecentWork(cluster.spec.adaptive.recent_s)
 
     # ---- load figures the router reads ----
 
@@ -286,6 +291,15 @@ class SimEngine:
             return 0
         start, num_steps, first, growth = self._run
         return min(_steps_done_by(self.env.now - start, first, growth), num_steps)
+
+    def decodes_remote(self, request: SimRequest) -> bool:
+        """Whether this engine decodes the request from KV another engine computes (a prefill engine, or a dual-role
+        engine prefilling it for this one)."""
+        return request.remote and request.prefill_engine is not self
+
+    def remaining_tokens(self) -> int:
+        """Tokens the decoding requests have still to generate, all together, as of now."""
+        return self._finish_clock_sum - len(self.decoding) * (self.clock + self.steps_into_run())
 
     def num_inflight(self) -> int:
         return len(self.waiting) + len(self.prefilling) + len(self.decoding) + self.num_waiting_for_kv
@@ -323,7 +337,7 @@ class SimEngine:
     def _enqueue(self, request: SimRequest) -> None:
         self.waiting.append(request)
         self.waiting_tokens += request.prompt_len
-        if not (self.role == "decode" and request.remote):
+        if not self.decodes_remote(request):
             self.queued_tokens += request.prompt_len
 
     def expect(self, requests: list[SimRequest]) -> None:
@@ -421,6 +435,8 @@ class SimEngine:
         step = self.model.step_seconds(num_decodes, self.attended_tokens(), tokens, attention,
                                        self.cluster.host.slowdown(self))
         seconds = self.cluster.host.charge(step, num_decodes, chunks)
+        if self.prompt_work is not None:  # what the prompts add to the step, as they would to a decode step
+            self.prompt_work.add(now, self.model.step_seconds(1, 0, tokens, attention) - self.model.decode_seconds(1, 0))
         if self._second_pending:
             self._second_token_at(now + seconds)
         self.sim.at(now + seconds, self._step_done, chunks)
@@ -444,7 +460,7 @@ class SimEngine:
             self.waiting_tokens -= request.prompt_len
             self.fixed_tokens += kv_tokens
             request.kv_tokens = kv_tokens
-            if self.role == "decode" and request.remote:
+            if self.decodes_remote(request):
                 self._want(request)
                 continue
             request.num_computed = 0
@@ -493,7 +509,7 @@ class SimEngine:
     def _prompt_computed(self, request: SimRequest, now: float) -> None:
         self.prefilling.remove(request)
         self.fixed_tokens -= request.kv_tokens
-        if self.role == "prefill":
+        if request.remote and request.prefill_engine is self:
             self.fixed_tokens += request.kv_tokens  # held until the transfer ends
             request.prompt_done = now
             request.first_token = now  # published at once, before the KV moves
@@ -521,10 +537,13 @@ class SimEngine:
         self._group_padding = None
         if self.effects.decode_pads_to_longest:
             heapq.heappush(self._longest, (-_join_key(request), request.index))
-        heapq.heappush(self._finishes, (self.clock + request.output_len - num_generated, request.index, request))
+        request.finish_clock = self.clock + request.output_len - num_generated
+        self._finish_clock_sum += request.finish_clock
+        heapq.heappush(self._finishes, (request.finish_clock, request.index, request))
 
     def _leave_decoding(self, request: SimRequest) -> None:
         del self.decoding[request.index]
+        self._finish_clock_sum -= request.finish_clock
         self._group_padding = None
         request.num_generated += self.clock - request.join_clock
         self._context_base -= request.prompt_len + request.num_generated - self.clock
@@ -667,8 +686,11 @@ class SimCluster:
                  effects: HostEffects = NO_HOST_EFFECTS) -> None:
         self.spec, self.model, self.budget, self.effects = spec, model, budget, effects
         self.sim = Simulation()
+        self.policy = None if spec.adaptive is None else AdaptivePolicy(
+            model, spec.adaptive, spec.settings.max_num_batched_tokens, spec.kv_bytes_per_token, spec.kv_streaming)
         self.prefills = [SimEngine(self.sim, self, i, "prefill") for i in range(spec.num_prefill)]
-        self.decodes = [SimEngine(self.sim, self, i, "decode") for i in range(spec.num_decode)]
+        self.decodes = [SimEngine(self.sim, self, i, "decode" if self.policy is None else "dual")
+                        for i in range(spec.num_decode)]
         self._next = {"prefill": 0, "decode": 0}
         self.host = effects.host_of([*self.prefills, *self.decodes])
 
@@ -687,12 +709,24 @@ class SimCluster:
             self.budget.judge(request)
 
     def route(self, request: SimRequest) -> None:
+        if self.policy is not None:
+            self._route_adaptive(request)
+            return
         decode = self._pick(self.decodes, "decode", self.spec.decode_policy == "round_robin",
                             lambda e: (e.kv_usage(), e.num_inflight(), e.index))
         request.decode_engine = decode
         if self.prefills and request.prompt_len > self.spec.local_prefill_threshold:
             prefill = self._pick(self.prefills, "prefill", self.spec.prefill_policy == "round_robin",
                                  lambda e: (e.queued_tokens, e.num_inflight(), e.index))
+            request.prefill_engine, request.remote = prefill, True
+            prefill.add(request)
+        decode.add(request)
+
+    def _route_adaptive(self, request: SimRequest) -> None:
+        """Dual-role engines: the policy's pair; a prefill engine of None colocates on the decode engine."""
+        prefill, decode = self.policy.choose(request, self.decodes)
+        request.decode_engine = decode
+        if prefill is not None:
             request.prefill_engine, request.remote = prefill, True
             prefill.add(request)
         decode.add(request)

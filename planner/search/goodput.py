@@ -61,10 +61,11 @@ def grid_search(meets: Callable[[int], bool], start: int, first_step: int, lowes
     return low, high
 
 
-def find_goodput(settings: PlanSettings, num_prefill: int, num_decode: int, start: int, first_step: int = 1
-                 ) -> Goodput:
-    """The split's goodput on the rate grid, searched from grid index `start`. A probe that meets the target ran
-    in full, so the metrics at the rate found are that probe's, not a run of their own."""
+def find_goodput(settings: PlanSettings, num_prefill: int, num_decode: int, start: int, first_step: int = 1,
+                 adaptive: bool = False) -> Goodput:
+    """The split's goodput on the rate grid, searched from grid index `start` (adaptive: num_decode dual-role engines
+    under the adaptive policy). A probe that meets the target ran in full, so the metrics at the rate found are that
+    probe's, not a run of their own."""
     passed: dict[int, dict] = {}
     probes = 0
 
@@ -72,7 +73,8 @@ def find_goodput(settings: PlanSettings, num_prefill: int, num_decode: int, star
         nonlocal probes
         probes += 1
         try:
-            metrics = run_split(settings, num_prefill, num_decode, grid_rate(index), stop_below_target=True)
+            metrics = run_split(settings, num_prefill, num_decode, grid_rate(index), stop_below_target=True,
+                                adaptive=adaptive)
         except BudgetExceeded:
             return False
         if meets_target(metrics):
@@ -133,6 +135,20 @@ def search_chain(settings: PlanSettings, num_engines: int, splits: list[tuple[in
         if done is not None:
             done.put(f"{row['config']} searched: goodput {row['goodput']:.3g} req/s ({goodput.probes} simulations)")
     return rows
+
+
+def search_adaptive(settings: PlanSettings, num_engines: int, static_rows: list[dict]) -> dict:
+    """The adaptive layout's goodput row, searched from the best static split's goodput (from the first guess with
+    doubling steps when no split has one)."""
+    found = [row["goodput"] for row in static_rows if 0 < row["goodput"] < math.inf]
+    if found:
+        goodput = find_goodput(settings, 0, num_engines, grid_index(max(found)), adaptive=True)
+    else:
+        start = grid_index(capacity_guess(settings, num_engines))
+        goodput = find_goodput(settings, 0, num_engines, start, first_step=RATE_STEPS, adaptive=True)
+    row = split_row(0, num_engines, num_engines, goodput.rate, goodput.rate, goodput.metrics, "adaptive")
+    row["probes"] = goodput.probes
+    return row
 
 
 def split_work(num_prefill: int, num_decode: int) -> float:

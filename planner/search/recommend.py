@@ -1,10 +1,12 @@
-"""Every xPyD split of N engines simulated at one rate (search/goodput.py searches their goodputs); the best split
-per engine, and the smallest number of engines whose best split meets a target rate."""
+"""Every xPyD split of N engines simulated at one rate (search/goodput.py searches their goodputs), and N dual-role
+engines under the adaptive policy; the best split per engine, and the smallest number of engines whose best split
+meets a target rate."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pdserve.planner.model.adaptive import AdaptiveTargets
 from pdserve.planner.model.host_effects import NO_HOST_EFFECTS, HostEffects
 from pdserve.planner.model.metrics import meets_target, predicted_metrics
 from pdserve.planner.model.simulator import ClusterSpec, SimRequest, StepModel, simulate, simulate_tiers
@@ -25,26 +27,28 @@ class PlanSettings:
 
 
 def simulate_split(settings: PlanSettings, num_prefill: int, num_decode: int, rate: float,
-                   stop_below_target: bool = False) -> list[SimRequest]:
-    """The split's simulated requests at `rate` (above exact_up_to engines: one decode engine's share); with
-    stop_below_target, BudgetExceeded as soon as the run cannot reach the attainment target."""
-    spec = replace(settings.cluster, num_prefill=num_prefill, num_decode=num_decode)
-    workload = settings.workload
-    arrivals = workload.arrivals(rate, settings.burstiness, settings.seed)
+                   stop_below_target: bool = False, adaptive: bool = False) -> tuple[list[SimRequest], int]:
+    """The split's simulated requests at `rate` (above exact_up_to engines: one decode engine's share), and how many
+    requests the run has; with stop_below_target, BudgetExceeded as soon as the run cannot reach the attainment
+    target. adaptive: num_decode dual-role engines under the adaptive policy (num_prefill 0), always simulated whole
+    (its engines' choices depend on each other), without the host's effects above exact_up_to as a split's."""
+    targets = AdaptiveTargets.from_slos_ms(settings.slos_ms) if adaptive else None
+    spec = replace(settings.cluster, num_prefill=num_prefill, num_decode=num_decode, adaptive=targets)
+    arrivals, prompt_lens, output_lens = settings.workload.at_rate(rate, settings.burstiness, settings.seed)
     exact = num_prefill + num_decode <= settings.exact_up_to
-    run = simulate if exact else simulate_tiers
+    run = simulate if exact or adaptive else simulate_tiers
+    effects = settings.effects.unshared() if adaptive and not exact else settings.effects
     stop_below = (settings.slos_ms, ATTAINMENT_TARGET) if stop_below_target else None
-    return run(spec, settings.model, arrivals, workload.prompt_lens, workload.output_lens, stop_below, settings.effects)
+    return run(spec, settings.model, arrivals, prompt_lens, output_lens, stop_below, effects), len(arrivals)
 
 
 def run_split(settings: PlanSettings, num_prefill: int, num_decode: int, rate: float,
-              stop_below_target: bool = False) -> dict:
-    """The split's predicted metrics at `rate`; with stop_below_target, BudgetExceeded as soon as the run
-    cannot reach the attainment target (a goodput probe needs no more)."""
-    workload = settings.workload
-    requests = simulate_split(settings, num_prefill, num_decode, rate, stop_below_target)
+              stop_below_target: bool = False, adaptive: bool = False) -> dict:
+    """The split's predicted metrics at `rate` (adaptive: N = num_decode dual-role engines); with stop_below_target,
+    BudgetExceeded as soon as the run cannot reach the attainment target (a goodput probe needs no more)."""
+    requests, num_requests = simulate_split(settings, num_prefill, num_decode, rate, stop_below_target, adaptive)
     metrics = predicted_metrics(requests, settings.slos_ms)
-    sampled = len(workload) / len(requests)  # one decode engine's share stands for all of them (simulate_tiers)
+    sampled = num_requests / len(requests)  # one decode engine's share stands for all of them (simulate_tiers)
     for key in ("request_throughput", "request_goodput"):
         if metrics[key] is not None:
             metrics[key] *= sampled
@@ -66,9 +70,10 @@ def capacity_guess(settings: PlanSettings, num_engines: int) -> float:
     return num_engines / max(prefill + decode, 1e-9)
 
 
-def split_row(num_prefill: int, num_decode: int, num_engines: int, rate: float, goodput: float, metrics: dict) -> dict:
+def split_row(num_prefill: int, num_decode: int, num_engines: int, rate: float, goodput: float, metrics: dict,
+              config: str | None = None) -> dict:
     """A split's line of the plan: its layout, the rate it was judged at, its goodput and metrics there."""
-    row = {"config": f"{num_prefill}P{num_decode}D", "num_prefill": num_prefill, "num_decode": num_decode,
+    row = {"config": config or f"{num_prefill}P{num_decode}D", "num_prefill": num_prefill, "num_decode": num_decode,
            "num_engines": num_engines, "request_rate": rate, "goodput": goodput,
            "goodput_per_engine": goodput / num_engines}
     row.update({k: metrics.get(k) for k in ("slo_attainment", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms",
@@ -83,6 +88,13 @@ def plan_splits(settings: PlanSettings, num_engines: int, rate: float) -> list[d
         metrics = run_split(settings, x, y, rate)
         rows.append(split_row(x, y, num_engines, rate, metrics["request_goodput"] or 0.0, metrics))
     return rows
+
+
+def plan_adaptive(settings: PlanSettings, num_engines: int, rate: float) -> dict:
+    """The adaptive layout's row at `rate`: num_engines dual-role engines (goodput.search_adaptive searches its
+    goodput instead)."""
+    metrics = run_split(settings, 0, num_engines, rate, adaptive=True)
+    return split_row(0, num_engines, num_engines, rate, metrics["request_goodput"] or 0.0, metrics, "adaptive")
 
 
 def recommend(rows: list[dict]) -> dict | None:

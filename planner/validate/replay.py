@@ -73,7 +73,7 @@ def replay(run: dict, profile: Profile, args: argparse.Namespace, slos_override:
     settings = PlanSettings(step_model(profile, effects), workload, slos, cluster_spec(args, profile),
                             float(run.get("burstiness") or 1.0), int(run.get("seed") or 0), exact_up_to=1 << 30,
                             effects=effects)
-    requests = simulate_split(settings, int(sweep["num_prefill"]), int(sweep["num_decode"]), float(run["request_rate"]))
+    requests, _ = simulate_split(settings, int(sweep["num_prefill"]), int(sweep["num_decode"]), float(run["request_rate"]))
     predicted = predicted_metrics(requests, slos)
     measured = measured_metrics(run, slos)
     row = {"config": run["config"], "request_rate": float(run["request_rate"]), "slos_ms": slos,
