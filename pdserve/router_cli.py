@@ -31,6 +31,18 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
     parser.add_argument("--local-prefill-threshold", type=int, default=0,
                         help="prefill on the decode engine when the prompt's uncached part is at most this "
                              "many tokens (conditional disaggregation)")
+    parser.add_argument("--routing", default="static", choices=["static", "adaptive"],
+                        help="static: the prefill and decode policies above; adaptive: per request, the (prefill, "
+                             "decode) engine pair (one engine for both: colocated) that the step model predicts best "
+                             "meets --slo, from each engine's load (docs/design/adaptive.md)")
+    parser.add_argument("--slo", nargs="+", default=None, metavar="METRIC:MS",
+                        help="with --routing adaptive: the SLOs it routes for, e.g. ttft:2000 tpot:150 (the default)")
+    parser.add_argument("--step-profile", default=None, metavar="P.json",
+                        help="with --routing adaptive: a `pdserve profile` JSON whose step-time fits it predicts with "
+                             "(default: built-in figures of the demo model on a 2-core CPU)")
+    parser.add_argument("--adaptive-lean-interval", type=float, default=0.0, metavar="S",
+                        help="with --routing adaptive: every S seconds at most one dual-role engine leans to prefill or "
+                             "to decode after SLO pressure held two intervals (0: no lean, the default)")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0,
                         help="seconds without news from an engine before it leaves routing")
     parser.add_argument("--max-concurrent-requests", type=int, default=1024,
@@ -103,6 +115,7 @@ def router_config(args: argparse.Namespace):
         prefill_addresses=tuple(args.prefill_address), decode_addresses=tuple(args.decode_address),
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         local_prefill_threshold=args.local_prefill_threshold, heartbeat_timeout_s=args.heartbeat_timeout,
+        **routing_settings(args),
         stats_interval_s=args.stats_interval, max_concurrent_requests=args.max_concurrent_requests,
         max_retries=args.max_retries, request_timeout_s=args.request_timeout, log_level=args.log_level,
         migration_timeout_s=args.migration_timeout,
@@ -112,6 +125,35 @@ def router_config(args: argparse.Namespace):
         curve_dir=curve_dir)
 
 
+def parse_router_slos(items: list[str] | None) -> dict[str, float]:
+    """--slo's ["ttft:2000", "tpot:150"] -> {"ttft": 2000.0, "tpot": 150.0}; a ValueError naming the item."""
+    slos: dict[str, float] = {}
+    for item in items or []:
+        name, _, text = item.partition(":")
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if name.strip().lower() not in ("ttft", "tpot") or not 0 < value < float("inf"):
+            raise ValueError(f"--slo {item!r}: give METRIC:MILLISECONDS with METRIC ttft or tpot and a positive number, "
+                             "e.g. --slo ttft:2000 tpot:150")
+        slos[name.strip().lower()] = value
+    return slos
+
+
+def routing_settings(args: argparse.Namespace) -> dict:
+    """RouterConfig's routing fields from --routing, --slo, --step-profile and --adaptive-lean-interval."""
+    slos = parse_router_slos(args.slo)
+    settings = {"routing": args.routing, "step_profile": args.step_profile,
+                "adaptive_lean_interval_s": args.adaptive_lean_interval}
+    settings.update({f"slo_{name}_ms": value for name, value in slos.items()})
+    if args.step_profile:
+        from pdserve.router.step_model import load_step_model
+
+        load_step_model(args.step_profile)  # refused now, with the reason, rather than when the router starts
+    return settings
+
+
 def check_router_flags(args: argparse.Namespace) -> str | None:
     """The router's flags that it would refuse at start, checked (by `pdserve up` too, before it starts anything);
     the --chat-template text."""
@@ -119,6 +161,7 @@ def check_router_flags(args: argparse.Namespace) -> str | None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: add --tool-call-parser hermes (the "
                          "format of Qwen2.5/Qwen3 and Hermes models), the one parser this server has")
     check_router_numbers(args)
+    routing_settings(args)  # --slo and --step-profile
     return read_chat_template(args.chat_template)
 
 
@@ -126,7 +169,7 @@ def check_router_flags(args: argparse.Namespace) -> str | None:
 SHARED_NUMBERS = {"local_prefill_threshold": "local_prefill_threshold", "heartbeat_timeout": "heartbeat_timeout_s",
                   "max_concurrent_requests": "max_concurrent_requests", "request_timeout": "request_timeout_s",
                   "max_request_bytes": "max_request_bytes", "preprocess_timeout": "preprocess_timeout_s",
-                  "migration_timeout": "migration_timeout_s",
+                  "migration_timeout": "migration_timeout_s", "adaptive_lean_interval": "adaptive_lean_interval_s",
                   "port": "port"}
 
 

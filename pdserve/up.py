@@ -1,4 +1,5 @@
-"""`pdserve up`: a router plus prefill and decode engines on this machine, as supervised processes.
+"""`pdserve up`: a router plus prefill and decode engines on this machine, as supervised processes (or, with
+--adaptive, --num-engines dual-role engines and the router's adaptive policy).
 
 Start order: the router (its PDSERVE_READY line names the registration address), then every engine
 at once (`python -m pdserve prefill|decode --router-address ...`, each waited for by its own
@@ -35,6 +36,12 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prefill", type=int, default=1, metavar="N",
                         help="prefill engines (0 = colocated: decode engines prefill themselves)")
     parser.add_argument("--num-decode", type=int, default=1, metavar="M", help="decode engines (at least 1)")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="dual-role engines (`pdserve engine`, --num-engines of them) instead of fixed prefill and "
+                             "decode ones, and the router's adaptive policy (--routing adaptive): the prefill:decode "
+                             "split is chosen per request from live load (docs/design/adaptive.md)")
+    parser.add_argument("--num-engines", type=int, default=None, metavar="N",
+                        help="with --adaptive: dual-role engines to start (default 2)")
     for old, new in (("--prefill", "--num-prefill"), ("--decode", "--num-decode")):
         parser.add_argument(old, type=int, action=DeprecatedFlag, dest=new[2:].replace("-", "_"), replacement=new)
     parser.add_argument("--prefill-devices", default=None,
@@ -131,12 +138,18 @@ def router_component(args: argparse.Namespace, model: str, name: str) -> Compone
                "--host", args.host, "--port", str(args.port), "--registration-address", args.registration_address,
                "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy,
                "--local-prefill-threshold", str(args.local_prefill_threshold),
+               "--routing", "adaptive" if args.adaptive else args.routing,
+               "--adaptive-lean-interval", str(args.adaptive_lean_interval),
                "--heartbeat-timeout", str(args.heartbeat_timeout),
                "--max-concurrent-requests", str(args.max_concurrent_requests),
                "--request-timeout", str(args.request_timeout), "--log-level", args.log_level,
                "--migration-timeout", str(args.migration_timeout),
                "--max-request-bytes", str(args.max_request_bytes), "--preprocess-timeout", str(args.preprocess_timeout),
                *trust_flags(args)]
+    if args.slo:
+        command += ["--slo", *args.slo]
+    if args.step_profile:
+        command += ["--step-profile", args.step_profile]
     if args.chat_template is not None:
         command += ["--chat-template", args.chat_template]
     if args.allow_request_chat_template:
@@ -149,12 +162,22 @@ def router_component(args: argparse.Namespace, model: str, name: str) -> Compone
     return Component("router", command, env)
 
 
+def engine_roles(args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """Each engine's command (prefill, decode, or engine: dual-role) and its index among those of its command."""
+    if args.adaptive:
+        return ["engine"] * args.num_engines, list(range(args.num_engines))
+    return (["prefill"] * args.num_prefill + ["decode"] * args.num_decode,
+            list(range(args.num_prefill)) + list(range(args.num_decode)))
+
+
 def engine_components(args: argparse.Namespace, model: str, registration: str) -> list[Component]:
-    roles = ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
-    indexes = list(range(args.num_prefill)) + list(range(args.num_decode))
+    roles, indexes = engine_roles(args)
     cuda = args.device.startswith("cuda")
-    gpus = (_devices(args.prefill_devices, args.num_prefill, 0)
-            + _devices(args.decode_devices, args.num_decode, args.num_prefill) if cuda else [])
+    if args.adaptive:
+        gpus = _devices(args.decode_devices or args.prefill_devices, len(roles), 0) if cuda else []
+    else:
+        gpus = (_devices(args.prefill_devices, args.num_prefill, 0)
+                + _devices(args.decode_devices, args.num_decode, args.num_prefill) if cuda else [])
     cores = sorted(os.sched_getaffinity(0))
     pinned = not cuda and pins_cpus(args.pin_cpus, len(roles), len(cores))
     cpu_sets = split_cpus(cores, len(roles)) if pinned else None
@@ -183,14 +206,14 @@ def engine_components(args: argparse.Namespace, model: str, registration: str) -
 
 
 def engine_addresses(args: argparse.Namespace, role: str, position: int) -> list[str]:
-    """The control (and, for prefill, KV) addresses of the engine at `position` in the plan."""
+    """The control (and, for prefill and dual-role engines, KV) addresses of the engine at `position` in the plan."""
     host = args.engine_host
     if args.engine_port_base is None:
         ports = (0, 0)
     else:
         ports = (args.engine_port_base + 2 * position, args.engine_port_base + 2 * position + 1)
     addresses = ["--control-address", f"tcp://{host}:{ports[0]}"]
-    if role == "prefill":
+    if role in ("prefill", "engine"):
         addresses += ["--kv-address", f"tcp://{host}:{ports[1]}"]
     return addresses
 
@@ -198,7 +221,7 @@ def engine_addresses(args: argparse.Namespace, role: str, position: int) -> list
 def check_ports(args: argparse.Namespace) -> None:
     if args.engine_port_base is None:
         return
-    num_engines = args.num_prefill + args.num_decode
+    num_engines = len(engine_roles(args)[0])
     last = args.engine_port_base + 2 * num_engines - 1
     if args.engine_port_base < 1 or last > 65535:
         raise ValueError(f"--engine-port-base {args.engine_port_base}: the {num_engines} engines need "
@@ -235,6 +258,15 @@ def _check_engines(args: argparse.Namespace) -> None:
         from pdserve.engine.config import check_device
 
         check_device(args.device)
+    if args.num_engines is not None and not args.adaptive:
+        raise ValueError(f"--num-engines {args.num_engines} starts dual-role engines for the adaptive policy: add "
+                         "--adaptive, or give --num-prefill and --num-decode for fixed roles")
+    if args.adaptive:
+        args.num_engines = 2 if args.num_engines is None else args.num_engines
+        if args.num_engines < 1:
+            raise ValueError(f"--num-engines {args.num_engines}: at least one dual-role engine is needed")
+        args.num_prefill = args.num_decode = args.num_engines  # every dual-role engine is in both pools
+        return
     if args.num_prefill < 0:
         raise ValueError(f"--num-prefill {args.num_prefill}: give 0 or more prefill engines")
     if args.num_decode < 1:
@@ -333,8 +365,9 @@ def run_up(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir).expanduser() if args.log_dir else new_log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     _log_dir_lock = lock_log_dir(log_dir)  # held until `up` returns
-    print(f"[pdserve up] serving {name} with {args.num_prefill} prefill + {args.num_decode} decode engine(s); "
-          f"logs in {log_dir}", flush=True)
+    engines = (f"{args.num_engines} dual-role engine(s) (adaptive routing)" if args.adaptive
+               else f"{args.num_prefill} prefill + {args.num_decode} decode engine(s)")
+    print(f"[pdserve up] serving {name} with {engines}; logs in {log_dir}", flush=True)
     print(f"[pdserve up] {'CURVE keys in ' + args.curve_dir if args.curve_dir else 'warning: --insecure: no CURVE'}"
           f" on {'every' if args.curve_dir else 'any'} plane", flush=True)
     open_api = open_api_warning(args.host, args.port, args.api_key)
@@ -349,7 +382,8 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         url = _start_all(args, supervisor, model, name, time.monotonic() + args.startup_timeout)
-        print(f"PDSERVE_READY role=up url={url} prefill={args.num_prefill} decode={args.num_decode}", flush=True)
+        dual = f" dual={args.num_engines}" if args.adaptive else ""
+        print(f"PDSERVE_READY role=up url={url} prefill={args.num_prefill} decode={args.num_decode}{dual}", flush=True)
         print(f"[pdserve up] ready: OpenAI API at {url}/v1 (model {name!r}); Ctrl-C stops", flush=True)
         supervisor.watch()
         return 0

@@ -196,3 +196,49 @@ def test_dual_engines_are_in_both_pools_and_hear_every_kv_address(tiny_model, to
                 for engine in engines:
                     engine.close()
     asyncio.run(scenario())
+
+
+# ---- the command line ----
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["up", "--num-engines", "2"], ["--num-engines 2", "add --adaptive"]),
+    (["up", "--adaptive", "--num-engines", "0"], ["--num-engines 0", "at least one"]),
+    (["up", "--adaptive", "--slo", "ttft:fast"], ["--slo 'ttft:fast'", "METRIC:MILLISECONDS"]),
+    (["router", "--routing", "adaptive", "--slo", "e2el:100"], ["--slo 'e2el:100'", "ttft or tpot"]),
+    (["router", "--routing", "adaptive", "--step-profile", "/nonexistent.json"], ["cannot read it"]),
+    (["up", "--adaptive", "--adaptive-lean-interval", "-1"], ["--adaptive-lean-interval", ">= 0"]),
+])
+def test_refused_flags_name_the_problem_before_anything_starts(argv, words, capsys):
+    from pdserve.cli import main
+
+    assert main(argv) != 0
+    error = capsys.readouterr().err
+    assert all(word in error for word in words), error
+
+
+def test_router_flags_become_the_routing_settings():
+    from pdserve.cli import build_parser
+    from pdserve.router_cli import router_config
+
+    args = build_parser().parse_args(["router", "--routing", "adaptive", "--slo", "ttft:900", "tpot:80",
+                                      "--adaptive-lean-interval", "2", "--registration-address", "none",
+                                      "--decode-address", "tcp://127.0.0.1:5", "--insecure"])
+    config = router_config(args)
+    assert (config.routing, config.slo_ttft_ms, config.slo_tpot_ms, config.adaptive_lean_interval_s) == (
+        "adaptive", 900.0, 80.0, 2.0)
+
+
+def test_up_adaptive_starts_dual_role_engines_and_the_adaptive_router(tmp_path):
+    from pdserve.cli import build_parser
+    from pdserve.up import _check_engines, engine_components, router_component
+
+    args = build_parser().parse_args(["up", "--adaptive", "--num-engines", "3", "--slo", "ttft:900",
+                                      "--insecure", "--engine-port-base", "6000"])
+    _check_engines(args)
+    engines = engine_components(args, "m", "tcp://127.0.0.1:7000")
+    assert [engine.name for engine in engines] == ["engine-0", "engine-1", "engine-2"]
+    assert all(engine.command[3] == "engine" for engine in engines)
+    assert engines[1].command[engines[1].command.index("--kv-address") + 1] == "tcp://127.0.0.1:6003"
+    router = router_component(args, "m", "m").command
+    assert router[router.index("--routing") + 1] == "adaptive"
+    assert router[router.index("--slo") + 1:router.index("--slo") + 2] == ["ttft:900"]
