@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from pdserve.control.messages import GenerateRequest
+from pdserve.control.sampling_params import SamplingParams
+from pdserve.control.sockets import ServerSocket
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
 
@@ -44,7 +47,7 @@ def cluster(model_dir, tmp_path_factory):
 
     try:
         a = start("engine", "--engine-id", "dual-a", "--kv-address", kv["a"], "--kv-streaming", "on",
-                  "--kv-peer", kv["b"], "--kv-peer", kv["p"])
+                  "--kv-peer", kv["b"], "--kv-peer", kv["p"], "--kv-peer", kv["a"])  # a router lists A's own too
         b = start("engine", "--engine-id", "dual-b", "--kv-address", kv["b"], "--kv-peer", kv["a"])
         prefill = start("prefill", "--kv-address", kv["p"], "--kv-streaming", "on")
         decode = start("decode", "--kv-peer", kv["a"])
@@ -85,3 +88,72 @@ def test_each_dual_engine_prefills_for_the_other_while_decoding_for_it(cluster, 
     finally:
         a_to_b.close()
         b_to_a.close()
+
+
+def test_a_dual_engine_colocates_a_request_that_names_no_peer(cluster, expected):
+    driver = Driver(cluster.a)
+    try:
+        before = driver.decode_stats()
+        assert tokens(driver, submit_all(driver, "local", remote=False)) == expected
+        after = driver.decode_stats()
+        assert after.num_kv_transfers == before.num_kv_transfers, "nothing crossed a KV link"
+        assert after.kv_bytes_received == before.kv_bytes_received and after.kv_bytes_sent == before.kv_bytes_sent
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+
+
+def test_a_request_naming_the_engines_own_kv_address_is_colocated(cluster, expected):
+    """The router picked A for both sides but named A's KV address: A computes the prompt itself rather
+    than opening a link to itself."""
+    driver = Driver(cluster.a)
+    driver.prefill_kv = cluster.a.addresses["kv"]  # GenerateRequest(prefill_kv_address=A's), no PrefillRequest
+    try:
+        before = driver.decode_stats().num_kv_transfers, driver.decode_stats().num_kv_transfers_failed
+        for i, prompt in enumerate(PROMPTS[:2]):
+            driver.decode.send(GenerateRequest(request_id=f"self{i}", prompt_token_ids=prompt,
+                                               sampling_params=SamplingParams(**GREEDY),
+                                               prefill_kv_address=cluster.a.addresses["kv"]))
+        assert tokens(driver, ["self0", "self1"]) == expected[:2]
+        after = driver.decode_stats()
+        assert (after.num_kv_transfers, after.num_kv_transfers_failed) == before, "no link to itself, no failure"
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+
+
+def test_dual_engines_work_beside_fixed_role_engines(cluster, expected):
+    """A fixed decode engine pulls from dual A while dual A pulls from a fixed prefill engine."""
+    to_fixed, from_fixed = Driver(cluster.decode, cluster.a), Driver(cluster.a, cluster.prefill)
+    try:
+        to_ids, from_ids = submit_all(to_fixed, "tofixed"), submit_all(from_fixed, "fromfixed")
+        assert tokens(to_fixed, to_ids) == expected
+        assert tokens(from_fixed, from_ids) == expected
+        assert_no_leaks(to_fixed)
+        assert_no_leaks(from_fixed)
+        assert to_fixed.decode_stats().num_kv_transfers == len(PROMPTS), "the decode engine pulled every prompt"
+        assert from_fixed.prefill_stats().num_kv_transfers == len(PROMPTS), "the prefill engine served every prompt"
+    finally:
+        to_fixed.close()
+        from_fixed.close()
+
+
+def test_a_dual_engine_never_pulls_from_an_untrusted_address(cluster, expected):
+    """A request naming a KV address neither --kv-peer nor a router gave is prefilled locally, and the
+    named address never hears from the engine (as for a decode engine)."""
+    rogue = ServerSocket("ipc://" + str(cluster.a.log_path.parent / "rogue-kv.sock"))
+    driver = Driver(cluster.a)
+    try:
+        before = driver.decode_stats()
+        for i, prompt in enumerate(PROMPTS[:2]):
+            driver.decode.send(GenerateRequest(request_id=f"forged{i}", prompt_token_ids=prompt,
+                                               sampling_params=SamplingParams(**GREEDY), prefill_kv_address=rogue.address))
+        assert tokens(driver, ["forged0", "forged1"]) == expected[:2]
+        assert rogue.recv(timeout=1.0) is None, "the engine never connected to the named address"
+        after = driver.decode_stats()
+        assert after.num_kv_transfers == before.num_kv_transfers and after.kv_bytes_received == before.kv_bytes_received
+        assert "neither registered with this engine's router nor was given with --kv-peer" in cluster.a.log()
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+        rogue.close()
