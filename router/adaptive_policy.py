@@ -31,9 +31,10 @@ class AdaptivePolicy(RoutingPolicy):
         self.slo = Slo(ttft_s=config.slo_ttft_ms / 1000, tpot_s=config.slo_tpot_ms / 1000)
         self.horizon_tokens = DEFAULT_HORIZON_TOKENS
         self.lean = LeanController(config.adaptive_lean_interval_s) if config.adaptive_lean_interval_s > 0 else None
-        self.decisions = {"local": 0, "disaggregated": 0}  # read by router.metrics at scrape time
-        self.lean_changes: dict[tuple[str, str], int] = {}  # (control address, new lean) -> changes
         self.clock = time.monotonic
+
+    def lean_of(self, address: str) -> int:
+        return self.lean.lean(address) if self.lean is not None else LEAN_NONE
 
     def route(self, token_ids: Sequence[int], prefills: list[EngineLink], decodes: list[EngineLink],
               force_local: bool = False, first_token_only: bool = False) -> Route:
@@ -68,7 +69,7 @@ class AdaptivePolicy(RoutingPolicy):
             queued_prefill_tokens=link.queued_prefill_tokens, queued_prefill_squares=link.queued_prefill_squares,
             num_queued_prompts=len(link.prefilling), num_decoding=link.num_decoding,
             decode_context_tokens=link.decode_tokens, kv_free_tokens=blocks_total * block_size - link.open_tokens,
-            lean=self.lean.lean(link.control_address) if self.lean else LEAN_NONE)
+            lean=self.lean_of(link.control_address))
 
     def _count(self, choice: Choice, links: dict[str, EngineLink]) -> None:
         self.decisions["local" if choice.local else "disaggregated"] += 1
@@ -80,8 +81,7 @@ class AdaptivePolicy(RoutingPolicy):
             num_decoding = {address: link.num_decoding for address, link in links.items()}
             addresses = sorted(address for address, link in links.items() if link.role == "dual")
             for change in self.lean.tick(now, addresses, num_decoding):
-                key = (change.address, LEAN_NAMES[change.new])
-                self.lean_changes[key] = self.lean_changes.get(key, 0) + 1
+                self.lean_changes[LEAN_NAMES[change.new]] += 1
                 log.info("engine at %s now leans to %s (was %s)", change.address, LEAN_NAMES[change.new],
                          LEAN_NAMES[change.old])
 

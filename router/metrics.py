@@ -15,7 +15,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.router.adaptive_policy import AdaptivePolicy
 from pdserve.router.link import EngineLink
 from pdserve.router.policies import RoutingPolicy
 
@@ -79,36 +78,32 @@ class EngineCollector(Collector):
             yield family
 
 
-class AdaptiveCollector(Collector):
-    """The adaptive policy's decisions by path, each engine's lean changes and its lean now, from the policy's own
-    counts (router/adaptive_policy.py) at scrape time."""
+class RoutingCollector(Collector):
+    """The routing policy's decisions by path, the adaptive policy's lean changes and each engine's lean now, from
+    the policy's own counts (router/policies.py, router/adaptive_policy.py) at scrape time."""
 
-    def __init__(self, policy: AdaptivePolicy, links: dict[str, EngineLink]) -> None:
+    def __init__(self, policy: RoutingPolicy, links: dict[str, EngineLink]) -> None:
         self.policy = policy
         self.links = links
 
-    def _label(self, address: str) -> str:
-        link = self.links.get(address)
-        return link.label if link is not None else address
-
     def collect(self) -> Iterator[Metric]:
-        decisions = CounterMetricFamily("pdserve_router_adaptive_decisions", "requests the adaptive policy routed, "
-                                        "by path: local (one engine prefills and decodes) or disaggregated",
+        decisions = CounterMetricFamily("pdserve_router_routing_decisions", "requests routed, by path: local (the "
+                                        "decode engine prefills them) or disaggregated (a prefill engine does)",
                                         labels=["path"])
         for path, count in self.policy.decisions.items():
             decisions.add_metric([path], count)
         yield decisions
-        changes = CounterMetricFamily("pdserve_router_adaptive_lean_changes", "changes of an engine's lean, by the "
-                                      "lean it took (prefill, decode, none)", labels=["engine", "lean"])
-        for (address, lean), count in sorted(self.policy.lean_changes.items()):
-            changes.add_metric([self._label(address), lean], count)
+        changes = CounterMetricFamily("pdserve_router_adaptive_lean_changes", "changes of a dual-role engine's lean "
+                                      "(--routing adaptive), by the lean taken: prefill, decode, none",
+                                      labels=["lean"])
+        for lean, count in self.policy.lean_changes.items():
+            changes.add_metric([lean], count)
         yield changes
-        leans = GaugeMetricFamily("pdserve_router_adaptive_lean", "each dual-role engine's lean now: 1 prefill, "
-                                  "-1 decode, 0 none", labels=["engine"])
-        controller = self.policy.lean
+        leans = GaugeMetricFamily("pdserve_router_adaptive_lean", "each engine's lean now (--routing adaptive): "
+                                  "1 prefill, -1 decode, 0 none", labels=["engine", "role"])
         for address, link in sorted(self.links.items()):
-            if link.up and link.role == "dual":
-                leans.add_metric([link.label], controller.lean(address) if controller is not None else 0)
+            if link.up and link.info is not None:
+                leans.add_metric([link.label, link.role], self.policy.lean_of(address))
         yield leans
 
 
@@ -139,8 +134,8 @@ class RouterMetrics:
                                   "resumed on another engine, or failed (none within --migration-timeout)",
                                   ["outcome"], registry=self.registry)
         self.registry.register(EngineCollector(links))
-        if isinstance(policy, AdaptivePolicy):
-            self.registry.register(AdaptiveCollector(policy, links))
+        if policy is not None:
+            self.registry.register(RoutingCollector(policy, links))
         # labelled series, each looked up once: labels() checks its arguments and takes a lock on every call
         self._requests_of: dict[tuple[str, str], Counter] = {}
         self._finished_of: dict[str, Counter] = {}

@@ -94,6 +94,12 @@ class RoutingPolicy:
         self.local_prefill_threshold = config.local_prefill_threshold
         self._next = {"prefill": 0, "decode": 0}
         self._indexes: dict[str, PrefixIndex] = {}  # control address -> index
+        self.decisions = {"local": 0, "disaggregated": 0}  # routes by path (router.metrics reads them at scrape time)
+        self.lean_changes = {"prefill": 0, "decode": 0, "none": 0}  # engines' lean changes by the lean taken (adaptive)
+
+    def lean_of(self, address: str) -> int:
+        """The engine's lean: 1 prefill, -1 decode, 0 none (only the adaptive policy's engines lean)."""
+        return 0
 
     def route(self, token_ids: Sequence[int], prefills: list[EngineLink], decodes: list[EngineLink],
               force_local: bool = False, first_token_only: bool = False) -> Route:
@@ -114,6 +120,7 @@ class RoutingPolicy:
             self.index(prefill).add(hashes.for_block_size(_block_size(prefill)))
         if prefill is None or not first_token_only:  # else the decode engine never gets the prompt
             self.index(decode).add(decode_hashes)
+        self.decisions["local" if prefill is None else "disaggregated"] += 1
         return Route(decode, prefill, num_uncached, hashes)
 
     def index(self, link: EngineLink) -> PrefixIndex:

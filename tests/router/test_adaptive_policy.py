@@ -119,7 +119,7 @@ def test_the_lean_loop_runs_on_the_routing_path_and_counts_its_changes():
     for step in range(8):
         now[0] = step * 0.5
         policy.route(list(range(step * 1000, step * 1000 + 600)), engines, engines)
-    assert policy.lean_changes == {("b", "prefill"): 1}
+    assert policy.lean_changes == {"prefill": 1, "decode": 0, "none": 0}
     assert policy.lean.lean("b") == 1
 
 
@@ -159,7 +159,7 @@ def test_adaptive_router_sends_a_long_prompt_to_the_idle_prefill_engine(tiny_mod
                 assert len(long_prefill) == 1, "the long prompt went to the prefill engine"
                 assert [response.status_code for response in await asyncio.gather(*streams)] == [200] * 3
                 metrics = _metrics((await client.get("/metrics")).text)
-                decisions = {path: metrics[("pdserve_router_adaptive_decisions_total", (("path", path),))]
+                decisions = {path: metrics[("pdserve_router_routing_decisions_total", (("path", path),))]
                              for path in ("local", "disaggregated")}
                 assert decisions["local"] >= 1 and decisions["disaggregated"] == len(prefill.received) >= 1
                 assert sum(decisions.values()) == 5

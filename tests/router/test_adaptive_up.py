@@ -60,7 +60,7 @@ def assert_greedy_parity(offline, response, max_tokens=MAX_TOKENS) -> None:
 
 
 def decisions(url: str) -> dict[str, float]:
-    samples = scrape(url).get("pdserve_router_adaptive_decisions_total", {})
+    samples = scrape(url).get("pdserve_router_routing_decisions_total", {})
     return {dict(labels)["path"]: value for labels, value in samples.items()}
 
 
