@@ -281,3 +281,26 @@ def test_ctrl_c_stops_the_layout_and_keeps_what_was_measured(model_factory, tmp_
     pids = up_pids(out)
     assert len(pids) == 2 and not [pid for pid in pids if alive(pid)], output
     assert "[pdserve up] stopped" in (out / "logs" / "0P1D" / "up.out").read_text()
+
+
+@pytest.mark.timeout(240)
+def test_a_phased_sweep_runs_the_adaptive_layout_beside_a_static_one(model_factory, tmp_path):
+    """`--configs 0P2D adaptive`: two colocated engines, then two dual-role engines under the adaptive router; a
+    shifting load (long prompts, then long answers) per layout, every request answered, the phases reported."""
+    model = model_factory("llama")
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--configs", "0P2D", "adaptive", "--request-rates", "inf", "--model", model,
+                 "--dataset", "phased", "--phases", "48:2:8:0.5,8:12:8:0.5", "--ignore-eos",
+                 "--goodput", "ttft:60000", "tpot:60000", "--warmup", "0", "--output-dir", str(out),
+                 "--up-args", UP_ARGS])
+    assert code == 0, (out / "summary.csv").read_text()
+    rows = read_csv(out / "summary.csv")
+    assert [row["config"] for row in rows] == ["0P2D", "adaptive"]
+    for row in rows:
+        result = json.loads(Path(row["result_file"]).read_text())
+        assert row["error"] is None and row["failed"] == 0 and row["completed"] == len(result["input_lens"]) > 0, row
+        assert sorted(set(result["input_lens"])) == [8, 48] and sorted(set(result["output_lens"])) == [2, 12]
+        assert [(phase["phase"], phase["completed"]) for phase in result["phases"]] == [
+            (1, result["input_lens"].count(48)), (2, result["input_lens"].count(8))], result["phases"]
+        assert result["sweep"]["num_engines"] == 2
+    assert "adaptive" in (out / "summary.md").read_text()
