@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from pdserve.control.messages import GenerateRequest
+from pdserve.control.messages import GenerateRequest, PrefillRequest
 from pdserve.control.sampling_params import SamplingParams
-from pdserve.control.sockets import ServerSocket
+from pdserve.control.sockets import ClientSocket, ServerSocket
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
 
@@ -157,3 +157,26 @@ def test_a_dual_engine_never_pulls_from_an_untrusted_address(cluster, expected):
     finally:
         driver.close()
         rogue.close()
+
+
+def test_a_one_token_request_ends_on_the_dual_engine_that_prefills_it(cluster, expected):
+    """max_tokens=1: the router sends only the PrefillRequest; its first token ends it there, and no KV
+    is held for a decode engine that will never ask."""
+    client = ClientSocket(cluster.a.addresses["control"])
+    try:
+        client.send(PrefillRequest(request_id="one", prompt_token_ids=PROMPTS[1],
+                                   sampling_params=SamplingParams(**{**GREEDY, "max_tokens": 1})))
+        deltas = []
+        while not deltas or deltas[-1].finish_reason is None:
+            received = client.recv(timeout=30.0)
+            assert received is not None, "no answer from the dual engine"
+            deltas.append(received.msg)
+        assert [t for d in deltas for t in d.token_ids] == expected[1][:1]
+        assert deltas[-1].finish_reason == "length"
+        driver = Driver(cluster.a)
+        try:
+            assert_no_leaks(driver)
+        finally:
+            driver.close()
+    finally:
+        client.close()

@@ -78,3 +78,22 @@ def test_killing_the_dual_engine_that_decodes_leaves_its_prefill_peer_clean(mode
         driver.close()
         x.stop()
         y.stop()
+
+
+def test_abort_during_a_transfer_between_dual_engines_frees_both(model_factory, tmp_path, expected):
+    x, y, driver = start_pair(model_factory("llama"), tmp_path, "delay:0")
+    try:
+        wait_for_log(x, "delaying a KV send")  # X is inside a 2 s delayed send; Y waits for the KV
+        for i in range(3):
+            driver.abort(f"r{i}")
+        results = driver.collect([f"r{i}" for i in range(3)], timeout_s=15)
+        reasons = {r.finish_reason for r in results.values()}
+        assert "abort" in reasons and reasons <= {"abort", "length"}, reasons  # one may have ended first
+        assert_no_leaks(driver)
+        after = driver.generate(PROMPTS[:3], prefix="after", **GREEDY)  # both keep serving, X still prefilling
+        assert [r.token_ids for r in after] == expected
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+        x.stop()
+        y.stop()
