@@ -12,6 +12,7 @@ best prefill-side and two best decode-side engines (O(engines), not every pair).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,40 +67,75 @@ def queue_s(engine: EngineLoad, model: StepModel) -> float:
     return model.prefill_s(engine.queued_prefill_tokens, engine.queued_prefill_squares, engine.num_queued_prompts)
 
 
-def base_tpot_s(engine: EngineLoad, model: StepModel, horizon_tokens: float) -> float:
-    """TPOT of the decodes running on the engine now: a decode step, plus its queued prompts spread over a
-    request's output."""
-    return model.decode_s(engine.num_decoding, engine.decode_context_tokens) + queue_s(engine, model) / horizon_tokens
+class Predicted:
+    """One engine's times for the request being routed, computed once: its queue, the prompt's prefill there,
+    the TTFT if it prefills, and the TPOT of the decodes it runs now."""
+
+    __slots__ = ("load", "queue_s", "prefill_s", "ttft_s", "base_tpot_s")
+
+    def __init__(self, load: EngineLoad, model: StepModel, horizon_tokens: float) -> None:
+        self.load = load
+        self.queue_s = queue_s(load, model)
+        self.prefill_s = model.prefill_s(load.uncached_tokens)
+        # the queue ahead, the prompt itself, and the engine's decodes riding along in each of those steps
+        num_steps = load.num_queued_prompts + 1
+        self.ttft_s = (self.queue_s + self.prefill_s
+                       + num_steps * model.decode_part_s(load.num_decoding, load.decode_context_tokens))
+        # the decodes' step, plus the queued prompts spread over a request's output
+        self.base_tpot_s = (model.decode_s(load.num_decoding, load.decode_context_tokens)
+                            + self.queue_s / horizon_tokens)
 
 
-def predict_ttft_s(prefill: EngineLoad, model: StepModel) -> float:
-    """The queue ahead, the prompt itself, and the engine's decodes riding along in each of those steps."""
-    num_steps = prefill.num_queued_prompts + 1
-    return (queue_s(prefill, model) + model.prefill_s(prefill.uncached_tokens)
-            + num_steps * model.decode_part_s(prefill.num_decoding, prefill.decode_context_tokens))
+@dataclass(frozen=True)
+class Request:
+    """What the choice for one prompt is judged with."""
+
+    num_prompt_tokens: int
+    model: StepModel
+    slo: Slo
+    horizon_tokens: float
+
+    @property
+    def marginal_s(self) -> float:
+        """What one more sequence of this prompt adds to each decode step of an engine."""
+        return self.model.decode_per_seq + self.model.decode_per_context_token * self.num_prompt_tokens
+
+    def new_tpot_s(self, decode: Predicted) -> float:
+        """The new request's TPOT on `decode` before any KV transfer: its step, plus the engine's queued prompts."""
+        load = decode.load
+        return (self.model.decode_s(load.num_decoding + 1, load.decode_context_tokens + self.num_prompt_tokens)
+                + decode.queue_s / self.horizon_tokens)
 
 
 def evaluate(prefill: EngineLoad, decode: EngineLoad, num_prompt_tokens: int, model: StepModel, slo: Slo,
              horizon_tokens: float) -> Choice:
     """The predicted latencies and score of prefilling on `prefill` and decoding on `decode` (the same: colocated)."""
-    local = prefill.address == decode.address
-    ttft = predict_ttft_s(prefill, model)
-    transfer = 0.0 if local else model.transfer_s(prefill.uncached_tokens)
-    tpot = (model.decode_s(decode.num_decoding + 1, decode.decode_context_tokens + num_prompt_tokens)
-            + (queue_s(decode, model) + transfer) / horizon_tokens)
-    stall = model.prefill_s(prefill.uncached_tokens) / horizon_tokens  # per token of each decode on the prefill side
-    marginal = model.decode_per_seq + model.decode_per_context_token * num_prompt_tokens  # on D's decodes
-    stalled = [(prefill.num_decoding, base_tpot_s(prefill, model, horizon_tokens) + stall + (marginal if local else 0))]
+    request = Request(num_prompt_tokens, model, slo, horizon_tokens)
+    predicted_prefill = Predicted(prefill, model, horizon_tokens)
+    predicted_decode = predicted_prefill if decode is prefill else Predicted(decode, model, horizon_tokens)
+    return _evaluate(predicted_prefill, predicted_decode, request)
+
+
+def _evaluate(prefill: Predicted, decode: Predicted, request: Request) -> Choice:
+    slo, horizon = request.slo, request.horizon_tokens
+    local = prefill.load.address == decode.load.address
+    transfer = 0.0 if local else request.model.transfer_s(prefill.load.uncached_tokens)
+    tpot = request.new_tpot_s(decode) + transfer / horizon
+    stall = prefill.prefill_s / horizon  # per token of each decode on the prefill side
+    marginal = request.marginal_s  # on each of D's decodes
+    on_prefill = stall + (marginal if local else 0.0)
+    tpot_ratio = tpot / slo.tpot_s
+    if prefill.load.num_decoding:
+        tpot_ratio = max(tpot_ratio, (prefill.base_tpot_s + on_prefill) / slo.tpot_s)
+    if not local and decode.load.num_decoding:
+        tpot_ratio = max(tpot_ratio, (decode.base_tpot_s + marginal) / slo.tpot_s)
+    ttft_ratio = prefill.ttft_s / slo.ttft_s
+    harm = ttft_ratio + tpot / slo.tpot_s + prefill.load.num_decoding * on_prefill / slo.tpot_s
     if not local:
-        stalled.append((decode.num_decoding, base_tpot_s(decode, model, horizon_tokens) + marginal))
-    tpot_ratio = max([tpot / slo.tpot_s] + [after / slo.tpot_s for count, after in stalled if count])
-    ttft_ratio = ttft / slo.ttft_s
-    harm = ttft_ratio + tpot / slo.tpot_s + prefill.num_decoding * (stall + (marginal if local else 0)) / slo.tpot_s
-    if not local:
-        harm += decode.num_decoding * marginal / slo.tpot_s
-    harm += LEAN_PENALTY * _against_lean(prefill, decode, local)
-    return Choice(None if local else prefill.address, decode.address, ttft, tpot, max(ttft_ratio, tpot_ratio), harm,
-                  ttft_ratio, tpot_ratio)
+        harm += decode.load.num_decoding * marginal / slo.tpot_s
+    harm += LEAN_PENALTY * _against_lean(prefill.load, decode.load, local)
+    return Choice(None if local else prefill.load.address, decode.load.address, prefill.ttft_s, tpot,
+                  max(ttft_ratio, tpot_ratio), harm, ttft_ratio, tpot_ratio)
 
 
 def _against_lean(prefill: EngineLoad, decode: EngineLoad, local: bool) -> int:
@@ -114,49 +150,47 @@ def score(choice: Choice) -> tuple:
     return max(choice.worst_ratio, 1.0), round(choice.harm, 9), not choice.local, choice.decode, choice.prefill or ""
 
 
-def _fits(engine: EngineLoad, num_prompt_tokens: int) -> bool:
-    return engine.kv_free_tokens >= num_prompt_tokens
-
-
 def choose(num_prompt_tokens: int, engines: Sequence[EngineLoad], model: StepModel, slo: Slo,
            horizon_tokens: float, allow_remote_prefill: bool = True) -> Choice | None:
     """The best (prefill, decode) pair for a prompt of num_prompt_tokens; None when no engine can decode.
     Decode engines whose free KV cannot hold the prompt are passed over while another can."""
-    decodes = [engine for engine in engines if engine.can_decode]
-    decodes = [engine for engine in decodes if _fits(engine, num_prompt_tokens)] or decodes
+    request = Request(num_prompt_tokens, model, slo, horizon_tokens)
+    predicted = [Predicted(engine, model, horizon_tokens) for engine in engines]
+    decodes = [p for p in predicted if p.load.can_decode]
+    decodes = [p for p in decodes if p.load.kv_free_tokens >= num_prompt_tokens] or decodes
     if not decodes:
         return None
-    candidates = [evaluate(engine, engine, num_prompt_tokens, model, slo, horizon_tokens) for engine in decodes]
-    prefills = [engine for engine in engines if engine.can_prefill] if allow_remote_prefill else []
+    candidates = [_evaluate(engine, engine, request) for engine in decodes]
+    prefills = [p for p in predicted if p.load.can_prefill] if allow_remote_prefill else []
     if prefills:
-        best_prefills = _best(prefills, lambda p: _prefill_side_key(p, model, slo, horizon_tokens))
-        best_decodes = _best(decodes, lambda d: _decode_side_key(d, num_prompt_tokens, model, slo, horizon_tokens))
-        candidates += [evaluate(p, d, num_prompt_tokens, model, slo, horizon_tokens)
-                       for p in best_prefills for d in best_decodes if p.address != d.address]
+        best_prefills = _best(prefills, lambda p: _prefill_side_key(p, request))
+        best_decodes = _best(decodes, lambda d: _decode_side_key(d, request))
+        candidates += [_evaluate(p, d, request)
+                       for p in best_prefills for d in best_decodes if p.load.address != d.load.address]
     return min(candidates, key=score)
 
 
-def _best(engines: list[EngineLoad], key) -> list[EngineLoad]:
-    return sorted(engines, key=lambda engine: (key(engine), engine.address))[:NUM_SIDE_CANDIDATES]
+def _best(engines: list[Predicted], key) -> list[Predicted]:
+    return heapq.nsmallest(NUM_SIDE_CANDIDATES, engines, key=lambda engine: (key(engine), engine.load.address))
 
 
-def _prefill_side_key(prefill: EngineLoad, model: StepModel, slo: Slo, horizon_tokens: float) -> tuple:
+def _prefill_side_key(prefill: Predicted, request: Request) -> tuple:
     """A prefill engine's own part of a disaggregated choice's score: the TTFT it gives and the TPOT of its decodes
     once stalled (over their SLOs, floored at 1), then the harm of those."""
-    ttft_ratio = predict_ttft_s(prefill, model) / slo.ttft_s
-    stall = model.prefill_s(prefill.uncached_tokens) / horizon_tokens
-    stalled_ratio = (base_tpot_s(prefill, model, horizon_tokens) + stall) / slo.tpot_s if prefill.num_decoding else 0
-    harm = ttft_ratio + prefill.num_decoding * stall / slo.tpot_s + LEAN_PENALTY * int(prefill.lean == LEAN_DECODE)
+    slo, load = request.slo, prefill.load
+    ttft_ratio = prefill.ttft_s / slo.ttft_s
+    stall = prefill.prefill_s / request.horizon_tokens
+    stalled_ratio = (prefill.base_tpot_s + stall) / slo.tpot_s if load.num_decoding else 0.0
+    harm = ttft_ratio + load.num_decoding * stall / slo.tpot_s + LEAN_PENALTY * int(load.lean == LEAN_DECODE)
     return max(ttft_ratio, stalled_ratio, 1.0), harm
 
 
-def _decode_side_key(decode: EngineLoad, num_prompt_tokens: int, model: StepModel, slo: Slo,
-                     horizon_tokens: float) -> tuple:
+def _decode_side_key(decode: Predicted, request: Request) -> tuple:
     """A decode engine's own part: the new request's TPOT there and that of the decodes running there (over the
     SLO, floored at 1), then the harm of those."""
-    tpot = model.decode_s(decode.num_decoding + 1, decode.decode_context_tokens + num_prompt_tokens)
-    tpot += queue_s(decode, model) / horizon_tokens
-    marginal = model.decode_per_seq + model.decode_per_context_token * num_prompt_tokens
-    running_ratio = (base_tpot_s(decode, model, horizon_tokens) + marginal) / slo.tpot_s if decode.num_decoding else 0
-    harm = (tpot + decode.num_decoding * marginal) / slo.tpot_s + LEAN_PENALTY * int(decode.lean == LEAN_PREFILL)
+    slo, load = request.slo, decode.load
+    tpot = request.new_tpot_s(decode)
+    marginal = request.marginal_s
+    running_ratio = (decode.base_tpot_s + marginal) / slo.tpot_s if load.num_decoding else 0.0
+    harm = (tpot + load.num_decoding * marginal) / slo.tpot_s + LEAN_PENALTY * int(load.lean == LEAN_PREFILL)
     return max(tpot / slo.tpot_s, running_ratio, 1.0), harm
