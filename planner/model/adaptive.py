@@ -2,7 +2,9 @@
 engine, decode engine) pair, one engine when colocating, whose predicted outcome is best: the fewest predicted SLO
 misses, then the least cost in SLO fractions (the request's TTFT and TPOT, and the TPOT its prefill and its decode add
 to the requests already decoding on the engines). Predictions come from the step model and the engines' state at
-the arrival; a pair of two engines pays the KV transfer. docs/design/planner-model.md says what it assumes.
+the arrival; a pair of two engines pays the KV transfer. While prompts cost more beside decodes than the TPOT SLO
+allows, the engines with the most recent prompt work lean to prefill (leaning_to_prefill). docs/design/planner-model.md
+says what it assumes.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ if TYPE_CHECKING:
     from pdserve.planner.model.simulator import SimEngine, SimRequest, StepModel
 
 MISS_PENALTY = 100.0  # a predicted SLO miss outweighs any sum of SLO fractions
-
-
 RECENT_TOKENS = 100  # an engine's recent prompt work: over the time a 100-token reply decodes at the TPOT SLO
 RECENT_S_WITHOUT_TPOT = 10.0  # ... and without a TPOT SLO
 MAX_BUSY = 0.95  # a share of prompt work at or above it reads as this (the decodes still get some steps)
@@ -73,6 +73,7 @@ class EngineView:
     queued_work: float  # seconds those tokens add to the steps that compute them
     mean_remaining: float  # tokens the decoding requests have left, on average (>= 1)
     free_tokens: int  # KV pool tokens not in use or promised
+    free_seats: int  # requests it may still take in before max_num_seqs
     prompt_share: float  # of its recent time, the share its prompt work took (RecentWork)
 
 
@@ -106,13 +107,14 @@ class AdaptivePolicy:
         if self.mean_chunk > self.targets.tpot_s:
             leaning = leaning_to_prefill(views, self.demand.rate(request.arrival))
         decoders = [replace(view, prompt_share=MAX_BUSY) if i in leaning else view for i, view in enumerate(views)]
-        prefill = [self.prefill_side(request, view).score + (math.inf if leaning and i not in leaning else 0.0)
-                   for i, view in enumerate(views)]
+        barred = [math.inf if leaning and i not in leaning else 0.0 for i in range(len(views))]
+        prefill = [self.prefill_side(request, view, 0.0).score + bar for view, bar in zip(views, barred)]
         local = [self.decode_side(request, view, 0.0).score for view in decoders]
         colocated = min(range(len(views)), key=lambda i: prefill[i] + local[i])
         best = (prefill[colocated] + local[colocated], None, engines[colocated])
         if len(views) > 1:
-            transfer = self.transfer_seconds(request)
+            transfer, send = self.transfer_seconds(request), self.send_seconds(request.prompt_len)
+            prefill = [self.prefill_side(request, view, send).score + bar for view, bar in zip(views, barred)]
             remote = [self.decode_side(request, view, transfer).score for view in decoders]
             for p in sorted(range(len(views)), key=prefill.__getitem__)[:2]:  # the best pair of two engines is
                 for d in sorted(range(len(views)), key=remote.__getitem__)[:2]:  # among each side's best two
@@ -127,8 +129,11 @@ class AdaptivePolicy:
         queued = [r for r in engine.waiting if not engine.decodes_remote(r)] + engine.prefilling
         work = sum(self.model.prefill_per_token * (r.recompute_len - r.num_computed) + self.model.prefill_per_attention
                    * (r.recompute_len - r.num_computed) * (r.recompute_len + r.num_computed) for r in queued)
-        return EngineView(engine, num_decoding, engine.num_inflight(), engine.attended_tokens(), engine.queued_tokens,
-                          work, max(1.0, remaining), free, engine.prompt_work.share(engine.env.now))
+        work += sum(self.send_seconds(r.prompt_len) for r in queued if r.remote and r.prefill_engine is engine)
+        inflight = engine.num_inflight()
+        return EngineView(engine, num_decoding, inflight, engine.attended_tokens(), engine.queued_tokens, work,
+                          max(1.0, remaining), free, engine.max_num_seqs - inflight,
+                          engine.prompt_work.share(engine.env.now))
 
     # ---- predictions ----
 
@@ -161,12 +166,15 @@ class AdaptivePolicy:
         pushed_over = view.num_decoding if after > tpot >= before else 0
         return Side(pushed_over, view.num_decoding * (after - before) / tpot if tpot < math.inf else 0.0)
 
-    def prefill_side(self, request: SimRequest, view: EngineView) -> Side:
-        """The engine computes the prompt for a peer: the request's TTFT and its running decodes' harm."""
+    def prefill_side(self, request: SimRequest, view: EngineView, send: float) -> Side:
+        """The engine computes the prompt (and spends `send` seconds of its core sending the KV to a peer, 0
+        colocated): the request's TTFT and its running decodes' harm."""
         ttft = self.prompt_seconds(view, request.prompt_len)
         before = self.engine_tpot(view)
-        harm = self.harm(view, before, self.engine_tpot(view, extra_prefill=self.chunk_seconds(request.prompt_len)))
-        return Side(harm.misses + (ttft > self.targets.ttft_s), harm.cost + self._fraction(ttft, self.targets.ttft_s))
+        after = self.engine_tpot(view, extra_prefill=self.chunk_seconds(request.prompt_len) + send)
+        harm = self.harm(view, before, after)
+        late = ttft > self.targets.ttft_s or view.free_seats < 1  # (no seat: it waits for a request to finish)
+        return Side(harm.misses + late, harm.cost + self._fraction(ttft, self.targets.ttft_s))
 
     def decode_side(self, request: SimRequest, view: EngineView, transfer: float) -> Side:
         """The engine decodes the request (its KV from a peer after `transfer` seconds, 0 colocated): the request's
@@ -179,14 +187,13 @@ class AdaptivePolicy:
         queued = view.queued_work if transfer else 0.0  # colocated: computed before its own prompt
         own = step + (queued + transfer) / steps
         harm = self.harm(view, before, after)
-        full = request.prompt_len + request.output_len > view.free_tokens
+        full = request.prompt_len + request.output_len > view.free_tokens or view.free_seats < 1
         misses = harm.misses + (own > self.targets.tpot_s) + full
         return Side(misses, harm.cost + self._fraction(own, self.targets.tpot_s))
 
-    def colocated(self, request: SimRequest, view: EngineView) -> Side:
-        """One engine computes the prompt and decodes it: no transfer; its decodes bear the prompt too."""
-        prefill, decode = self.prefill_side(request, view), self.decode_side(request, view, 0.0)
-        return Side(prefill.misses + decode.misses, prefill.cost + decode.cost)
+    def send_seconds(self, prompt_len: int) -> float:
+        """The sending engine's CPU for a prompt's KV (the profile's link), taken before its next step."""
+        return prompt_len * self.kv_bytes_per_token * self.model.sender_cpu_per_byte
 
     def transfer_seconds(self, request: SimRequest) -> float:
         model, num_bytes = self.model, request.prompt_len * self.kv_bytes_per_token

@@ -299,7 +299,8 @@ class SimEngine:
 
     def remaining_tokens(self) -> int:
         """Tokens the decoding requests have still to generate, all together, as of now."""
-        return self._finish_clock_sum - len(self.decoding) * (self.clock + self.steps_into_run())
+        started = self._run is not None and self._run[0] < self.env.now  # (a run starts after its transfer CPU)
+        return self._finish_clock_sum - len(self.decoding) * (self.clock + (self.steps_into_run() if started else 0))
 
     def num_inflight(self) -> int:
         return len(self.waiting) + len(self.prefilling) + len(self.decoding) + self.num_waiting_for_kv
@@ -672,6 +673,8 @@ def _steps_done_by(elapsed: float, first: float, growth: float) -> int:
     if growth <= 0:
         return int(elapsed // first)
     a, b = growth / 2, first - growth / 2
+    if b * b + 4 * a * elapsed < 0:  # long before the run starts (it waits for its engine's transfer CPU)
+        return 0
     m = int((-b + math.sqrt(b * b + 4 * a * elapsed)) / (2 * a))
     while m > 0 and _run_seconds(m, first, growth) > elapsed:
         m -= 1
