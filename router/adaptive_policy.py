@@ -97,7 +97,7 @@ class AdaptivePolicy(RoutingPolicy):
     def forget(self, link: EngineLink) -> None:
         super().forget(link)
         if self.lean is not None and not link.up:
-            self.lean.leans.pop(link.control_address, None)
+            self.lean.forget(link.control_address)
 
 
 def make_policy(config: RouterConfig) -> RoutingPolicy:

@@ -44,6 +44,11 @@ class LeanController:
     def lean(self, address: str) -> int:
         return self.leans.get(address, LEAN_NONE)
 
+    def forget(self, address: str) -> None:
+        """An engine left routing: it leans no more (a new one at its address starts without a lean)."""
+        self.leans.pop(address, None)
+        self._changed_at.pop(address, None)
+
     def observe(self, choice: Choice) -> None:
         self._sums[0] += choice.ttft_ratio
         self._sums[1] += choice.tpot_ratio
@@ -55,11 +60,11 @@ class LeanController:
         return now >= self._next_tick_at
 
     def tick(self, now: float, addresses: Sequence[str], num_decoding: dict[str, int]) -> list[LeanChange]:
-        """Close the interval: at most one engine's lean moves. num_decoding: requests each engine decodes (an
-        engine turned to prefill is the one decoding least; to decode, the one decoding most)."""
+        """Close the interval: at most one of `addresses` (the dual-role engines in routing) changes its lean.
+        num_decoding: requests each engine decodes (an engine turned to prefill is the one decoding least; to
+        decode, the one decoding most)."""
         self._next_tick_at = now + self.interval_s
         self._tick += 1
-        self.leans = {address: lean for address, lean in self.leans.items() if address in addresses}
         verdict = self._read_pressure()
         if verdict == self._verdict:
             self._verdict_ticks += 1

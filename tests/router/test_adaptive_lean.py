@@ -70,8 +70,8 @@ def test_a_lean_is_kept_for_the_dwell_time_then_relaxes_without_pressure():
 def test_an_engine_that_left_loses_its_lean_and_one_engine_alone_never_leans():
     controller = LeanController(1.0)
     run(controller, [(1.5, 0.6)] * CONFIRM_TICKS)
-    controller.tick(99.0, ["a", "c"], {})
-    assert "b" not in controller.leans
+    controller.forget("b")
+    assert controller.lean("b") == LEAN_NONE and "b" not in controller.leans
     alone = LeanController(1.0)
     for index in range(5):
         alone.observe(pressure(2.0, 0.1))

@@ -120,7 +120,10 @@ def test_the_lean_loop_runs_on_the_routing_path_and_counts_its_changes():
         now[0] = step * 0.5
         policy.route(list(range(step * 1000, step * 1000 + 600)), engines, engines)
     assert policy.lean_changes == {"prefill": 1, "decode": 0, "none": 0}
-    assert policy.lean.lean("b") == 1
+    assert policy.lean_of("b") == 1
+    engines[1].up = False
+    policy.forget(engines[1])  # the registry's on_change: b left routing
+    assert policy.lean_of("b") == 0
 
 
 # ---- through the router, on real sockets ----
