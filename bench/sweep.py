@@ -433,14 +433,16 @@ def with_output_len(dataset_args: list[str], output_len: int) -> list[str]:
 def report(sweep: Sweep) -> None:
     """The comparison table and its sentence on the console and in summary.md; with plots, the PNGs and
     report.html."""
+    from pdserve.bench.sweep_phase_report import phase_table
     from pdserve.bench.sweep_report import compare, describe_slos, describe_workload, markdown_table, write_summary_md
 
     plan = sweep.plan
     comparison = compare(sweep.rows, sweep.goodputs, plan.slos)
     workload = describe_workload(sweep.rows)
+    phases = phase_table(sweep.rows)
     print(f"\n{markdown_table(comparison)}\n\nWorkload: {workload}; SLOs: {describe_slos(plan.slos)}.\n"
-          f"{comparison.sentence}\n", flush=True)
-    write_summary_md(plan.output_dir / "summary.md", comparison, workload, plan.slos)
+          f"{comparison.sentence}\n" + (f"\nPer phase:\n\n{phases}\n" if phases else ""), flush=True)
+    write_summary_md(plan.output_dir / "summary.md", comparison, workload, plan.slos, phases)
     if not plan.plots:
         return
     from pdserve.bench.sweep_html import machine_facts, write_report

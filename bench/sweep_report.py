@@ -186,11 +186,15 @@ def describe_slos(slos: dict[str, float]) -> str:
     return f"{limits} for {ATTAINMENT_TARGET:.0%} of requests"
 
 
-def write_summary_md(path: Path, comparison: Comparison, workload: str, slos: dict[str, float]) -> Path:
+def write_summary_md(path: Path, comparison: Comparison, workload: str, slos: dict[str, float],
+                     phases: str = "") -> Path:
+    """phases: the per-phase table of a shifting load (bench/sweep_phase_report.py), or ''."""
     text = (f"# pdserve sweep\n\n{comparison.sentence}\n\n- Workload: {workload}\n- SLOs: {describe_slos(slos)}\n\n"
             f"{markdown_table(comparison)}\n\nGoodput: the highest request rate at which at least "
             f"{ATTAINMENT_TARGET:.0%} of requests met every SLO (>= : met at every rate tried). Every run's figures "
             "are in summary.csv and runs/*.json.\n")
+    if phases:
+        text += f"\n## Per phase\n\nEach phase's requests (those that arrived in it), over all its cycles.\n\n{phases}\n"
     path.write_text(text)
     return path
 

@@ -303,4 +303,8 @@ def test_a_phased_sweep_runs_the_adaptive_layout_beside_a_static_one(model_facto
         assert [(phase["phase"], phase["completed"]) for phase in result["phases"]] == [
             (1, result["input_lens"].count(48)), (2, result["input_lens"].count(8))], result["phases"]
         assert result["sweep"]["num_engines"] == 2
-    assert "adaptive" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    per_phase = summary.split("## Per phase")[1]
+    for phase in ("1 (48:2:8:0.5)", "2 (8:12:8:0.5)"):
+        assert all(f"| {phase} | {config} |" in per_phase for config in ("0P2D", "adaptive")), per_phase
+        assert f"- Phase {phase}: " in per_phase
