@@ -3,11 +3,21 @@ one bench load's figures against a server; and the report: each figure's median 
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+
+def add_load_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
+    """The options every A/B script shares: repeats, the load's size, where its runs go."""
+    parser.add_argument("--repeats", type=int, default=2, help="runs per mode (alternating: ABBA ...)")
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--output-dir", default=None, help="where runs and logs go (default: a new temp dir)")
 
 
 def mode_order(modes: tuple[str, str], repeats: int) -> list[str]:

@@ -25,7 +25,8 @@ from pdserve.bench.sweep_layouts import parse_layout
 from pdserve.bench.sweep_results import RunInfo
 from pdserve.bench.sweep_runs import BenchOptions
 
-from ab_runs import bench_figures, median_table, output_dir, run_alternating, save_and_print  # experiments/ab_runs.py
+from ab_runs import add_load_args, bench_figures, median_table, output_dir, run_alternating  # experiments/ab_runs.py
+from ab_runs import save_and_print
 from ab_runs import mode_order as ab_order
 
 PROJECT = "pdserve-cpu-bench"
@@ -36,12 +37,8 @@ FIGURES = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "me
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compose-file", default="compose.cpu.yaml")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per mode (alternating: ABBA ...)")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=32)
+    add_load_args(parser, num_prompts=16)
     parser.add_argument("--request-rate", type=float, default=1.0)
-    parser.add_argument("--output-dir", default=None, help="where runs and logs go (default: a new temp dir)")
     return parser.parse_args(argv)
 
 

@@ -17,7 +17,8 @@ from pdserve.bench.sweep_layouts import parse_layout
 from pdserve.bench.sweep_results import RunInfo
 from pdserve.bench.sweep_runs import BenchOptions
 
-from ab_runs import bench_figures, median_table, output_dir, run_alternating, save_and_print  # experiments/ab_runs.py
+from ab_runs import add_load_args, bench_figures, median_table, output_dir, run_alternating  # experiments/ab_runs.py
+from ab_runs import save_and_print
 from ab_runs import mode_order as ab_order
 
 MODES = {"curve": [], "insecure": ["--insecure"]}
@@ -28,12 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a Hugging Face model directory")
     parser.add_argument("--layout", default="1P1D", help="xPyD layout of each `pdserve up`")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per mode (alternating: ABBA ...)")
-    parser.add_argument("--num-prompts", type=int, default=24)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=32)
+    add_load_args(parser, num_prompts=24)
     parser.add_argument("--max-concurrency", type=int, default=4)
-    parser.add_argument("--output-dir", default=None, help="where runs and logs go (default: a new temp dir)")
     return parser.parse_args(argv)
 
 

@@ -20,12 +20,12 @@ from transformers.modeling_rope_utils import yarn_get_mscale
 
 from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.config import ConfigError, ModelConfig
-from pdserve.engine.layers.linear import Linear, MergedLinear, default_weight_loader
+from pdserve.engine.layers.linear import Linear, MergedLinear
 from pdserve.engine.layers.mla import LatentAttention, LatentUpProjection
 from pdserve.engine.layers.moe import ExpertWeights, GroupLimitedRouter
 from pdserve.engine.layers.norm import RMSNorm
-from pdserve.engine.layers.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, Rotation, rope_type_of
-from pdserve.engine.models.llama import DecoderStack, GatedMLP
+from pdserve.engine.layers.rotary import SUPPORTED_ROPE_TYPES, Rotation, rope_type_of
+from pdserve.engine.models.llama import DecoderForCausalLM, DecoderLayer, DecoderStack, GatedMLP
 
 
 def _field(config: ModelConfig, name: str) -> int:
@@ -132,33 +132,19 @@ class DeepseekV3MoE(nn.Module):
         return out
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, sigmoid_routing: bool) -> None:
-        super().__init__()
-        self.self_attn = DeepseekV3Attention(config, layer_idx)
-        first_sparse = int(config.hf_config.get("first_k_dense_replace") or 0)
-        self.mlp = DeepseekV3MoE(config, sigmoid_routing) if layer_idx >= first_sparse else GatedMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, rotation: Rotation, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rotation, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+def _decoder_layer(config: ModelConfig, layer_idx: int, sigmoid_routing: bool) -> DecoderLayer:
+    first_sparse = int(config.hf_config.get("first_k_dense_replace") or 0)
+    mlp = DeepseekV3MoE(config, sigmoid_routing) if layer_idx >= first_sparse else GatedMLP(config)
+    return DecoderLayer(config, DeepseekV3Attention(config, layer_idx), mlp)
 
 
 class DeepseekV3Model(DecoderStack):
     def __init__(self, config: ModelConfig, sigmoid_routing: bool) -> None:
         super().__init__(config, config.qk_rope_head_dim,
-                         (DeepseekV3DecoderLayer(config, i, sigmoid_routing) for i in range(config.num_layers)))
+                         (_decoder_layer(config, i, sigmoid_routing) for i in range(config.num_layers)))
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(DecoderForCausalLM):
     sigmoid_routing = True  # DeepSeek-V3's router; False: DeepSeek-V2's (softmax scores, no correction bias)
     # per-expert checkpoint projection name -> which rows of the fused expert weights it fills
     expert_projections = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -166,26 +152,13 @@ class DeepseekV3ForCausalLM(nn.Module):
     skips_layers_past_num_layers = True
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
         _check_supported(config)
-        self.config = config
+        super().__init__(config, DeepseekV3Model(config, self.sigmoid_routing))
         # checkpoint name fragment -> (our fused parameter fragment, shard id)
         self.packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         if config.hf_config.get("q_lora_rank"):
             self.packed_modules_mapping.update(q_a_proj=("fused_qkv_a_proj", "q"),
                                                kv_a_proj_with_mqa=("fused_qkv_a_proj", "kv"))
-        self.model = DeepseekV3Model(config, self.sigmoid_routing)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden]."""
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, hidden] -> logits [R, vocab] (float32)."""
-        return self.lm_head(hidden).float()
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, attn_backend: AttentionBackend) -> None:
         """kv_cache [num_layers, 1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]."""

@@ -64,9 +64,12 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int, mlp: nn.Module) -> None:
+    """Pre-norm attention then feed-forward, each family bringing its attention (called
+    attn(rotation, hidden)) and its MLP."""
+
+    def __init__(self, config: ModelConfig, attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, flags, layer_idx)
+        self.self_attn = attn  # DecoderAttention, or DeepSeek's latent attention
         self.mlp = mlp  # GatedMLP, or a mixture of experts (engine/layers/moe.py)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -110,10 +113,31 @@ class DecoderModel(DecoderStack):
     def __init__(self, config: ModelConfig, flags: ArchFlags,
                  make_mlp: Callable[[ModelConfig, int], nn.Module]) -> None:
         super().__init__(config, config.head_dim,
-                         (DecoderLayer(config, flags, i, make_mlp(config, i)) for i in range(config.num_layers)))
+                         (DecoderLayer(config, DecoderAttention(config, flags, i), make_mlp(config, i))
+                          for i in range(config.num_layers)))
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
+    """A DecoderStack (`model`) and its lm_head, tied to the embedding when the config says so."""
+
+    def __init__(self, config: ModelConfig, model: DecoderStack) -> None:
+        super().__init__()
+        self.config = config
+        self.model = model
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden] -> logits [R, vocab] (float32)."""
+        return self.lm_head(hidden).float()
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
     flags = ArchFlags()
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
     packed_modules_mapping = {
@@ -125,24 +149,11 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = DecoderModel(config, self.flags, self.make_mlp)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, DecoderModel(config, self.flags, self.make_mlp))
 
     def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         """The feed-forward block of one layer (mixture-of-experts models override it)."""
         return GatedMLP(config)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden]."""
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, hidden] -> logits [R, vocab] (float32)."""
-        return self.lm_head(hidden).float()
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, attn_backend: AttentionBackend) -> None:
         """kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""

@@ -3,13 +3,12 @@ save_pretrained (the hub's per-expert checkpoint format), with the demo tokenize
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 import transformers
 
-from tests.engine.moe_models import TOKENIZER_FILES, VOCAB_SIZE, init_random
+from tests.engine.moe_models import VOCAB_SIZE, init_random, save_random_model
 
 # 3 layers (layer 0 dense), 4 heads, latent 32 + rope 16 per token, 8 experts in 4 groups (2 groups
 # searched), top-2 renormalised and scaled by 2.5, one shared expert; nope 24 != v 20.
@@ -55,16 +54,12 @@ def make_deepseek_model_dir(out_dir: Path, tokenizer_dir: str, dtype: str = "flo
                             **overrides) -> str:
     """A DeepSeek-V3 (or, with version=2, DeepSeek-V2) model dir of DEEPSEEK_V3_SHAPE with `overrides`."""
     config = getattr(transformers, f"DeepseekV{version}Config")(**{**DEEPSEEK_V3_SHAPE, **overrides})
-    config.architectures = [f"DeepseekV{version}ForCausalLM"]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        init_random(model)
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):  # zero by default: make it choose
-                    buffer.normal_(0.0, 0.05)
-    model.to(getattr(torch, dtype)).save_pretrained(out_dir)
-    for name in TOKENIZER_FILES:
-        shutil.copy(Path(tokenizer_dir) / name, out_dir / name)
-    return str(out_dir)
+    return save_random_model(out_dir, config, f"DeepseekV{version}ForCausalLM", tokenizer_dir, _init_deepseek, dtype)
+
+
+def _init_deepseek(model: torch.nn.Module) -> None:
+    init_random(model)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero by default: make it choose
+                buffer.normal_(0.0, 0.05)

@@ -64,16 +64,35 @@ def init_random(model: torch.nn.Module) -> None:
                 param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]))
 
 
-def make_moe_model_dir(out_dir: Path, case: str, tokenizer_dir: str, dtype: str = "float32") -> str:
-    """config.json + model.safetensors written by transformers, plus the demo tokenizer's files."""
-    config_class, architecture, fields = ALL_CASES[case]
-    config = getattr(transformers, config_class)(**{**_SHAPE, **fields})
+def save_random_model(out_dir: Path, config, architecture: str, tokenizer_dir: str, init,
+                      dtype: str = "float32") -> str:
+    """config.json + model.safetensors written by transformers (weights set by `init(model)` under seed 0,
+    saved in `dtype`), plus the demo tokenizer's files."""
     config.architectures = [architecture]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        init_random(model)
+        init(model)
     model.to(getattr(torch, dtype)).save_pretrained(out_dir)
     for name in TOKENIZER_FILES:
         shutil.copy(Path(tokenizer_dir) / name, out_dir / name)
     return str(out_dir)
+
+
+def model_dir_cache(tmp_path_factory, build):
+    """make(case, dtype="float32") -> build(out_dir, case, dtype), built once per (case, dtype)."""
+    built: dict[tuple[str, str], str] = {}
+
+    def make(case: str, dtype: str = "float32") -> str:
+        if (case, dtype) not in built:
+            built[case, dtype] = build(tmp_path_factory.mktemp(f"{case}-{dtype}"), case, dtype)
+        return built[case, dtype]
+
+    return make
+
+
+def make_moe_model_dir(out_dir: Path, case: str, tokenizer_dir: str, dtype: str = "float32") -> str:
+    """A model dir of one of ALL_CASES."""
+    config_class, architecture, fields = ALL_CASES[case]
+    config = getattr(transformers, config_class)(**{**_SHAPE, **fields})
+    return save_random_model(out_dir, config, architecture, tokenizer_dir, init_random, dtype)

@@ -20,7 +20,7 @@ from pdserve.engine.layers.mla import LatentAttention
 from pdserve.engine.layers.moe import select_experts_grouped
 from pdserve.engine.models.deepseek_v3 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tests.engine.deepseek_models import DEEPSEEK_CASES, DEEPSEEK_V2_CASES, DEEPSEEK_V3_SHAPE, make_deepseek_model_dir
-from tests.engine.moe_models import VOCAB_SIZE
+from tests.engine.moe_models import VOCAB_SIZE, model_dir_cache
 from tests.engine.test_llm_parity import GREEDY_WITH_LOGPROBS, assert_matches_transformers, make_prompts, run_parity
 from tests.engine.test_moe import assert_bf16_parity
 
@@ -30,17 +30,12 @@ LATENT_WIDTH = DEEPSEEK_V3_SHAPE["kv_lora_rank"] + DEEPSEEK_V3_SHAPE["qk_rope_he
 
 @pytest.fixture(scope="module")
 def deepseek_dir(model_factory, tmp_path_factory):
-    """make(case, dtype="float32") -> a tiny DeepSeek-V3 model dir."""
-    built: dict[tuple[str, str], str] = {}
+    """make(case, dtype="float32") -> a tiny DeepSeek-V3 (or V2) model dir."""
+    def build(out, case: str, dtype: str) -> str:
+        version, overrides = (2, DEEPSEEK_V2_CASES[case]) if case in DEEPSEEK_V2_CASES else (3, DEEPSEEK_CASES[case])
+        return make_deepseek_model_dir(out, model_factory("llama"), dtype, version, **overrides)
 
-    def make(case: str, dtype: str = "float32") -> str:
-        if (case, dtype) not in built:
-            out = tmp_path_factory.mktemp(f"{case}-{dtype}")
-            version, overrides = (2, DEEPSEEK_V2_CASES[case]) if case in DEEPSEEK_V2_CASES else (3, DEEPSEEK_CASES[case])
-            built[case, dtype] = make_deepseek_model_dir(out, model_factory("llama"), dtype, version, **overrides)
-        return built[case, dtype]
-
-    return make
+    return model_dir_cache(tmp_path_factory, build)
 
 
 def _latent_layers(llm: LLM) -> list[LatentAttention]:

@@ -21,7 +21,7 @@ from pdserve.engine.models.registry import resolve_model_class
 from pdserve.engine.config import ConfigError
 from pdserve.engine.models.sparse_moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pdserve.engine.models.transformers_moe import TransformersMoEForCausalLM
-from tests.engine.moe_models import BACKEND_CASES, MOE_CASES, VOCAB_SIZE, make_moe_model_dir
+from tests.engine.moe_models import BACKEND_CASES, MOE_CASES, VOCAB_SIZE, make_moe_model_dir, model_dir_cache
 from tests.engine.parity import assert_greedy_match, hf_greedy
 from tests.engine.test_llm_parity import GREEDY_WITH_LOGPROBS, NEW_TOKENS, make_prompts, run_parity
 
@@ -32,15 +32,9 @@ NATIVE_CLASSES = {"mixtral": MixtralForCausalLM, "qwen2-moe": Qwen2MoeForCausalL
 @pytest.fixture(scope="module")
 def moe_model_dir(model_factory, tmp_path_factory):
     """make(case, dtype="float32") -> a tiny MoE model dir in the hub's per-expert format."""
-    built: dict[tuple[str, str], str] = {}
-
-    def make(case: str, dtype: str = "float32") -> str:
-        if (case, dtype) not in built:
-            out = tmp_path_factory.mktemp(f"moe-{case}-{dtype}")
-            built[case, dtype] = make_moe_model_dir(out, case, model_factory("llama"), dtype)
-        return built[case, dtype]
-
-    return make
+    tokenizer_dir = model_factory("llama")
+    return model_dir_cache(tmp_path_factory,
+                           lambda out, case, dtype: make_moe_model_dir(out, case, tokenizer_dir, dtype))
 
 
 # ---------------------------------------------------------------------------------------------

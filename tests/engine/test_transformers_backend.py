@@ -29,11 +29,11 @@ from pdserve.engine.models.transformers_backend import (
     UnsupportedModelFeatureError,
     unsupported_features,
 )
+from tests.engine.moe_models import save_random_model
 from tests.engine.test_llm_parity import make_prompts, run_parity
 
 VOCAB_SIZE = 1024
 NUM_KV_BLOCKS = 256  # of 4 tokens: room for every prompt at once, and far quicker to allocate than 1 GiB
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 _SHAPE = {"vocab_size": VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 1,
           "pad_token_id": 2}
@@ -93,15 +93,7 @@ def _init_random(model: torch.nn.Module) -> None:
 def make_hf_model_dir(out_dir: Path, config_class: str, architecture: str, tokenizer_dir: str, **fields) -> str:
     """config.json + model.safetensors written by transformers, plus the demo tokenizer's files."""
     config = getattr(transformers, config_class)(**{**_SHAPE, **fields})
-    config.architectures = [architecture]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        _init_random(model)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(Path(tokenizer_dir) / name, out_dir / name)
-    return str(out_dir)
+    return save_random_model(out_dir, config, architecture, tokenizer_dir, _init_random)
 
 
 @pytest.fixture(scope="module")
