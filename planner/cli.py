@@ -186,7 +186,10 @@ def adaptive_line(adaptive: dict, best: dict | None, num_engines: int) -> str:
             f"arrival): goodput {adaptive['goodput']:.3g} req/s (attainment {attained})")
     if best is None:
         return line + "; no static split has any goodput (predicted)"
-    ratio = adaptive["goodput"] / best["goodput"] if best["goodput"] else math.inf
+    if math.isinf(best["goodput"]):
+        return line + (f"; the best static split {best['config']} met the SLOs at every rate tried: its sample is too "
+                       "small to bound it (raise --num-prompts, or --exact-up-to to simulate it whole) (predicted)")
+    ratio = adaptive["goodput"] / best["goodput"]
     return line + f", {ratio:.2f}x the best static split {best['config']} ({best['goodput']:.3g} req/s) (predicted)"
 
 

@@ -124,3 +124,13 @@ def test_plan_prints_the_adaptive_line_beside_the_best_split(profile_path, tmp_p
     assert f"the best static split {best['config']}" in printed and "(predicted)" in printed
     assert [row["config"] for row in result["splits"]] == ["0P3D", "1P2D", "2P1D"]  # adaptive is never recommended
     assert result["dataset"]["phases"] == "512:32:4:10,128:128:8:10"
+
+
+def test_the_adaptive_line_says_when_the_best_split_has_no_bound():
+    from pdserve.planner.cli import adaptive_line
+
+    adaptive = {"goodput": 3600.0, "slo_attainment": 0.9}
+    unbounded = adaptive_line(adaptive, {"config": "0P64D", "goodput": float("inf")}, 64)
+    assert "met the SLOs at every rate tried" in unbounded and "raise --num-prompts" in unbounded
+    assert "0.90x the best static split 2P2D (4e+03 req/s)" in adaptive_line(adaptive, {"config": "2P2D",
+                                                                                      "goodput": 4000.0}, 4)
