@@ -14,7 +14,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.errors import NoEngineAvailable
 from pdserve.router.lean import LEAN_NAMES, LeanController
 from pdserve.router.link import EngineLink
-from pdserve.router.policies import DEFAULT_INDEX_BLOCKS, PromptHashes, Route, RoutingPolicy, _block_size
+from pdserve.router.policies import DEFAULT_INDEX_BLOCKS, PromptHashes, Route, RoutingPolicy, engine_block_size
 from pdserve.router.step_model import StepModel, load_step_model
 
 log = logging.getLogger("pdserve.router.adaptive")
@@ -44,8 +44,8 @@ class AdaptivePolicy(RoutingPolicy):
         decode_capable = {link.control_address for link in decodes}
         loads = [self._load(link, hashes, link.control_address in prefill_capable,
                             link.control_address in decode_capable) for link in links.values()]
-        choice = choose(len(token_ids), loads, self.model, self.slo, self.horizon_tokens,
-                        allow_remote_prefill=not force_local)
+        remote = not force_local and len(token_ids) > self.local_prefill_threshold
+        choice = choose(len(token_ids), loads, self.model, self.slo, self.horizon_tokens, allow_remote_prefill=remote)
         if choice is None:
             raise NoEngineAvailable("no decode engine is available: start one (`pdserve engine --router-address "
                                     "...`) or wait until a registered engine answers its heartbeats")
@@ -54,13 +54,13 @@ class AdaptivePolicy(RoutingPolicy):
         prefill = links[choice.prefill] if choice.prefill is not None else None
         num_uncached = next(load.uncached_tokens for load in loads if load.address == choice.decode)
         if prefill is not None:
-            self.index(prefill).add(hashes.for_block_size(_block_size(prefill)))
+            self.index(prefill).add(hashes.for_block_size(engine_block_size(prefill)))
         if prefill is None or not first_token_only:
-            self.index(decode).add(hashes.for_block_size(_block_size(decode)))
+            self.index(decode).add(hashes.for_block_size(engine_block_size(decode)))
         return Route(decode, prefill, num_uncached, hashes)
 
     def _load(self, link: EngineLink, hashes: PromptHashes, can_prefill: bool, can_decode: bool) -> EngineLoad:
-        block_size = _block_size(link)
+        block_size = engine_block_size(link)
         num_cached = self.index(link).num_matched_blocks(hashes.for_block_size(block_size)) * block_size
         blocks_total = link.stats.kv_blocks_total if link.stats and link.stats.kv_blocks_total else DEFAULT_INDEX_BLOCKS
         return EngineLoad(

@@ -23,7 +23,7 @@ class RouterConfig:
     prefill_policy: str = "prefix_aware"
     decode_policy: str = "least_kv"
     local_prefill_threshold: int = 0  # uncached prompt tokens <= this: prefill on the decode engine
-    routing: str = "static"
+    routing: str = "static"  # static: prefill_policy and decode_policy; adaptive: router/adaptive_policy.py
     slo_ttft_ms: float = 2000.0  # the SLOs the adaptive policy routes for (--slo ttft:MS tpot:MS)
     slo_tpot_ms: float = 150.0
     step_profile: str | None = None  # a `pdserve profile` JSON: the adaptive policy's step model (None: built-in)

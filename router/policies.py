@@ -83,7 +83,7 @@ class Route:
         return len(self.prompt_hashes.token_ids)
 
 
-def _block_size(link: EngineLink) -> int:
+def engine_block_size(link: EngineLink) -> int:
     return link.info.block_size if link.info else 16
 
 
@@ -108,8 +108,8 @@ class RoutingPolicy:
                                     "or wait until a registered engine answers its heartbeats")
         hashes = PromptHashes(token_ids)
         decode = self._pick_decode(decodes)
-        decode_hashes = hashes.for_block_size(_block_size(decode))
-        num_cached = self.index(decode).num_matched_blocks(decode_hashes) * _block_size(decode)
+        decode_hashes = hashes.for_block_size(engine_block_size(decode))
+        num_cached = self.index(decode).num_matched_blocks(decode_hashes) * engine_block_size(decode)
         num_uncached = len(token_ids) - num_cached
         prefill = None
         if prefills and not force_local and num_uncached > self.local_prefill_threshold:
@@ -117,7 +117,7 @@ class RoutingPolicy:
         if prefill is decode:  # a dual-role engine picked for both sides: it prefills its own request
             prefill = None
         if prefill is not None:
-            self.index(prefill).add(hashes.for_block_size(_block_size(prefill)))
+            self.index(prefill).add(hashes.for_block_size(engine_block_size(prefill)))
         if prefill is None or not first_token_only:  # else the decode engine never gets the prompt
             self.index(decode).add(decode_hashes)
         self.decisions["local" if prefill is None else "disaggregated"] += 1
@@ -136,7 +136,7 @@ class RoutingPolicy:
         Nothing for an engine that left meanwhile (its index is forgotten). prompt_hashes: those of the prompt
         that token_ids start with (Route.prompt_hashes), so that only the output's blocks are hashed here."""
         if link.up:
-            block_size = _block_size(link)
+            block_size = engine_block_size(link)
             known = prompt_hashes.for_block_size(block_size) if prompt_hashes is not None else ()
             self.index(link).add(compute_block_hashes(token_ids, block_size, known))
 
@@ -169,7 +169,7 @@ class RoutingPolicy:
         candidates = [link for link in prefills if prefill_load(link) <= least_load + PREFIX_BALANCE_TOKENS]
 
         def preference(link: EngineLink) -> tuple:
-            block_size = _block_size(link)
+            block_size = engine_block_size(link)
             num_matched = self.index(link).num_matched_blocks(hashes.for_block_size(block_size)) * block_size
             return -num_matched, prefill_load(link), link.num_inflight, link.control_address
         return min(candidates, key=preference)
@@ -185,4 +185,4 @@ def kv_usage(link: EngineLink) -> float:
     """Fraction of the engine's KV that the requests open on it fill: their prompts (prefilled or queued) and the
     tokens they have generated. Before its first report an engine counts as DEFAULT_INDEX_BLOCKS blocks."""
     blocks_total = link.stats.kv_blocks_total if link.stats and link.stats.kv_blocks_total else DEFAULT_INDEX_BLOCKS
-    return link.open_tokens / (blocks_total * _block_size(link))
+    return link.open_tokens / (blocks_total * engine_block_size(link))

@@ -89,6 +89,9 @@ def test_fixed_role_engines_and_force_local():
     assert (route.prefill, route.decode) == (prefill, decode)
     assert policy.route(list(range(1000)), [prefill], [decode], force_local=True).prefill is None
     assert policy.decisions == {"local": 1, "disaggregated": 1}
+    threshold = adaptive(local_prefill_threshold=1000)
+    assert threshold.route(list(range(1000)), [prefill], [decode]).prefill is None, "--local-prefill-threshold holds"
+    assert threshold.route(list(range(5000, 6001)), [prefill], [decode]).prefill is prefill
     with pytest.raises(NoEngineAvailable):
         policy.route([1, 2, 3], [prefill], [])
 
