@@ -22,6 +22,7 @@ never published to the prefix cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pdserve.engine.block_pool import BlockPool, KVBlock, KVCacheInvariantError, compute_block_hashes
 from pdserve.engine.request import Request
@@ -36,12 +37,30 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class SlotPlan:
+    """What allocate_slots will do for one request, counted before any block is taken."""
+
+    hits: list[KVBlock | None]  # the prefix hits to append (None: before the window, never taken)
+    num_unneeded: int  # positions after the hits that lie before the window: None entries, no block
+    num_new_blocks: int  # blocks to take from the pool
+    num_free_hits: int  # hits that sit in the free queue: touching them takes them from the supply
+    num_total_tokens: int
+
+    @property
+    def num_blocks_needed(self) -> int:
+        return self.num_new_blocks + self.num_free_hits
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None, external_kv_window: int | None = None) -> None:
+                 sliding_window: int | None = None, external_kv_window: int | None = None,
+                 pool: BlockPool | None = None, hash_tag: bytes = b"") -> None:
         """sliding_window: the window of every layer, whose blocks are freed as they leave it; None keeps
         every block of a request until it is freed. external_kv_window: the smallest sliding window of any
-        layer, on an engine that takes prompt KV from a prefill engine (None: no layer slides)."""
+        layer, on an engine that takes prompt KV from a prefill engine (None: no layer slides).
+        pool and hash_tag: a block pool shared with other layer groups' tables, and the suffix of this
+        group's prefix-cache keys (engine/hybrid_kv_cache_manager.py); by default its own pool, no suffix."""
         if block_size <= 0:
             raise ValueError(f"block_size={block_size} must be a positive number of tokens per block")
         if sliding_window is not None and sliding_window < 1:
@@ -50,7 +69,8 @@ class KVCacheManager:
         self.enable_caching = enable_prefix_caching
         self.sliding_window = sliding_window
         self.external_kv_window = external_kv_window
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = pool if pool is not None else BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.hash_tag = hash_tag
         # None: a block freed after it left the window
         self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
         # request_id -> how many of its leading blocks are published in the prefix cache.
@@ -102,7 +122,7 @@ class KVCacheManager:
             return self._window_hit(block_hashes[:max_hit_blocks])
         hit_blocks = []
         for block_hash in block_hashes[:max_hit_blocks]:
-            block = self.pool.get_cached_block(block_hash)
+            block = self.pool.get_cached_block(block_hash + self.hash_tag)
             if block is None:
                 break
             hit_blocks.append(block)
@@ -112,16 +132,36 @@ class KVCacheManager:
     def _window_hit(self, block_hashes: list[bytes]) -> tuple[list[KVBlock | None], int]:
         """The longest hit of j blocks whose blocks from the window of position j x B on are all cached (a
         block's hash covers its whole prefix, so the blocks before need not be)."""
-        cached = [self.pool.get_cached_block(block_hash) for block_hash in block_hashes]
-        last_missing, missing = [], -1  # last_missing[i]: the last index <= i not cached (-1: none)
+        cached, last_missing = self.lookup_cached(block_hashes)
+        for num_blocks in range(len(cached), 0, -1):
+            if self.hit_is_valid(last_missing, num_blocks):
+                return self.hit_blocks(cached, num_blocks), num_blocks * self.block_size
+        return [], 0
+
+    def lookup_cached(self, block_hashes: list[bytes]) -> tuple[list[KVBlock | None], list[int]]:
+        """This group's cached block of each hash (None: not cached), and for each index i the last index
+        <= i that is not cached (-1: none)."""
+        cached = [self.pool.get_cached_block(block_hash + self.hash_tag) for block_hash in block_hashes]
+        last_missing, missing = [], -1
         for index, block in enumerate(cached):
             missing = index if block is None else missing
             last_missing.append(missing)
-        for num_blocks in range(len(cached), 0, -1):
-            first_seen = max(0, num_blocks * self.block_size - self.sliding_window + 1) // self.block_size
-            if last_missing[num_blocks - 1] < first_seen:
-                return [None] * first_seen + cached[first_seen:num_blocks], num_blocks * self.block_size
-        return [], 0
+        return cached, last_missing
+
+    def first_needed_block(self, num_blocks: int) -> int:
+        """The first block a request whose first num_blocks blocks are computed still reads: the window of
+        position num_blocks x B reaches back to it (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_blocks * self.block_size - self.sliding_window + 1) // self.block_size
+
+    def hit_is_valid(self, last_missing: list[int], num_blocks: int) -> bool:
+        """Whether a hit of num_blocks blocks has every block it still reads cached (lookup_cached's list)."""
+        return last_missing[num_blocks - 1] < self.first_needed_block(num_blocks)
+
+    def hit_blocks(self, cached: list[KVBlock | None], num_blocks: int) -> list[KVBlock | None]:
+        first = self.first_needed_block(num_blocks)
+        return [None] * first + cached[first:num_blocks]
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -137,31 +177,52 @@ class KVCacheManager:
         """Give the request blocks for every token up to the end of `new`; None (and no change, but for
         blocks that left the sliding window, freed either way) if the pool cannot. Returns only the newly
         allocated blocks (not new_computed_blocks)."""
-        new_computed_blocks = list(new_computed_blocks)
+        plan = self.plan_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                               num_external_computed_tokens)
+        if plan.num_blocks_needed > self.pool.num_free_blocks:
+            return None
+        return self.take_slots(request, plan, delay_cache_blocks)
+
+    def plan_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                   new_computed_blocks: Sequence[KVBlock | None] = (),
+                   num_external_computed_tokens: int = 0) -> SlotPlan:
+        """Check allocate_slots' arguments, free the blocks that left the window, and count what the rest
+        needs from the pool; take_slots does it."""
+        hits = list(new_computed_blocks)
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         self._check_allocate_args(
-            request, req_blocks, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-            num_external_computed_tokens,
+            request, req_blocks, num_new_tokens, num_new_computed_tokens, hits, num_external_computed_tokens,
         )
         num_total_tokens = (request.num_computed_tokens + num_new_computed_tokens
                             + num_external_computed_tokens + num_new_tokens)
         num_unneeded = self._free_outside_window(req_blocks, request.num_computed_tokens + num_new_computed_tokens
-                                                 + num_external_computed_tokens, new_computed_blocks)
-        num_blocks_to_allocate = max(
-            0, _cdiv(num_total_tokens, self.block_size) - len(req_blocks) - len(new_computed_blocks) - num_unneeded
+                                                 + num_external_computed_tokens, hits)
+        num_new_blocks = max(
+            0, _cdiv(num_total_tokens, self.block_size) - len(req_blocks) - len(hits) - num_unneeded
         )
         # Touching a free cached hit takes it out of the free queue, so it counts against the supply.
-        num_free_hits = sum(1 for block in new_computed_blocks if block is not None and block.ref_cnt == 0)
-        if num_blocks_to_allocate + num_free_hits > self.pool.num_free_blocks:
-            return None
+        num_free_hits = sum(1 for block in hits if block is not None and block.ref_cnt == 0)
+        return SlotPlan(hits, num_unneeded, num_new_blocks, num_free_hits, num_total_tokens)
 
-        self._append_computed_blocks(request.request_id, req_blocks, new_computed_blocks)
-        req_blocks.extend([None] * num_unneeded)
-        new_blocks = self.pool.get_new_blocks(num_blocks_to_allocate)
+    def take_slots(self, request: Request, plan: SlotPlan, delay_cache_blocks: bool = False) -> list[KVBlock]:
+        """Carry out plan_slots' plan (the caller checked that the pool has plan.num_blocks_needed free)."""
+        self.take_hits(request, plan)
+        return self.take_new_blocks(request, plan, delay_cache_blocks)
+
+    def take_hits(self, request: Request, plan: SlotPlan) -> None:
+        """The plan's prefix hits join the request's blocks; a free one leaves the free queue, so no
+        get_new_blocks (of this table or another on the same pool) can hand it out after this."""
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        self._append_computed_blocks(request.request_id, req_blocks, plan.hits)
+
+    def take_new_blocks(self, request: Request, plan: SlotPlan, delay_cache_blocks: bool = False) -> list[KVBlock]:
+        """The rest of the plan, after take_hits: the skipped positions, then the new blocks."""
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        req_blocks.extend([None] * plan.num_unneeded)
+        new_blocks = self.pool.get_new_blocks(plan.num_new_blocks)
         req_blocks.extend(new_blocks)
-        self.req_to_blocks[request.request_id] = req_blocks
         if self.enable_caching and not delay_cache_blocks:
-            self.cache_blocks(request, min(num_total_tokens, request.num_tokens))
+            self.cache_blocks(request, min(plan.num_total_tokens, request.num_tokens))
         return new_blocks
 
     def _free_outside_window(self, req_blocks: list[KVBlock | None], first_new_position: int,
@@ -216,7 +277,7 @@ class KVCacheManager:
             index = first + offset
             if block is None and self.sliding_window is not None:  # before the window: not needed
                 continue
-            if block is None or index >= len(block_hashes) or block.block_hash != block_hashes[index]:
+            if block is None or index >= len(block_hashes) or block.block_hash != block_hashes[index] + self.hash_tag:
                 block_name = "None" if block is None else f"block {block.block_id}"
                 raise ValueError(
                     f"allocate_slots: new_computed_blocks[{offset}] ({block_name}) does not hold "
@@ -255,6 +316,8 @@ class KVCacheManager:
         if num_full_blocks <= num_cached:
             return
         block_hashes = self._update_block_hashes(request)
+        if self.hash_tag:
+            block_hashes = [block_hash + self.hash_tag for block_hash in block_hashes[:num_full_blocks]]
         self.pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full_blocks)
         self.num_cached_blocks[request.request_id] = num_full_blocks
 
@@ -291,8 +354,15 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Pool invariants plus: each block's ref_cnt == number of requests holding it."""
         self.pool.check_invariants()
-        problems = []
         num_holders = [0] * self.pool.num_blocks
+        problems = self.count_holders(num_holders)
+        problems += holder_count_problems(self.pool, num_holders)
+        if problems:
+            raise KVCacheInvariantError("KV cache manager is inconsistent:\n  " + "\n  ".join(problems))
+
+    def count_holders(self, num_holders: list[int]) -> list[str]:
+        """Add one to num_holders[block id] per request holding the block; the problems found on the way."""
+        problems = []
         for request_id, all_blocks in self.req_to_blocks.items():
             req_blocks = [block for block in all_blocks if block is not None]  # None: left the window, freed
             if len({block.block_id for block in req_blocks}) != len(req_blocks):
@@ -306,10 +376,11 @@ class KVCacheManager:
                 if block.ref_cnt < 1:
                     problems.append(f"request {request_id} holds block {block.block_id} with ref_cnt 0")
                 num_holders[block.block_id] += 1
-        for block in self.pool.blocks:
-            if block.ref_cnt != num_holders[block.block_id]:
-                problems.append(
-                    f"block {block.block_id} has ref_cnt {block.ref_cnt} but {num_holders[block.block_id]} holders"
-                )
-        if problems:
-            raise KVCacheInvariantError("KV cache manager is inconsistent:\n  " + "\n  ".join(problems))
+        return problems
+
+
+def holder_count_problems(pool: BlockPool, num_holders: list[int]) -> list[str]:
+    return [
+        f"block {block.block_id} has ref_cnt {block.ref_cnt} but {num_holders[block.block_id]} holders"
+        for block in pool.blocks if block.ref_cnt != num_holders[block.block_id]
+    ]
