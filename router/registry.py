@@ -319,7 +319,7 @@ class EngineRegistry:
         if link.info is None:
             return False
         expected = self.expected_roles.get(link.control_address)
-        if expected is not None and link.info.role != expected:
+        if expected is not None and link.info.role not in (expected, DUAL):  # a dual engine serves either
             log.error("engine at %s is a %s engine but was given as --%s: fix the router's arguments",
                       link.control_address, link.info.role, expected)
             return False

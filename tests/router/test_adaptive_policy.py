@@ -248,3 +248,20 @@ def test_up_adaptive_starts_dual_role_engines_and_the_adaptive_router(tmp_path):
     router = router_component(args, "m", "m").command
     assert router[router.index("--routing") + 1] == "adaptive"
     assert router[router.index("--slo") + 1:router.index("--slo") + 2] == ["ttft:900"]
+
+
+def test_a_dual_engine_given_by_static_address_serves_both_pools(tiny_model, tokenization):
+    engine = FakeEngine(role="dual", engine_id="static-dual")
+    engine.kv_address = "tcp://127.0.0.1:19002"
+
+    async def scenario():
+        async with router_app(tiny_model, tokenization, routing="adaptive", registration_address=None,
+                              decode_addresses=(engine.control_address,)) as (gateway, client):
+            await wait_until(lambda: len(gateway.registry.engines("decode")) == 1, what="the static engine routable")
+            assert [link.control_address for link in gateway.registry.engines("prefill")] == [engine.control_address]
+            answer = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3})
+            assert answer.status_code == 200 and len(engine.generate_requests()) == 1
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.close()
