@@ -23,21 +23,19 @@ def test_router_overhead_runs_at_toy_sizes():
     assert "| end to end |" in out and "| 2 | 0 | 32 |" in out, out
 
 
-def test_router_overhead_with_the_httpx_client():
-    out = run_bench("--num-requests", "2", "--skip-relay", "--client", "httpx")
-    assert "HTTP client: httpx" in out and "| first token |" in out, out
-
-
 def test_router_overhead_against_the_bare_relay():
     out = run_bench("--num-requests", "2", "--router", "bare")
     assert "front end: bare" in out and "| first token |" in out, out
     assert "relay throughput" not in out  # the bare relay has no usage chunk to count
 
 
-def test_router_overhead_measures_a_baseline_router_in_the_same_rounds():
+def test_router_overhead_measures_a_baseline_router_in_the_same_rounds_with_the_httpx_client():
     """--baseline-python: a second router (here the same interpreter's pdserve), and --with-floor: the bare
-    relay, in the same rounds; each one's overhead and its per-round difference to the router reported."""
-    out = run_bench("--num-requests", "2", "--skip-relay", "--baseline-python", sys.executable, "--with-floor")
+    relay, in the same rounds; each one's overhead and its per-round difference to the router reported; all
+    measured through the httpx client (--client httpx)."""
+    out = run_bench("--num-requests", "2", "--skip-relay", "--client", "httpx", "--baseline-python", sys.executable,
+                    "--with-floor")
+    assert "HTTP client: httpx" in out and "| first token |" in out, out
     for title in ("baseline: the router of", "floor: the bare relay"):
         table = out.split(title, 1)[1]
         assert "| first token |" in table and "| end to end |" in table and "CPU time per request" in table, out
