@@ -39,7 +39,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action="store_true",
                         help="dual-role engines (`pdserve engine`, --num-engines of them) instead of fixed prefill and "
                              "decode ones, and the router's adaptive policy (--routing adaptive): the prefill:decode "
-                             "split is chosen per request from live load (docs/design/adaptive.md)")
+                             "split is chosen per request from live load (docs/design/adaptive.md); "
+                             "--num-prefill and --num-decode are not used")
     parser.add_argument("--num-engines", type=int, default=None, metavar="N",
                         help="with --adaptive: dual-role engines to start (default 2)")
     for old, new in (("--prefill", "--num-prefill"), ("--decode", "--num-decode")):
