@@ -53,6 +53,7 @@ COPY control ./control
 COPY kvtransfer ./kvtransfer
 COPY prefill ./prefill
 COPY decode ./decode
+COPY dualrole ./dualrole
 COPY router ./router
 COPY bench ./bench
 COPY planner ./planner
