@@ -26,6 +26,13 @@ def assert_pool_idle(pool: BlockPool) -> None:
     pool.check_invariants()
 
 
+def cached_block(pool: BlockPool, block_hash: bytes):
+    """A new block of `pool`, held, and cached under `block_hash`."""
+    (block,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks([block], [block_hash], 0, 1)
+    return block
+
+
 # -- hashes -------------------------------------------------------------------------------------
 
 
@@ -105,8 +112,7 @@ def test_get_new_blocks_refuses_more_than_free():
 
 def test_touch_takes_a_free_cached_block_out_of_the_free_queue():
     pool = BlockPool(3)
-    (block,) = pool.get_new_blocks(1)
-    pool.cache_full_blocks([block], [b"h0"], 0, 1)
+    block = cached_block(pool, b"h0")
     pool.free_blocks([block])
     assert block.ref_cnt == 0 and pool.num_free_blocks == 3
     assert pool.get_cached_block(b"h0") is block
@@ -144,8 +150,7 @@ def test_duplicate_hash_keeps_the_existing_mapping():
 
 def test_reusing_a_cached_block_evicts_its_hash():
     pool = BlockPool(1)
-    (block,) = pool.get_new_blocks(1)
-    pool.cache_full_blocks([block], [b"h"], 0, 1)
+    block = cached_block(pool, b"h")
     pool.free_blocks([block])
     (again,) = pool.get_new_blocks(1)
     assert again is block and again.block_hash is None
@@ -191,8 +196,7 @@ def test_cache_full_blocks_rejects_a_range_without_hashes():
 
 def test_reset_prefix_cache_is_refused_while_blocks_are_used():
     pool = BlockPool(2)
-    (block,) = pool.get_new_blocks(1)
-    pool.cache_full_blocks([block], [b"a"], 0, 1)
+    block = cached_block(pool, b"a")
     assert pool.reset_prefix_cache() is False
     assert pool.get_cached_block(b"a") is block
     pool.free_blocks([block])
@@ -220,8 +224,7 @@ def test_invariants_catch_a_held_block_in_the_free_queue():
 
 def test_invariants_catch_a_map_entry_whose_block_hash_differs():
     pool = BlockPool(2)
-    (block,) = pool.get_new_blocks(1)
-    pool.cache_full_blocks([block], [b"a"], 0, 1)
+    block = cached_block(pool, b"a")
     block.block_hash = b"other"
     with pytest.raises(KVCacheInvariantError, match="whose hash differs"):
         pool.check_invariants()
@@ -229,8 +232,7 @@ def test_invariants_catch_a_map_entry_whose_block_hash_differs():
 
 def test_invariants_catch_a_block_under_two_hashes():
     pool = BlockPool(2)
-    (block,) = pool.get_new_blocks(1)
-    pool.cache_full_blocks([block], [b"a"], 0, 1)
+    block = cached_block(pool, b"a")
     pool._cached[b"b"] = block  # deliberate corruption
     with pytest.raises(KVCacheInvariantError, match="several hashes"):
         pool.check_invariants()
