@@ -159,7 +159,8 @@ class AdaptivePolicy:
         return step + (view.queued_work + extra_prefill) / view.mean_remaining
 
     def harm(self, view: EngineView, before: float, after: float) -> Side:
-        """The requests decoding on the engine, each slowed from `before` to `after` seconds a token."""
+        """The requests decoding on the engine, each slowed from `before` to `after` seconds a token: a predicted miss
+        each when that takes them over the TPOT SLO."""
         if not view.num_decoding:
             return Side(0.0, 0.0)
         tpot = self.targets.tpot_s
