@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from tests.containers.stack import ComposeStack, free_port, missing_tools, podman
-from tests.router.conftest import REPO, scrape
+from tests.router.conftest import REPO, chat_prompt_ids, scrape
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(2400)]
 
@@ -173,8 +173,7 @@ def test_greedy_completions_through_the_published_port_equal_the_offline_engine(
 def test_greedy_chat_streamed_and_whole_equal_the_offline_engine(client, offline, url):
     whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
                                            extra_body={"return_token_ids": True, "ignore_eos": True})
-    text = offline.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    prompt_ids = offline.tokenizer.encode(text, add_special_tokens=False)
+    prompt_ids = chat_prompt_ids(offline.tokenizer, MESSAGES)
     assert whole.model_extra["prompt_token_ids"] == prompt_ids
     expected = greedy(offline, prompt_ids)
     assert whole.choices[0].message.content == expected.text

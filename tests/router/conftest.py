@@ -96,6 +96,17 @@ async def wait_until(predicate, timeout: float = 10.0, what: str = "condition") 
         await asyncio.sleep(0.02)
 
 
+async def health_latencies(client: httpx.AsyncClient, busy: asyncio.Future, interval: float = 0.05) -> list[float]:
+    """/health latencies (s) measured from a concurrent client while `busy` runs; each answer must be 200."""
+    latencies = []
+    while not busy.done():
+        start = time.monotonic()
+        assert (await client.get("/health")).status_code == 200
+        latencies.append(time.monotonic() - start)
+        await asyncio.sleep(interval)
+    return latencies
+
+
 def assert_openai_error(response: httpx.Response, status: int, *, type_: str | None = None) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -149,15 +160,35 @@ class UpProcess:
         return "".join(f"\n--- {path.name}\n{path.read_text()[-3000:]}" for path in sorted(self.log_dir.glob("*.log")))
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process.stdout.close()
-        return self.process.returncode
+        return stop_process(self.process, timeout=40)
+
+
+def stop_process(process: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM, then SIGKILL after `timeout` s; closes its stdout pipe; returns its exit code."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    if process.stdout is not None:
+        process.stdout.close()
+    return process.returncode
+
+
+def up_cluster(model_dir: str, tmp_path_factory, name: str, *args: str, env: dict | None = None):
+    """For a module-scoped fixture (`yield from`): `pdserve up *args` logging under a fresh tmp dir `name`;
+    it must stop cleanly."""
+    up = UpProcess(model_dir, tmp_path_factory.mktemp(name), *args, env=env)
+    yield up
+    assert up.stop() == 0, up.logs()
+
+
+def layout_cluster(request, model_dir: str, tmp_path_factory, name: str, *args: str):
+    """For a fixture parametrized over the layouts (`yield from`): layout_stack(request.param, *args)."""
+    with layout_stack(request.param, model_dir, tmp_path_factory.mktemp(f"up-{name}-{request.param}"), *args) as up:
+        yield up
 
 
 def scrape(url: str, api_key: str | None = None) -> dict[str, dict[tuple, float]]:
@@ -202,10 +233,30 @@ def layout_stack(layout: str, model_dir: str, log_dir: Path, *args: str):
     assert up.stop() == 0, up.logs()
 
 
-def openai_client(up: UpProcess):
+def openai_client(up: UpProcess, timeout: float = 120, api_key: str = "unused"):
     import openai
 
-    return openai.OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{up.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    """The openai client of the module's `cluster` fixture."""
+    return openai_client(cluster)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    """The offline engine with `pdserve up`'s ENGINE_ARGS, the reference for token-for-token parity."""
+    from pdserve import LLM
+
+    return LLM(tiny_model, dtype="float32", block_size=4, num_kv_blocks=512)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt token ids of a chat as the router renders it: the chat template with the generation prompt."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def assert_refused(responses: list[httpx.Response], param: str, words: list[str]) -> None:

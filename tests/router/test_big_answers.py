@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
 
 import pytest
 
 from pdserve.router.responses import encoded_pieces
-from tests.router.conftest import router_app
+from tests.router.conftest import health_latencies, router_app
 from tests.router.test_router_limits import serving
 
 PROMPT_IDS = [5 + (i * 7) % 1000 for i in range(2000)]
@@ -44,12 +43,7 @@ def test_a_large_logprobs_answer_leaves_health_fast(tiny_model, tokenization, pa
         async with router_app(tiny_model, tokenization, request_timeout_s=120, heartbeat_timeout_s=10) as (gateway, client):
             async with serving(gateway, engine_id="d0", max_model_len=4096, token_delay_s=0.001):
                 busy = asyncio.ensure_future(client.post(path, json=body, timeout=120))
-                latencies = []
-                while not busy.done():
-                    start = time.monotonic()
-                    assert (await client.get("/health")).status_code == 200
-                    latencies.append(time.monotonic() - start)
-                    await asyncio.sleep(0.05)
+                latencies = await health_latencies(client, busy)
                 answer = await busy
                 assert answer.status_code == 200, answer.text[:500]
                 assert len(answer.content) > min_bytes and check(answer.json())

@@ -5,6 +5,7 @@ model cannot be made to walk on cue."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 from pdserve.control.messages import GenerateRequest
@@ -35,6 +36,16 @@ def _close(engines) -> None:
         engine.close()
 
 
+@contextlib.asynccontextmanager
+async def serving_engines(gateway, *specs):
+    """Fake engines (FakeEngine keyword arguments, one dict each) in routing for the block, closed after it."""
+    engines = await _engines(gateway, *specs)
+    try:
+        yield engines
+    finally:
+        _close(engines)
+
+
 def test_no_engine_is_503_and_health_says_so(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
@@ -48,8 +59,7 @@ def test_no_engine_is_503_and_health_says_so(tiny_model, tokenization):
 def test_registered_engine_serves_completions(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engines = await _engines(gateway, {"engine_id": "d0"})
-            try:
+            async with serving_engines(gateway, {"engine_id": "d0"}):
                 body = (await client.post("/v1/completions", json=completion(return_token_ids=True))).json()
                 expected = fake_tokens(PROMPT_IDS, 6)
                 choice = body["choices"][0]
@@ -60,8 +70,6 @@ def test_registered_engine_serves_completions(tiny_model, tokenization):
                                          "prompt_tokens_details": {"cached_tokens": 0}}
                 health = (await client.get("/health")).json()
                 assert health == {"status": "ok", "engines": {"prefill": 0, "decode": 1}}
-            finally:
-                _close(engines)
     run(scenario())
 
 
@@ -89,14 +97,13 @@ def test_engine_lost_mid_stream_ends_the_stream_with_an_error(tiny_model, tokeni
     """No other decode engine, and the lost one stays silent: the migration gives up after its bound."""
     async def scenario():
         async with router_app(tiny_model, tokenization, migration_timeout_s=0.5) as (gateway, client):
-            engine, = await _engines(gateway, {"engine_id": "d0", "token_delay_s": 0.05})
+            async with serving_engines(gateway, {"engine_id": "d0", "token_delay_s": 0.05}) as (engine,):
 
-            async def go_silent():
-                await wait_until(lambda: any(a.sent >= 2 for a in engine.active.values()), what="tokens streamed")
-                engine.beating.clear()
-                engine.answering.clear()
-            silencer = asyncio.create_task(go_silent())
-            try:
+                async def go_silent():
+                    await wait_until(lambda: any(a.sent >= 2 for a in engine.active.values()), what="tokens streamed")
+                    engine.beating.clear()
+                    engine.answering.clear()
+                silencer = asyncio.create_task(go_silent())
                 response = await client.post("/v1/completions", json=completion(max_tokens=200, stream=True))
                 await silencer
                 events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
@@ -106,16 +113,13 @@ def test_engine_lost_mid_stream_ends_the_stream_with_an_error(tiny_model, tokeni
                 assert "no decode engine took it over" in error["message"] and "--migration-timeout" in error["message"]
                 assert gateway.metrics.registry.get_sample_value("pdserve_router_migrations_total", {"outcome": "failed"}) == 1
                 assert any(json.loads(e).get("choices") for e in events[:-2]), "tokens streamed before the loss"
-            finally:
-                _close([engine])
     run(scenario())
 
 
 def test_stop_string_aborts_the_decode_engine(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engine, = await _engines(gateway, {"engine_id": "d0"})
-            try:
+            async with serving_engines(gateway, {"engine_id": "d0"}) as (engine,):
                 tokens = fake_tokens(PROMPT_IDS, 40)
                 texts = [tokenization.decode(tokens[:i]) for i in range(len(tokens) + 1)]
                 cut = next(i for i in range(3, 40) if len(texts[i]) > len(texts[i - 1]) and texts[i][-1].strip())
@@ -128,8 +132,6 @@ def test_stop_string_aborts_the_decode_engine(tiny_model, tokenization):
                 assert body["usage"]["completion_tokens"] < 40
                 await wait_until(lambda: engine.aborted, what="Abort at the engine")
                 assert engine.aborted[0] == engine.generate_requests()[0].request_id
-            finally:
-                _close([engine])
     run(scenario())
 
 
@@ -143,8 +145,7 @@ def test_a_request_that_fails_after_the_engine_has_it_is_aborted_there(tiny_mode
 
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engine, = await _engines(gateway, {"engine_id": "d0", "token_delay_s": 0.5})
-            try:
+            async with serving_engines(gateway, {"engine_id": "d0", "token_delay_s": 0.5}) as (engine,):
                 monkeypatch.setattr(responses.Formatter, "__init__", broken)
                 for stream in (False, True):
                     response = await client.post("/v1/completions", json=completion(stream=stream))
@@ -156,41 +157,33 @@ def test_a_request_that_fails_after_the_engine_has_it_is_aborted_there(tiny_mode
                 assert not engine.active and gateway.num_in_flight == 0
                 link, = gateway.registry.links.values()
                 assert not link.streams, "no delta queue left open in the router"
-            finally:
-                _close([engine])
     run(scenario())
 
 
 def test_over_the_concurrency_limit_is_429(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization, max_concurrent_requests=1) as (gateway, client):
-            engine, = await _engines(gateway, {"engine_id": "d0", "token_delay_s": 0.05})
-            try:
+            async with serving_engines(gateway, {"engine_id": "d0", "token_delay_s": 0.05}) as (engine,):
                 first = asyncio.create_task(client.post("/v1/completions", json=completion(max_tokens=10)))
                 await wait_until(lambda: engine.generate_requests(), what="first request admitted")
                 second = await client.post("/v1/completions", json=completion())
                 assert_openai_error(second, 429)
                 assert (await first).status_code == 200
                 assert (await client.post("/v1/completions", json=completion())).status_code == 200
-            finally:
-                _close([engine])
     run(scenario())
 
 
 def test_failed_prefill_falls_back_to_prefill_on_the_decode_engine(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            prefill, decode = await _engines(gateway, {"role": "prefill", "engine_id": "p0", "fail_prefill": True},
-                                             {"engine_id": "d0", "token_delay_s": 0.02})
-            try:
+            async with serving_engines(gateway, {"role": "prefill", "engine_id": "p0", "fail_prefill": True},
+                                       {"engine_id": "d0", "token_delay_s": 0.02}) as (prefill, decode):
                 response = await client.post("/v1/completions", json=completion())
                 assert response.status_code == 200, response.text
                 first, retry = decode.generate_requests()
                 assert first.prefill_kv_address == prefill.kv_address, "the first attempt was disaggregated"
                 assert retry.prefill_kv_address is None, "the retry prefills on the decode engine"
                 await wait_until(lambda: first.request_id in decode.aborted, what="first attempt aborted")
-            finally:
-                _close([prefill, decode])
     run(scenario())
 
 
@@ -219,14 +212,12 @@ def test_static_engines_are_described_polled_and_disaggregated(tiny_model, token
 def test_engine_rejection_before_any_token_is_400(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engine, = await _engines(gateway, {"engine_id": "d0", "reject_with": "temperature is wrong: fix it"})
-            try:
+            async with serving_engines(gateway, {"engine_id": "d0",
+                                                 "reject_with": "temperature is wrong: fix it"}) as (engine,):
                 response = await client.post("/v1/completions", json=completion())
                 assert assert_openai_error(response, 400)["message"] == "temperature is wrong: fix it"
                 streamed = await client.post("/v1/completions", json=completion(stream=True))
                 assert_openai_error(streamed, 400)
-            finally:
-                _close([engine])
     run(scenario())
 
 
@@ -235,14 +226,11 @@ def test_engine_failure_before_any_token_is_502_not_400(tiny_model, tokenization
     client's fault: 502 engine_failed, not 400."""
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engine, = await _engines(gateway, {"engine_id": "d0", "reject_with": "remote prefill failed: timeout",
-                                               "reject_code": "kv_transfer_failed"})
-            try:
+            async with serving_engines(gateway, {"engine_id": "d0", "reject_with": "remote prefill failed: timeout",
+                                                 "reject_code": "kv_transfer_failed"}) as (engine,):
                 response = await client.post("/v1/completions", json=completion())
                 error = assert_openai_error(response, 502)
                 assert error["code"] == "engine_failed" and "remote prefill failed: timeout" in error["message"]
-            finally:
-                _close([engine])
     run(scenario())
 
 
@@ -251,25 +239,21 @@ def test_a_request_that_failed_an_engine_step_is_502_and_not_retried(tiny_model,
     engine (it could fail that one too); the client gets 502 with the engine's words."""
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engines = await _engines(gateway, *({"engine_id": f"d{i}", "reject_with": "the engine failed: boom",
-                                                 "reject_code": "engine_step_failed"} for i in range(2)))
-            try:
+            async with serving_engines(gateway, *({"engine_id": f"d{i}", "reject_with": "the engine failed: boom",
+                                                   "reject_code": "engine_step_failed"} for i in range(2))) as engines:
                 response = await client.post("/v1/completions", json=completion())
                 error = assert_openai_error(response, 502)
                 assert error["code"] == "engine_failed" and "the engine failed: boom" in error["message"]
                 assert sum(len(engine.generate_requests()) for engine in engines) == 1, "no retry"
-            finally:
-                _close(engines)
     run(scenario())
 
 
 def test_a_prefill_step_failure_is_not_retried_on_the_decode_engine(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            prefill, decode = await _engines(gateway, {"role": "prefill", "engine_id": "p0", "fail_prefill": True,
-                                                       "prefill_error_code": "engine_step_failed"},
-                                             {"engine_id": "d0", "token_delay_s": 0.5})
-            try:
+            async with serving_engines(gateway, {"role": "prefill", "engine_id": "p0", "fail_prefill": True,
+                                                 "prefill_error_code": "engine_step_failed"},
+                                       {"engine_id": "d0", "token_delay_s": 0.5}) as (prefill, decode):
                 response = await client.post("/v1/completions", json=completion())
                 assert "fake prefill failure" in assert_openai_error(response, 502)["message"]
                 # the GenerateRequest went out with the PrefillRequest; the fake decode engine's thread may
@@ -277,31 +261,25 @@ def test_a_prefill_step_failure_is_not_retried_on_the_decode_engine(tiny_model, 
                 await wait_until(lambda: decode.generate_requests(), what="the decode engine to get the request")
                 first, = decode.generate_requests()
                 await wait_until(lambda: first.request_id in decode.aborted, what="the request aborted on decode")
-            finally:
-                _close([prefill, decode])
     run(scenario())
 
 
 def test_sampling_values_float32_cannot_carry_are_400_at_the_edge(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engine, = await _engines(gateway, {"engine_id": "d0"})
-            try:
+            async with serving_engines(gateway, {"engine_id": "d0"}) as (engine,):
                 for field, value in [("temperature", 1e39), ("repetition_penalty", 1e-300),
                                      ("repetition_penalty", 1e39)]:
                     response = await client.post("/v1/completions", json=completion(**{field: value}))
                     assert f"{field}={value}" in assert_openai_error(response, 400)["message"]
                 assert engine.generate_requests() == [], "refused before any engine saw it"
-            finally:
-                _close([engine])
     run(scenario())
 
 
 def test_api_key_is_enforced_on_all_but_health(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization, api_key="sesame") as (gateway, client):
-            engine, = await _engines(gateway, {"engine_id": "d0"})
-            try:
+            async with serving_engines(gateway, {"engine_id": "d0"}) as (engine,):
                 missing = await client.post("/v1/completions", json=completion())
                 assert assert_openai_error(missing, 401)["code"] == "invalid_api_key"
                 wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
@@ -311,24 +289,19 @@ def test_api_key_is_enforced_on_all_but_health(tiny_model, tokenization):
                 assert right.status_code == 200
                 assert (await client.get("/health")).status_code == 200
                 assert_openai_error(await client.get("/metrics"), 401)
-            finally:
-                _close([engine])
     run(scenario())
 
 
 def test_n_choices_are_fanned_out_with_distinct_seeds(tiny_model, tokenization):
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engine, = await _engines(gateway, {"engine_id": "d0"})
-            try:
+            async with serving_engines(gateway, {"engine_id": "d0"}) as (engine,):
                 body = (await client.post("/v1/completions", json=completion(n=3, seed=11, temperature=0.8))).json()
                 assert [c["index"] for c in body["choices"]] == [0, 1, 2]
                 assert body["usage"]["completion_tokens"] == 18 and body["usage"]["prompt_tokens"] == 5
                 seeds = sorted(msg.sampling_params.seed for msg in engine.generate_requests())
                 assert seeds == [11, 12, 13]
                 assert all(isinstance(msg, GenerateRequest) for msg in engine.received)
-            finally:
-                _close([engine])
     run(scenario())
 
 
@@ -340,8 +313,8 @@ def test_streamed_text_is_whole_characters_across_token_boundaries(tiny_model, t
 
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engine, = await _engines(gateway, {"engine_id": "d0", "script": script, "token_delay_s": 0.002})
-            try:
+            async with serving_engines(gateway, {"engine_id": "d0", "script": script,
+                                                 "token_delay_s": 0.002}) as (engine,):
                 response = await client.post("/v1/chat/completions", json={
                     "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 100})
                 chunks = [json.loads(line[6:]) for line in response.text.splitlines()
@@ -350,8 +323,6 @@ def test_streamed_text_is_whole_characters_across_token_boundaries(tiny_model, t
                 assert "".join(pieces) == text
                 assert not any("\ufffd" in piece for piece in pieces)
                 assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
-            finally:
-                _close([engine])
     run(scenario())
 
 
@@ -365,13 +336,10 @@ def test_every_sampling_parameter_reaches_the_engine_as_sent(tiny_model, tokeniz
 
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engine, = await _engines(gateway, {"engine_id": "d0"})
-            try:
+            async with serving_engines(gateway, {"engine_id": "d0"}) as (engine,):
                 response = await client.post("/v1/completions", json={"prompt": PROMPT_IDS, **sent})
                 assert response.status_code == 200, response.text
                 params = engine.generate_requests()[0].sampling_params
                 received = {name: getattr(params, name) for name in sent}
                 assert received == {**sent, "stop_token_ids": (7,), "logit_bias": ((7, 5.0), (9, -100.0))}
-            finally:
-                _close([engine])
     run(scenario())

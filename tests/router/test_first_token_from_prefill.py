@@ -5,11 +5,10 @@ and no gap (streamed and whole, logprobs, several choices), a first token that e
 
 from __future__ import annotations
 
-import openai
 import pytest
 
-from pdserve import LLM, SamplingParams
-from tests.router.conftest import UpProcess, wait_no_kv_used
+from pdserve import SamplingParams
+from tests.router.conftest import up_cluster, wait_no_kv_used
 
 PROMPTS = ["def main():", "import os\nimport sys\n\nclass Parser:\n    def __init__(self, text):", "x"]
 MAX_TOKENS = 10
@@ -17,19 +16,7 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    up = UpProcess(tiny_model, tmp_path_factory.mktemp("up-first-token"), "--prefill", "1", "--decode", "1")
-    yield up
-    assert up.stop() == 0, up.logs()
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model):
-    return LLM(tiny_model, dtype="float32", block_size=4, num_kv_blocks=512)
+    yield from up_cluster(tiny_model, tmp_path_factory, "up-first-token", "--prefill", "1", "--decode", "1")
 
 
 def reference(offline, prompt: str, **sampling):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 
 from pdserve.local_cluster import Driver, EngineProcess
-from tests.router.conftest import REPO, assert_openai_error
+from tests.router.conftest import REPO, assert_openai_error, stop_process
 
 pytestmark = pytest.mark.fuzz
 
@@ -54,14 +53,7 @@ class RouterProcess:
         self.url = dict(item.split("=", 1) for item in line.split()[1:])["url"]
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process.stdout.close()
+        stop_process(self.process, timeout=30)
         self.log.close()
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from pdserve.router import lean_routes
-from tests.router.conftest import assert_openai_error, router_app, router_server, wait_until
+from tests.router.conftest import assert_openai_error, health_latencies, router_app, router_server, wait_until
 from tests.router.test_router_limits import chat, serving
 
 BODY = b'{"prompt": "hi", "max_tokens": 2}'
@@ -183,12 +183,7 @@ def test_headers_over_the_cap_are_431_and_health_stays_fast(tiny_model, tokeniza
             async with serving(gateway, engine_id="d0"), httpx.AsyncClient(base_url=url, timeout=10) as client:
                 attacks = [asyncio.to_thread(_send_big_header, url, size) for size in [64 << 20] * 4 + [1 << 20]]
                 attack = asyncio.ensure_future(asyncio.gather(*attacks))
-                latencies = []
-                while not attack.done():
-                    start = time.monotonic()
-                    assert (await client.get("/health")).status_code == 200
-                    latencies.append(time.monotonic() - start)
-                    await asyncio.sleep(0.01)
+                latencies = await health_latencies(client, attack, interval=0.01)
                 for answer in await attack:
                     head, _, body = answer.partition(b"\r\n\r\n")
                     assert head.startswith(b"HTTP/1.1 431"), answer[:200]

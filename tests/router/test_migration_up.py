@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from pdserve import LLM, SamplingParams
-from tests.router.conftest import UpProcess, scrape, wait_no_kv_used
+from pdserve import SamplingParams
+from tests.router.conftest import UpProcess, scrape, up_cluster, wait_no_kv_used
 
 pytestmark = pytest.mark.hostile
 
@@ -27,20 +27,8 @@ MAX_TOKENS = 96  # long enough that a stream is still going when its engine is s
 def cluster(tiny_model, tmp_path_factory):
     # --max-restarts 0: the killed engine stays dead (the survivor takes its streams); --heartbeat-timeout 1: the
     # stopped engine leaves routing after 1 s (the router's stall bound)
-    up = UpProcess(tiny_model, tmp_path_factory.mktemp("up-1p2d"), "--num-prefill", "1", "--num-decode", "2",
-                   "--max-restarts", "0", "--heartbeat-timeout", "1", "--migration-timeout", "20")
-    yield up
-    assert up.stop() == 0, up.logs()
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model):
-    return LLM(tiny_model, dtype="float32", block_size=4, num_kv_blocks=512)
+    yield from up_cluster(tiny_model, tmp_path_factory, "up-1p2d", "--num-prefill", "1", "--num-decode", "2",
+                          "--max-restarts", "0", "--heartbeat-timeout", "1", "--migration-timeout", "20")
 
 
 def migrations(cluster) -> float:

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.router.conftest import layout_stack, openai_client
+from tests.router.conftest import layout_cluster
 
 CLOCK = {"type": "object", "additionalProperties": False, "required": ["zone"],
          "properties": {"zone": {"enum": ["UTC", "CET"]}}}
@@ -26,14 +26,7 @@ CALLS = [("weather", '{"city":"Oslo","days":2}'), ("clock", '{"zone":"UTC"}')]
 
 @pytest.fixture(scope="module", params=["1p1d", "colocated"])
 def cluster(request, tiny_model, tmp_path_factory):
-    with layout_stack(request.param, tiny_model, tmp_path_factory.mktemp(f"up-auto-tools-{request.param}"),
-                      "--tool-call-parser", "hermes") as up:
-        yield up
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai_client(cluster)
+    yield from layout_cluster(request, tiny_model, tmp_path_factory, "auto-tools", "--tool-call-parser", "hermes")
 
 
 def literal(text: str) -> str:

@@ -7,8 +7,8 @@ import httpx
 import openai
 import pytest
 
-from pdserve import LLM, SamplingParams
-from tests.router.conftest import UpProcess, scrape, wait_no_kv_used
+from pdserve import SamplingParams
+from tests.router.conftest import openai_client, scrape, up_cluster, wait_no_kv_used
 
 API_KEY = "sesame-test-key"
 PROMPT = "def parse(text):\n    tokens ="
@@ -16,20 +16,13 @@ PROMPT = "def parse(text):\n    tokens ="
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    up = UpProcess(tiny_model, tmp_path_factory.mktemp("up-colocated"), "--num-prefill", "0", "--num-decode", "1",
-                   "--served-model-name", "tiny", env={"PDSERVE_API_KEY": API_KEY})
-    yield up
-    assert up.stop() == 0, up.logs()
+    yield from up_cluster(tiny_model, tmp_path_factory, "up-colocated", "--num-prefill", "0", "--num-decode", "1",
+                          "--served-model-name", "tiny", env={"PDSERVE_API_KEY": API_KEY})
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model):
-    return LLM(tiny_model, dtype="float32", block_size=4, num_kv_blocks=512)
+    return openai_client(cluster, api_key=API_KEY)
 
 
 def test_api_key_is_required(cluster, client):

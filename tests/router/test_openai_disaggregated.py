@@ -16,14 +16,15 @@ import httpx
 import openai
 import pytest
 
-from pdserve import LLM, SamplingParams
+from pdserve import SamplingParams
 from pdserve.trust import default_cluster_keys
 from tests.engine.test_llm_stops import first_new, token_texts
 from tests.router.conftest import (
     REPO,
-    UpProcess,
     assert_openai_error,
+    chat_prompt_ids,
     scrape,
+    up_cluster,
     wait_no_kv_used,
 )
 
@@ -35,20 +36,8 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
     # --max-restarts 0: the last test checks that a killed engine is routed around (test_supervision: restarts)
-    up = UpProcess(tiny_model, tmp_path_factory.mktemp("up-1p1d"), "--num-prefill", "1", "--num-decode", "1",
-                   "--max-restarts", "0")
-    yield up
-    assert up.stop() == 0, up.logs()
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model):
-    return LLM(tiny_model, dtype="float32", block_size=4, num_kv_blocks=512)
+    yield from up_cluster(tiny_model, tmp_path_factory, "up-1p1d", "--num-prefill", "1", "--num-decode", "1",
+                          "--max-restarts", "0")
 
 
 def greedy(offline, prompt_token_ids, max_tokens=MAX_TOKENS):
@@ -91,8 +80,7 @@ def test_chat_streamed_and_whole_agree_with_the_offline_engine(client, offline, 
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list ✓"}]
     whole = client.chat.completions.create(model=tiny_model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
                                            extra_body={"return_token_ids": True, "ignore_eos": True})
-    text = offline.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    prompt_ids = offline.tokenizer.encode(text, add_special_tokens=False)
+    prompt_ids = chat_prompt_ids(offline.tokenizer, messages)
     assert whole.model_extra["prompt_token_ids"] == prompt_ids
     expected = greedy(offline, prompt_ids)
     assert whole.choices[0].model_extra["token_ids"] == expected.token_ids

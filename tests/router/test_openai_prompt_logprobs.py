@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.router.conftest import layout_stack, openai_client, scrape
+from tests.router.conftest import layout_cluster, scrape
 
 # over --max-num-batched-tokens 64 (conftest's ENGINE_ARGS): the prompt is computed in several chunks
 LONG_PROMPT = ("import os\nimport sys\n\ndef main(argv):\n    for name in argv[1:]:\n        with open(name) as f:\n"
@@ -21,13 +21,7 @@ TOLERANCE = 1e-3
 
 @pytest.fixture(scope="module", params=["1p1d", "colocated"])
 def cluster(request, tiny_model, tmp_path_factory):
-    with layout_stack(request.param, tiny_model, tmp_path_factory.mktemp(f"up-prompt-logprobs-{request.param}")) as up:
-        yield up
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai_client(cluster)
+    yield from layout_cluster(request, tiny_model, tmp_path_factory, "prompt-logprobs")
 
 
 class Reference:

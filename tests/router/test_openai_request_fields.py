@@ -10,22 +10,15 @@ import httpx
 import openai
 import pytest
 
-from tests.router.conftest import UpProcess
+from tests.router.conftest import up_cluster
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    up = UpProcess(tiny_model, tmp_path_factory.mktemp("up-fields"), "--num-prefill", "0", "--num-decode", "1",
-                   "--served-model-name", "tiny")
-    yield up
-    assert up.stop() == 0, up.logs()
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    yield from up_cluster(tiny_model, tmp_path_factory, "up-fields", "--num-prefill", "0", "--num-decode", "1",
+                          "--served-model-name", "tiny")
 
 
 def test_explicit_nulls_take_the_defaults(client):

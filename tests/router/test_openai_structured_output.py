@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.router.conftest import layout_stack, openai_client
+from tests.router.conftest import layout_cluster
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "size", "count"],
           "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]},
@@ -33,13 +33,7 @@ class Answer(BaseModel):
 
 @pytest.fixture(scope="module", params=["1p1d", "colocated"])
 def cluster(request, tiny_model, tmp_path_factory):
-    with layout_stack(request.param, tiny_model, tmp_path_factory.mktemp(f"up-structured-{request.param}")) as up:
-        yield up
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai_client(cluster)
+    yield from layout_cluster(request, tiny_model, tmp_path_factory, "structured")
 
 
 def fits_schema(value: dict) -> bool:

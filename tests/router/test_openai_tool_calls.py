@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 
-from tests.router.conftest import layout_stack, openai_client
+from tests.router.conftest import layout_cluster
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "celsius", "days"],
            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"},
@@ -28,13 +28,7 @@ SEEDS = range(4)
 
 @pytest.fixture(scope="module", params=["1p1d", "colocated"])
 def cluster(request, tiny_model, tmp_path_factory):
-    with layout_stack(request.param, tiny_model, tmp_path_factory.mktemp(f"up-tools-{request.param}")) as up:
-        yield up
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai_client(cluster)
+    yield from layout_cluster(request, tiny_model, tmp_path_factory, "tools")
 
 
 def fits(name: str, arguments: dict) -> bool:

@@ -11,18 +11,15 @@ import json
 from pdserve.control.messages import GenerateRequest, PrefillRequest
 from tests.router.conftest import assert_openai_error, router_app
 from tests.router.fake_engine import fake_prompt_logprob, fake_tokens
-from tests.router.test_engines_and_failures import PROMPT_IDS, _close, _engines, completion
+from tests.router.test_engines_and_failures import PROMPT_IDS, completion, serving_engines
 
 
 def run(model_dir: str, tokenization, engines: list[dict], check) -> None:
     """await check(client, engines) against a router in this process and the fake engines `engines` describe."""
     async def scenario():
         async with router_app(model_dir, tokenization) as (gateway, client):
-            started = await _engines(gateway, *engines)
-            try:
+            async with serving_engines(gateway, *engines) as started:
                 await check(client, started)
-            finally:
-                _close(started)
     asyncio.run(scenario())
 
 

@@ -18,7 +18,7 @@ import zmq
 from pdserve.control.messages import Register
 from pdserve.control.protocol import encode
 from pdserve.router.preprocess import QUEUE_WAIT_FACTOR, PreprocessTimeout
-from tests.router.conftest import assert_openai_error, router_app, router_server, wait_until
+from tests.router.conftest import assert_openai_error, health_latencies, router_app, router_server, wait_until
 from tests.router.fake_engine import FakeEngine, fake_tokens
 
 PROMPT_IDS = [5, 6, 7, 8, 9]
@@ -56,17 +56,6 @@ async def serving(gateway, **spec):
         engine.close()
 
 
-async def _health_latencies(client: httpx.AsyncClient, busy: asyncio.Task) -> list[float]:
-    """/health latencies measured from a concurrent client while `busy` runs."""
-    latencies = []
-    while not busy.done():
-        start = time.monotonic()
-        assert (await client.get("/health")).status_code == 200
-        latencies.append(time.monotonic() - start)
-        await asyncio.sleep(0.05)
-    return latencies
-
-
 # ---- request bodies ----
 
 def test_body_over_the_limit_is_413_before_it_is_read(tiny_model, tokenization):
@@ -95,7 +84,7 @@ def test_large_prompt_does_not_block_health(tiny_model, tokenization):
             async with serving(gateway, engine_id="d0"):
                 prompt = "hello world, this is text. " * 110_000  # 3 MB: seconds of tokenizing
                 busy = asyncio.create_task(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}))
-                latencies = await _health_latencies(client, busy)
+                latencies = await health_latencies(client, busy)
                 assert "context length" in assert_openai_error(await busy, 400)["message"]
                 assert len(latencies) > 3 and max(latencies) < 1.0, latencies
     bound, tokenization.prompt_bound = tokenization.prompt_bound, None  # tokenized, not refused from its length
@@ -112,7 +101,7 @@ def test_template_bomb_times_out_without_blocking_health(tiny_model, tokenizatio
             async with serving(gateway, engine_id="d0"):
                 started = time.monotonic()
                 busy = asyncio.create_task(client.post("/v1/chat/completions", json=chat(chat_template=TEMPLATE_BOMB)))
-                latencies = await _health_latencies(client, busy)
+                latencies = await health_latencies(client, busy)
                 error = assert_openai_error(await busy, 400)
                 assert error["code"] == "preprocessing_timeout" and "0.5s" in error["message"]
                 assert time.monotonic() - started < 2.0

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
-from tests.router.conftest import assert_openai_error, router_app, wait_until
+from tests.router.conftest import assert_openai_error, health_latencies, router_app, wait_until
 from tests.router.test_router_limits import serving
 
 BIG = "the router memory prompt 数据 " * ((39 << 20) // 10 // 32)  # 3.9 MiB of UTF-8
@@ -36,12 +35,7 @@ def test_prompts_too_long_for_the_context_are_refused_untokenized_and_the_heap_i
                 payloads = [(path, json.dumps(body, ensure_ascii=False).encode()) for path, body in bodies()] * 3
                 burst = asyncio.ensure_future(asyncio.gather(*(client.post(
                     path, content=body, headers={"content-type": "application/json"}) for path, body in payloads)))
-                latencies = []
-                while not burst.done():
-                    start = time.monotonic()
-                    assert (await client.get("/health")).status_code == 200
-                    latencies.append(time.monotonic() - start)
-                    await asyncio.sleep(0.05)
+                latencies = await health_latencies(client, burst)
                 for (path, _), answer in zip(payloads, await burst):
                     error = assert_openai_error(answer, 400)
                     assert "context length is 512 tokens" in error["message"], error

@@ -12,7 +12,7 @@ import pytest
 
 from tests.router.conftest import router_app
 from tests.router.fake_engine import fake_tokens
-from tests.router.test_engines_and_failures import PROMPT_IDS, _close, _engines, completion
+from tests.router.test_engines_and_failures import PROMPT_IDS, completion, serving_engines
 
 PREFILL = {"role": "prefill", "engine_id": "p0", "first_token": True}
 
@@ -22,14 +22,11 @@ def answer(tiny_model, tokenization, engine_specs: list[dict], body: dict, path:
     (which must agree with the whole response, asked for too)."""
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engines = await _engines(gateway, *engine_specs)
-            try:
+            async with serving_engines(gateway, *engine_specs):
                 whole = (await client.post(path, json={**body, "return_token_ids": True})).json()
                 streamed = await client.post(path, json={**body, "return_token_ids": True, "stream": True})
                 return whole, [json.loads(line[6:]) for line in streamed.text.splitlines()
                                if line.startswith("data: {")]
-            finally:
-                _close(engines)
     whole, chunks = asyncio.run(scenario())
     choice, choices = whole["choices"][0], [chunk["choices"][0] for chunk in chunks]
     text = choice["message"]["content"] if "message" in choice else choice["text"]

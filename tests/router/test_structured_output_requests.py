@@ -18,7 +18,7 @@ from pdserve.router.specs import chat_specs, completion_specs
 from pdserve.router.structured_output import asked_constraint, check_constraint
 from tests.router.conftest import assert_refused, router_app
 from tests.router.fake_engine import fake_tokens
-from tests.router.test_engines_and_failures import PROMPT_IDS, _close, _engines, completion
+from tests.router.test_engines_and_failures import PROMPT_IDS, completion, serving_engines
 from tests.router.test_stop_rules import PREFILL, answer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -97,11 +97,8 @@ def _post(tiny_model, tokenization, engine_specs: list[dict], requests: list[tup
     """[(status, body)] of each (path, body) posted to a router with these fake engines; and the engines."""
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engines = await _engines(gateway, *engine_specs)
-            try:
+            async with serving_engines(gateway, *engine_specs) as engines:
                 return [await client.post(path, json=body) for path, body in requests], engines
-            finally:
-                _close(engines)
     return asyncio.run(scenario())
 
 

@@ -25,7 +25,7 @@ from pdserve.router.schemas import ChatCompletionRequest
 from pdserve.router.structured_output import asked_constraint, check_constraint
 from pdserve.router.tool_calls import ANY_OBJECT, OUTPUT_PARSERS, tool_calling, with_tags_shown
 from tests.router.conftest import assert_refused, router_app
-from tests.router.test_engines_and_failures import _close, _engines
+from tests.router.test_engines_and_failures import serving_engines
 
 MESSAGES = [{"role": "user", "content": "What is the weather?"}]
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "celsius"],
@@ -307,11 +307,8 @@ def post(tiny_model, tokenization, engine_specs: list[dict], bodies: list[dict])
     """The responses to each chat body (each also streamed when it says so), and the engines."""
     async def scenario():
         async with router_app(tiny_model, tokenization) as (gateway, client):
-            engines = await _engines(gateway, *engine_specs)
-            try:
+            async with serving_engines(gateway, *engine_specs) as engines:
                 return [await client.post("/v1/chat/completions", json=body) for body in bodies], engines
-            finally:
-                _close(engines)
     return asyncio.run(scenario())
 
 
@@ -525,12 +522,10 @@ def test_auto_through_the_router_reads_the_engines_output(tiny_model, tokenizati
 
     async def scenario():
         async with router_app(tiny_model, tokenization, tool_call_parser="hermes") as (gateway, client):
-            engines = await _engines(gateway, {"engine_id": "d0", "script": script, "completes_constraint": True})
-            try:
+            async with serving_engines(gateway, {"engine_id": "d0", "script": script,
+                                                 "completes_constraint": True}) as engines:
                 return [await client.post("/v1/chat/completions", json=b)
                         for b in (body, {**body, "stream": True}, with_regex)], engines
-            finally:
-                _close(engines)
     (whole_response, stream_response, regex_response), (engine,) = asyncio.run(scenario())
     sent = [request.sampling_params for request in engine.generate_requests()]
     assert [(p.structured_kind, p.structured_spec) for p in sent] == [(None, ""), (None, ""), ("regex", "(.|\n)*")]
