@@ -240,7 +240,7 @@ class Sweep:
             info = RunInfo(layout.name, layout.num_engines, "sweep", math.nan, None, layout.num_prefill,
                            layout.num_decode, self.plan.cluster.dtype)
             try:
-                with Cluster(self.plan.cluster, layout, self.plan.output_dir / "logs" / layout.name) as cluster:
+                with Cluster(self.cluster_spec(layout), layout, self.plan.output_dir / "logs" / layout.name) as cluster:
                     work(cluster.url, info, cluster.client_cores)
             except ClusterError as exc:
                 print(f"[pdserve sweep] error: {exc}", file=sys.stderr, flush=True)
@@ -251,6 +251,15 @@ class Sweep:
         for external in self.plan.externals:
             work(external.url, RunInfo(external.name, external.num_engines, "sweep", math.nan, None))
             self.write_tables()
+
+    def cluster_spec(self, layout: Layout) -> ClusterSpec:
+        """The sweep's `pdserve up` settings; an adaptive layout's router also routes for the sweep's TTFT and TPOT
+        SLOs once they are known (given, or derived from the unloaded runs)."""
+        slos = {metric: ms for metric, ms in self.plan.slos.items() if metric in ("ttft", "tpot")}
+        if not layout.num_dual or not slos:
+            return self.plan.cluster
+        flags = ["--slo", *(f"{metric}:{ms:g}" for metric, ms in slos.items())]
+        return replace(self.plan.cluster, up_args=[*self.plan.cluster.up_args, *flags])
 
     def run_unloaded(self, url: str, base: RunInfo, client_cores: list[int] | None = None) -> None:
         """A few requests one at a time (their own prompts: seeds past every load's), for the SLOs' base."""

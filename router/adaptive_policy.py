@@ -13,6 +13,7 @@ from pdserve.router.adaptive import LEAN_NONE, Choice, EngineLoad, Slo, choose
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import NoEngineAvailable
 from pdserve.router.lean import LEAN_NAMES, LeanController
+from pdserve.router.lean_split import SplitWork, split_verdict
 from pdserve.router.link import EngineLink
 from pdserve.router.policies import DEFAULT_INDEX_BLOCKS, PromptHashes, Route, RoutingPolicy, engine_block_size
 from pdserve.router.step_model import StepModel, load_step_model
@@ -80,10 +81,20 @@ class AdaptivePolicy(RoutingPolicy):
         if self.lean.due(now):
             num_decoding = {address: link.num_decoding for address, link in links.items()}
             addresses = sorted(address for address, link in links.items() if link.role == "dual")
-            for change in self.lean.tick(now, addresses, num_decoding):
+            for change in self.lean.tick(now, addresses, num_decoding, self._split(links, len(addresses))):
                 self.lean_changes[LEAN_NAMES[change.new]] += 1
                 log.info("engine at %s now leans to %s (was %s)", change.address, LEAN_NAMES[change.new],
                          LEAN_NAMES[change.old])
+
+    def _split(self, links: dict[str, EngineLink], num_engines: int):
+        """The lean's verdict from the step model (router/lean_split.py), given the interval's prompts."""
+        num_decoding = sum(link.num_decoding for link in links.values())
+        context = sum(link.decode_tokens for link in links.values())
+
+        def verdict(prompt_rate: float, mean_prefill_s: float, num_prefill: int) -> int | None:
+            work = SplitWork(num_engines, prompt_rate, mean_prefill_s, num_decoding, context, self.horizon_tokens)
+            return split_verdict(work, num_prefill, self.model, self.slo)
+        return verdict
 
     def record_output(self, link: EngineLink, token_ids: Sequence[int], prompt_hashes: PromptHashes | None = None
                       ) -> None:

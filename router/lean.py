@@ -12,7 +12,7 @@ An engine that changed keeps its lean for DWELL_TICKS intervals. At least one en
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.router.adaptive import LEAN_DECODE, LEAN_NONE, LEAN_PREFILL, Choice
@@ -39,6 +39,7 @@ class LeanController:
         self._tick = 0
         self._next_tick_at: float | None = None
         self._sums = [0.0, 0.0, 0]  # ttft ratios, tpot ratios, choices this interval
+        self._prefill_s = 0.0  # the interval's prompts' own prefill times
         self._verdict, self._verdict_ticks = 0, 0
 
     def lean(self, address: str) -> int:
@@ -53,19 +54,29 @@ class LeanController:
         self._sums[0] += choice.ttft_ratio
         self._sums[1] += choice.tpot_ratio
         self._sums[2] += 1
+        self._prefill_s += choice.prompt_prefill_s
 
     def due(self, now: float) -> bool:
         if self._next_tick_at is None:
             self._next_tick_at = now + self.interval_s
         return now >= self._next_tick_at
 
-    def tick(self, now: float, addresses: Sequence[str], num_decoding: dict[str, int]) -> list[LeanChange]:
+    def tick(self, now: float, addresses: Sequence[str], num_decoding: dict[str, int],
+             split: Callable[[float, float, int], int | None] | None = None) -> list[LeanChange]:
         """Close the interval: at most one of `addresses` (the dual-role engines in routing) changes its lean.
         num_decoding: requests each engine decodes (an engine turned to prefill is the one decoding least; to
-        decode, the one decoding most)."""
+        decode, the one decoding most). split: the verdict from the step model instead of the SLO pressures,
+        called with (prompts per second, their mean prefill seconds, engines leaning to prefill); None holds."""
+        started = self._next_tick_at - self.interval_s if self._next_tick_at is not None else now - self.interval_s
         self._next_tick_at = now + self.interval_s
         self._tick += 1
-        verdict = self._read_pressure()
+        if split is None:
+            verdict = self._read_pressure()
+        else:
+            verdict = self._split_verdict(split, max(now - started, 1e-3), addresses)
+            if verdict is None:  # the split is right as it is
+                self._verdict, self._verdict_ticks = LEAN_NONE, 0
+                return []
         if verdict == self._verdict:
             self._verdict_ticks += 1
         else:
@@ -80,10 +91,20 @@ class LeanController:
         self._verdict_ticks = 0  # the next move needs a fresh confirmation
         return [change]
 
+    def _split_verdict(self, split: Callable[[float, float, int], int | None], seconds: float,
+                       addresses: Sequence[str]) -> int | None:
+        count, prefill_s = self._sums[2], self._prefill_s
+        self._sums, self._prefill_s = [0.0, 0.0, 0], 0.0
+        if count == 0:
+            return LEAN_DECODE if any(self.lean(a) == LEAN_PREFILL for a in addresses) else None
+        leaning = sum(1 for a in addresses if self.lean(a) == LEAN_PREFILL)
+        verdict = split(count / seconds, prefill_s / count, leaning)
+        return None if verdict == LEAN_DECODE and not leaning else verdict  # no engine leans to decode
+
     def _read_pressure(self) -> int:
         """LEAN_PREFILL when TTFT binds, LEAN_DECODE when TPOT does, LEAN_NONE when neither or no request came."""
         ttft_sum, tpot_sum, count = self._sums
-        self._sums = [0.0, 0.0, 0]
+        self._sums, self._prefill_s = [0.0, 0.0, 0], 0.0
         if count == 0:
             return LEAN_NONE
         ttft, tpot = ttft_sum / count, tpot_sum / count

@@ -115,15 +115,26 @@ def test_finished_outputs_teach_the_horizon():
 
 
 def test_the_lean_loop_runs_on_the_routing_path_and_counts_its_changes():
-    policy = adaptive(adaptive_lean_interval_s=1.0, slo_ttft_ms=500)  # TTFT binds for every long prompt
+    """Long prompts while both engines decode: the step model predicts a dedicated prefill engine better (no
+    decode is stalled by a prefill), so the engine decoding least leans to prefill; short prompts and long answers
+    after: both engines decoding is better, and it leans back."""
+    policy = adaptive(adaptive_lean_interval_s=10.0, slo_ttft_ms=15000, slo_tpot_ms=90)
+    policy.horizon_tokens = 48
     now = [0.0]
     policy.clock = lambda: now[0]
-    engines = [Link("a", num_decoding=4, decode_tokens=400), Link("b"), Link("c", num_decoding=2, decode_tokens=200)]
-    for step in range(8):
-        now[0] = step * 0.5
-        policy.route(list(range(step * 1000, step * 1000 + 600)), engines, engines)
+    engines = [Link("a", num_decoding=4, decode_tokens=4000), Link("b", num_decoding=3, decode_tokens=3000)]
+    for step in range(8):  # a 1,000-token prompt every 6 s
+        now[0] = step * 6.0
+        policy.route(list(range(step * 1000, step * 1000 + 1000)), engines, engines)
     assert policy.lean_changes == {"prefill": 1, "decode": 0, "none": 0}
-    assert policy.lean_of("b") == 1
+    assert (policy.lean_of("b"), policy.lean_of("a")) == (1, 0)  # b decoded least
+    policy.horizon_tokens = 256
+    engines[0].num_decoding, engines[0].decode_tokens = 16, 16 * 300
+    engines[1].num_decoding, engines[1].decode_tokens = 0, 0
+    for step in range(8, 40):  # a 128-token prompt every 2 s, long answers
+        now[0] = 48.0 + (step - 8) * 2.0
+        policy.route(list(range(step * 1000, step * 1000 + 128)), engines, engines)
+    assert policy.lean_changes == {"prefill": 1, "decode": 0, "none": 1} and policy.lean_of("b") == 0
     engines[1].up = False
     policy.forget(engines[1])  # the registry's on_change: b left routing
     assert policy.lean_of("b") == 0
