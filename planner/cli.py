@@ -226,8 +226,9 @@ def plot_title(args: argparse.Namespace) -> str:
             else f"at {args.request_rate:g} req/s")
     lengths = (f"{args.input_len} in / {args.output_len} out tokens" if args.dataset == "random"
                else f"dataset {args.dataset}")
-    return (f"{args.engines} engines; SLOs {' '.join(args.slo)} (ms); {args.num_prompts:,} requests, {lengths}\n"
-            f"{load}")
+    requests = (f"phases {args.phases} x {args.phase_cycles}" if args.dataset == "phased"
+                else f"{args.num_prompts:,} requests, {lengths}")
+    return f"{args.engines} engines; SLOs {' '.join(args.slo)} (ms); {requests}\n{load}"
 
 
 def write_outputs(args, profile: Profile, rows: list[dict], best: dict, smallest: dict | None, elapsed: float,
