@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pdserve.control.messages import TokenDelta
 from pdserve.engine import prompt_logprobs
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.hybrid_kv_cache_manager import HybridKVCacheManager
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector, KVTransferSide
 from pdserve.engine.layers.attention import shared_sliding_window
@@ -35,14 +36,23 @@ class EngineCore:
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
-        self.runner = ModelRunner(model_config, cache_config, device, max_num_seqs=scheduler_config.max_num_seqs)
-        # A KV link carries only the blocks inside each sliding layer's window, so blocks may leave it on
-        # prefill and decode engines too (docs/design/kv-link.md).
+        # Sliding and full layers keep separate block tables on engines without a KV link (the link reads one
+        # table per request); a KV link carries only the blocks inside each sliding layer's window, so blocks
+        # may leave it on prefill and decode engines too (docs/design/kv-link.md).
+        self.runner = ModelRunner(model_config, cache_config, device, max_num_seqs=scheduler_config.max_num_seqs,
+                                  group_kv_by_window=connector is None)
         windows = [w for w in map(model_config.sliding_window_of, range(model_config.num_layers)) if w is not None]
-        self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-            shared_sliding_window(self.runner.model), min(windows, default=None) if connector is not None else None,
-        )
+        self.kv_cache_manager: KVCacheManager | HybridKVCacheManager
+        if self.runner.kv_groups is not None:
+            self.kv_cache_manager = HybridKVCacheManager(
+                self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                self.runner.kv_groups.windows)
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                self.runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                shared_sliding_window(self.runner.model), min(windows, default=None) if connector is not None else None,
+            )
+        self._max_chunk_tokens = scheduler_config.max_num_batched_tokens
         self.scheduler = Scheduler(
             scheduler_config, self.kv_cache_manager, model_config.max_model_len, connector, kv_failure_policy
         )
@@ -90,6 +100,14 @@ class EngineCore:
     def _check_fits_cache(self, num_tokens: int) -> None:
         block_size = self.cache_config.block_size
         capacity = self.runner.num_blocks * block_size
+        manager = self.kv_cache_manager
+        if isinstance(manager, HybridKVCacheManager):  # every layer group's table, a sliding one's window only
+            if manager.max_blocks_held(num_tokens, self._max_chunk_tokens) > self.runner.num_blocks:
+                raise InvalidRequestError(
+                    f"the request needs up to {manager.max_blocks_held(num_tokens, self._max_chunk_tokens)} KV "
+                    f"blocks across the model's layer groups but the whole cache holds {self.runner.num_blocks}: "
+                    "lower max_tokens or start the engine with a larger KV cache")
+            return
         if num_tokens > capacity:
             raise InvalidRequestError(
                 f"the request needs up to {num_tokens} tokens of KV cache but the whole cache holds {capacity}: "

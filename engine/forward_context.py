@@ -2,7 +2,9 @@
 
 Models only call `self.attn(q, k, v)`; the attention layer finds slot mappings and block tables here,
 and what its attention backend prepared from them for the whole step.
-Tokens of a step are ordered decodes first (one token per sequence), then prefill chunks.
+Tokens of a step are ordered decodes first (one token per sequence), then prefill chunks. A model whose
+layers keep KV in several block tables (engine/kv_cache_groups.py) has one context per layer group, each
+with that group's slot mapping and block tables; a layer reads its group's metadata.
 """
 
 from __future__ import annotations
@@ -31,10 +33,20 @@ class ForwardContext:
     # The attention backend's prepare() of the fields above, shared by every layer. Rebuilt whenever
     # the context is installed, so a CUDA graph capture records the ops that build it.
     attn_metadata: Any = None
+    # Several layer groups: each group's context (group_contexts[0] is this one's tables) and each layer's
+    # group; attn_metadata then holds one prepare() per group. Empty: one block table for every layer.
+    group_contexts: tuple[ForwardContext, ...] = ()
+    group_of_layer: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+    def layer_metadata(self, layer_idx: int) -> Any:
+        """The attention backend's metadata for this layer's block table."""
+        if not self.group_contexts:
+            return self.attn_metadata
+        return self.attn_metadata[self.group_of_layer[layer_idx]]
 
 
 _current: ForwardContext | None = None
@@ -46,7 +58,10 @@ def use_forward_context(context: ForwardContext, attn_backend: AttentionBackend)
     global _current
     if _current is not None:
         raise RuntimeError("a forward context is already installed: forward passes cannot nest")
-    context.attn_metadata = attn_backend.prepare(context)
+    if context.group_contexts:
+        context.attn_metadata = tuple(attn_backend.prepare(group) for group in context.group_contexts)
+    else:
+        context.attn_metadata = attn_backend.prepare(context)
     _current = context
     try:
         yield context

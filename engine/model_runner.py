@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_batch_sizes, context_buckets
 from pdserve.engine.forward_context import ForwardContext, use_forward_context
 from pdserve.engine import prompt_logprobs, structured_output
+from pdserve.engine.kv_cache_groups import KVCacheGroups, group_layers_by_window
+from pdserve.engine.layers.attention import Attention
 from pdserve.engine.layers.sampler import Sampler
 from pdserve.engine.loader import load_model
 from pdserve.engine.models.registry import NATIVE_MODELS
@@ -45,11 +48,15 @@ class StepOutput:
     prompt_logprobs: dict = field(default_factory=dict)  # request id -> this step's prompt-logprob tables
 
 
-def kv_cache_num_blocks(model_config: ModelConfig, cache_config: CacheConfig, device: torch.device) -> int:
-    """Blocks that fit the budget: an explicit count, a byte budget, or (CUDA) a share of free memory."""
+def kv_cache_num_blocks(model_config: ModelConfig, cache_config: CacheConfig, device: torch.device,
+                        layers_per_block: int | None = None) -> int:
+    """Blocks that fit the budget: an explicit count, a byte budget, or (CUDA) a share of free memory.
+    layers_per_block: the layers one block holds (a layer group's; None: every layer)."""
     if cache_config.num_blocks is not None:
         return cache_config.num_blocks
     block_bytes = model_config.kv_bytes_per_token * cache_config.block_size
+    if layers_per_block is not None:
+        block_bytes = block_bytes * layers_per_block // model_config.num_layers
     budget = cache_config.memory_bytes
     if budget is None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -78,7 +85,9 @@ def _attn_backend_for(model_config: ModelConfig, device: torch.device, block_siz
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str | torch.device = "cpu",
-                 max_num_seqs: int | None = None) -> None:
+                 max_num_seqs: int | None = None, group_kv_by_window: bool = False) -> None:
+        """group_kv_by_window: a model whose layers do not all have one sliding window keeps each layer group's
+        KV in its own block table (engine/kv_cache_groups.py); else one table serves every layer."""
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = torch.device(device)
@@ -90,12 +99,27 @@ class ModelRunner:
         self.model = load_model(model_config, self.device)
         self.attn_backend.bind_layer_kernels(self.model)
         self.sampler = Sampler()
-        self.num_blocks = kv_cache_num_blocks(model_config, cache_config, self.device)
+        attention_layers = sorted((m for m in self.model.modules() if isinstance(m, Attention)),
+                                  key=lambda layer: layer.layer_idx)
+        self.kv_groups: KVCacheGroups | None = None
+        if group_kv_by_window and not model_config.is_mla:
+            self.kv_groups = group_layers_by_window([layer.sliding_window for layer in attention_layers])
+        layers_per_block = None if self.kv_groups is None else self.kv_groups.layers_per_group
+        self.num_blocks = kv_cache_num_blocks(model_config, cache_config, self.device, layers_per_block)
         # [num_layers, kv_planes, num_blocks, block_size, *kv_plane_shape], allocated once: K and V planes of
-        # [num_kv_heads, head_dim], or MLA's one latent plane of [1, kv_lora_rank + qk_rope_head_dim]
-        self.kv_cache = torch.zeros(model_config.kv_cache_shape(self.num_blocks, self.block_size),
-                                    dtype=model_config.dtype, device=self.device)
-        self.model.bind_kv_cache(self.kv_cache, self.attn_backend)
+        # [num_kv_heads, head_dim], or MLA's one latent plane of [1, kv_lora_rank + qk_rope_head_dim]. With layer
+        # groups, [layers_per_group, ...]: layer i of every group uses slot i, each group with its own block ids.
+        shape = model_config.kv_cache_shape(self.num_blocks, self.block_size)
+        if layers_per_block is not None:
+            shape = (layers_per_block, *shape[1:])
+        self.kv_cache = torch.zeros(shape, dtype=model_config.dtype, device=self.device)
+        if self.kv_groups is None:
+            self.model.bind_kv_cache(self.kv_cache, self.attn_backend)
+        else:
+            slots = self.kv_groups.slot_of_layer()
+            for layer in attention_layers:
+                layer.bind_kv_cache(self.kv_cache[slots[layer.layer_idx], 0], self.kv_cache[slots[layer.layer_idx], 1],
+                                    self.attn_backend)
         # Decode-only steps up to max_num_seqs sequences replay CUDA graphs (CUDA only), else None.
         self.decode_graphs = self._build_decode_graphs(max_num_seqs or SchedulerConfig().max_num_seqs)
 
@@ -107,6 +131,8 @@ class ModelRunner:
             return "enforce_eager is set"
         if self.model_config.is_mla:
             return "MLA attention runs the torch path, which reads sequence lengths on the host"
+        if self.kv_groups is not None:
+            return "the model's sliding and full layers keep KV in separate block tables, which the graphs do not hold"
         if not self.attn_backend.supports_cuda_graphs:
             return (f"PDSERVE_KERNELS=torch: the {self.attn_backend.name} attention backend reads sequence lengths "
                     "on the host, which a CUDA graph cannot capture; unset it to capture graphs")
@@ -160,34 +186,47 @@ class ModelRunner:
 
     def _to_tensors(self, num_decodes, token_ids, positions, seq_lens, query_lens, block_rows,
                     logits_rows, sampling_requests) -> StepInputs:
-        width = max(len(row) for row in block_rows)
-        block_tables = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int32)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
         positions_t = torch.tensor(positions, dtype=torch.int64)
         # which sequence each token belongs to, then slot = block_table[seq, pos // B] * B + pos % B
         seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        prefill_lens = torch.tensor([0] + query_lens[num_decodes:], dtype=torch.int32)
+        shared = (num_decodes, seq_lens_t, positions_t, seq_of_token,
+                  torch.cumsum(prefill_lens, 0, dtype=torch.int32).to(self.device))
+        if self.kv_groups is None:
+            context = self._table_context(block_rows, *shared)
+        else:  # block_rows: each request's block ids per group
+            groups = [self._table_context([row[group] for row in block_rows], *shared)
+                      for group in range(len(self.kv_groups.groups))]
+            context = dataclasses.replace(groups[0], group_contexts=tuple(groups),
+                                          group_of_layer=self.kv_groups.group_of_layer())
+        return StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+            positions=positions_t.to(self.device),
+            context=context,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
+            sampling_requests=sampling_requests,
+            max_seq_len=max(seq_lens),
+        )
+
+    def _table_context(self, block_rows, num_decodes, seq_lens_t, positions_t, seq_of_token,
+                       prefill_query_start_loc) -> ForwardContext:
+        """The step's context over one block table (block_rows: each request's block ids)."""
+        width = max(len(row) for row in block_rows)
+        block_tables = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int32)
         slot_mapping = (
             block_tables[seq_of_token, positions_t // self.block_size].long() * self.block_size
             + positions_t % self.block_size
         )
-        prefill_lens = torch.tensor([0] + query_lens[num_decodes:], dtype=torch.int32)
         device = self.device
-        context = ForwardContext(
+        return ForwardContext(
             slot_mapping=slot_mapping.to(device),
             num_decode_tokens=num_decodes,
             decode_block_tables=block_tables[:num_decodes].to(device),
             decode_seq_lens=seq_lens_t[:num_decodes].to(device),
             prefill_block_tables=block_tables[num_decodes:].to(device),
-            prefill_query_start_loc=torch.cumsum(prefill_lens, 0, dtype=torch.int32).to(device),
+            prefill_query_start_loc=prefill_query_start_loc,
             prefill_seq_lens=seq_lens_t[num_decodes:].to(device),
-        )
-        return StepInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-            positions=positions_t.to(device),
-            context=context,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
-            sampling_requests=sampling_requests,
-            max_seq_len=max(seq_lens),
         )
 
     @torch.inference_mode()

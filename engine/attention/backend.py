@@ -56,7 +56,7 @@ class AttentionBackend(ABC, Generic[MetadataT]):
         layer: Attention,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         context = get_forward_context()
-        metadata = context.attn_metadata
+        metadata = context.layer_metadata(layer.layer_idx)
         self.store_kv(key, value, layer, metadata)
         if context.on_layer_stored is not None:
             context.on_layer_stored(layer.layer_idx)

@@ -15,10 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.hybrid_kv_cache_manager import HybridKVCacheManager
 from pdserve.kernels import dispatch
 from tests.decode.test_disaggregated import PROMPTS, assert_no_leaks, running_pair
 from tests.engine.parity import assert_greedy_match, hf_greedy
-from tests.engine.test_llm_parity import make_prompts, run_parity
+from tests.engine.test_llm_parity import GREEDY_WITH_LOGPROBS, assert_matches_transformers, make_prompts, run_parity
 from tests.engine.test_transformers_backend import make_hf_model_dir
 
 WINDOW = 8
@@ -45,6 +46,9 @@ EXPECTED_LAYERS = {
     "gpt-oss": [(WINDOW, None, True), (None, None, True)],
 }
 CASES = list(EXPECTED_LAYERS)
+HYBRID_CASES = ["gemma2", "gemma3", "gpt-oss"]  # sliding and full layers: a block table per layer group
+# A pool that a few long prompts overflow: (full groups x 21 + sliding groups x 7) blocks hold one 70-token prompt
+SMALL_POOLS = {"gemma2": 30, "gemma3": 60, "gpt-oss": 30}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +80,54 @@ def test_colocated_greedy_matches_transformers(case_model_dir, case):
                      num_kv_blocks=NUM_KV_BLOCKS)
     assert _bound_layers(llm) == EXPECTED_LAYERS[case]
     assert llm.model_config.max_model_len == llm.model_config.max_position_embeddings  # no cap at the window
+    assert isinstance(llm.kv_cache_manager, HybridKVCacheManager) == (case in HYBRID_CASES)
+
+
+def _record_peak_use(llm: LLM, monkeypatch) -> list[int]:
+    manager, seen = llm.kv_cache_manager, []
+    allocate = manager.allocate_slots
+
+    def recording(*args, **kwargs):
+        blocks = allocate(*args, **kwargs)
+        seen.append(manager.num_used_blocks)
+        return blocks
+
+    monkeypatch.setattr(manager, "allocate_slots", recording)
+    return seen
+
+
+@pytest.mark.parametrize("case", HYBRID_CASES)
+def test_sliding_groups_hold_only_their_window(case_model_dir, case, monkeypatch):
+    """One 70-token prompt, chunks of 16: each sliding group holds at most its window and a chunk, each full
+    group every block; transformers' tokens all the same, and nothing left behind."""
+    model_dir = case_model_dir(case)
+    llm = LLM(model_dir, dtype="float32", block_size=4, num_kv_blocks=NUM_KV_BLOCKS, max_num_batched_tokens=16)
+    manager = llm.kv_cache_manager
+    used = _record_peak_use(llm, monkeypatch)
+    prompt = make_prompts(1024, seed=6)[7]
+    outputs = llm.generate([{"prompt_token_ids": prompt}], GREEDY_WITH_LOGPROBS)
+    assert_matches_transformers(model_dir, [prompt], outputs)
+    num_tokens = len(prompt) + GREEDY_WITH_LOGPROBS.max_tokens
+    without_freeing = len(manager.groups) * -(-(num_tokens - 1) // 4)
+    assert max(used) <= manager.max_blocks_held(num_tokens, 16) < without_freeing
+    assert manager.num_used_blocks == 0
+    manager.check_invariants()
+
+
+@pytest.mark.parametrize("case", HYBRID_CASES)
+def test_sliding_groups_keep_parity_through_preemption_and_prefix_hits(case_model_dir, case):
+    """A pool so small that requests are preempted and recompute; then the same prompts again, served from
+    cached blocks (sliding ones that had left the window included)."""
+    model_dir = case_model_dir(case)
+    prompts = make_prompts(1024, seed=7)
+    llm = run_parity(model_dir, prompts, max_num_batched_tokens=16, num_kv_blocks=SMALL_POOLS[case])
+    assert llm.engine.scheduler.num_preemptions > 0
+    before = llm.engine.stats().prefix_cache_hits
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY_WITH_LOGPROBS)
+    assert llm.engine.stats().prefix_cache_hits > before
+    assert_matches_transformers(model_dir, prompts, again, label="cached run, ")
+    assert llm.kv_cache_manager.num_used_blocks == 0
+    llm.kv_cache_manager.check_invariants()
 
 
 @pytest.mark.parametrize("case", CASES)
