@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.router import lean_routes
 from tests.router.conftest import assert_openai_error, health_latencies, router_app, router_server, wait_until
-from tests.router.test_router_limits import chat, serving
+from tests.router.test_router_limits import chat, router_serving, serving
 
 BODY = b'{"prompt": "hi", "max_tokens": 2}'
 
@@ -42,43 +42,40 @@ def post_head(length: int) -> bytes:
 
 def test_a_body_that_is_not_json_is_415_naming_the_header(tiny_model, tokenization):
     async def scenario():
-        async with router_app(tiny_model, tokenization) as (gateway, client):
-            async with serving(gateway, engine_id="d0"):
-                for headers in ({"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"},
-                                {}):
-                    answer = await client.post("/v1/completions", content=BODY, headers=headers)
-                    error = assert_openai_error(answer, 415)
-                    assert "Content-Type: application/json" in error["message"], error
-                empty = await client.post("/v1/completions", content=b"")  # no body at all: still the 400 it was
-                assert "Field required" in assert_openai_error(empty, 400)["message"]
-                sent = await client.post("/v1/completions", content=BODY, headers={"content-type": "application/json"})
-                assert sent.status_code == 200, sent.text
+        async with router_serving(tiny_model, tokenization) as (gateway, client):
+            for headers in ({"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"},
+                            {}):
+                answer = await client.post("/v1/completions", content=BODY, headers=headers)
+                error = assert_openai_error(answer, 415)
+                assert "Content-Type: application/json" in error["message"], error
+            empty = await client.post("/v1/completions", content=b"")  # no body at all: still the 400 it was
+            assert "Field required" in assert_openai_error(empty, 400)["message"]
+            sent = await client.post("/v1/completions", content=BODY, headers={"content-type": "application/json"})
+            assert sent.status_code == 200, sent.text
     run(scenario())
 
 
 def test_head_health_answers_like_get(tiny_model, tokenization):
     async def scenario():
-        async with router_app(tiny_model, tokenization) as (gateway, client):
-            async with serving(gateway, engine_id="d0"):
-                head = await client.head("/health")
-                assert head.status_code == 200 and head.content == b""
+        async with router_serving(tiny_model, tokenization) as (gateway, client):
+            head = await client.head("/health")
+            assert head.status_code == 200 and head.content == b""
     run(scenario())
 
 
 def test_a_batch_over_the_choice_limit_is_refused_before_it_is_tokenized(tiny_model, tokenization):
     async def scenario():
-        async with router_app(tiny_model, tokenization) as (gateway, client):
-            async with serving(gateway, engine_id="d0"):
-                tokenized = []
-                original = gateway.tokenization.completion_prompts
-                gateway.tokenization.completion_prompts = lambda body, *rest: tokenized.append(body) or original(body, *rest)
-                try:
-                    answer = await client.post("/v1/completions", json={"prompt": ["hi there"] * 100_000})
-                    error = assert_openai_error(answer, 400)
-                    assert error["param"] == "n" and "100000 prompt(s)" in error["message"]
-                    assert tokenized == []
-                finally:
-                    del gateway.tokenization.completion_prompts  # the instance attribute: back to the method
+        async with router_serving(tiny_model, tokenization) as (gateway, client):
+            tokenized = []
+            original = gateway.tokenization.completion_prompts
+            gateway.tokenization.completion_prompts = lambda body, *rest: tokenized.append(body) or original(body, *rest)
+            try:
+                answer = await client.post("/v1/completions", json={"prompt": ["hi there"] * 100_000})
+                error = assert_openai_error(answer, 400)
+                assert error["param"] == "n" and "100000 prompt(s)" in error["message"]
+                assert tokenized == []
+            finally:
+                del gateway.tokenization.completion_prompts  # the instance attribute: back to the method
     run(scenario())
 
 
@@ -203,23 +200,22 @@ def test_repeated_wrong_keys_from_one_address_get_429_with_retry_after(tiny_mode
     from pdserve.router.auth_throttle import BURST
 
     async def scenario():
-        async with router_app(tiny_model, tokenization, api_key="right") as (gateway, client):
-            async with serving(gateway, engine_id="d0"):
-                wrong = {"authorization": "Bearer wrong"}
-                answers = [await client.post("/v1/completions", content=BODY, headers=wrong) for _ in range(BURST + 5)]
-                assert [a.status_code for a in answers[:BURST]] == [401] * BURST
-                slowed = answers[BURST]
-                error = assert_openai_error(slowed, 429, type_="rate_limit_error")
-                assert "wrong or missing API key" in error["message"], error
-                assert int(slowed.headers["retry-after"]) >= 1
-                # while it waits, even the right key is not compared (a guess that hits learns nothing)
-                right = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                                          headers={"authorization": "Bearer right"})
-                assert right.status_code == 429
-                await asyncio.sleep(1.1)  # one failure's worth refilled
-                right = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                                          headers={"authorization": "Bearer right"})
-                assert right.status_code == 200, right.text
+        async with router_serving(tiny_model, tokenization, api_key="right") as (gateway, client):
+            wrong = {"authorization": "Bearer wrong"}
+            answers = [await client.post("/v1/completions", content=BODY, headers=wrong) for _ in range(BURST + 5)]
+            assert [a.status_code for a in answers[:BURST]] == [401] * BURST
+            slowed = answers[BURST]
+            error = assert_openai_error(slowed, 429, type_="rate_limit_error")
+            assert "wrong or missing API key" in error["message"], error
+            assert int(slowed.headers["retry-after"]) >= 1
+            # while it waits, even the right key is not compared (a guess that hits learns nothing)
+            right = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                      headers={"authorization": "Bearer right"})
+            assert right.status_code == 429
+            await asyncio.sleep(1.1)  # one failure's worth refilled
+            right = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                      headers={"authorization": "Bearer right"})
+            assert right.status_code == 200, right.text
     run(scenario())
 
 

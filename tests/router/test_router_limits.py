@@ -56,6 +56,13 @@ async def serving(gateway, **spec):
         engine.close()
 
 
+@contextlib.asynccontextmanager
+async def router_serving(model_dir: str, tokenization, **overrides):
+    """(gateway, httpx client) of a router app (router_app) with one fake decode engine, "d0", in routing."""
+    async with router_app(model_dir, tokenization, **overrides) as (gateway, client), serving(gateway, engine_id="d0"):
+        yield gateway, client
+
+
 # ---- request bodies ----
 
 def test_body_over_the_limit_is_413_before_it_is_read(tiny_model, tokenization):
@@ -80,13 +87,12 @@ def test_body_over_the_limit_is_413_before_it_is_read(tiny_model, tokenization):
 
 def test_large_prompt_does_not_block_health(tiny_model, tokenization):
     async def scenario():
-        async with router_app(tiny_model, tokenization, preprocess_timeout_s=60) as (gateway, client):
-            async with serving(gateway, engine_id="d0"):
-                prompt = "hello world, this is text. " * 110_000  # 3 MB: seconds of tokenizing
-                busy = asyncio.create_task(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}))
-                latencies = await health_latencies(client, busy)
-                assert "context length" in assert_openai_error(await busy, 400)["message"]
-                assert len(latencies) > 3 and max(latencies) < 1.0, latencies
+        async with router_serving(tiny_model, tokenization, preprocess_timeout_s=60) as (gateway, client):
+            prompt = "hello world, this is text. " * 110_000  # 3 MB: seconds of tokenizing
+            busy = asyncio.create_task(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}))
+            latencies = await health_latencies(client, busy)
+            assert "context length" in assert_openai_error(await busy, 400)["message"]
+            assert len(latencies) > 3 and max(latencies) < 1.0, latencies
     bound, tokenization.prompt_bound = tokenization.prompt_bound, None  # tokenized, not refused from its length
     try:
         run(scenario())
@@ -112,12 +118,11 @@ def test_template_bomb_times_out_without_blocking_health(tiny_model, tokenizatio
 def test_a_burst_beyond_the_tokenizer_threads_waits_for_them(tiny_model, tokenization):
     """One tokenizer thread, twelve chats at once: each waits its turn, none is refused."""
     async def scenario():
-        async with router_app(tiny_model, tokenization, num_preprocess_threads=1) as (gateway, client):
-            async with serving(gateway, engine_id="d0"):
-                answers = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat())
-                                                 for _ in range(12)))
-                assert [answer.status_code for answer in answers] == [200] * 12, [a.text for a in answers]
-                assert gateway.preprocessor.num_running == 0
+        async with router_serving(tiny_model, tokenization, num_preprocess_threads=1) as (gateway, client):
+            answers = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat())
+                                             for _ in range(12)))
+            assert [answer.status_code for answer in answers] == [200] * 12, [a.text for a in answers]
+            assert gateway.preprocessor.num_running == 0
     run(scenario())
 
 
@@ -171,53 +176,49 @@ def test_requests_waiting_for_a_tokenizer_thread_are_bounded(tiny_model, tokeniz
 
 def test_request_chat_template_is_refused_unless_allowed(tiny_model, tokenization):
     async def scenario():
-        async with router_app(tiny_model, tokenization) as (gateway, client):
-            async with serving(gateway, engine_id="d0"):
-                for body in (chat(chat_template="{{ 1 }}"), chat(chat_template_kwargs={"chat_template": "{{ 1 }}"})):
-                    error = assert_openai_error(await client.post("/v1/chat/completions", json=body), 400)
-                    assert "--allow-request-chat-template" in error["message"]
-                renderer = chat(chat_template_kwargs={"tokenize": True})
-                error = assert_openai_error(await client.post("/v1/chat/completions", json=renderer), 400)
-                assert "tokenize" in error["message"] and error["param"] == "chat_template_kwargs"
-                variables = chat(chat_template_kwargs={"enable_thinking": False})
-                assert (await client.post("/v1/chat/completions", json=variables)).status_code == 200
-        async with router_app(tiny_model, tokenization, allow_request_chat_template=True) as (gateway, client):
-            async with serving(gateway, engine_id="d0"):
-                body = chat(chat_template="{{ messages[0]['content'] }} there", return_token_ids=True)
-                answer = (await client.post("/v1/chat/completions", json=body)).json()
-                assert answer["prompt_token_ids"] == tokenization.tokenizer.encode("hi there", add_special_tokens=False)
+        async with router_serving(tiny_model, tokenization) as (gateway, client):
+            for body in (chat(chat_template="{{ 1 }}"), chat(chat_template_kwargs={"chat_template": "{{ 1 }}"})):
+                error = assert_openai_error(await client.post("/v1/chat/completions", json=body), 400)
+                assert "--allow-request-chat-template" in error["message"]
+            renderer = chat(chat_template_kwargs={"tokenize": True})
+            error = assert_openai_error(await client.post("/v1/chat/completions", json=renderer), 400)
+            assert "tokenize" in error["message"] and error["param"] == "chat_template_kwargs"
+            variables = chat(chat_template_kwargs={"enable_thinking": False})
+            assert (await client.post("/v1/chat/completions", json=variables)).status_code == 200
+        async with router_serving(tiny_model, tokenization, allow_request_chat_template=True) as (gateway, client):
+            body = chat(chat_template="{{ messages[0]['content'] }} there", return_token_ids=True)
+            answer = (await client.post("/v1/chat/completions", json=body)).json()
+            assert answer["prompt_token_ids"] == tokenization.tokenizer.encode("hi there", add_special_tokens=False)
     run(scenario())
 
 
 def test_lone_surrogates_are_400_naming_the_field(tiny_model, tokenization):
     async def scenario():
-        async with router_app(tiny_model, tokenization) as (gateway, client):
-            async with serving(gateway, engine_id="d0"):
-                headers = {"Content-Type": "application/json"}
-                text = await client.post("/v1/completions", headers=headers,
-                                         content=b'{"prompt": "abc\\ud800", "max_tokens": 2}')
-                error = assert_openai_error(text, 400)
-                assert "prompt" in error["message"] and "surrogate" in error["message"]
-                message = await client.post("/v1/chat/completions", headers=headers,
-                                            content=b'{"messages": [{"role": "user", "content": "\\udc00"}]}')
-                assert "messages.0.content" in assert_openai_error(message, 400)["message"]
-                pair = await client.post("/v1/completions", headers=headers,
-                                         content=b'{"prompt": "a\\ud83d\\ude00", "max_tokens": 2}')
-                assert pair.status_code == 200, pair.text
+        async with router_serving(tiny_model, tokenization) as (gateway, client):
+            headers = {"Content-Type": "application/json"}
+            text = await client.post("/v1/completions", headers=headers,
+                                     content=b'{"prompt": "abc\\ud800", "max_tokens": 2}')
+            error = assert_openai_error(text, 400)
+            assert "prompt" in error["message"] and "surrogate" in error["message"]
+            message = await client.post("/v1/chat/completions", headers=headers,
+                                        content=b'{"messages": [{"role": "user", "content": "\\udc00"}]}')
+            assert "messages.0.content" in assert_openai_error(message, 400)["message"]
+            pair = await client.post("/v1/completions", headers=headers,
+                                     content=b'{"prompt": "a\\ud83d\\ude00", "max_tokens": 2}')
+            assert pair.status_code == 200, pair.text
     run(scenario())
 
 
 def test_a_logit_bias_that_names_no_token_of_the_model_is_refused(tiny_model, tokenization):
     async def scenario():
-        async with router_app(tiny_model, tokenization) as (gateway, client):
-            async with serving(gateway, engine_id="d0"):
-                for bias, says in (({"seven": 5}, "is not a token id"), ({"-3": 5}, "is not a token id"),
-                                   ({"7": 100.5}, "must be in [-100, 100]"),
-                                   ({str(10**9): 1}, "outside the model's vocabulary")):
-                    for path, body in (("/v1/completions", completion(logit_bias=bias)),
-                                       ("/v1/chat/completions", chat(logit_bias=bias))):
-                        error = assert_openai_error(await client.post(path, json=body), 400)
-                        assert error["param"] == "logit_bias" and says in error["message"], (bias, error)
+        async with router_serving(tiny_model, tokenization) as (gateway, client):
+            for bias, says in (({"seven": 5}, "is not a token id"), ({"-3": 5}, "is not a token id"),
+                               ({"7": 100.5}, "must be in [-100, 100]"),
+                               ({str(10**9): 1}, "outside the model's vocabulary")):
+                for path, body in (("/v1/completions", completion(logit_bias=bias)),
+                                   ("/v1/chat/completions", chat(logit_bias=bias))):
+                    error = assert_openai_error(await client.post(path, json=body), 400)
+                    assert error["param"] == "logit_bias" and says in error["message"], (bias, error)
     run(scenario())
 
 
