@@ -74,7 +74,7 @@ class HybridKVCacheManager:
         empty = tuple([] for _ in self.groups)
         if not self.enable_caching:
             return empty, 0
-        block_hashes = self.groups[0]._update_block_hashes(request)
+        block_hashes = self.groups[0].update_block_hashes(request)
         if request.sampling_params.prompt_logprobs is not None:
             return empty, 0
         max_hit_blocks = max(request.num_tokens - 1, 0) // self.block_size

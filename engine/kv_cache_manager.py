@@ -96,7 +96,7 @@ class KVCacheManager:
 
     # -- prefix lookup --------------------------------------------------------------------------
 
-    def _update_block_hashes(self, request: Request) -> list[bytes]:
+    def update_block_hashes(self, request: Request) -> list[bytes]:
         """Extend request.block_hashes over its new full blocks (only those) and return it."""
         hashes = request.block_hashes
         if len(hashes) < request.num_tokens // self.block_size:
@@ -114,7 +114,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        block_hashes = self._update_block_hashes(request)
+        block_hashes = self.update_block_hashes(request)
         if request.sampling_params.prompt_logprobs is not None:  # every prompt position must be computed
             return [], 0
         max_hit_blocks = max(request.num_tokens - 1, 0) // self.block_size
@@ -272,7 +272,7 @@ class KVCacheManager:
                 f"allocate_slots: request {request.request_id} has {request.num_computed_tokens} computed "
                 f"tokens in {first} blocks; prefix hits must start right after whole computed blocks"
             )
-        block_hashes = self._update_block_hashes(request) if self.enable_caching else []
+        block_hashes = self.update_block_hashes(request) if self.enable_caching else []
         for offset, block in enumerate(hits):
             index = first + offset
             if block is None and self.sliding_window is not None:  # before the window: not needed
@@ -315,7 +315,7 @@ class KVCacheManager:
         num_cached = max(self.num_cached_blocks.get(request.request_id, 0), self._first_whole_block(request))
         if num_full_blocks <= num_cached:
             return
-        block_hashes = self._update_block_hashes(request)
+        block_hashes = self.update_block_hashes(request)
         if self.hash_tag:
             block_hashes = [block_hash + self.hash_tag for block_hash in block_hashes[:num_full_blocks]]
         self.pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full_blocks)
