@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 # every call: on the 2-core benchmark box the prepacked products of this model's shapes ran 1.7-1.9x
 # faster at 1-32 rows and 1.45x faster at 2048 rows (docs/results.md, offline throughput).
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+EXACT_ROWS = 16  # decode batches: run as they are (one row runs another kernel, whose results differ)
+ROW_BUCKETS_PER_OCTAVE = 8
 
 
 class WeightShapeError(ValueError):
@@ -77,7 +79,24 @@ def _pack(linear: nn.Module, keep_weight: bool) -> bool:
 
 
 def _packed_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-    return torch.ops.mkldnn._linear_pointwise(x, linear.packed_weight, linear.bias, "none", [], "")
+    rows = x.numel() // x.shape[-1]
+    padded = padded_rows(rows)
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, linear.packed_weight, linear.bias, "none", [], "")
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))  # [padded, in], zero rows added
+    out = torch.ops.mkldnn._linear_pointwise(flat, linear.packed_weight, linear.bias, "none", [], "")
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a packed linear runs with: `rows` up to EXACT_ROWS, above that rounded up to one of
+    ROW_BUCKETS_PER_OCTAVE sizes per power of two (at most 1/ROW_BUCKETS_PER_OCTAVE more rows). oneDNN keeps
+    one primitive per input shape; a row count per step that is always new (prefill) made a new one per
+    linear per step, and those caches kept growing the heap (docs/results.md, the prefill engine's memory)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    granule = (1 << (rows.bit_length() - 1)) // ROW_BUCKETS_PER_OCTAVE
+    return -(-rows // granule) * granule
 
 
 class MergedLinear(Linear):
