@@ -121,6 +121,10 @@ def check_python(argv: list[str], where: str, capsys) -> None:
     script = REPO / argv[0]
     assert script.is_file(), f"{where}: {argv[0]} does not exist"
     source = script.read_text()
+    # options a script takes from a sibling module it imports (experiments/ab_runs.py's add_load_args)
+    for sibling in re.findall(r"^from (\w+) import", source, re.M):
+        if (script.parent / f"{sibling}.py").is_file():
+            source += (script.parent / f"{sibling}.py").read_text()
     for flag in (word.split("=")[0] for word in argv[1:] if word.startswith("--")):
         assert f'"{flag}"' in source, f"{where}: {argv[0]} has no option {flag}"
 
