@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.cpu_threads import one_cpu_thread
+
 logger = logging.getLogger(__name__)
 
 # On CPU, linears run on oneDNN with their weight reordered once into oneDNN's blocked layout
@@ -83,9 +85,25 @@ def _packed_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [...,
     padded = padded_rows(rows)
     if padded == rows:
         return torch.ops.mkldnn._linear_pointwise(x, linear.packed_weight, linear.bias, "none", [], "")
-    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))  # [padded, in], zero rows added
+    flat = _row_buffer(padded, x)  # [padded, in]: x's rows, then zero rows
+    with one_cpu_thread(x.device):  # memory-bound copies: see engine.cpu_threads
+        flat[:rows].copy_(x.reshape(rows, x.shape[-1]))
+        flat[rows:].zero_()
     out = torch.ops.mkldnn._linear_pointwise(flat, linear.packed_weight, linear.bias, "none", [], "")
     return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+
+
+_ROW_BUFFERS: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (in_features, dtype) -> [rows, in], reused
+
+
+def _row_buffer(rows: int, x: torch.Tensor) -> torch.Tensor:  # [rows, in] of x's dtype, contents undefined
+    """A padded input's memory, kept for the next call: a fresh one per call cost more (page faults) than the
+    linear's own padding rows."""
+    key = (x.shape[-1], x.dtype)
+    buffer = _ROW_BUFFERS.get(key)
+    if buffer is None or buffer.shape[0] < rows:
+        buffer = _ROW_BUFFERS[key] = x.new_empty(rows, x.shape[-1])
+    return buffer[:rows]
 
 
 def padded_rows(rows: int) -> int:
