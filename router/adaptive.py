@@ -154,11 +154,13 @@ def score(choice: Choice) -> tuple:
 def choose(num_prompt_tokens: int, engines: Sequence[EngineLoad], model: StepModel, slo: Slo,
            horizon_tokens: float, allow_remote_prefill: bool = True) -> Choice | None:
     """The best (prefill, decode) pair for a prompt of num_prompt_tokens; None when no engine can decode.
-    Decode engines whose free KV cannot hold the prompt are passed over while another can."""
+    Decode engines whose free KV cannot hold the prompt are passed over while another can; so are engines leaning
+    to prefill (their future prompts would stall every decode placed on them) while another can decode."""
     request = Request(num_prompt_tokens, model, slo, horizon_tokens)
     predicted = [Predicted(engine, model, horizon_tokens) for engine in engines]
     decodes = [p for p in predicted if p.load.can_decode]
     decodes = [p for p in decodes if p.load.kv_free_tokens >= num_prompt_tokens] or decodes
+    decodes = [p for p in decodes if p.load.lean != LEAN_PREFILL] or decodes
     if not decodes:
         return None
     candidates = [_evaluate(engine, engine, request) for engine in decodes]

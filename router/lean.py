@@ -21,6 +21,7 @@ MARGIN = 0.25  # one pressure must exceed the other by this fraction
 PRESSURE_FLOOR = 0.5  # below this (of the SLO) on both sides: no pressure
 CONFIRM_TICKS = 2  # intervals the same verdict must hold before a lean moves
 DWELL_TICKS = 3  # intervals an engine keeps a lean it was given
+RATE_WEIGHT = 0.3  # weight of the last interval in the prompt rate the step model's verdict reads
 LEAN_NAMES = {LEAN_DECODE: "decode", LEAN_NONE: "none", LEAN_PREFILL: "prefill"}
 
 
@@ -40,6 +41,7 @@ class LeanController:
         self._next_tick_at: float | None = None
         self._sums = [0.0, 0.0, 0]  # ttft ratios, tpot ratios, choices this interval
         self._prefill_s = 0.0  # the interval's prompts' own prefill times
+        self._rate = self._busy = 0.0  # prompts per second and prefill seconds per second, averaged over intervals
         self._verdict, self._verdict_ticks = 0, 0
 
     def lean(self, address: str) -> int:
@@ -93,12 +95,16 @@ class LeanController:
 
     def _split_verdict(self, split: Callable[[float, float, int], int | None], seconds: float,
                        addresses: Sequence[str]) -> int | None:
+        """The step model's verdict on the recent prompts: their rate and prefill seconds per second averaged over
+        the last intervals (RATE_WEIGHT each), so that an interval that happens to bring none undoes nothing."""
         count, prefill_s = self._sums[2], self._prefill_s
         self._sums, self._prefill_s = [0.0, 0.0, 0], 0.0
-        if count == 0:
-            return LEAN_DECODE if any(self.lean(a) == LEAN_PREFILL for a in addresses) else None
+        self._rate += RATE_WEIGHT * (count / seconds - self._rate)
+        self._busy += RATE_WEIGHT * (prefill_s / seconds - self._busy)
+        if self._rate <= 0:
+            return None
         leaning = sum(1 for a in addresses if self.lean(a) == LEAN_PREFILL)
-        verdict = split(count / seconds, prefill_s / count, leaning)
+        verdict = split(self._rate, self._busy / self._rate, leaning)
         return None if verdict == LEAN_DECODE and not leaning else verdict  # no engine leans to decode
 
     def _read_pressure(self) -> int:
