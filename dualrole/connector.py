@@ -5,21 +5,30 @@ tokens, the KVWant once blocks exist) to the decode side, keeping a finished pro
 the prefill side, an abort to both. `DualTransferSide` drives both roles' sockets from the engine loop
 and lends the prefill side's per-layer hook (the decode side has none). Each role keeps its own
 transfers, keyed by request id, so a request is in at most one of them.
+
+One pool holds both roles' blocks, which fixed roles never share: two dual engines can each fill theirs
+with prompts they pull from the other while the prompts they compute for the other wait for blocks. The
+transfer side breaks that wait as the prefill role breaks its own (docs/serving/dual-role.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable
 
 import torch
 
+from pdserve.decode.incoming import IncomingState
 from pdserve.decode.scheduler_side import DecodeSchedulerSide
 from pdserve.decode.transfer_side import DecodeTransferSide
 from pdserve.engine.kv_connector import ConnectorEvents, KVConnector, KVConnectorStats, KVTransferSide
 from pdserve.engine.request import Request
 from pdserve.prefill.scheduler_side import PrefillSchedulerSide
 from pdserve.prefill.transfer_side import PrefillTransferSide
+from pdserve.prefill.transfers import TransferState
+
+log = logging.getLogger("pdserve.dualrole.connector")
 
 
 class DualSchedulerSide(KVConnector):
@@ -53,9 +62,10 @@ class DualTransferSide(KVTransferSide):
     """Both roles' transfer sides; the servers' own calls (PrefillServer's, DecodeServer's) reach the role
     they belong to."""
 
-    def __init__(self, prefill: PrefillTransferSide, decode: DecodeTransferSide) -> None:  # noqa: D107
+    def __init__(self, prefill: PrefillTransferSide, decode: DecodeTransferSide, release_pulls: bool = True) -> None:
         self.prefill = prefill  # the KV socket peers pull this engine's prompts from
         self.decode = decode  # the links to the peers this engine pulls prompts from
+        self.release_pulls = release_pulls  # a pull given up recomputes (--kv-failure recompute), never fails
 
     @property
     def stats(self) -> KVConnectorStats:
@@ -76,6 +86,27 @@ class DualTransferSide(KVTransferSide):
             self.prefill.receive()
         finally:
             self.decode.receive()
+        self._release_pull_for_wanted_prompt()
+
+    def _release_pull_for_wanted_prompt(self) -> None:
+        """A peer has blocks reserved for a prompt queued here that waits for free blocks, while blocks here
+        wait for prompts no peer has computed yet (that peer may be as full, in a cycle): the newest such pull
+        is given up, its peer told to drop the prompt, and the request recomputes here. One at a time: none
+        while an ended pull's blocks are still to be freed."""
+        pulls = self.decode.transfers.values()
+        if not self.release_pulls or any(t.state is not IncomingState.RECEIVING for t in pulls):
+            return
+        if not any(t.state is TransferState.WAITING_FOR_PROMPT and self.prefill.waits_for_blocks(t.request_id)
+                   for t in self.prefill.transfers.values()):
+            return
+        idle = [t for t in pulls if t.computed_at is None and not any(t.layer_tokens_received)]
+        if idle:
+            newest = max(idle, key=lambda t: t.started)
+            reason = "released for a prompt a peer waits on here: recomputed locally"
+            log.info("gave up pulling the KV of %s: %s", newest.request_id, reason)
+            self.decode.abort(newest, "released on decode")
+            self.decode.stats.num_kv_transfers_failed += 1
+            newest.fail(reason)
 
     def layer_hook(self, plan) -> Callable[[int], None] | None:
         return self.prefill.layer_hook(plan)

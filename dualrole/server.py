@@ -91,7 +91,7 @@ def build_dual_role_server(model_config: ModelConfig, cache_config: CacheConfig,
     pulling = DecodeTransferSide(fingerprint, own.engine_id, timeout_s=own.kv_timeout_s,
                                  curve=curve.client if curve else None, queue_timeout_s=own.kv_queue_timeout_s,
                                  incarnation=incarnation, kv_peers=kv_peers)
-    transfer = DualTransferSide(sending, pulling)
+    transfer = DualTransferSide(sending, pulling, release_pulls=own.kv_failure == "recompute")
     connector = DualSchedulerSide(PrefillSchedulerSide(sending), DecodeSchedulerSide(pulling))
     engine = EngineCore(model_config, cache_config, scheduler_config, own.device, connector=connector,
                         kv_failure_policy=own.kv_failure, kv_transfer=transfer)

@@ -3,10 +3,14 @@ with recording stand-ins for the two roles' sides)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from pdserve.decode.incoming import IncomingState
 from pdserve.dualrole.connector import DualSchedulerSide, DualTransferSide
 from pdserve.engine.kv_connector import ConnectorEvents, KVConnectorStats
+from pdserve.prefill.transfers import TransferState
 
 
 class Recorder:
@@ -63,3 +67,47 @@ def test_the_transfer_side_drives_both_roles_and_sums_their_figures():
     assert ("send_computed",) in prefill.calls
     assert [c for c in decode.calls if c[0] in ("hold", "prompt_computed")] == [
         ("hold", "r1", "tcp://peer:1"), ("prompt_computed", "r1")]
+
+
+class Pull:
+    """A pull as the decode role keeps it (decode/incoming.py's IncomingTransfer's fields the release reads)."""
+
+    def __init__(self, request_id: str, started: float, received_tokens: int = 0, computed_at=None) -> None:
+        self.request_id, self.started, self.computed_at = request_id, started, computed_at
+        self.state, self.reason = IncomingState.RECEIVING, ""
+        self.layer_tokens_received = [received_tokens, 0]
+
+    def fail(self, reason: str) -> None:
+        self.state, self.reason = IncomingState.FAILED, reason
+
+
+def release_side(pulls: list[Pull], waits_for_blocks: bool, release_pulls: bool = True):
+    wanted = SimpleNamespace(state=TransferState.WAITING_FOR_PROMPT, request_id="wanted")
+    prefill = SimpleNamespace(transfers={"wanted": wanted}, waits_for_blocks=lambda request_id: waits_for_blocks,
+                              receive=lambda: None)
+    aborted = []
+    decode = SimpleNamespace(transfers={p.request_id: p for p in pulls}, receive=lambda: None,
+                             abort=lambda pull, reason: aborted.append(pull.request_id), stats=KVConnectorStats())
+    return DualTransferSide(prefill, decode, release_pulls=release_pulls), aborted
+
+
+def test_a_prompt_a_peer_waits_on_here_releases_the_newest_idle_pull_one_at_a_time():
+    pulls = [Pull("old", 1.0), Pull("new", 2.0), Pull("newest-but-arriving", 3.0, received_tokens=4),
+             Pull("computed", 4.0, computed_at=3.5)]
+    side, aborted = release_side(pulls, waits_for_blocks=True)
+    side.receive()
+    assert aborted == ["new"] and pulls[1].state is IncomingState.FAILED and "recomputed" in pulls[1].reason
+    assert side.decode.stats.num_kv_transfers_failed == 1
+    side.receive()  # the released pull's blocks are not freed yet (its state is still in the table)
+    assert aborted == ["new"], "one at a time"
+    del side.decode.transfers["new"]
+    side.receive()
+    assert aborted == ["new", "old"]
+
+
+@pytest.mark.parametrize("waits_for_blocks, release_pulls", [(False, True), (True, False)])
+def test_no_pull_is_released_without_a_waiting_prompt_or_under_kv_failure_fail(waits_for_blocks, release_pulls):
+    pulls = [Pull("a", 1.0)]
+    side, aborted = release_side(pulls, waits_for_blocks, release_pulls)
+    side.receive()
+    assert aborted == [] and pulls[0].state is IncomingState.RECEIVING
