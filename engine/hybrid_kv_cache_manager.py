@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.engine.block_pool import BlockPool, KVBlock, KVCacheInvariantError
-from pdserve.engine.kv_cache_manager import KVCacheManager, holder_count_problems
+from pdserve.engine.kv_cache_manager import KVCacheManager, PoolCounts, holder_count_problems
 from pdserve.engine.request import Request
 
 GroupBlocks = tuple[list[KVBlock | None], ...]  # one list per group
@@ -23,7 +23,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(PoolCounts):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
                  windows: Sequence[int | None]) -> None:
         """windows: each group's sliding window (None: full attention), in group order."""
@@ -37,20 +37,6 @@ class HybridKVCacheManager:
                            hash_tag=index.to_bytes(2, "big"))
             for index, window in enumerate(windows)
         ]
-
-    # -- counts ---------------------------------------------------------------------------------
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.pool.num_used_blocks
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(group.get_block_ids(request_id) for group in self.groups)

@@ -52,7 +52,25 @@ class SlotPlan:
         return self.num_new_blocks + self.num_free_hits
 
 
-class KVCacheManager:
+class PoolCounts:
+    """The block counts of a manager's `pool` (KVCacheManager's, and the hybrid manager's shared one)."""
+
+    pool: BlockPool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+
+class KVCacheManager(PoolCounts):
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None, external_kv_window: int | None = None,
                  pool: BlockPool | None = None, hash_tag: bytes = b"") -> None:
@@ -75,20 +93,6 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
         # request_id -> how many of its leading blocks are published in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
-
-    # -- counts ---------------------------------------------------------------------------------
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.pool.num_used_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
         blocks = self.req_to_blocks.get(request_id, ())
