@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -36,10 +37,17 @@ def migrations(cluster) -> float:
 
 
 def busiest_decode_engine(cluster) -> str:
-    """The decode engine the router has the most requests open on (the policy may put every stream on one)."""
-    inflight = scrape(cluster.url)["pdserve_engine_requests_in_flight"]
-    counts = {dict(labels)["engine"]: value for labels, value in inflight.items() if dict(labels)["role"] == "decode"}
-    busiest = max(counts, key=counts.get)
+    """The decode engine the router has the most requests open on (the policy may put every stream on one), read
+    until one has any (a loaded host may not have opened them yet when the first chunks came from the prefill)."""
+    deadline = time.monotonic() + 10
+    while True:
+        inflight = scrape(cluster.url)["pdserve_engine_requests_in_flight"]
+        counts = {dict(labels)["engine"]: value for labels, value in inflight.items()
+                  if dict(labels)["role"] == "decode"}
+        busiest = max(counts, key=counts.get)
+        if counts[busiest] > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert counts[busiest] > 0, counts
     return busiest
 
