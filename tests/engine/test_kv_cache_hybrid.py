@@ -10,7 +10,8 @@ import pytest
 from pdserve.engine.hybrid_kv_cache_manager import HybridKVCacheManager
 from pdserve.engine.kv_cache_groups import group_layers_by_window
 from pdserve.engine.kv_cache_manager import SKIPPED_BLOCK_ID
-from tests.engine.test_kv_cache_manager import BLOCK_SIZE, make_request
+from tests.engine.test_kv_cache_manager import BLOCK_SIZE, make_request, prefill  # duck-typed: any manager
+from tests.engine.test_kv_cache_window import decode_one
 
 WINDOW = 6  # the token at position p sees positions p - 5 .. p
 FULL, SLIDING = 0, 1
@@ -22,19 +23,6 @@ def make_manager(num_blocks: int = 32) -> HybridKVCacheManager:
 
 def held(manager: HybridKVCacheManager, request, group: int) -> list[bool]:
     return [block is not None for block in manager.groups[group].req_to_blocks[request.request_id]]
-
-
-def prefill(manager: HybridKVCacheManager, request) -> int:
-    hits, num_hit = manager.get_computed_blocks(request)
-    assert manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hits) is not None
-    request.num_computed_tokens = request.num_tokens
-    return num_hit
-
-
-def decode_one(manager: HybridKVCacheManager, request, token_id: int = 7) -> None:
-    assert manager.allocate_slots(request, 1) is not None
-    request.num_computed_tokens += 1
-    request.append_output_token(token_id)
 
 
 def assert_all_free(manager: HybridKVCacheManager) -> None:
