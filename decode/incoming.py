@@ -24,7 +24,7 @@ class IncomingTransfer:
     `address` into the request's blocks."""
 
     request: Request
-    block_ids: torch.Tensor  # [num_blocks] int64, all of the request's blocks
+    block_ids: tuple[torch.Tensor, ...]  # per block table (one, or one per layer group): [num_blocks] int64
     skip_tokens: int
     num_tokens: int
     address: str

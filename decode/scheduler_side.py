@@ -8,6 +8,7 @@ import torch
 
 from pdserve.decode.incoming import IncomingState, IncomingTransfer
 from pdserve.decode.transfer_side import DecodeTransferSide
+from pdserve.engine.kv_cache_groups import BlockIds
 from pdserve.engine.kv_connector import ConnectorEvents, KVConnector
 from pdserve.engine.request import Request
 
@@ -22,10 +23,12 @@ class DecodeSchedulerSide(KVConnector):
             return 0
         return request.num_prompt_tokens - num_local_hit_tokens
 
-    def on_blocks_allocated(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def on_blocks_allocated(self, request: Request, block_ids: BlockIds, num_external_tokens: int) -> None:
+        """block_ids: one table, or one per layer group (a sliding group's blocks before its window are
+        never allocated: nothing is sent for them)."""
         skip = request.num_computed_tokens  # the local prefix hit, block aligned
-        incoming = IncomingTransfer(request, torch.tensor(block_ids, dtype=torch.int64), skip, num_external_tokens,
-                                    request.prefill_kv_address)
+        tables = tuple(torch.tensor(ids, dtype=torch.int64) for ids in self.transfer_side.tables(block_ids))
+        incoming = IncomingTransfer(request, tables, skip, num_external_tokens, request.prefill_kv_address)
         self.transfers[request.request_id] = incoming
         self.transfer_side.ask(incoming)
 

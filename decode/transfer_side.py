@@ -28,6 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 from pdserve.decode.incoming import IncomingState, IncomingTransfer
 from pdserve.decode.kv_peers import KVPeerTrust
 from pdserve.decode.kv_writer import KVWriter
+from pdserve.engine.kv_cache_groups import BlockIds, CacheLayers
 from pdserve.engine.kv_connector import KVTransferSide
 from pdserve.control.errors import ProtocolError, WireError
 from pdserve.kvtransfer.errors import KVTransferError
@@ -115,11 +116,17 @@ class DecodeTransferSide(KVTransferSide):
         self._held: OrderedDict[str, tuple[str, int]] = OrderedDict()  # KVHold sent: request id -> (address, serial)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """The cache [num_layers, planes, num_blocks, block_size, *per_token] the KV goes into; the fingerprint
-        takes its planes and per-token shape from it."""
-        self.fingerprint = for_cache(self.fingerprint, tuple(kv_cache.shape))
+        """The cache [num_layers, planes, num_blocks, block_size, *per_token] the KV goes into, or with layer
+        groups (bind_kv_groups) [layers_per_group, ...] written through each group's blocks; the
+        fingerprint takes its planes and per-token shape from it."""
+        layers = CacheLayers.of_cache(kv_cache.shape[0], self.kv_groups)
+        self.fingerprint = for_cache(self.fingerprint, (layers.num_layers, *kv_cache.shape[1:]))
         self.layout = self.fingerprint.link_layout()
-        self.writer = KVWriter(kv_cache)
+        self.writer = KVWriter(kv_cache, layers)
+
+    def tables(self, block_ids: BlockIds) -> tuple[list[int], ...]:
+        """A request's block ids (get_block_ids) as one table per block table of the bound cache."""
+        return self.writer.layers.tables(block_ids)
 
     def sockets(self) -> list:
         return [link.client.socket for link in self._links.values()]

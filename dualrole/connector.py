@@ -73,6 +73,10 @@ class DualTransferSide(KVTransferSide):
         mine, theirs = dataclasses.asdict(self.prefill.stats), dataclasses.asdict(self.decode.stats)
         return KVConnectorStats(**{name: mine[name] + theirs[name] for name in mine})
 
+    def bind_kv_groups(self, kv_groups) -> None:
+        self.prefill.bind_kv_groups(kv_groups)
+        self.decode.bind_kv_groups(kv_groups)
+
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.prefill.bind_kv_cache(kv_cache)
         self.decode.bind_kv_cache(kv_cache)

@@ -36,11 +36,10 @@ class EngineCore:
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
-        # Sliding and full layers keep separate block tables on engines without a KV link (the link reads one
-        # table per request); a KV link carries only the blocks inside each sliding layer's window, so blocks
-        # may leave it on prefill and decode engines too (docs/design/kv-link.md).
+        # Sliding and full layers keep a block table per layer group on every engine; the KV link reads and
+        # writes each layer through its group's table (docs/design/kv-link.md).
         self.runner = ModelRunner(model_config, cache_config, device, max_num_seqs=scheduler_config.max_num_seqs,
-                                  group_kv_by_window=connector is None)
+                                  group_kv_by_window=True)
         windows = [w for w in map(model_config.sliding_window_of, range(model_config.num_layers)) if w is not None]
         self.kv_cache_manager: KVCacheManager | HybridKVCacheManager
         if self.runner.kv_groups is not None:
@@ -57,6 +56,7 @@ class EngineCore:
             scheduler_config, self.kv_cache_manager, model_config.max_model_len, connector, kv_failure_policy
         )
         self.kv_transfer = kv_transfer or KVTransferSide()
+        self.kv_transfer.bind_kv_groups(self.runner.kv_groups)
         self.structured_output = StructuredOutputCompiler(model_config.model_dir, model_config.vocab_size)
         self.compiling = PendingConstraints(self.structured_output)  # requests whose large constraint compiles
         self._stepped_empty = False  # the last step scheduled nothing (has_runnable_work)

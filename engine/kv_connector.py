@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pdserve.engine.kv_cache_groups import BlockIds, KVCacheGroups
 from pdserve.engine.request import Request
 
 
@@ -49,10 +50,11 @@ class KVConnector:
         """Tokens of the prompt, after the local prefix hit, whose KV will be loaded from outside."""
         return 0
 
-    def on_blocks_allocated(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        """The request's blocks exist; a decode-role connector now asks the peer for the KV."""
+    def on_blocks_allocated(self, request: Request, block_ids: BlockIds, num_external_tokens: int) -> None:
+        """The request's blocks exist (one table, or one per layer group); a decode-role connector now asks
+        the peer for the KV."""
 
-    def on_request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def on_request_finished(self, request: Request, block_ids: BlockIds) -> bool:
         """A request ended. True keeps its blocks allocated until `ConnectorEvents.sent` names it."""
         return False
 
@@ -68,6 +70,12 @@ class KVTransferSide:
 
     def __init__(self) -> None:
         self.stats = KVConnectorStats()
+        self.kv_groups: KVCacheGroups | None = None  # the engine's layer groups (None: one block table)
+
+    def bind_kv_groups(self, kv_groups: KVCacheGroups | None) -> None:
+        """The layer groups of the engine's KV cache (ModelRunner.kv_groups), told by EngineCore when it is
+        built, before the cache is bound: each layer's KV is then read and written through its group's blocks."""
+        self.kv_groups = kv_groups
 
     def sockets(self) -> list:
         """Sockets the engine loop should wait on besides its control socket."""

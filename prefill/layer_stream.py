@@ -32,7 +32,7 @@ class StreamJob:
     transfer: Transfer
     begin: int
     end: int
-    slots: torch.Tensor  # [end - begin] int64 cache slots
+    slots: tuple[torch.Tensor, ...]  # per block table: [end - begin] int64 cache slots
     next_layer: int = 0  # layers below this one are queued for sending
 
 
@@ -61,7 +61,7 @@ class StepStream:
                 continue
             firsts = job.transfer.first_positions
             for span in LinkLayout.spans(firsts, job.next_layer, layer_idx + 1, job.begin, job.end):
-                slots = job.slots[span.start - job.begin:]
+                slots = tuple(table_slots[span.start - job.begin:] for table_slots in job.slots)
                 kv = self.side.sender.gather(span.layer_start, span.layer_end, slots)  # [layers, planes, T, ...]
                 self.side.copies.copy(job.transfer, kv, span.layer_start, span.start)
             job.next_layer = layer_idx + 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from pdserve.engine.kv_cache_groups import BlockIds
 from pdserve.engine.kv_connector import ConnectorEvents, KVConnector
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.prefill.transfer_side import PrefillTransferSide
@@ -20,7 +21,7 @@ class PrefillSchedulerSide(KVConnector):
         self.transfer_side = transfer_side
         self.transfers = transfer_side.transfers
 
-    def on_request_finished(self, request: Request, block_ids: list[int]) -> bool:
+    def on_request_finished(self, request: Request, block_ids: BlockIds) -> bool:
         """Whether the finished prompt's blocks wait for a decode engine (True) or may go now."""
         request_id = request.request_id
         transfer = self.transfers.get(request_id)

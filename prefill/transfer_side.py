@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from pdserve.engine.kv_cache_groups import BlockIds, CacheLayers
 from pdserve.engine.kv_connector import KVTransferSide
 from pdserve.engine.request import Request
 from pdserve.control.errors import ProtocolError, WireError
@@ -71,11 +72,13 @@ class PrefillTransferSide(KVTransferSide):
         self._peers: dict[bytes, tuple[str, str]] = {}  # accepted Hello: peer id -> (engine id, incarnation)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """The cache [num_layers, planes, num_blocks, block_size, *per_token] whose KV goes out; the fingerprint
-        takes its planes and per-token shape from it."""
-        self.fingerprint = for_cache(self.fingerprint, tuple(kv_cache.shape))
+        """The cache [num_layers, planes, num_blocks, block_size, *per_token] whose KV goes out, or with layer
+        groups (bind_kv_groups) [layers_per_group, ...] read through each group's blocks; the
+        fingerprint takes its planes and per-token shape from it."""
+        layers = CacheLayers.of_cache(kv_cache.shape[0], self.kv_groups)
+        self.fingerprint = for_cache(self.fingerprint, (layers.num_layers, *kv_cache.shape[1:]))
         self.layout = self.fingerprint.link_layout()
-        self.sender.bind_kv_cache(kv_cache)
+        self.sender.bind_kv_cache(kv_cache, layers)
 
     def bind_scheduler(self, holds_prompt: Callable[[str], bool], waits_for_blocks: Callable[[str], bool]) -> None:
         """What the engine's scheduler knows of a prompt: queued or computing here; queued behind the last
@@ -113,7 +116,7 @@ class PrefillTransferSide(KVTransferSide):
         if self.stream_layers:
             prompt_items = [item for item in plan.scheduled
                             if item.request.num_computed_tokens < item.request.num_prompt_tokens]
-            stream = StepStream(self, prompt_items, self.sender.kv_cache.shape[0])
+            stream = StepStream(self, prompt_items, self.sender.layers.num_layers)
             if stream.has_work:
                 hooks.append(stream)
         return _each_of(hooks)
@@ -307,7 +310,7 @@ class PrefillTransferSide(KVTransferSide):
             return
         transfer.move(TransferState.AWAITING_ACK)
 
-    def send_range(self, transfer: Transfer, block_ids: list[int], start: int, end: int,
+    def send_range(self, transfer: Transfer, block_ids: BlockIds, start: int, end: int,
                    during: str = "streaming") -> bool:
         """Every layer of prompt tokens [start, end) from the cache, after whatever was streamed before.
         False if the transfer has failed (or failed in sending what was streamed)."""

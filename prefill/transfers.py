@@ -7,6 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pdserve.engine.kv_cache_groups import BlockIds
 from pdserve.engine.request import Request
 
 
@@ -46,7 +47,7 @@ class Transfer:
     held_by: bytes = b""  # the decode engine (peer id) that has it queued (KVHold): kept up to the hold timeout
     # from the scheduler, once the prompt is computed
     request: Request | None = None
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: BlockIds = field(default_factory=list)  # get_block_ids: one table, or one per layer group
     computed_at: float = 0.0  # when the prompt's last layer was computed
 
     @classmethod
@@ -56,7 +57,7 @@ class Transfer:
         return transfer
 
     @classmethod
-    def computed(cls, request: Request, block_ids: list[int]) -> Transfer:
+    def computed(cls, request: Request, block_ids: BlockIds) -> Transfer:
         transfer = cls(request.request_id, TransferState.WAITING_FOR_WANT)
         transfer.prompt_computed(request, block_ids)
         return transfer
@@ -77,7 +78,7 @@ class Transfer:
         self.peer_id, self.skip_tokens, self.num_tokens = peer_id, skip_tokens, num_tokens
         self.sent_upto = skip_tokens
 
-    def prompt_computed(self, request: Request, block_ids: list[int]) -> None:
+    def prompt_computed(self, request: Request, block_ids: BlockIds) -> None:
         self.request, self.block_ids, self.computed_at = request, block_ids, time.monotonic()
 
     def move(self, state: TransferState, reason: str = "") -> None:

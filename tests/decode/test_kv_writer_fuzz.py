@@ -30,7 +30,7 @@ def transfers(draw):
     block_ids = draw(st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=1, max_size=4, unique=True))
     skip_tokens = BLOCK_SIZE * draw(st.integers(0, len(block_ids) - 1))
     num_tokens = draw(st.integers(1, len(block_ids) * BLOCK_SIZE - skip_tokens))
-    incoming = IncomingTransfer(_Request(), torch.tensor(block_ids, dtype=torch.int64), skip_tokens, num_tokens,
+    incoming = IncomingTransfer(_Request(), (torch.tensor(block_ids, dtype=torch.int64),), skip_tokens, num_tokens,
                                 address="tcp://127.0.0.1:1")
     incoming.first_positions = (skip_tokens,) * NUM_LAYERS  # every layer full: each carries every asked token
     lie = draw(st.sampled_from([None, None, None, "layers", "tokens", "heads", "dtype"]))  # one at most
@@ -64,6 +64,6 @@ def test_a_layer_is_refused_or_lands_only_in_the_asked_slots(case):
     expected = torch.full_like(kv_cache, CANARY)
     for offset in range(msg.num_tokens):
         position = incoming.skip_tokens + msg.token_start + offset  # in the prompt
-        block, slot = int(incoming.block_ids[position // BLOCK_SIZE]), position % BLOCK_SIZE
+        block, slot = int(incoming.block_ids[0][position // BLOCK_SIZE]), position % BLOCK_SIZE
         expected[msg.layer_start:msg.layer_end, :, block, slot] = kv[:, :, offset]
     assert torch.equal(kv_cache, expected)

@@ -1,9 +1,11 @@
 """The KV link carries what the decode engine needs of sliding-window layers, and no more (Mistral: every layer
-slides; Gemma 3 5:1 and gpt-oss 1:1 sliding : full): prefill and decode
+slides; Gemma 2 and gpt-oss 1:1, Gemma 3 5:1 sliding : full): prefill and decode
 processes over real ZeroMQ, greedy fp32 output equal to transformers, the bytes of every request exactly
 what the layout says (a sliding layer: the blocks its window reaches from the first decoded token; a full
 layer: every token), no block left behind, and a pair whose per-layer windows differ refused with a
-sentence that names the layers."""
+sentence that names the layers. Hybrid models keep a block table per layer group on both engines: the decode
+engine holds a sliding group's window only (its peak for a long generation is below one table's), and a failed
+transfer, an abort mid-transfer and a preemption free every group's blocks."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve.local_cluster import Driver, EngineProcess
-from tests.decode.test_disaggregated import BLOCK, ENGINE_ARGS, assert_no_leaks, running_pair
+from tests.decode.peak_blocks_engine import peak_in_log
+from tests.decode.test_disaggregated import BLOCK, ENGINE_ARGS, assert_no_leaks, running_pair, start_pair
+from tests.decode.test_faults import wait_for_log
 from tests.engine.parity import assert_greedy_match, hf_greedy
 from tests.engine.test_transformers_backend import make_hf_model_dir
 
@@ -28,10 +32,13 @@ PROMPTS = [list(range(10, 10 + 4 * WINDOW)), list(range(60, 60 + 4 * WINDOW + 3)
 # Each model's layers: its sliding window, or None for full attention.
 LAYER_WINDOWS = {
     "mistral": [WINDOW, WINDOW],
+    "gemma2": [WINDOW, None],  # alternating, with attention and final logit soft caps
     "gemma3": [WINDOW] * 5 + [None],
     "gpt-oss": [WINDOW, None],  # alternating, with attention sinks; experts through transformers' own code
 }
 HF_MODELS = {
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0,
+                                                     "query_pre_attn_scalar": 24}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"num_hidden_layers": 6, "query_pre_attn_scalar": 24}),
     "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
@@ -67,8 +74,8 @@ def full_kv_bytes(prompt_len: int, windows: list[int | None]) -> int:
     return len(windows) * prompt_len * LAYER_TOKEN_BYTES
 
 
-@pytest.mark.parametrize("case, streaming", [("mistral", "on"), ("mistral", "off"), ("gemma3", "on"),
-                                             ("gpt-oss", "off")])
+@pytest.mark.parametrize("case, streaming", [("mistral", "on"), ("mistral", "off"), ("gemma2", "on"),
+                                             ("gemma3", "on"), ("gpt-oss", "off")])
 def test_only_the_window_travels_and_output_equals_transformers(window_model_dir, case, streaming, tmp_path):
     model_dir = window_model_dir(case)
     windows = LAYER_WINDOWS[case]
@@ -139,3 +146,101 @@ def test_a_pair_whose_layer_windows_differ_is_refused_naming_the_layers(window_m
     sentence = "layer_windows differ at layers 0, 1: local 0=8 1=8, remote 0=16 1=16"
     log = decode.log_path.read_text()
     assert sentence in log, f"the decode engine's log does not say {sentence!r}"
+
+
+LONG = {"temperature": 0.0, "max_tokens": 60, "ignore_eos": True}  # decoding runs seven windows past the prompt
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "gpt-oss"])
+def test_decode_frees_sliding_blocks_of_a_long_generation(window_model_dir, case, tmp_path):
+    """D (logging its peak, tests/decode/peak_blocks_engine.py) receives a prompt of four windows and decodes 60
+    tokens: a sliding group holds at most the blocks its window reaches, so D's peak is below what one block
+    table for every layer holds (every block of every layer), with transformers' tokens and no block left."""
+    model_dir, windows = window_model_dir(case), LAYER_WINDOWS[case]
+    prompt = PROMPTS[1]
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", log_dir=tmp_path)
+    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *prefill.kv_peer_args(), log_dir=tmp_path,
+                           module="tests.decode.peak_blocks_engine")
+    driver = Driver(decode, prefill)
+    try:
+        result = driver.generate([prompt], prefix=f"{case}-long-", **LONG)[0]
+        theirs, logits = hf_greedy(reference, prompt, LONG["max_tokens"])
+        assert_greedy_match(result.token_ids, theirs, logits, f"{case} 1P1D, a long generation")
+        assert driver.prefill_stats().kv_bytes_sent == expected_bytes(len(prompt), windows)
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+        prefill.stop()
+        decode.stop()
+    num_blocks = _cdiv(len(prompt) + LONG["max_tokens"] - 1, BLOCK)  # the last token's KV is never computed
+    one_table = len(windows) * num_blocks  # layer-blocks: one layer's K and V of BLOCK tokens
+    window_blocks = _cdiv(WINDOW - 1, BLOCK) + 1  # the most blocks the window (p - W, p] touches
+    per_group = sum(num_blocks if window is None else window_blocks for window in windows)
+    peak = peak_in_log(decode.log())
+    assert 0 < peak <= per_group < one_table, f"D held {peak} layer-blocks at once; one table holds {one_table}"
+
+
+def _kv_link_pair(model_dir: str, tmp_path, fault: str) -> tuple[EngineProcess, EngineProcess]:
+    """P misbehaving on its KV link as `fault` says (tests/decode/faulty_prefill.py), and its D."""
+    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", "--fault", fault,
+                            log_dir=tmp_path, module="tests.decode.faulty_prefill")
+    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *prefill.kv_peer_args(), "--kv-timeout", "4",
+                           "--kv-queue-timeout", "4", log_dir=tmp_path)
+    return prefill, decode
+
+
+def test_an_abort_mid_transfer_and_corrupt_kv_free_every_group_of_a_hybrid_model(window_model_dir, tmp_path):
+    """Gemma 3 (six layer groups): a request aborted while P's first KV send is delayed ends with no block held on
+    either engine; then corrupt KVLayers fail a transfer, and D frees every group's blocks and computes the
+    prompt itself (transformers' tokens)."""
+    model_dir = window_model_dir("gemma3")
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # the aborted request (one chunk) sends at most a message per layer: whichever come next, some are corrupt
+    fault = ",".join(["delay:0", *(f"corrupt:{index}" for index in range(1, 16))])
+    prefill, decode = _kv_link_pair(model_dir, tmp_path, fault)
+    driver = Driver(decode, prefill)
+    try:
+        driver.submit("slow", PROMPTS[0], **GREEDY)
+        wait_for_log(prefill, "delaying a KV send")  # P is inside the delayed send; D waits for the KV
+        assert driver.decode_stats().num_waiting_for_remote_kv == 1
+        driver.abort("slow")
+        assert driver.collect(["slow"], timeout_s=15)["slow"].finish_reason == "abort"
+        assert_no_leaks(driver)
+        failed_before = driver.decode_stats().num_kv_transfers_failed
+        result = driver.generate([PROMPTS[1]], prefix="corrupt-", **GREEDY)[0]
+        theirs, logits = hf_greedy(reference, PROMPTS[1], GREEDY["max_tokens"])
+        assert_greedy_match(result.token_ids, theirs, logits, "gemma3 1P1D, recomputed after corrupt KV")
+        assert driver.decode_stats().num_kv_transfers_failed == failed_before + 1
+        assert "checksum" in decode.log()
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+        prefill.stop()
+        decode.stop()
+
+
+def test_preempted_hybrid_requests_on_decode_keep_parity_and_free_every_group(window_model_dir, tmp_path):
+    """Gemma 3 with a decode pool that three long generations overflow: D preempts (freeing every group's blocks)
+    and recomputes locally; every request still gives transformers' tokens and nothing leaks."""
+    model_dir = window_model_dir("gemma3")
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prefill, decode = start_pair(model_dir, tmp_path, decode_args=("--num-kv-blocks", "90"))
+    driver = Driver(decode, prefill)
+    try:
+        results = driver.generate(PROMPTS, prefix="preempt-", **LONG)
+        for prompt, result in zip(PROMPTS, results):
+            theirs, logits = hf_greedy(reference, prompt, LONG["max_tokens"])
+            assert_greedy_match(result.token_ids, theirs, logits, f"gemma3 1P1D under preemption, prompt of "
+                                                                   f"{len(prompt)}")
+        stats = driver.decode_stats()
+        assert stats.num_preemptions > 0 and stats.num_kv_transfers == len(PROMPTS)
+        assert_no_leaks(driver)
+    finally:
+        driver.close()
+        prefill.stop()
+        decode.stop()

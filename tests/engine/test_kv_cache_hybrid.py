@@ -1,15 +1,17 @@
 """Per-layer-group block tables (a full-attention group and a sliding group on one pool): the sliding
 group frees a block at the first step whose window no longer reaches it while the full group keeps it,
 prefix hits are exact in both groups, allocation is all-or-nothing, a preempted request recomputes from
-its cached prefix, and no block leaks."""
+its cached prefix, and no block leaks. A decode engine's received prompt takes in each group only the blocks
+the KV link fills, and each model layer maps to its group's table and cache slot (CacheLayers)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdserve.engine.hybrid_kv_cache_manager import HybridKVCacheManager
-from pdserve.engine.kv_cache_groups import group_layers_by_window
+from pdserve.engine.kv_cache_groups import CacheLayers, group_layers_by_window
 from pdserve.engine.kv_cache_manager import SKIPPED_BLOCK_ID
+from pdserve.kvtransfer.layout import window_start
 from tests.engine.test_kv_cache_manager import BLOCK_SIZE, make_request, prefill  # duck-typed: any manager
 from tests.engine.test_kv_cache_window import decode_one
 
@@ -173,3 +175,75 @@ def test_a_free_hit_of_one_group_is_never_handed_to_another_as_a_new_block():
     assert full_ids[0] == hits[FULL][0].block_id and sliding_ids[0] == hits[SLIDING][0].block_id
     manager.free(request)
     assert_all_free(manager)
+
+
+def receive(manager: HybridKVCacheManager, request) -> int:
+    """What a decode engine does for a prompt whose KV comes over the KV link: its own hit, then blocks for the
+    rest as external tokens, published only once the KV has landed. Returns the hit tokens."""
+    hits, num_hit = manager.get_computed_blocks(request)
+    num_external = request.num_tokens - num_hit
+    assert manager.allocate_slots(request, 0, num_hit, hits, num_external_computed_tokens=num_external,
+                                  delay_cache_blocks=True) is not None
+    request.num_computed_tokens = num_hit
+    request.num_external_computed_tokens = num_external
+    return num_hit
+
+
+def test_a_received_prompt_takes_only_the_blocks_its_layers_receive():
+    """A decode engine's sliding group allocates from the first block the link sends a sliding layer
+    (kvtransfer.layout.window_start), the full group every block; blocks published once the KV landed are hits
+    for another prompt only where every group holds them; decoding frees what leaves the window; nothing leaks."""
+    manager = make_manager()
+    prompt = list(range(1000, 1018))  # 18 tokens: position 18 sees 13..18, the link sends a sliding layer 12..17
+    request = make_request(prompt)
+    assert receive(manager, request) == 0
+    first_sent_block = window_start(len(prompt), WINDOW, BLOCK_SIZE) // BLOCK_SIZE
+    assert first_sent_block == 3
+    assert held(manager, request, FULL) == [True] * 5
+    assert held(manager, request, SLIDING) == [False] * first_sent_block + [True] * 2
+    same_start = make_request(prompt[:12] + [5, 5, 5, 5, 5])
+    assert manager.get_computed_blocks(same_start)[1] == 0, "nothing is published before the KV lands"
+    request.num_computed_tokens = len(prompt)  # the KV landed (scheduler: _on_remote_kv_received)
+    manager.cache_blocks(request, len(prompt))
+    # a hit of 3 blocks needs the sliding block 1 (position 12 sees 7..12), never allocated here: none
+    assert manager.get_computed_blocks(same_start)[1] == 0
+    # a hit of 4 blocks needs sliding blocks 2 and 3: block 2 was never allocated either
+    assert manager.get_computed_blocks(make_request(prompt[:16] + [5]))[1] == 0
+    request.append_output_token(7)
+    for _ in range(6):  # positions 18..23: the window moves past block 3
+        decode_one(manager, request)
+    assert held(manager, request, FULL) == [True] * 6
+    assert held(manager, request, SLIDING) == [False] * 4 + [True] * 2
+    manager.check_invariants()
+    manager.free(request)
+    assert_all_free(manager)
+
+
+def test_a_received_prompt_after_a_prefix_hit_takes_the_rest():
+    """A decode engine's own hit (every group holds the blocks the hit's first new token reads), then the rest of
+    the prompt from the link; a failed transfer frees every group's blocks, hits included."""
+    manager = make_manager()
+    first = make_request(list(range(1100, 1120)))
+    prefill(manager, first)  # computed here: every block it holds is published
+    manager.free(first)
+    second = make_request(list(range(1100, 1120)) + list(range(50, 58)))  # 28 tokens
+    num_hit = receive(manager, second)
+    assert num_hit == 20
+    assert held(manager, second, FULL) == [True] * 7
+    # position 28 sees 23..28: the sliding group holds blocks 5 and 6 only, from the link
+    assert held(manager, second, SLIDING) == [False] * 5 + [True] * 2
+    manager.free(second)  # the transfer failed: recompute from scratch
+    assert_all_free(manager)
+
+
+def test_cache_layers_map_each_model_layer_to_its_slot_and_table():
+    gemma3 = group_layers_by_window([8] * 5 + [None] + [8] * 5 + [None])  # groups of two layers
+    layers = CacheLayers.of_cache(gemma3.layers_per_group, gemma3)
+    assert layers.num_layers == 12 and layers.num_tables == 6
+    runs = [(run.layer_start, run.layer_end, run.group, run.slot) for run in layers.runs(3, 8)]
+    assert runs == [(3, 4, 2, 1), (4, 5, 3, 0), (5, 6, 0, 0), (6, 7, 3, 1), (7, 8, 4, 0)]
+    with pytest.raises(ValueError, match="2 block tables for a cache of 6"):
+        layers.tables(([1], [2]))
+    one_table = CacheLayers.of_cache(4, None)
+    assert [(run.layer_start, run.layer_end, run.group, run.slot) for run in one_table.runs(1, 4)] == [(1, 4, 0, 1)]
+    assert one_table.tables([3, 1]) == ([3, 1],)
