@@ -5,7 +5,8 @@
 Starts `pdserve up` (the small llama demo model unless --model, 1P1D), sends completions from
 --concurrency clients without pause (prompts of 50-600 words, each different, max_tokens 16) for
 --warmup-s, then for --soak-s while the prefill engine's RSS is read from /proc every 10 s. Prints the
-RSS when warm, at the end, its peak, the change per 100 requests, and the answers by status.
+RSS when warm, at half time and at the end, the growth over the whole soak and over its second half (a plateau
+grows little there), the peak, the change per 100 requests, and the answers by status.
 """
 
 from __future__ import annotations
@@ -72,12 +73,19 @@ def main() -> None:
             process.wait(timeout=60)
     for seconds, requests, rss in samples:
         print(f"  {seconds:6.0f}s  {requests:6d} requests  prefill RSS {rss:7.1f} MiB")
-    warm, end = samples[0][2], samples[-1][2]
+    print(summary(samples, statuses))
+
+
+def summary(samples: list[tuple[float, int, float]], statuses: collections.Counter) -> str:
+    """RSS when warm, at half time and at the end; growth over the soak and over its second half."""
+    (_, _, warm), (end_s, num_requests, end) = samples[0], samples[-1]
+    _, half_requests, half = min(samples, key=lambda sample: abs(sample[0] - end_s / 2))
     peak = max(rss for _, _, rss in samples)
-    num_requests = samples[-1][1]
-    print(f"prefill RSS: warm {warm:.0f} MiB, after {args.soak_s:g}s {end:.0f} MiB ({(end / warm - 1) * 100:+.1f}%), "
-          f"peak {peak:.0f} MiB; {num_requests} requests ({(end - warm) / max(num_requests, 1) * 100:+.2f} MiB per 100); "
-          f"answers {dict(sorted(statuses.items()))}")
+    return (f"prefill RSS: warm {warm:.0f} MiB, half time {half:.0f} MiB, end ({end_s:.0f}s) {end:.0f} MiB, "
+            f"peak {peak:.0f} MiB\n"
+            f"growth: whole soak {(end / warm - 1) * 100:+.1f}% ({num_requests} requests, "
+            f"{(end - warm) / max(num_requests, 1) * 100:+.2f} MiB per 100); second half {(end / half - 1) * 100:+.1f}% "
+            f"({num_requests - half_requests} requests); answers {dict(sorted(statuses.items()))}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pdserve.control.messages import PrefillRequest, TokenDelta, new_incarnation
 from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, ServerSocket
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.layers.linear import EXACT_ROWS, warm_packed_linears
 from pdserve.kvtransfer.fingerprint import engine_fingerprint
 from pdserve.prefill.scheduler_side import PrefillSchedulerSide
 from pdserve.prefill.transfer_side import PrefillTransferSide
@@ -100,4 +101,15 @@ def build_prefill_server(model_config: ModelConfig, cache_config: CacheConfig, s
                         connector=PrefillSchedulerSide(transfer), kv_transfer=transfer)
     transfer.bind_kv_cache(engine.runner.kv_cache)
     transfer.bind_scheduler(engine.scheduler.requests.__contains__, engine.scheduler.waits_for_blocks)
+    warm_linears(engine.runner.model, scheduler_config)
     return PrefillServer(engine, transfer, options.control_address, options.engine_id, curve, incarnation=incarnation)
+
+
+def warm_linears(model: Any, scheduler_config: SchedulerConfig) -> None:
+    """Every CPU linear shape a prefill step can reach, made before the first prompt, so the engine's memory is
+    flat from then on (engine/layers/linear.warm_packed_linears): the layers' linears at every step size, the LM
+    head at the exact small row counts of the sampled rows (one per prompt that ends in a step)."""
+    head = model.lm_head
+    warm_packed_linears((module for module in model.modules() if module is not head),
+                        scheduler_config.max_num_batched_tokens)
+    warm_packed_linears([head], min(scheduler_config.max_num_seqs, EXACT_ROWS))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +117,26 @@ def padded_rows(rows: int) -> int:
         return rows
     granule = (1 << (rows.bit_length() - 1)) // ROW_BUCKETS_PER_OCTAVE
     return -(-rows // granule) * granule
+
+
+def warm_packed_linears(linears: Iterable[nn.Module], max_rows: int) -> int:
+    """Run one packed linear of each weight shape once at every row count it can see (padded_rows of 1..max_rows);
+    returns the number of calls. oneDNN makes a primitive for each input shape on first use and keeps it: warmed,
+    an engine holds the whole set from the start instead of growing towards it while it serves (docs/results.md,
+    the prefill engine's memory)."""
+    by_shape = {}
+    for linear in linears:
+        if isinstance(linear, Linear) and linear.packed_weight is not None:
+            by_shape.setdefault((*linear.packed_weight.shape, linear.packed_weight.dtype, linear.bias is None), linear)
+    row_counts = sorted({padded_rows(rows) for rows in range(1, max_rows + 1)})
+    started = time.monotonic()
+    with torch.inference_mode():
+        for (_, in_features, dtype, _), linear in by_shape.items():
+            for rows in row_counts:
+                linear(torch.zeros(rows, in_features, dtype=dtype))  # [rows, in] -> [rows, out]
+    logger.info("warmed %d linear shapes at %d row counts in %.1fs", len(by_shape), len(row_counts),
+                time.monotonic() - started)
+    return len(by_shape) * len(row_counts)
 
 
 class MergedLinear(Linear):

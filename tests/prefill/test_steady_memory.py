@@ -1,7 +1,8 @@
 """A prefill engine under a steady load of prompts that all differ in length keeps its memory: oneDNN, which runs
 the CPU linears, keeps one primitive per input shape, so the row counts it sees must come from a small fixed set
-(engine/layers/linear.padded_rows) whatever the prompts, padding changes no result, and no per-request record is
-left once the requests are done."""
+(engine/layers/linear.padded_rows) whatever the prompts, padding changes no result, a prefill engine makes every
+one of them before its first prompt (so its memory does not grow towards that set while it serves), and no
+per-request record is left once the requests are done."""
 
 from __future__ import annotations
 
@@ -28,29 +29,52 @@ def server(model_factory):
 
 
 @pytest.fixture
-def linear_rows(monkeypatch):
-    """The row counts that reach oneDNN's packed linear, one entry per call."""
-    seen: list[int] = []
+def linear_shapes(monkeypatch):
+    """(rows, packed weight shape) of each call that reaches oneDNN's packed linear, in order."""
+    seen: list[tuple[int, tuple[int, ...]]] = []
     run = torch.ops.mkldnn._linear_pointwise
 
-    def recording(x, *args):
-        seen.append(x.numel() // x.shape[-1])
-        return run(x, *args)
+    def recording(x, weight, *args):
+        seen.append((x.numel() // x.shape[-1], tuple(weight.shape)))
+        return run(x, weight, *args)
 
     monkeypatch.setattr(linear_module.torch.ops.mkldnn, "_linear_pointwise", recording)
     return seen
 
 
-def test_prompts_of_every_length_reach_onednn_in_few_shapes_and_leave_nothing(server, linear_rows):
-    if not any(isinstance(m, Linear) and m.packed_weight is not None for m in server.engine.runner.model.modules()):
-        pytest.skip("this CPU runs no linear on oneDNN")
-    for i, length in enumerate(LENGTHS):  # the first token its own: no prefix-cache hit shortens a prompt
+@pytest.fixture
+def linear_rows(linear_shapes):
+    """The row counts that reach oneDNN's packed linear, one entry per call (read when the test reads it)."""
+
+    class Rows:
+        def __iter__(self):
+            return iter([rows for rows, _ in linear_shapes])
+
+    return Rows()
+
+
+def uses_onednn(server) -> bool:
+    return any(isinstance(m, Linear) and m.packed_weight is not None for m in server.engine.runner.model.modules())
+
+
+def serve(server, lengths, first_id: int = 0) -> set[str]:
+    """One prompt of each length, all added at once, run to the end; the ids that finished."""
+    for i, length in enumerate(lengths, start=first_id):  # the first token its own: no prefix-cache hit
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         server.handle(ROUTER, PrefillRequest(request_id=f"r{i}", prompt_token_ids=[5 + i] + [3 + j % 50 for j in range(length - 1)],
                                              sampling_params=params))
     finished = set()
     while server.engine.has_work():
         finished |= {delta.request_id for delta in server.engine.step() if delta.finish_reason is not None}
+    return finished
+
+
+def test_prompts_of_every_length_reach_onednn_in_few_shapes_and_leave_nothing(server, linear_rows):
+    if not uses_onednn(server):
+        pytest.skip("this CPU runs no linear on oneDNN")
+    finished = set()
+    for i in range(len(LENGTHS)):  # one prompt per step
+        finished |= serve(server, LENGTHS[i:i + 1], first_id=i)
     assert finished == {f"r{i}" for i in range(len(LENGTHS))}
     shapes = set(linear_rows)
     # 8 sizes for the prompts of one power of two, and the sampled rows (one per prompt)
@@ -60,6 +84,28 @@ def test_prompts_of_every_length_reach_onednn_in_few_shapes_and_leave_nothing(se
     assert not engine.scheduler.requests and not server.kv_transfer.transfers and not server.continuing
     assert engine.kv_cache_manager.num_used_blocks == 0
     engine.kv_cache_manager.check_invariants()
+
+
+def test_a_prefill_engine_makes_every_linear_shape_before_its_first_prompt(model_factory, linear_shapes):
+    """Prompts of every length, several per step and chunked, reach only shapes the engine ran when it was built:
+    each shape's oneDNN primitive (and the memory it keeps) exists before the first prompt."""
+    server = build_prefill_server(ModelConfig.from_hf(model_factory("llama"), dtype="float32"), CacheConfig(16, 256),
+                                  SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512),
+                                  PrefillOptions(stream_layers=False))
+    try:
+        if not uses_onednn(server):
+            pytest.skip("this CPU runs no linear on oneDNN")
+        warmed = set(linear_shapes)
+        linear_shapes.clear()
+        lengths = list(LENGTHS)
+        for i in range(0, len(lengths), 3):  # three prompts at a time: steps of two or three, and the chunks' tails
+            assert len(serve(server, lengths[i:i + 3], first_id=i)) == len(lengths[i:i + 3])
+        served = set(linear_shapes)
+        assert len({rows for rows, _ in served}) >= 20, "the steps had many sizes"
+        assert served <= warmed, f"shapes first made while serving: {sorted(served - warmed)}"
+        assert server.engine.kv_cache_manager.num_used_blocks == 0
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
