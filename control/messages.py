@@ -29,7 +29,7 @@ scheduler makes each TokenDelta, and the engine loop sends it as it is.
 from __future__ import annotations
 
 import secrets
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BeforeValidator, FailFast, Field, field_validator, model_validator
 
@@ -46,6 +46,7 @@ from pdserve.control.schema import (
     TokenId,
     UINT64_MAX,
     WireInt,
+    WireModel,
     max_items,
 )
 
@@ -163,6 +164,27 @@ class StatsRequest(Message, type_name="stats_request"):
     pass
 
 
+Amount = Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False)]
+
+
+class StepTimes(WireModel):
+    """An engine's recent steps as time-decayed sums: their measured seconds and what the step model prices in
+    them (router/step_model.py scales its predictions by measured over predicted). Decode steps compute no
+    prompt token; prompt steps compute some (with any decodes riding along)."""
+
+    type_name: ClassVar[str] = "step_times"
+    decode_seconds: Amount = 0.0
+    decode_steps: Amount = 0.0
+    decode_seqs: Amount = 0.0  # sequences decoded, summed over the steps
+    decode_context_tokens: Amount = 0.0  # tokens they attended
+    prompt_seconds: Amount = 0.0
+    prompt_steps: Amount = 0.0
+    prompt_tokens: Amount = 0.0
+    prompt_squares: Amount = 0.0  # of each prompt chunk, (computed + new)^2 - computed^2: a prompt's L^2 in all
+    prompt_decode_seqs: Amount = 0.0
+    prompt_decode_context_tokens: Amount = 0.0
+
+
 class EngineStats(Message, type_name="engine_stats"):
     engine_id: str = Field(max_length=MAX_ID_LEN)
     role: Role
@@ -182,6 +204,7 @@ class EngineStats(Message, type_name="engine_stats"):
     # their summed time: decode role, KVWant sent -> KVDone verified (the whole transfer); prefill
     # role, prompt computed -> KVAck received (the part that layer-wise streaming did not hide)
     kv_transfer_seconds: float = 0.0
+    step_times: StepTimes = StepTimes()  # its recent steps' times (the adaptive router's calibration)
 
 
 class DescribeRequest(Message, type_name="describe_request"):

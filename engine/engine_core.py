@@ -18,6 +18,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
 from pdserve.engine.scheduler import KVFailurePolicy, Scheduler
 from pdserve.engine.stats import SchedulerStats
+from pdserve.engine.step_times import StepTimer
 from pdserve.engine.structured_output import PendingConstraints, StructuredOutputCompiler, advance_over_output
 
 log = logging.getLogger("pdserve.engine")
@@ -61,6 +62,7 @@ class EngineCore:
         self.compiling = PendingConstraints(self.structured_output)  # requests whose large constraint compiles
         self._stepped_empty = False  # the last step scheduled nothing (has_runnable_work)
         self._compile_deltas: list[TokenDelta] = []  # aborts of compiling requests, sent with the next step
+        self.step_timer = StepTimer()  # recent steps' measured times (EngineStats.step_times)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      resume_token_ids: Sequence[int] = ()) -> Request:
@@ -173,6 +175,7 @@ class EngineCore:
             return admitted + self.scheduler.take_pending()
         label = _step_label(plan) if log.isEnabledFor(logging.DEBUG) else ""
         log.debug("%s began at %.6f", label, time.time())
+        features, started = self.step_timer.features(plan), time.perf_counter()
         try:
             output = self.runner.execute(plan, self.kv_transfer.layer_hook(plan))
         except Exception as exc:  # noqa: BLE001 - one bad step must not end the engine, see docstring
@@ -180,6 +183,7 @@ class EngineCore:
             log.exception("a step failed; failing its requests %s", request_ids)
             return admitted + self.scheduler.fail_step(plan, _step_error(exc))
         log.debug("%s ended at %.6f", label, time.time())
+        self.step_timer.record(features, time.perf_counter() - started)
         return admitted + self.scheduler.update_from_output(plan, output.sampled, output.prompt_logprobs)
 
     def stats(self) -> SchedulerStats:
@@ -194,6 +198,7 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=scheduler.prefix_cache_stats.queries,
             prefix_cache_hits=scheduler.prefix_cache_stats.hits,
+            step_times=self.step_timer.snapshot(),
         )
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.control.messages import StepTimes
+
 
 @dataclass
 class PrefixCacheStats:
@@ -28,3 +30,4 @@ class SchedulerStats:
     num_preemptions: int  # since start
     prefix_cache_queries: int
     prefix_cache_hits: int
+    step_times: StepTimes = StepTimes()  # recent steps' measured times (engine/step_times.py)

@@ -40,10 +40,10 @@ def add_router_args(parser: argparse.ArgumentParser, *, standalone: bool = True)
     parser.add_argument("--step-profile", default=None, metavar="P.json",
                         help="with --routing adaptive: a `pdserve profile` JSON whose step-time fits it predicts with "
                              "(default: built-in figures of the demo model on a 2-core CPU)")
-    parser.add_argument("--adaptive-lean-interval", type=float, default=0.0, metavar="S",
-                        help="with --routing adaptive: every S seconds the step model decides whether one more (or one "
-                             "fewer) dual-role engine leans to prefill, taking prompts and no new decodes; a verdict "
-                             "must hold two intervals (0: no lean, the default; see docs/results.md)")
+    parser.add_argument("--adaptive-lean-interval", type=float, default=1.0, metavar="S",
+                        help="with --routing adaptive: every S seconds (default 1) the step model judges the prompts "
+                             "of the last 8 s and turns one more (or one fewer) dual-role engine to lean to prefill, "
+                             "taking prompts and no new decodes; 0: no lean (docs/design/adaptive.md)")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0,
                         help="seconds without news from an engine before it leaves routing")
     parser.add_argument("--max-concurrent-requests", type=int, default=1024,

@@ -56,7 +56,6 @@ class Choice:
     harm: float
     ttft_ratio: float
     tpot_ratio: float  # the worst TPOT over its SLO: the new request's, or of a decode it stalls
-    prompt_prefill_s: float = 0.0  # the prompt's own prefill time on the chosen prefill engine (the lean's load)
 
     @property
     def local(self) -> bool:
@@ -136,7 +135,7 @@ def _evaluate(prefill: Predicted, decode: Predicted, request: Request) -> Choice
         harm += decode.load.num_decoding * marginal / slo.tpot_s
     harm += LEAN_PENALTY * _against_lean(prefill.load, decode.load, local)
     return Choice(None if local else prefill.load.address, decode.load.address, prefill.ttft_s, tpot,
-                  max(ttft_ratio, tpot_ratio), harm, ttft_ratio, tpot_ratio, prefill.prefill_s)
+                  max(ttft_ratio, tpot_ratio), harm, ttft_ratio, tpot_ratio)
 
 
 def _against_lean(prefill: EngineLoad, decode: EngineLoad, local: bool) -> int:

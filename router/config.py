@@ -27,7 +27,7 @@ class RouterConfig:
     slo_ttft_ms: float = 2000.0  # the SLOs the adaptive policy routes for (--slo ttft:MS tpot:MS)
     slo_tpot_ms: float = 150.0
     step_profile: str | None = None  # a `pdserve profile` JSON: the adaptive policy's step model (None: built-in)
-    adaptive_lean_interval_s: float = 0.0  # the adaptive policy's lean loop period; 0: no lean
+    adaptive_lean_interval_s: float = 1.0  # the adaptive policy's lean loop period; 0: no lean
     heartbeat_timeout_s: float = 3.0  # an engine silent this long leaves routing
     stats_interval_s: float = 1.0  # how often static engines are polled for stats
     max_concurrent_requests: int = 1024  # more in flight: 429

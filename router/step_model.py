@@ -4,14 +4,24 @@
     prefill step  = p0 + p_token * tokens + p_attention * sum of L^2 over the step's prompts
     decode step   = d0 + d_seq * batch + d_context * context tokens attended
     KV transfer   = t0 + kv_bytes_per_token * tokens * t_byte
+
+`calibrated(model, step_times)` scales the prefill and decode fits by the engines' measured step times over
+these predictions of them (EngineStats.step_times), each ratio bounded to [MIN_SPEED_RATIO, MAX_SPEED_RATIO].
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from pdserve.control.messages import StepTimes
+
+MIN_SPEED_RATIO, MAX_SPEED_RATIO = 0.25, 4.0  # measured over predicted step time, as far as it is trusted
+MIN_STEPS = 5.0  # decayed steps of a kind below which its ratio stays 1
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,49 @@ class StepModel:
 
     def transfer_s(self, num_tokens: int) -> float:
         return self.transfer_intercept + self.transfer_per_byte * self.kv_bytes_per_token * max(num_tokens, 0)
+
+    def scaled(self, prefill_ratio: float, decode_ratio: float) -> StepModel:
+        """This model with its prefill fit times prefill_ratio and its decode fit times decode_ratio."""
+        if prefill_ratio == 1.0 and decode_ratio == 1.0:
+            return self
+        return dataclasses.replace(
+            self, prefill_intercept=self.prefill_intercept * prefill_ratio,
+            prefill_per_token=self.prefill_per_token * prefill_ratio,
+            prefill_attention=self.prefill_attention * prefill_ratio,
+            decode_intercept=self.decode_intercept * decode_ratio, decode_per_seq=self.decode_per_seq * decode_ratio,
+            decode_per_context_token=self.decode_per_context_token * decode_ratio)
+
+
+def speed_ratios(model: StepModel, step_times: Iterable[StepTimes]) -> tuple[float, float]:
+    """(prefill, decode): the engines' measured step seconds over the model's prediction of the same steps, summed
+    over engines. A prompt step's decodes are priced at the decode ratio, the rest of it gives the prefill one."""
+    measured_decode = predicted_decode = measured_prompt = predicted_prompt = riding = 0.0
+    decode_steps = prompt_steps = 0.0
+    for times in step_times:
+        measured_decode += times.decode_seconds
+        predicted_decode += (model.decode_intercept * times.decode_steps + model.decode_per_seq * times.decode_seqs
+                             + model.decode_per_context_token * times.decode_context_tokens)
+        measured_prompt += times.prompt_seconds
+        predicted_prompt += (model.prefill_intercept * times.prompt_steps + model.prefill_per_token
+                             * times.prompt_tokens + model.prefill_attention * times.prompt_squares)
+        riding += (model.decode_per_seq * times.prompt_decode_seqs
+                   + model.decode_per_context_token * times.prompt_decode_context_tokens)
+        decode_steps += times.decode_steps
+        prompt_steps += times.prompt_steps
+    decode = _bounded(measured_decode, predicted_decode) if decode_steps >= MIN_STEPS else 1.0
+    prefill = _bounded(measured_prompt - decode * riding, predicted_prompt) if prompt_steps >= MIN_STEPS else 1.0
+    return prefill, decode
+
+
+def _bounded(measured: float, predicted: float) -> float:
+    if predicted <= 0:
+        return 1.0
+    return min(max(measured / predicted, MIN_SPEED_RATIO), MAX_SPEED_RATIO)
+
+
+def calibrated(model: StepModel, step_times: Iterable[StepTimes]) -> StepModel:
+    """The model scaled to the engines' measured speed (speed_ratios)."""
+    return model.scaled(*speed_ratios(model, step_times))
 
 
 def load_step_model(path: str | Path) -> StepModel:

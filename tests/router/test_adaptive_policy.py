@@ -50,7 +50,8 @@ class Link:
 
 
 def adaptive(**overrides) -> AdaptivePolicy:
-    settings = {"routing": "adaptive", "slo_ttft_ms": 8000, "slo_tpot_ms": 300, **overrides}
+    settings = {"routing": "adaptive", "slo_ttft_ms": 8000, "slo_tpot_ms": 300, "adaptive_lean_interval_s": 0.0,
+                **overrides}
     return make_policy(RouterConfig(model="m", served_model_name="m", **settings))
 
 

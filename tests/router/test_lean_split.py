@@ -8,7 +8,6 @@ import math
 import pytest
 
 from pdserve.router.adaptive import LEAN_DECODE, LEAN_PREFILL, Slo
-from pdserve.router.lean import LeanController
 from pdserve.router.lean_split import SplitWork, poisson_quantile, predicted_ratio, split_verdict
 from pdserve.router.step_model import StepModel
 
@@ -50,45 +49,6 @@ def test_poisson_quantile():
     assert poisson_quantile(100.0, 0.9) == math.ceil(100 + 12.816)
 
 
-def test_the_lean_loop_follows_the_split_with_confirmation_and_no_change_while_it_holds():
-    controller = LeanController(1.0)
-    verdicts = iter([LEAN_PREFILL, LEAN_PREFILL, None, None, LEAN_DECODE, LEAN_DECODE, LEAN_DECODE, LEAN_DECODE])
-    seen = []
-
-    def split(rate: float, mean_prefill_s: float, num_prefill: int):
-        seen.append((rate, mean_prefill_s, num_prefill))
-        return next(verdicts)
-    changes = []
-    for tick in range(8):
-        controller.observe(_choice(prefill_s=2.0))
-        changes += [(tick, c.address, c.new) for c in controller.tick(float(tick + 1), ["a", "b"], {"a": 3, "b": 1},
-                                                                      split)]
-    # one prompt per 1 s interval, 2 s each; the second verdict in a row moves; the dwell holds the return
-    assert seen[0] == pytest.approx((0.3, 2.0, 0)) and seen[2][2] == 1  # the rate averages in at 30% a tick
-    assert changes == [(1, "b", LEAN_PREFILL), (5, "b", 0)]  # and no engine then leans to decode
-
-
-def _choice(prefill_s: float):
-    from pdserve.router.adaptive import Choice
-    return Choice(None, "a", 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, prefill_s)
-
-
-def test_an_interval_without_prompts_keeps_the_split_and_the_rate_decays():
-    controller = LeanController(1.0)
-    asked = []
-
-    def split(rate: float, mean_prefill_s: float, num_prefill: int):
-        asked.append(rate)
-        return LEAN_PREFILL
-    changes = []
-    for tick, prompts in enumerate([1, 1, 0, 0, 0]):
-        for _ in range(prompts):
-            controller.observe(_choice(prefill_s=3.0))
-        changes += controller.tick(float(tick + 1), ["a", "b"], {"a": 0, "b": 0}, split)
-    assert len(changes) == 1 and controller.lean("a") == LEAN_PREFILL  # the empty intervals did not undo it
-    assert asked[2] < asked[1] and asked[-1] > 0  # still asked, with the averaged rate falling
-
-
 def test_a_prefill_leaning_engine_takes_no_decode_while_another_can():
     from pdserve.router.adaptive import EngineLoad, choose
     engines = [EngineLoad("x", True, True, 1000, num_decoding=0, lean=LEAN_PREFILL),
@@ -99,3 +59,9 @@ def test_a_prefill_leaning_engine_takes_no_decode_while_another_can():
     assert short.decode == "y" and short.local
     alone = choose(16, engines[:1], MODEL, PREFILL_HEAVY_SLO, 48)
     assert alone.decode == "x"  # the only engine decodes, leaning or not
+
+
+def test_a_split_far_within_the_slos_stays_whatever_the_relative_gain():
+    loose = Slo(ttft_s=PREFILL_HEAVY_SLO.ttft_s * 100, tpot_s=PREFILL_HEAVY_SLO.tpot_s * 100)
+    assert predicted_ratio(PREFILL_HEAVY, 1, MODEL, loose) < 0.9 * predicted_ratio(PREFILL_HEAVY, 0, MODEL, loose)
+    assert split_verdict(PREFILL_HEAVY, 0, MODEL, loose) is None
