@@ -1,20 +1,27 @@
 """KV blocks one long request holds at its peak on a hybrid tiny model (sliding and full layers), with a block
 table per layer group (sliding groups free what left their window) against one table for every layer.
 
-    python experiments/hybrid_kv_blocks.py [--window 64] [--block-size 16] [--prompt 1024] [--new 64]
+    python experiments/hybrid_kv_blocks.py [--window 64] [--block-size 16] [--prompt 1024] [--new 64] [--pd]
+
+--pd measures the decode engine of a 1P1D pair instead (real prefill and decode processes over loopback, the
+prompt's KV over the KV link; Gemma 3 only): the decode engine runs through this file's `engine` mode, which
+logs its peak and, with $HYBRID_KV_ONE_TABLE=1, keeps one table for every layer (the layout before).
 
 Models (tiny, random weights, fp32, built under a temporary directory with transformers' config classes):
   gemma3  5 sliding : 1 full layers (6 layers: groups of one layer)
   gemma2  alternating sliding / full layers (4 layers: groups of two)
-Each run generates once, colocated, with chunked prefill; the peak is read after every allocation. Counts are
-layer-blocks (one layer's K and V for block-size tokens), so both layouts compare: a pool block of the
-grouped layout holds a group's layers, one of the single table every layer's. Prints a markdown table.
+Each run generates once, colocated with chunked prefill (or disaggregated); the peak is read after every
+allocation. Counts are layer-blocks (one layer's K and V for block-size tokens), so both layouts compare: a pool
+block of the grouped layout holds a group's layers, one of the single table every layer's. Prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,10 +29,14 @@ import torch
 import transformers
 
 from pdserve import LLM, SamplingParams
+from pdserve.cli import main as pdserve_main
 from pdserve.demo_model import make_demo_model
 from pdserve.engine import model_runner
+from pdserve.engine.engine_core import EngineCore
+from pdserve.local_cluster import Driver, EngineProcess
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+PEAK_LINE = "peak KV layer-blocks: "
 COMMON = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, query_pre_attn_scalar=16, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 
@@ -77,15 +88,88 @@ def peak_layer_blocks(model_dir: str, args, grouped: bool) -> tuple[int, list[in
     return peak[0] * layers_per_block, list(tokens)
 
 
+def record_engine_peak() -> None:
+    """This process's engine logs each new peak of layer-blocks in use (after any allocate_slots)."""
+    init, log = EngineCore.__init__, logging.getLogger("experiments.hybrid_kv_blocks")
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        manager, layers_per_block, peak = self.kv_cache_manager, self.runner.kv_cache.shape[0], [0]
+        allocate = manager.allocate_slots
+
+        def allocate_and_look(*call_args, **call_kwargs):
+            blocks = allocate(*call_args, **call_kwargs)
+            if manager.num_used_blocks * layers_per_block > peak[0]:
+                peak[0] = manager.num_used_blocks * layers_per_block
+                log.warning("%s%d", PEAK_LINE, peak[0])
+            return blocks
+
+        manager.allocate_slots = allocate_and_look
+
+    EngineCore.__init__ = recording_init
+
+
+def run_engine(argv: list[str]) -> int:
+    """`pdserve ROLE ARGS...` logging its peak; one table for every layer with $HYBRID_KV_ONE_TABLE=1."""
+    record_engine_peak()
+    if os.environ.get("HYBRID_KV_ONE_TABLE") == "1":
+        model_runner.group_layers_by_window = lambda windows: None
+    return pdserve_main(argv)
+
+
+def decode_peak(model_dir: str, args, grouped: bool, log_dir: Path) -> tuple[int, list[int], int]:
+    """(the decode engine's peak layer-blocks, the generated tokens, KV bytes sent) for one 1P1D request."""
+    engine_args = ("--block-size", str(args.block_size), "--num-kv-blocks", "4096", "--max-num-batched-tokens",
+                   str(args.chunk), "--log-level", "WARNING")
+    env = {"HYBRID_KV_ONE_TABLE": "0" if grouped else "1"}
+    prefill = EngineProcess("prefill", model_dir, *engine_args, "--kv-streaming", "on", log_dir=log_dir, env=env,
+                            module="experiments.hybrid_kv_blocks")
+    decode = EngineProcess("decode", model_dir, *engine_args, *prefill.kv_peer_args(), log_dir=log_dir, env=env,
+                           module="experiments.hybrid_kv_blocks")
+    driver = Driver(decode, prefill)
+    try:
+        prompt = [3 + (i * 7) % 1000 for i in range(args.prompt)]
+        tokens = driver.generate([prompt], temperature=0.0, max_tokens=args.new, ignore_eos=True)[0].token_ids
+        decode_stats, prefill_stats = driver.wait_idle()
+        if decode_stats.num_kv_transfers != 1 or decode_stats.kv_blocks_used or prefill_stats.kv_blocks_used:
+            raise RuntimeError(f"the transfer failed or leaked blocks: {decode_stats}, {prefill_stats}")
+    finally:
+        driver.close()
+        prefill.stop()
+        decode.stop()
+    peaks = [int(line.split(PEAK_LINE, 1)[1].split()[0]) for line in decode.log().splitlines() if PEAK_LINE in line]
+    return max(peaks), list(tokens), prefill_stats.kv_bytes_sent
+
+
+def main_pd(args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        tokenizer_dir = Path(make_demo_model(root / "demo", "llama", "tiny"))
+        model_dir = build_model(root, "gemma3", args.window, args.prompt + args.new + 16, tokenizer_dir)
+        print("| model (1P1D, decode engine) | window | block | prompt + new | one table | per-group tables | ratio "
+              "| same tokens | KV bytes sent (one table, groups) |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+        before, tokens_before, sent_before = decode_peak(model_dir, args, grouped=False, log_dir=root)
+        after, tokens_after, sent_after = decode_peak(model_dir, args, grouped=True, log_dir=root)
+        print(f"| gemma3 (5 : 1) | {args.window} | {args.block_size} | {args.prompt} + {args.new} | {before} | {after} "
+              f"| {after / before:.3f} | {tokens_before == tokens_after} | {sent_before:,}, {sent_after:,} |")
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("prefill", "decode"):  # engine mode: EngineProcess(module=...)
+        sys.exit(run_engine(sys.argv[1:]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=256, help="max_num_batched_tokens")
+    parser.add_argument("--pd", action="store_true", help="the decode engine of a 1P1D pair (Gemma 3)")
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()
+    if args.pd:
+        main_pd(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         tokenizer_dir = Path(make_demo_model(root / "demo", "llama", "tiny"))
