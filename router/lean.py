@@ -95,7 +95,8 @@ class LeanController:
         verdict = split(len(recent) / WINDOW_S, sum(prefill_s for _, prefill_s in recent) / len(recent), num_leaning)
         if verdict != LEAN_DECODE:
             return verdict
-        return split(len(self._arrivals) / RETURN_WINDOW_S, self._window_prefill_s / len(self._arrivals), num_leaning)
+        longer = split(len(self._arrivals) / RETURN_WINDOW_S, self._window_prefill_s / len(self._arrivals), num_leaning)
+        return LEAN_DECODE if longer == LEAN_DECODE else None
 
     def _expire(self, now: float) -> None:
         while self._arrivals and self._arrivals[0][0] <= now - RETURN_WINDOW_S:
