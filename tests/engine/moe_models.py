@@ -41,7 +41,13 @@ BACKEND_CASES = {
     # OLMoE: q/k norm over all heads, 4 experts top-2, the qwen2_moe checkpoint conversion in transformers
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
 }
-ALL_CASES = {**MOE_CASES, **BACKEND_CASES}
+# Variants of a MOE_CASES model that one test each covers
+VARIANT_CASES = {
+    # Qwen2-MoE with its top-k weights renormalised (norm_topk_prob true), which transformers' Qwen2-MoE honours
+    "qwen2-moe-norm-topk": (MOE_CASES["qwen2-moe"][0], MOE_CASES["qwen2-moe"][1],
+                            {**MOE_CASES["qwen2-moe"][2], "norm_topk_prob": True}),
+}
+ALL_CASES = {**MOE_CASES, **BACKEND_CASES, **VARIANT_CASES}
 
 
 def init_random(model: torch.nn.Module) -> None:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.layers.moe import ExpertWeights, select_experts
+from pdserve.engine.layers.moe import ExpertWeights, SparseMoE, select_experts
 from pdserve.engine.loader import ModelLoadError, load_model
 from pdserve.engine.models.registry import resolve_model_class
 from pdserve.engine.config import ConfigError
@@ -49,6 +49,17 @@ def test_greedy_matches_transformers_fp32(moe_model_dir, case):
     llm = run_parity(moe_model_dir(case), make_prompts(VOCAB_SIZE), max_num_batched_tokens=16,
                      num_kv_blocks=NUM_KV_BLOCKS)
     assert type(llm.engine.runner.model) is NATIVE_CLASSES[case]
+
+
+def test_qwen2_moe_with_renormalised_top_k_matches_transformers(moe_model_dir):
+    """Qwen2-MoE with norm_topk_prob true: the top-k weights divided by their sum, as transformers' Qwen2-MoE
+    does when the flag is set (the default case leaves them as they are); fp32 greedy parity, colocated."""
+    model_dir = moe_model_dir("qwen2-moe-norm-topk")
+    llm = run_parity(model_dir, make_prompts(VOCAB_SIZE)[:6], max_num_batched_tokens=16, num_kv_blocks=NUM_KV_BLOCKS)
+    model = llm.engine.runner.model
+    assert type(model) is Qwen2MoeForCausalLM
+    moe_layers = [module for module in model.modules() if isinstance(module, SparseMoE)]
+    assert moe_layers and all(layer.renormalize for layer in moe_layers)
 
 
 # transformers applies rotary in bf16 (cos/sin rounded to bf16), pdserve in fp32. On this Qwen3-MoE
