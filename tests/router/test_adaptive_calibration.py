@@ -7,6 +7,8 @@ import pytest
 
 from pdserve.control.errors import ProtocolError
 from pdserve.control.messages import EngineStats, StepTimes
+from pdserve.router.adaptive import LEAN_PREFILL, Slo
+from pdserve.router.lean_split import SplitWork, split_verdict
 from pdserve.router.step_model import MAX_SPEED_RATIO, MIN_SPEED_RATIO, MIN_STEPS, StepModel, calibrated, speed_ratios
 from tests.router.test_adaptive_policy import Link, adaptive
 
@@ -68,3 +70,18 @@ def test_the_policy_predicts_with_the_engines_measured_speed():
     reporting(busy, measured(1.0, 1.0))
     reporting(idle, measured(1.0, 1.0))
     assert policy.calibrated_model([busy, idle]).decode_s(13, 2400) == pytest.approx(MODEL.decode_s(13, 2400))
+
+
+def test_measured_speed_changes_the_lean_verdict():
+    """Issue #47's prefill-heavy load: at the profile's speed one engine should lean to prefill; measured prompt
+    steps twice as slow, one prefill engine cannot carry the prompts within the TTFT SLO, and the engines stay
+    colocated; twice as fast, the stalls are short enough that they stay colocated too."""
+    slo = Slo(ttft_s=14.4, tpot_s=0.09)
+
+    def verdict(model: StepModel):
+        work = SplitWork(num_engines=2, prompt_rate=0.16, mean_prefill_s=model.prefill_s(1000), num_decoding=8,
+                         decode_context_tokens=8 * 1024, horizon_tokens=48)
+        return split_verdict(work, 0, model, slo)
+    assert verdict(calibrated(MODEL, [measured(1.0, 1.0)])) == LEAN_PREFILL
+    assert verdict(calibrated(MODEL, [measured(1.0, 2.0)])) is None
+    assert verdict(calibrated(MODEL, [measured(1.0, 0.5)])) is None
