@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-# counter sample name -> (summary field, role whose engines report it)
+# counter sample name -> (summary field, the role label of the series counted): a KV counter's role is the side of
+# the transfer, so a transfer is counted once, on its decode side, even between two dual-role engines (each has
+# a series per side: router/metrics.py)
 COUNTERS = {
     "pdserve_kv_bytes_sent_total": ("kv_bytes_sent", "prefill"),
     "pdserve_kv_bytes_received_total": ("kv_bytes_received", "decode"),

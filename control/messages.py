@@ -164,6 +164,17 @@ class StatsRequest(Message, type_name="stats_request"):
     pass
 
 
+class KVSideStats(WireModel):
+    """One role's side of a dual-role engine's KV transfers, since start (the fields as in EngineStats)."""
+
+    type_name: ClassVar[str] = "kv_side_stats"
+    kv_bytes_sent: Count = 0
+    kv_bytes_received: Count = 0
+    num_kv_transfers_failed: Count = 0
+    num_kv_transfers: Count = 0
+    kv_transfer_seconds: float = 0.0
+
+
 Amount = Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False)]
 
 
@@ -204,6 +215,10 @@ class EngineStats(Message, type_name="engine_stats"):
     # their summed time: decode role, KVWant sent -> KVDone verified (the whole transfer); prefill
     # role, prompt computed -> KVAck received (the part that layer-wise streaming did not hide)
     kv_transfer_seconds: float = 0.0
+    # a dual-role engine's KV figures above, split by the role it took in each transfer (they add up to the
+    # figures above); zero on fixed-role engines and on dual engines that predate the split
+    kv_prefill_side: KVSideStats = KVSideStats()
+    kv_decode_side: KVSideStats = KVSideStats()
     step_times: StepTimes = StepTimes()  # its recent steps' times (the adaptive router's calibration)
 
 

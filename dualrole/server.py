@@ -19,7 +19,8 @@ from typing import Any
 
 from pdserve.control.engine_server import EngineServer
 from pdserve.control.keys import load_cluster_keys
-from pdserve.control.messages import GenerateRequest, PrefillRequest, TokenDelta, new_incarnation
+from pdserve.control.messages import (EngineStats, GenerateRequest, KVSideStats, PrefillRequest, TokenDelta,
+                                      new_incarnation)
 from pdserve.control.sockets import CONTROL_MESSAGE_BYTES, ServerSocket
 from pdserve.decode.kv_peers import KVPeerTrust
 from pdserve.decode.scheduler_side import DecodeSchedulerSide
@@ -64,6 +65,13 @@ class DualRoleServer(PrefillServer, DecodeServer):
     def own_kv_addresses(self) -> set[str]:
         """This engine's KV address as bound and as each router was told it."""
         return {self.kv_address, *(heartbeat.register.kv_address for heartbeat in self.heartbeats)}
+
+    def stats(self) -> EngineStats:
+        """The engine's figures, its KV figures also split by the role it took in each transfer."""
+        sides = self.kv_transfer.prefill.stats, self.kv_transfer.decode.stats
+        return super().stats().model_copy(update={
+            "kv_prefill_side": KVSideStats(**dataclasses.asdict(sides[0])),
+            "kv_decode_side": KVSideStats(**dataclasses.asdict(sides[1]))})
 
     def outgoing(self, delta: TokenDelta) -> TokenDelta | None:
         """A prefill-role request's deltas as a prefill engine sends them (the first token, errors); any

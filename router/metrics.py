@@ -15,8 +15,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.control.messages import EngineStats, KVSideStats
 from pdserve.router.link import EngineLink
 from pdserve.router.policies import RoutingPolicy
+from pdserve.router.registry import DUAL
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -31,25 +33,32 @@ ENGINE_GAUGES = (
      "num_waiting_for_remote_kv"),
     ("pdserve_queued_prefill_tokens", "prompt tokens waiting to be prefilled", "queued_prefill_tokens"),
 )
-ENGINE_COUNTERS = (
-    ("pdserve_kv_bytes_sent", "KV bytes sent to decode engines", "kv_bytes_sent"),
-    ("pdserve_kv_bytes_received", "KV bytes received from prefill engines", "kv_bytes_received"),
-    ("pdserve_kv_transfers_failed", "KV transfers that failed", "num_kv_transfers_failed"),
-    ("pdserve_kv_transfers", "KV transfers completed: verified (decode engines), acked (prefill engines)",
+SIDE = " (role: the side of the transfer; a dual-role engine has a series for each)"
+# the KV counters: labelled with the role the engine took in the transfers they count
+KV_COUNTERS = (
+    ("pdserve_kv_bytes_sent", "KV bytes sent to decode engines" + SIDE, "kv_bytes_sent"),
+    ("pdserve_kv_bytes_received", "KV bytes received from prefill engines" + SIDE, "kv_bytes_received"),
+    ("pdserve_kv_transfers_failed", "KV transfers that failed" + SIDE, "num_kv_transfers_failed"),
+    ("pdserve_kv_transfers", "KV transfers completed: verified (decode side), acked (prefill side)" + SIDE,
      "num_kv_transfers"),
-    ("pdserve_kv_transfer_seconds", "summed time of completed KV transfers: decode engines, KVWant sent to "
-     "KVDone verified; prefill engines, prompt computed to KVAck (the part compute did not hide); divide "
-     "by pdserve_kv_transfers for the mean", "kv_transfer_seconds"),
+    ("pdserve_kv_transfer_seconds", "summed time of completed KV transfers: decode side, KVWant sent to "
+     "KVDone verified; prefill side, prompt computed to KVAck (the part compute did not hide); divide "
+     "by pdserve_kv_transfers of the same role for the mean" + SIDE, "kv_transfer_seconds"),
+)
+ENGINE_COUNTERS = KV_COUNTERS + (
     ("pdserve_num_preemptions", "requests preempted for lack of KV blocks", "num_preemptions"),
     ("pdserve_prefix_cache_queries", "tokens of admitted requests looked up in the prefix cache",
      "prefix_cache_queries"),
     ("pdserve_prefix_cache_hits", "tokens found in the prefix cache (KV reused, not computed); divide by "
      "pdserve_prefix_cache_queries for the hit rate", "prefix_cache_hits"),
 )
+KV_FIELDS = frozenset(attribute for _, _, attribute in KV_COUNTERS)
 
 
 class EngineCollector(Collector):
-    """Per-engine series, labelled engine (id) and role, from the registry's links."""
+    """Per-engine series, labelled engine (id) and role, from the registry's links. A KV counter's role is the side
+    of the transfers it counts: a dual-role engine has a "prefill" and a "decode" series of each (its other series
+    say "dual")."""
 
     def __init__(self, links: dict[str, EngineLink]) -> None:
         self.links = links
@@ -74,8 +83,18 @@ class EngineCollector(Collector):
         for name, help_text, attribute in ENGINE_COUNTERS:
             family = CounterMetricFamily(name, help_text, labels=labels)
             for link in reporting:
-                family.add_metric([link.label, link.role], getattr(link.stats, attribute))
+                for role, stats in _counter_sources(link, attribute):
+                    family.add_metric([link.label, role], getattr(stats, attribute))
             yield family
+
+
+def _counter_sources(link: EngineLink, attribute: str) -> list[tuple[str, EngineStats | KVSideStats]]:
+    """(role label, stats) of an engine's series of one counter: a dual-role engine's KV counters as two series, the
+    transfers it made as a prefill engine (role "prefill") and as a decode engine (role "decode"), so that a KV
+    counter's role always names the side it counts; any other counter, and every fixed-role engine's, as one."""
+    if link.role == DUAL and attribute in KV_FIELDS:
+        return [("prefill", link.stats.kv_prefill_side), ("decode", link.stats.kv_decode_side)]
+    return [(link.role, link.stats)]
 
 
 class RoutingCollector(Collector):

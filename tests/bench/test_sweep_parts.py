@@ -218,6 +218,39 @@ def test_metrics_differences_per_run():
     assert summarize_counters({})["mean_kv_wait_ms"] is None
 
 
+def dual_exposition(sides: dict[tuple[str, str], dict[str, float]]) -> str:
+    """/metrics text of dual-role engines as the router serves it: each KV counter once per (engine, side), the
+    prefix-cache counters under role "dual"."""
+    names = sorted({name for values in sides.values() for name in values})
+    lines = []
+    for name in names:
+        lines.append(f"# TYPE pdserve_{name} counter")
+        lines += [f'pdserve_{name}_total{{engine="{engine}",role="{role}"}} {float(values.get(name, 0))!r}'
+                  for (engine, role), values in sides.items()]
+    lines += ["# TYPE pdserve_prefix_cache_queries counter",
+              *(f'pdserve_prefix_cache_queries_total{{engine="engine-{i}",role="dual"}} 0.0' for i in (0, 1))]
+    return "\n".join([*lines, ""])
+
+
+def test_transfers_between_dual_engines_count_once_on_their_decode_side():
+    """engine-0 prefilled 3 prompts that engine-1 pulled, engine-1 prefilled 1 that engine-0 pulled: 4 transfers, not
+    8; the KV wait is the decode sides' mean, the exposed time the prefill sides'."""
+    before = dual_exposition({("engine-0", "prefill"): {}, ("engine-0", "decode"): {},
+                              ("engine-1", "prefill"): {}, ("engine-1", "decode"): {}})
+    after = dual_exposition({
+        ("engine-0", "prefill"): {"kv_bytes_sent": 3000, "kv_transfers": 3, "kv_transfer_seconds": 0.03},
+        ("engine-0", "decode"): {"kv_bytes_received": 1000, "kv_transfers": 1, "kv_transfer_seconds": 0.2},
+        ("engine-1", "prefill"): {"kv_bytes_sent": 1000, "kv_transfers": 1, "kv_transfer_seconds": 0.01},
+        ("engine-1", "decode"): {"kv_bytes_received": 3000, "kv_transfers": 3, "kv_transfers_failed": 1,
+                                 "kv_transfer_seconds": 0.6}})
+    summary = summarize_counters(counter_deltas(counters_by_engine(samples_of(before)),
+                                                counters_by_engine(samples_of(after))))
+    assert summary["kv_transfers"] == 4 and summary["kv_transfers_failed"] == 1
+    assert summary["kv_bytes_sent"] == summary["kv_bytes_received"] == 4000
+    assert summary["mean_kv_wait_ms"] == pytest.approx(1000 * 0.8 / 4)
+    assert summary["mean_kv_transfer_exposed_ms"] == pytest.approx(1000 * 0.04 / 4)
+
+
 def test_queue_sampler_sums_engines_per_sample():
     sampler = QueueSampler("http://unused")
     sampler.add(samples_of(AFTER))

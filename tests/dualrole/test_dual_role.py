@@ -74,7 +74,7 @@ def test_each_dual_engine_prefills_for_the_other_while_decoding_for_it(cluster, 
     """A prefills what B decodes while B prefills what A decodes: both roles at once on each engine."""
     a_to_b, b_to_a = Driver(cluster.b, cluster.a), Driver(cluster.a, cluster.b)
     try:
-        before = a_to_b.prefill_stats().num_kv_transfers, a_to_b.decode_stats().num_kv_transfers
+        before = a_to_b.prefill_stats(), a_to_b.decode_stats()
         ab_ids, ba_ids = submit_all(a_to_b, "ab"), submit_all(b_to_a, "ba")  # all ten in flight at once
         assert tokens(a_to_b, ab_ids) == expected
         assert tokens(b_to_a, ba_ids) == expected
@@ -83,8 +83,18 @@ def test_each_dual_engine_prefills_for_the_other_while_decoding_for_it(cluster, 
         a, b = a_to_b.prefill_stats(), a_to_b.decode_stats()
         assert a.role == b.role == "dual"
         # each engine sent five prompts' KV and received five (the sum of both roles' transfers)
-        assert (a.num_kv_transfers - before[0], b.num_kv_transfers - before[1]) == (2 * len(PROMPTS),) * 2
+        assert (a.num_kv_transfers - before[0].num_kv_transfers,
+                b.num_kv_transfers - before[1].num_kv_transfers) == (2 * len(PROMPTS),) * 2
         assert a.num_kv_transfers_failed == b.num_kv_transfers_failed == 0
+        for engine, earlier in ((a, before[0]), (b, before[1])):  # and five of each as each role, apart
+            prefill_side, decode_side = engine.kv_prefill_side, engine.kv_decode_side
+            assert (prefill_side.num_kv_transfers - earlier.kv_prefill_side.num_kv_transfers,
+                    decode_side.num_kv_transfers - earlier.kv_decode_side.num_kv_transfers) == (len(PROMPTS),) * 2
+            assert prefill_side.kv_bytes_sent == engine.kv_bytes_sent and decode_side.kv_bytes_sent == 0
+            assert decode_side.kv_bytes_received == engine.kv_bytes_received
+        sent_by_a = a.kv_prefill_side.kv_bytes_sent - before[0].kv_prefill_side.kv_bytes_sent
+        received_by_b = b.kv_decode_side.kv_bytes_received - before[1].kv_decode_side.kv_bytes_received
+        assert sent_by_a > 0 and sent_by_a == received_by_b, "A prefilled for B alone"
     finally:
         a_to_b.close()
         b_to_a.close()

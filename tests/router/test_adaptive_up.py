@@ -1,7 +1,7 @@
 """`pdserve up --num-engines 2 --adaptive` as real processes (two dual-role engines, the router's adaptive policy),
 driven through the real openai client: greedy output equals the offline engine's for requests the policy sends
-down each path (colocated on one engine; one engine prefilling for the other), /metrics counts both, and no
-engine holds a KV block after.
+down each path (colocated on one engine; one engine prefilling for the other), /metrics counts both (the one
+transfer once on each side, with its exact bytes), and no engine holds a KV block after.
 
 The step profile is written for the test (prompt tokens dear, decode steps growing with the batch, the KV link
 free) and the SLOs are loose, so the choices follow from the harm alone: idle engines colocate (on the first
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +65,18 @@ def decisions(url: str) -> dict[str, float]:
     return {dict(labels)["path"]: value for labels, value in samples.items()}
 
 
+def nonzero(samples: dict[tuple, float]) -> dict[tuple[str, str], float]:
+    """A per-engine counter's non-zero series as {(engine, role): value}."""
+    return {(dict(labels)["engine"], dict(labels)["role"]): value for labels, value in samples.items() if value}
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    """K and V x layers x kv heads x head_dim x 4 (float32, ENGINE_ARGS)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+
+
 def test_each_path_the_policy_takes_matches_the_offline_engine(cluster, client, offline, tiny_model):
     metrics = scrape(cluster.url)
     assert len(metrics["pdserve_kv_blocks_total"]) == 2, "each dual-role engine is one engine in /metrics"
@@ -84,9 +97,16 @@ def test_each_path_the_policy_takes_matches_the_offline_engine(cluster, client, 
     assert decisions(cluster.url) == {"local": 2.0, "disaggregated": 1.0}, \
         "the prompt whose prefix the busy engine holds is prefilled there and decoded on the idle one"
     metrics = scrape(cluster.url)
-    sent = {dict(labels)["engine"] for labels, value in metrics["pdserve_kv_bytes_sent_total"].items() if value}
-    received = {dict(labels)["engine"] for labels, value in metrics["pdserve_kv_bytes_received_total"].items() if value}
-    assert len(sent) == len(received) == 1 and sent != received, "one engine prefilled for the other"
+    transfers = nonzero(metrics["pdserve_kv_transfers_total"])
+    sides = {role: engine for engine, role in transfers}
+    assert sorted(transfers.values()) == [1.0, 1.0] and set(sides) == {"prefill", "decode"}, \
+        f"one transfer, once on each side: {transfers}"
+    prefilled_on, decoded_on = sides["prefill"], sides["decode"]
+    assert prefilled_on != decoded_on, "one engine prefilled for the other"
+    num_prompt_tokens = len(second.choices[0].model_extra["prompt_token_ids"])
+    num_bytes = kv_bytes_per_token(tiny_model) * num_prompt_tokens  # the whole prompt: D had none of it cached
+    assert nonzero(metrics["pdserve_kv_bytes_sent_total"]) == {(prefilled_on, "prefill"): num_bytes}
+    assert nonzero(metrics["pdserve_kv_bytes_received_total"]) == {(decoded_on, "decode"): num_bytes}
     used = wait_no_kv_used(cluster.url)
     assert len(used) == 2 and all(value == 0 for value in used.values()), used
 
