@@ -162,6 +162,7 @@ def test_kill_9_of_a_dual_engine_mid_stream(cluster, offline, tiny_model):
     assert health.status_code == 200, health.text
     survivor_only = {(("engine", survivor), ("role", "dual")): 0}
     assert wait_no_kv_used(cluster.url, timeout=60) == survivor_only, "the survivor alone, holding no KV block"
+    assert in_flight(cluster.url) == {survivor: 0}, "the router holds no request open"
     after = Stream(client, tiny_model, PREFIXES[1] + "# after", LATE_TOKENS)
     after.join(timeout=120)
     assert after.error is None and after.token_ids == greedy(offline, [after])[0]
