@@ -303,9 +303,6 @@ def test_a_phased_sweep_runs_the_adaptive_layout_beside_a_static_one(model_facto
         assert [(phase["phase"], phase["completed"]) for phase in result["phases"]] == [
             (1, result["input_lens"].count(48)), (2, result["input_lens"].count(8))], result["phases"]
         assert result["sweep"]["num_engines"] == 2
-        # a transfer between two dual engines is counted once, on its decode side, and its bytes on both sides
-        assert row["kv_bytes_sent"] == row["kv_bytes_received"], row
-        assert (row["kv_transfers"] > 0) == (row["kv_bytes_received"] > 0), row
     summary = (out / "summary.md").read_text()
     per_phase = summary.split("## Per phase")[1]
     for phase in ("1 (48:2:8:0.5)", "2 (8:12:8:0.5)"):
