@@ -70,6 +70,13 @@ def nonzero(samples: dict[tuple, float]) -> dict[tuple[str, str], float]:
     return {(dict(labels)["engine"], dict(labels)["role"]): value for labels, value in samples.items() if value}
 
 
+def sweep_counters(url: str) -> dict:
+    """The KV columns `pdserve sweep` would record for everything since the engines started."""
+    from pdserve.bench.sweep_metrics import counter_deltas, counters_by_engine, scrape_metrics, summarize_counters
+
+    return summarize_counters(counter_deltas({}, counters_by_engine(scrape_metrics(url))))
+
+
 def kv_bytes_per_token(model_dir: str) -> int:
     """K and V x layers x kv heads x head_dim x 4 (float32, ENGINE_ARGS)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -107,6 +114,9 @@ def test_each_path_the_policy_takes_matches_the_offline_engine(cluster, client, 
     num_bytes = kv_bytes_per_token(tiny_model) * num_prompt_tokens  # the whole prompt: D had none of it cached
     assert nonzero(metrics["pdserve_kv_bytes_sent_total"]) == {(prefilled_on, "prefill"): num_bytes}
     assert nonzero(metrics["pdserve_kv_bytes_received_total"]) == {(decoded_on, "decode"): num_bytes}
+    swept = sweep_counters(cluster.url)  # as `pdserve sweep` reads the run
+    assert (swept["kv_transfers"], swept["kv_bytes_sent"], swept["kv_bytes_received"]) == (1, num_bytes, num_bytes)
+    assert swept["mean_kv_wait_ms"] > 0 and swept["mean_kv_transfer_exposed_ms"] >= 0
     used = wait_no_kv_used(cluster.url)
     assert len(used) == 2 and all(value == 0 for value in used.values()), used
 
