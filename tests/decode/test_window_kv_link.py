@@ -244,3 +244,28 @@ def test_preempted_hybrid_requests_on_decode_keep_parity_and_free_every_group(wi
         driver.close()
         prefill.stop()
         decode.stop()
+
+
+def test_a_hybrid_decode_engine_reuses_its_own_decoded_blocks_as_prefix_hits(window_model_dir, tmp_path):
+    """Gemma 3, a second turn: the prompt is the first prompt, its answer and a few new tokens. D's hit covers every
+    block it computed or received whose window blocks every group still has cached (decoded blocks that left a
+    sliding window stay cached), P sends only the tokens after it, and both turns give transformers' tokens."""
+    model_dir, windows = window_model_dir("gemma3"), LAYER_WINDOWS["gemma3"]
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    first_turn = {"temperature": 0.0, "max_tokens": 20, "ignore_eos": True}
+    with running_pair(model_dir, tmp_path) as driver:
+        first = PROMPTS[1]
+        answer = driver.generate([first], prefix="turn1-", **first_turn)[0].token_ids
+        theirs, logits = hf_greedy(reference, first, first_turn["max_tokens"])
+        assert_greedy_match(answer, theirs, logits, "gemma3 1P1D, first turn")
+        sent_before = driver.prefill_stats().kv_bytes_sent
+        second = first + answer + [5, 6, 7, 8, 9]
+        result = driver.generate([second], prefix="turn2-", **GREEDY)[0]
+        theirs, logits = hf_greedy(reference, second, GREEDY["max_tokens"])
+        assert_greedy_match(result.token_ids, theirs, logits, "gemma3 1P1D, second turn")
+        hit = (len(first) + len(answer) - 1) // BLOCK * BLOCK  # the last answer token's KV was never computed
+        assert driver.decode_stats().prefix_cache_hits == hit
+        firsts = [hit if w is None else max(hit, max(0, len(second) - w + 1) // BLOCK * BLOCK) for w in windows]
+        expected = sum(len(second) - f for f in firsts) * LAYER_TOKEN_BYTES
+        assert driver.prefill_stats().kv_bytes_sent - sent_before == expected
+        assert_no_leaks(driver)
