@@ -84,8 +84,9 @@ def summary(samples: list[tuple[float, int, float]], statuses: collections.Count
     return (f"prefill RSS: warm {warm:.0f} MiB, half time {half:.0f} MiB, end ({end_s:.0f}s) {end:.0f} MiB, "
             f"peak {peak:.0f} MiB\n"
             f"growth: whole soak {(end / warm - 1) * 100:+.1f}% ({num_requests} requests, "
-            f"{(end - warm) / max(num_requests, 1) * 100:+.2f} MiB per 100); second half {(end / half - 1) * 100:+.1f}% "
-            f"({num_requests - half_requests} requests); answers {dict(sorted(statuses.items()))}")
+            f"{(end - warm) / max(num_requests, 1) * 100:+.2f} MiB per 100); "
+            f"second half {(end / half - 1) * 100:+.1f}% ({num_requests - half_requests} requests); "
+            f"answers {dict(sorted(statuses.items()))}")
 
 
 if __name__ == "__main__":

@@ -61,8 +61,8 @@ def serve(server, lengths, first_id: int = 0) -> set[str]:
     """One prompt of each length, all added at once, run to the end; the ids that finished."""
     for i, length in enumerate(lengths, start=first_id):  # the first token its own: no prefix-cache hit
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        server.handle(ROUTER, PrefillRequest(request_id=f"r{i}", prompt_token_ids=[5 + i] + [3 + j % 50 for j in range(length - 1)],
-                                             sampling_params=params))
+        token_ids = [5 + i] + [3 + j % 50 for j in range(length - 1)]
+        server.handle(ROUTER, PrefillRequest(request_id=f"r{i}", prompt_token_ids=token_ids, sampling_params=params))
     finished = set()
     while server.engine.has_work():
         finished |= {delta.request_id for delta in server.engine.step() if delta.finish_reason is not None}

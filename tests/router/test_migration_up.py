@@ -1,8 +1,9 @@
 """Streams survive a decode engine's death (issue #49 item 3), as real processes: `pdserve up` with one prefill
 and two decode engines, the real openai client streaming. SIGSTOP of a decode engine past the heartbeat timeout
-(then SIGCONT), and kill -9 of one: every stream completes with exactly the uninterrupted output (greedy equal
-to the offline engine; seeded equal to its own uninterrupted run, logprobs too), usage counts every token, the
-woken engine's late tokens go nowhere, and no KV block stays used on an engine that is up."""
+(then SIGCONT), 10 s of SIGSTOP, and kill -9 of one: every stream completes with exactly the uninterrupted output
+(greedy equal to the offline engine; seeded equal to its own uninterrupted run, logprobs too), usage counts every
+token, the woken engine drops what moved instead of decoding it, no KV block stays used on an engine that is up,
+and the router's /health answers within 1 s throughout."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -22,6 +24,10 @@ pytestmark = pytest.mark.hostile
 
 PROMPTS = ["def main():", "import os\nimport sys\n\nclass Parser:", "x = [", "for i in range(10):\n    total +="]
 MAX_TOKENS = 96  # long enough that a stream is still going when its engine is stopped
+# for the 10 s stop: a stopped engine's streams are far from their end, so a woken engine that went on decoding
+# them (rather than dropping them) would still be at it
+LONG_MAX_TOKENS = 384
+HEALTH_BOUND_S = 1.0  # issue #49: /health answers within 1 s through every fault
 
 
 @pytest.fixture(scope="module")
@@ -52,18 +58,73 @@ def busiest_decode_engine(cluster) -> str:
     return busiest
 
 
+def wait_engines_free(url: str, num_engines: int, timeout: float = 60) -> dict:
+    """/metrics' KV blocks used, read until `num_engines` engines report and none holds a block (or timeout)."""
+    deadline = time.monotonic() + timeout
+    used = wait_no_kv_used(url, timeout=timeout)
+    while (len(used) != num_engines or any(used.values())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        used = wait_no_kv_used(url, timeout=max(0.0, deadline - time.monotonic()))
+    return used
+
+
+def orphans_aborted(cluster, name: str) -> int:
+    """How many requests engine `name` has aborted because the link they came on was gone (its log)."""
+    return (cluster.log_dir / f"{name}.log").read_text().count("aborted: the router that sent it is gone")
+
+
+class HealthPoll(threading.Thread):
+    """/health asked every 0.2 s on a thread of its own while the `with` block lasts, and once after: each
+    answer's time and status (0: no answer)."""
+
+    def __init__(self, url: str, interval_s: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.url, self.interval_s = url, interval_s
+        self.latencies: list[float] = []
+        self.statuses: set[int] = set()
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=10) as http:
+            while not self.stopped.is_set():
+                self._ask(http)
+                self.stopped.wait(self.interval_s)
+            self._ask(http)  # and once after the fault
+
+    def _ask(self, http: httpx.Client) -> None:
+        start = time.monotonic()
+        try:
+            status = http.get(f"{self.url}/health").status_code
+        except httpx.HTTPError:
+            status = 0
+        self.latencies.append(time.monotonic() - start)
+        self.statuses.add(status)
+
+    def __enter__(self) -> HealthPoll:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stopped.set()
+        self.join()
+
+    def assert_answered(self) -> None:
+        assert self.statuses == {200}, f"/health answered {self.statuses}: a decode engine was up throughout"
+        assert max(self.latencies) <= HEALTH_BOUND_S, f"/health took {max(self.latencies):.2f}s"
+
+
 class Streams:
     """Several streamed completions at once, each read on its own thread; `started` is released once per stream
     that has its second chunk (so every stream is mid-way when the test strikes)."""
 
-    def __init__(self, client, model: str, requests: list[dict]) -> None:
+    def __init__(self, client, model: str, requests: list[dict], max_tokens: int = MAX_TOKENS) -> None:
         self.started = threading.Semaphore(0)
         self.pool = ThreadPoolExecutor(len(requests))
-        self.futures = [self.pool.submit(self._read, client, model, request) for request in requests]
+        self.futures = [self.pool.submit(self._read, client, model, request, max_tokens) for request in requests]
 
-    def _read(self, client, model: str, request: dict) -> dict:
+    def _read(self, client, model: str, request: dict, max_tokens: int) -> dict:
         chunks = client.completions.create(model=model, stream=True, stream_options={"include_usage": True},
-                                           max_tokens=MAX_TOKENS, **request)
+                                           max_tokens=max_tokens, **request)
         result = {"token_ids": [], "text": "", "logprobs": [], "finish_reason": None, "usage": None}
         for number, chunk in enumerate(chunks):
             if number == 1:
@@ -94,13 +155,13 @@ def greedy_requests() -> list[dict]:
             for prompt in PROMPTS]
 
 
-def assert_greedy(offline, results: list[dict]) -> None:
+def assert_greedy(offline, results: list[dict], max_tokens: int = MAX_TOKENS) -> None:
     for prompt, result in zip(PROMPTS, results):
         expected = offline.generate(prompt, SamplingParams(
-            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0].outputs[0]
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True))[0].outputs[0]
         assert result["token_ids"] == expected.token_ids, "no token repeated, none missing"
         assert result["text"] == expected.text and result["finish_reason"] == "length"
-        assert result["usage"].completion_tokens == MAX_TOKENS
+        assert result["usage"].completion_tokens == max_tokens
         assert result["usage"].prompt_tokens == len(offline.tokenizer.encode(prompt))
 
 
@@ -137,17 +198,46 @@ def test_a_stopped_decode_engine_hands_its_streams_over_and_its_late_tokens_go_n
     assert len(used) == 3 and all(value == 0 for value in used.values()), used
 
 
+def test_a_decode_engine_stopped_for_10_s_loses_no_stream_and_drops_what_moved(cluster, client, offline, tiny_model):
+    """Issue #49's case as written: SIGSTOP for 10 s during 8 greedy streams, then SIGCONT."""
+    wait_no_kv_used(cluster.url, timeout=60)
+    before = migrations(cluster)
+    streams = Streams(client, tiny_model, greedy_requests() * 2, max_tokens=LONG_MAX_TOKENS)
+    streams.wait_started()
+    name = busiest_decode_engine(cluster)
+    stopped = cluster.pid_of(name)
+    aborted_before = orphans_aborted(cluster, name)
+    with HealthPoll(cluster.url) as health:
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            time.sleep(10)
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        results = streams.results()
+        used = wait_engines_free(cluster.url, num_engines=3)  # the woken engine back in routing, its blocks free
+    health.assert_answered()
+    moved = migrations(cluster) - before
+    assert moved > 0, "the stopped engine had streams mid-way"
+    assert_greedy(offline, results[:len(PROMPTS)], LONG_MAX_TOKENS)
+    assert_greedy(offline, results[len(PROMPTS):], LONG_MAX_TOKENS)
+    assert len(used) == 3 and all(value == 0 for value in used.values()), used
+    aborted = orphans_aborted(cluster, name) - aborted_before
+    assert aborted == moved, f"the woken engine dropped {aborted} of the {moved:g} streams that moved, decoded the rest"
+
+
 def test_kill_9_of_a_decode_engine_loses_no_stream(cluster, client, offline, tiny_model):
     wait_no_kv_used(cluster.url, timeout=60)
     before = migrations(cluster)
     streams = Streams(client, tiny_model, greedy_requests() * 2)
     streams.wait_started()
-    os.kill(cluster.pid_of(busiest_decode_engine(cluster)), signal.SIGKILL)
-    results = streams.results()
+    with HealthPoll(cluster.url) as health:  # through the kill, the moves and until every block is free
+        os.kill(cluster.pid_of(busiest_decode_engine(cluster)), signal.SIGKILL)
+        results = streams.results()
+        used = wait_engines_free(cluster.url, num_engines=2)
+    health.assert_answered()
     assert migrations(cluster) > before, "the killed engine had streams mid-way"
     assert_greedy(offline, results[:len(PROMPTS)])
     assert_greedy(offline, results[len(PROMPTS):])
-    used = wait_no_kv_used(cluster.url, timeout=60)
     assert len(used) == 2 and all(value == 0 for value in used.values()), f"the surviving engines: {used}"
 
 
