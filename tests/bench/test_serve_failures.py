@@ -113,7 +113,10 @@ def test_ctrl_c_reports_and_saves_the_requests_that_had_ended_and_exits_130(fake
     process = subprocess.Popen([sys.executable, "-m", "pdserve", "bench", "--disable-progress", "--base-url", fake_url,
                                 "--dataset", "jsonl", "--dataset-path", write_jsonl(tmp_path / "p.jsonl", prompts),
                                 "--num-prompts", "4", "--save-result", str(out)],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               # SIGINT as a terminal leaves it: a runner that starts the tests in the background
+                               # has it ignored, and a child would inherit that
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     try:
         assert "no tokenizer" in process.stderr.readline()  # the run has started: the load follows in moments
         time.sleep(3)
