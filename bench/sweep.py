@@ -491,8 +491,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if sweep.rows:
         report(sweep)
     failures = sweep.failures()
-    print(f"[pdserve sweep] {len(sweep.rows) - len(failures)} of {len(sweep.rows)} measured runs finished (warm-up and "
-          f"unloaded passes not counted); "
+    print(f"[pdserve sweep] {len(sweep.rows) - len(failures)} of {len(sweep.rows)} runs finished (warm-ups not counted); "
           f"results in {plan.output_dir}: summary.md, summary.csv" + (", report.html" if plan.plots else ""),
           flush=True)
     if interrupted:
