@@ -491,7 +491,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     if sweep.rows:
         report(sweep)
     failures = sweep.failures()
-    print(f"[pdserve sweep] {len(sweep.rows) - len(failures)} of {len(sweep.rows)} runs finished (warm-ups not counted); "
+    finished = len(sweep.rows) - len(failures)
+    print(f"[pdserve sweep] {finished} of {len(sweep.rows)} runs finished (warm-ups not counted); "
           f"results in {plan.output_dir}: summary.md, summary.csv" + (", report.html" if plan.plots else ""),
           flush=True)
     if interrupted:
