@@ -39,8 +39,7 @@ class EngineCore:
         self.cache_config = cache_config
         # Sliding and full layers keep a block table per layer group on every engine; the KV link reads and
         # writes each layer through its group's table (docs/design/kv-link.md).
-        self.runner = ModelRunner(model_config, cache_config, device, max_num_seqs=scheduler_config.max_num_seqs,
-                                  group_kv_by_window=True)
+        self.runner = ModelRunner(model_config, cache_config, device, max_num_seqs=scheduler_config.max_num_seqs)
         windows = [w for w in map(model_config.sliding_window_of, range(model_config.num_layers)) if w is not None]
         self.kv_cache_manager: KVCacheManager | HybridKVCacheManager
         if self.runner.kv_groups is not None:

@@ -85,9 +85,9 @@ def _attn_backend_for(model_config: ModelConfig, device: torch.device, block_siz
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str | torch.device = "cpu",
-                 max_num_seqs: int | None = None, group_kv_by_window: bool = False) -> None:
-        """group_kv_by_window: a model whose layers do not all have one sliding window keeps each layer group's
-        KV in its own block table (engine/kv_cache_groups.py); else one table serves every layer."""
+                 max_num_seqs: int | None = None) -> None:
+        """A model whose layers do not all have one sliding window keeps each layer group's KV in its own block
+        table (engine/kv_cache_groups.py); else one table serves every layer."""
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = torch.device(device)
@@ -102,7 +102,7 @@ class ModelRunner:
         attention_layers = sorted((m for m in self.model.modules() if isinstance(m, Attention)),
                                   key=lambda layer: layer.layer_idx)
         self.kv_groups: KVCacheGroups | None = None
-        if group_kv_by_window and not model_config.is_mla:
+        if not model_config.is_mla:
             self.kv_groups = group_layers_by_window([layer.sliding_window for layer in attention_layers])
         layers_per_block = None if self.kv_groups is None else self.kv_groups.layers_per_group
         self.num_blocks = kv_cache_num_blocks(model_config, cache_config, self.device, layers_per_block)

@@ -18,7 +18,6 @@ block of the grouped layout holds a group's layers, one of the single table ever
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import sys
@@ -32,11 +31,10 @@ from pdserve import LLM, SamplingParams
 from pdserve.cli import main as pdserve_main
 from pdserve.demo_model import make_demo_model
 from pdserve.engine import model_runner
-from pdserve.engine.engine_core import EngineCore
 from pdserve.local_cluster import Driver, EngineProcess
 
+PEAK_LINE = "peak KV layer-blocks: "  # tests/decode/peak_blocks_engine.py's log line
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-PEAK_LINE = "peak KV layer-blocks: "
 COMMON = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, query_pre_attn_scalar=16, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 
@@ -88,30 +86,12 @@ def peak_layer_blocks(model_dir: str, args, grouped: bool) -> tuple[int, list[in
     return peak[0] * layers_per_block, list(tokens)
 
 
-def record_engine_peak() -> None:
-    """This process's engine logs each new peak of layer-blocks in use (after any allocate_slots)."""
-    init, log = EngineCore.__init__, logging.getLogger("experiments.hybrid_kv_blocks")
-
-    def recording_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        manager, layers_per_block, peak = self.kv_cache_manager, self.runner.kv_cache.shape[0], [0]
-        allocate = manager.allocate_slots
-
-        def allocate_and_look(*call_args, **call_kwargs):
-            blocks = allocate(*call_args, **call_kwargs)
-            if manager.num_used_blocks * layers_per_block > peak[0]:
-                peak[0] = manager.num_used_blocks * layers_per_block
-                log.warning("%s%d", PEAK_LINE, peak[0])
-            return blocks
-
-        manager.allocate_slots = allocate_and_look
-
-    EngineCore.__init__ = recording_init
-
-
 def run_engine(argv: list[str]) -> int:
-    """`pdserve ROLE ARGS...` logging its peak; one table for every layer with $HYBRID_KV_ONE_TABLE=1."""
-    record_engine_peak()
+    """`pdserve ROLE ARGS...` logging its peak (the tests' recorder: EngineProcess puts the checkout on the path);
+    one table for every layer with $HYBRID_KV_ONE_TABLE=1."""
+    from tests.decode.peak_blocks_engine import record_peaks
+
+    record_peaks()
     if os.environ.get("HYBRID_KV_ONE_TABLE") == "1":
         model_runner.group_layers_by_window = lambda windows: None
     return pdserve_main(argv)
