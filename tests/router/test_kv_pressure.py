@@ -99,12 +99,13 @@ def test_a_decode_engine_that_dies_with_requests_queued_does_not_leave_their_kv_
                                                                                        tmp_path):
     """The prefill engine keeps a prompt that a decode engine has queued (KVHold) for --kv-hold-timeout
     (600 s). If that engine dies, the router, which has stopped listening to the prefill engine after its
-    first token, aborts the request there too: the blocks go within the heartbeat timeout."""
+    first token, aborts the request there too: the blocks go within the heartbeat timeout. The streams wait for
+    another decode engine up to the migration timeout (there is none): 0.5 s, not the default 15 s, ends them."""
     prompt_len, max_tokens = 256, 240  # a second prompt never fits beside the first: ~1 s of decoding each
     prompts = [[(11 * i + j) % 200 + 3 for j in range(prompt_len)] for i in range(3)]
 
     async def scenario():
-        async with router_server(tiny_model, tokenization, max_retries=0) as (gateway, url):
+        async with router_server(tiny_model, tokenization, max_retries=0, migration_timeout_s=0.5) as (gateway, url):
             registration = ("--router-address", gateway.registry.registration_address)
             prefill = EngineProcess("prefill", tiny_model, *ARGS, "--num-kv-blocks", str(2 * prompt_len // 4 + 2),
                                     "--kv-want-timeout", "0.1", *registration, log_dir=tmp_path)
