@@ -4,9 +4,12 @@ generate(), batch 32 and 1, in one process (experiments/offline_throughput.py's 
     python experiments/moe_offline_throughput.py [--arch qwen3-moe|qwen2-moe|mixtral|deepseek-v3] [--size tiny|small]
                                                  [--batch 32 --batch 1]
                                                  [--prompt-len 128] [--new-tokens 64] [--repeats 3] [--expert-loop]
+                                                 [--threads N]
 
 Each figure is the median of --repeats runs taken in turns (A B B A ...: experiments/ab_runs.py), so a
-shared machine that drifts weighs on both engines alike.
+shared machine that drifts weighs on both engines alike; "spread" is the lowest and highest ratio of the
+runs paired in turn (pdserve's i-th run over transformers' i-th), the run-to-run noise to read the median against.
+--threads sets torch's intra-op threads for both engines (default: torch's own).
 
 The model is built here with transformers' own config class and save_pretrained (the hub's
 per-expert checkpoint format), with the demo tokenizer. --expert-loop adds a pdserve column whose
@@ -99,11 +102,14 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines")
     parser.add_argument("--repeats", type=int, default=3, help="runs per engine, in turns; medians reported")
     parser.add_argument("--expert-loop", action="store_true", help="also pdserve with one product per expert")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads, both engines")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_dir = build_model(args.arch, args.size, Path(tempfile.mkdtemp(prefix=f"moe-{args.arch}-")))
     print(f"{args.arch} ({args.size}, random weights) {model_dir}; {args.dtype}; torch threads {torch.get_num_threads()}")
     loop_header = f" {'loop tok/s':>11} {'loop/grouped':>12}" if args.expert_loop else ""
-    print(f"{'batch':>5} {'transformers tok/s':>19} {'pdserve tok/s':>14} {'ratio':>6}{loop_header}")
+    print(f"{'batch':>5} {'transformers tok/s':>19} {'pdserve tok/s':>14} {'ratio':>6} {'spread':>11}{loop_header}")
     runners = {"transformers": run_transformers, "pdserve": run_pdserve, "loop": run_pdserve_expert_loop}
     for batch in args.batch or [32, 1]:
         prompts = make_prompts(max(batch, 4), args.prompt_len, _SPECIAL["vocab_size"])
@@ -113,7 +119,9 @@ def main() -> None:
             if mode == "pdserve" and args.expert_loop:
                 runs["loop"].append(run_pdserve_expert_loop(model_dir, prompts, batch, args.new_tokens, args.dtype))
         theirs, ours = statistics.median(runs["transformers"]), statistics.median(runs["pdserve"])
-        line = f"{batch:>5} {theirs:>19.1f} {ours:>14.1f} {ours / theirs:>6.2f}"
+        paired = [o / t for o, t in zip(runs["pdserve"], runs["transformers"])]
+        spread = f"{min(paired):.2f}-{max(paired):.2f}"
+        line = f"{batch:>5} {theirs:>19.1f} {ours:>14.1f} {ours / theirs:>6.2f} {spread:>11}"
         if args.expert_loop:
             loop = statistics.median(runs["loop"])
             line += f" {loop:>11.1f} {loop / ours:>12.2f}"

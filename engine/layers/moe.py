@@ -75,6 +75,14 @@ def select_experts_grouped(
     return weights * scaling_factor, expert_ids
 
 
+class NarrowLinear(Linear):
+    """A linear with few outputs (a router's, one per expert; a shared-expert gate's, one), kept on F.linear: at
+    these widths oneDNN's packed call costs more than the product (docs/design/attention-features.md)."""
+
+    def pack_for_cpu(self, keep_weight: bool) -> bool:
+        return False
+
+
 class GroupLimitedRouter(nn.Module):
     """DeepSeek's router under Hugging Face's names (mlp.gate.weight, and DeepSeek-V3's
     mlp.gate.e_score_correction_bias), kept and computed in float32 as transformers keeps them."""
@@ -154,17 +162,15 @@ def routed_experts(
 ) -> torch.Tensor:  # [T, H]
     """Each token's routed experts as two grouped GEMMs over its (token, expert) pairs sorted by expert."""
     grouped_gemm = kernel_for("grouped_gemm", hidden.device)
-    top_k = expert_ids.shape[1]
-    flat_ids = expert_ids.flatten()  # [T * k], pair p is token p // k
-    order = flat_ids.argsort(stable=True)  # pairs sorted by expert
+    num_tokens, top_k = expert_ids.shape
+    sorted_ids, order = expert_ids.flatten().sort(stable=True)  # [T * k] pairs by expert; pair p is token p // k
     # expert e's pairs end where the sorted ids first exceed e (no host sync: CUDA-graph safe)
-    group_ends = torch.searchsorted(flat_ids[order], expert_range, right=True).to(torch.int32)  # [E]
-    token_of = order // top_k  # [T * k]
-    gate_up = grouped_gemm(hidden[token_of], gate_up_proj, group_ends)  # [T * k, 2I]
+    group_ends = torch.searchsorted(sorted_ids, expert_range, right=True).to(torch.int32)  # [E]
+    gate_up = grouped_gemm(hidden[order // top_k], gate_up_proj, group_ends)  # [T * k, 2I]
     down = grouped_gemm(activation(gate_up).contiguous(), down_proj, group_ends)  # [T * k, H]
-    down.mul_(routing_weights.flatten()[order].to(down.dtype)[:, None])
-    unsorted = down[order.argsort()]  # [T * k, H], back in (token, slot) order: a gather, no scatter-add
-    return unsorted.view(-1, top_k, unsorted.shape[-1]).sum(dim=1)
+    # back in (token, slot) order: row i of `down` belongs to pair order[i] (a permutation: no scatter-add)
+    unsorted = torch.empty_like(down).index_copy_(0, order, down).view(num_tokens, top_k, -1)  # [T, k, H]
+    return unsorted.mul_(routing_weights.to(down.dtype)[:, :, None]).sum(dim=1)
 
 
 class SparseMoE(nn.Module):
@@ -174,10 +180,10 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, spec: MoESpec, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.top_k, self.renormalize = spec.top_k, spec.renormalize
-        self.gate = Linear(hidden_size, spec.num_experts)  # the router
+        self.gate = NarrowLinear(hidden_size, spec.num_experts)  # the router
         self.experts = ExpertWeights(spec.num_experts, hidden_size, spec.expert_intermediate_size)
         self.shared_expert = shared_expert
-        self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert is not None else None
+        self.shared_expert_gate = NarrowLinear(hidden_size, 1) if shared_expert is not None else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, expert_ids = select_experts(self.gate(hidden), self.top_k, self.renormalize)
