@@ -196,7 +196,7 @@ def test_reference_runs_around_every_load_and_plan_reads_them(model_factory, tmp
     out = tmp_path / "sweep"
     code = main(["sweep", "--configs", "0P1D", "--request-rates", "8", "16", "--model", model, "--num-prompts", "3",
                  "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--goodput", "ttft:60000",
-                 "--reference-requests", "2", "--reference-output-len", "6", "--warmup", "1",
+                 "--reference-requests", "2", "--reference-output-len", "6", "--warmup", "0",
                  "--output-dir", str(out), "--up-args", UP_ARGS])
     assert code == 0, (out / "summary.csv").read_text()
     rows = read_csv(out / "summary.csv")
