@@ -19,22 +19,23 @@ def run_bench(*args: str) -> str:
 
 
 def test_router_overhead_runs_at_toy_sizes():
-    out = run_bench("--num-requests", "3", "--streams", "2", "--stream-tokens", "16")
+    out = run_bench(  # the script's own default model (a tiny demo model it builds); the others get the tests' copy
+        "--num-requests", "3", "--streams", "2", "--stream-tokens", "16")
     assert "| end to end |" in out and "| 2 | 0 | 32 |" in out, out
 
 
-def test_router_overhead_against_the_bare_relay():
-    out = run_bench("--num-requests", "2", "--router", "bare")
+def test_router_overhead_against_the_bare_relay(model_factory):
+    out = run_bench("--model", model_factory("llama"), "--num-requests", "2", "--router", "bare")
     assert "front end: bare" in out and "| first token |" in out, out
     assert "relay throughput" not in out  # the bare relay has no usage chunk to count
 
 
-def test_router_overhead_measures_a_baseline_router_in_the_same_rounds_with_the_httpx_client():
+def test_router_overhead_measures_a_baseline_router_in_the_same_rounds_with_the_httpx_client(model_factory):
     """--baseline-python: a second router (here the same interpreter's pdserve), and --with-floor: the bare
     relay, in the same rounds; each one's overhead and its per-round difference to the router reported; all
     measured through the httpx client (--client httpx)."""
-    out = run_bench("--num-requests", "2", "--skip-relay", "--client", "httpx", "--baseline-python", sys.executable,
-                    "--with-floor")
+    out = run_bench("--model", model_factory("llama"), "--num-requests", "2", "--skip-relay", "--client", "httpx",
+                    "--baseline-python", sys.executable, "--with-floor")
     assert "HTTP client: httpx" in out and "| first token |" in out, out
     for title in ("baseline: the router of", "floor: the bare relay"):
         table = out.split(title, 1)[1]
