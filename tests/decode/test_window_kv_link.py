@@ -62,25 +62,6 @@ def window_model_dir(model_factory, tmp_path_factory):
     return make
 
 
-@pytest.fixture(scope="module")
-def reference_greedy(window_model_dir):
-    """(tokens, logits) of transformers' greedy continuation, computed once per model, prompt and length: several
-    tests check the same prompt of the same model (each reference takes seconds on a CPU)."""
-    models: dict[str, AutoModelForCausalLM] = {}
-    computed: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}
-
-    def greedy(case: str, prompt: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-        key = (case, tuple(prompt), max_tokens)
-        if key not in computed:
-            if case not in models:
-                models[case] = AutoModelForCausalLM.from_pretrained(window_model_dir(case),
-                                                                    dtype=torch.float32).eval()
-            computed[key] = hf_greedy(models[case], prompt, max_tokens)
-        return computed[key]
-
-    return greedy
-
-
 def expected_bytes(prompt_len: int, windows: list[int | None]) -> int:
     """A sliding layer sends the tokens from the first block that the first decoded token's window (at position
     prompt_len) reaches; a full layer sends every token."""
@@ -95,15 +76,15 @@ def full_kv_bytes(prompt_len: int, windows: list[int | None]) -> int:
 
 @pytest.mark.parametrize("case, streaming", [("mistral", "on"), ("mistral", "off"), ("gemma2", "on"),
                                              ("gemma3", "on"), ("gpt-oss", "off")])
-def test_only_the_window_travels_and_output_equals_transformers(window_model_dir, reference_greedy, case, streaming,
-                                                                tmp_path):
+def test_only_the_window_travels_and_output_equals_transformers(window_model_dir, case, streaming, tmp_path):
     model_dir = window_model_dir(case)
     windows = LAYER_WINDOWS[case]
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with running_pair(model_dir, tmp_path, prefill_args=("--kv-streaming", streaming)) as driver:
         sent_before = 0
         for i, prompt in enumerate(PROMPTS):  # one at a time: each request's bytes on their own
             result = driver.generate([prompt], prefix=f"{case}-{i}-", **GREEDY)[0]
-            theirs, logits = reference_greedy(case, prompt, GREEDY["max_tokens"])
+            theirs, logits = hf_greedy(reference, prompt, GREEDY["max_tokens"])
             assert_greedy_match(result.token_ids, theirs, logits, f"{case} 1P1D prompt of {len(prompt)}")
             sent = driver.prefill_stats().kv_bytes_sent - sent_before
             assert sent == expected_bytes(len(prompt), windows), f"prompt of {len(prompt)} tokens"
@@ -115,12 +96,13 @@ def test_only_the_window_travels_and_output_equals_transformers(window_model_dir
         assert_no_leaks(driver)
 
 
-def test_decode_prefix_hits_use_only_blocks_that_hold_every_layers_kv(window_model_dir, reference_greedy, tmp_path):
+def test_decode_prefix_hits_use_only_blocks_that_hold_every_layers_kv(window_model_dir, tmp_path):
     """D publishes a received prompt's blocks from its window's first block on: the blocks before hold no sliding
     KV. A prompt that shares only those blocks gets no hit; one that shares the window's blocks gets them, and P
     sends only the rest."""
     model_dir = window_model_dir("mistral")
     windows = LAYER_WINDOWS["mistral"]
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     first = list(range(300, 336))  # 36 tokens: the window of position 36 starts at token 28 (block 7)
     shares_unpublished = first[:32] + [9] * 8  # would need blocks 6 and 7 for a hit of 32: 6 is unpublished
     shares_window = first + [5, 6, 7, 8, 9]  # hit of 36 tokens: the window of position 36 needs blocks 7, 8
@@ -129,7 +111,7 @@ def test_decode_prefix_hits_use_only_blocks_that_hold_every_layers_kv(window_mod
         for name, prompt, hit in (("first", first, 0), ("unpublished", shares_unpublished, 0),
                                   ("window", shares_window, 36)):
             result = driver.generate([prompt], prefix=f"{name}-", **GREEDY)[0]
-            theirs, logits = reference_greedy("mistral", prompt, GREEDY["max_tokens"])
+            theirs, logits = hf_greedy(reference, prompt, GREEDY["max_tokens"])
             assert_greedy_match(result.token_ids, theirs, logits, f"mistral 1P1D, {name} prompt")
             sent = driver.prefill_stats().kv_bytes_sent - sent_before
             expected = expected_bytes(len(prompt), windows) if hit == 0 else \
@@ -174,19 +156,20 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @pytest.mark.parametrize("case", ["gemma2", "gemma3", "gpt-oss"])
-def test_decode_frees_sliding_blocks_of_a_long_generation(window_model_dir, reference_greedy, case, tmp_path):
+def test_decode_frees_sliding_blocks_of_a_long_generation(window_model_dir, case, tmp_path):
     """D (logging its peak, tests/decode/peak_blocks_engine.py) receives a prompt of four windows and decodes 60
     tokens: a sliding group holds at most the blocks its window reaches, so D's peak is below what one block
     table for every layer holds (every block of every layer), with transformers' tokens and no block left."""
     model_dir, windows = window_model_dir(case), LAYER_WINDOWS[case]
     prompt = PROMPTS[1]
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", log_dir=tmp_path)
     decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *prefill.kv_peer_args(), log_dir=tmp_path,
                            module="tests.decode.peak_blocks_engine")
     driver = Driver(decode, prefill)
     try:
         result = driver.generate([prompt], prefix=f"{case}-long-", **LONG)[0]
-        theirs, logits = reference_greedy(case, prompt, LONG["max_tokens"])
+        theirs, logits = hf_greedy(reference, prompt, LONG["max_tokens"])
         assert_greedy_match(result.token_ids, theirs, logits, f"{case} 1P1D, a long generation")
         assert driver.prefill_stats().kv_bytes_sent == expected_bytes(len(prompt), windows)
         assert_no_leaks(driver)
@@ -211,12 +194,12 @@ def _kv_link_pair(model_dir: str, tmp_path, fault: str) -> tuple[EngineProcess, 
     return prefill, decode
 
 
-def test_an_abort_mid_transfer_and_corrupt_kv_free_every_group_of_a_hybrid_model(window_model_dir, reference_greedy,
-                                                                                 tmp_path):
+def test_an_abort_mid_transfer_and_corrupt_kv_free_every_group_of_a_hybrid_model(window_model_dir, tmp_path):
     """Gemma 3 (six layer groups): a request aborted while P's first KV send is delayed ends with no block held on
     either engine; then corrupt KVLayers fail a transfer, and D frees every group's blocks and computes the
     prompt itself (transformers' tokens)."""
     model_dir = window_model_dir("gemma3")
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     # the aborted request (one chunk) sends at most a message per layer: whichever come next, some are corrupt
     fault = ",".join(["delay:0", *(f"corrupt:{index}" for index in range(1, 16))])
     prefill, decode = _kv_link_pair(model_dir, tmp_path, fault)
@@ -230,7 +213,7 @@ def test_an_abort_mid_transfer_and_corrupt_kv_free_every_group_of_a_hybrid_model
         assert_no_leaks(driver)
         failed_before = driver.decode_stats().num_kv_transfers_failed
         result = driver.generate([PROMPTS[1]], prefix="corrupt-", **GREEDY)[0]
-        theirs, logits = reference_greedy("gemma3", PROMPTS[1], GREEDY["max_tokens"])
+        theirs, logits = hf_greedy(reference, PROMPTS[1], GREEDY["max_tokens"])
         assert_greedy_match(result.token_ids, theirs, logits, "gemma3 1P1D, recomputed after corrupt KV")
         assert driver.decode_stats().num_kv_transfers_failed == failed_before + 1
         assert "checksum" in decode.log()
@@ -241,17 +224,17 @@ def test_an_abort_mid_transfer_and_corrupt_kv_free_every_group_of_a_hybrid_model
         decode.stop()
 
 
-def test_preempted_hybrid_requests_on_decode_keep_parity_and_free_every_group(window_model_dir, reference_greedy,
-                                                                              tmp_path):
+def test_preempted_hybrid_requests_on_decode_keep_parity_and_free_every_group(window_model_dir, tmp_path):
     """Gemma 3 with a decode pool that three long generations overflow: D preempts (freeing every group's blocks)
     and recomputes locally; every request still gives transformers' tokens and nothing leaks."""
     model_dir = window_model_dir("gemma3")
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prefill, decode = start_pair(model_dir, tmp_path, decode_args=("--num-kv-blocks", "90"))
     driver = Driver(decode, prefill)
     try:
         results = driver.generate(PROMPTS, prefix="preempt-", **LONG)
         for prompt, result in zip(PROMPTS, results):
-            theirs, logits = reference_greedy("gemma3", prompt, LONG["max_tokens"])
+            theirs, logits = hf_greedy(reference, prompt, LONG["max_tokens"])
             assert_greedy_match(result.token_ids, theirs, logits, f"gemma3 1P1D under preemption, prompt of "
                                                                    f"{len(prompt)}")
         stats = driver.decode_stats()
@@ -263,22 +246,22 @@ def test_preempted_hybrid_requests_on_decode_keep_parity_and_free_every_group(wi
         decode.stop()
 
 
-def test_a_hybrid_decode_engine_reuses_its_own_decoded_blocks_as_prefix_hits(window_model_dir, reference_greedy,
-                                                                             tmp_path):
+def test_a_hybrid_decode_engine_reuses_its_own_decoded_blocks_as_prefix_hits(window_model_dir, tmp_path):
     """Gemma 3, a second turn: the prompt is the first prompt, its answer and a few new tokens. D's hit covers every
     block it computed or received whose window blocks every group still has cached (decoded blocks that left a
     sliding window stay cached), P sends only the tokens after it, and both turns give transformers' tokens."""
     model_dir, windows = window_model_dir("gemma3"), LAYER_WINDOWS["gemma3"]
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     first_turn = {"temperature": 0.0, "max_tokens": 20, "ignore_eos": True}
     with running_pair(model_dir, tmp_path) as driver:
         first = PROMPTS[1]
         answer = driver.generate([first], prefix="turn1-", **first_turn)[0].token_ids
-        theirs, logits = reference_greedy("gemma3", first, first_turn["max_tokens"])
+        theirs, logits = hf_greedy(reference, first, first_turn["max_tokens"])
         assert_greedy_match(answer, theirs, logits, "gemma3 1P1D, first turn")
         sent_before = driver.prefill_stats().kv_bytes_sent
         second = first + answer + [5, 6, 7, 8, 9]
         result = driver.generate([second], prefix="turn2-", **GREEDY)[0]
-        theirs, logits = reference_greedy("gemma3", second, GREEDY["max_tokens"])
+        theirs, logits = hf_greedy(reference, second, GREEDY["max_tokens"])
         assert_greedy_match(result.token_ids, theirs, logits, "gemma3 1P1D, second turn")
         hit = (len(first) + len(answer) - 1) // BLOCK * BLOCK  # the last answer token's KV was never computed
         assert driver.decode_stats().prefix_cache_hits == hit
