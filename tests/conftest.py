@@ -37,3 +37,12 @@ def _cache_in_tmp(tmp_path_factory):
     import os
 
     os.environ.setdefault("PDSERVE_CACHE", str(tmp_path_factory.mktemp("pdserve-cache")))
+
+
+@pytest.fixture
+def pack_every_linear(monkeypatch):
+    """Small float32 weights run packed too (engine/layers/linear.MIN_PACKED_FP32_ELEMENTS): tests of the packed
+    path use the tiny models, whose weights are all below that size."""
+    from pdserve.engine.layers import linear
+
+    monkeypatch.setattr(linear, "MIN_PACKED_FP32_ELEMENTS", 0)

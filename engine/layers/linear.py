@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 # every call: on the 2-core benchmark box the prepacked products of this model's shapes ran 1.7-1.9x
 # faster at 1-32 rows and 1.45x faster at 2048 rows (docs/results.md, offline throughput).
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# A float32 weight smaller than this stays on F.linear: at 1-128 rows its product ran 1.1-6x faster there than
+# packed (one call's fixed cost dominates), and at 512-2048 rows packed was at most 12% faster
+# (docs/design/attention-features.md, MoE throughput). bf16 weights of every size run packed (as fast or faster).
+MIN_PACKED_FP32_ELEMENTS = 65_536
 EXACT_ROWS = 16  # decode batches: run as they are (one row runs another kernel, whose results differ)
 ROW_BUCKETS_PER_OCTAVE = 8
 
@@ -58,7 +62,8 @@ class Linear(nn.Module):
 
     def pack_for_cpu(self, keep_weight: bool) -> bool:
         """Reorder the weight for oneDNN; without keep_weight the plain copy is released. False if the
-        weight stays on F.linear (not on CPU, a dtype oneDNN lacks, or a CPU without its instructions)."""
+        weight stays on F.linear (not on CPU, a dtype oneDNN lacks, a CPU without its instructions, or a small
+        float32 weight: MIN_PACKED_FP32_ELEMENTS)."""
         return _pack(self, keep_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
@@ -71,6 +76,8 @@ def _pack(linear: nn.Module, keep_weight: bool) -> bool:
     """Set linear.packed_weight (oneDNN layout) from linear.weight; see Linear.pack_for_cpu."""
     weight = linear.weight
     if weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32 and weight.numel() < MIN_PACKED_FP32_ELEMENTS:
         return False
     try:
         linear.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.data)  # [out, in] blocked

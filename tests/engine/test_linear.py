@@ -21,7 +21,7 @@ def _filled(linear: Linear) -> Linear:
 
 @pytest.mark.parametrize("rows", [1, 3, 32, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(rows, bias):
+def test_packed_linear_matches_f_linear(rows, bias, pack_every_linear):
     torch.manual_seed(rows)
     linear = _filled(Linear(64, 96, bias=bias))
     weight, x = linear.weight.detach().clone(), torch.randn(rows, 64)
@@ -50,7 +50,7 @@ class _TiedModel(nn.Module):
         self.head.weight = self.embed.weight
 
 
-def test_pack_keeps_weights_shared_with_other_modules():
+def test_pack_keeps_weights_shared_with_other_modules(pack_every_linear):
     model = _TiedModel()
     _filled(model.qkv)
     assert pack_linear_weights(model) == 2
@@ -61,13 +61,32 @@ def test_pack_keeps_weights_shared_with_other_modules():
     torch.testing.assert_close(model.head(hidden), hidden @ model.embed.weight.T, rtol=1e-5, atol=1e-5)
 
 
-def test_loaded_cpu_model_runs_on_packed_weights(model_factory):
+def test_loaded_cpu_model_runs_on_packed_weights(model_factory, pack_every_linear):
     llm = LLM(model_factory("llama"), dtype="float32", num_kv_blocks=16)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed_weight is not None for m in linears)
 
 
-def test_transformers_backend_linears_run_packed(model_factory):
+def test_small_float32_weights_stay_on_f_linear_and_large_ones_pack():
+    small, large = _filled(Linear(64, 96)), _filled(Linear(256, 256))  # 6,144 and 65,536 elements
+    x = torch.randn(3, 64)
+    expected = F.linear(x, small.weight)
+    assert not small.pack_for_cpu(keep_weight=False)
+    assert small.packed_weight is None and small.weight is not None
+    assert torch.equal(small(x), expected)  # F.linear itself
+    assert large.pack_for_cpu(keep_weight=False) == torch.backends.mkldnn.is_available()
+
+
+def test_small_bf16_weights_pack_where_the_cpu_runs_bf16_on_onednn():
+    small = _filled(Linear(64, 96)).to(torch.bfloat16)
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16))
+    except RuntimeError:
+        pytest.skip("this CPU runs no bf16 linear on oneDNN")
+    assert small.pack_for_cpu(keep_weight=False)
+
+
+def test_transformers_backend_linears_run_packed(model_factory, pack_every_linear):
     llm = LLM(model_factory("llama"), dtype="float32", num_kv_blocks=16, model_impl="transformers")
     hf_model = llm.engine.runner.model.hf_model
     linears = [m for m in hf_model.modules() if type(m) is nn.Linear]

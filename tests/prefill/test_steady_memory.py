@@ -21,7 +21,7 @@ LENGTHS = range(129, 257)  # one prompt per step: each step a row count of its o
 
 
 @pytest.fixture
-def server(model_factory):
+def server(model_factory, pack_every_linear):
     server = build_prefill_server(ModelConfig.from_hf(model_factory("llama"), dtype="float32"), CacheConfig(16, 256),
                                   SchedulerConfig(max_num_seqs=1), PrefillOptions(stream_layers=False))
     yield server
@@ -86,7 +86,8 @@ def test_prompts_of_every_length_reach_onednn_in_few_shapes_and_leave_nothing(se
     engine.kv_cache_manager.check_invariants()
 
 
-def test_a_prefill_engine_makes_every_linear_shape_before_its_first_prompt(model_factory, linear_shapes):
+def test_a_prefill_engine_makes_every_linear_shape_before_its_first_prompt(model_factory, linear_shapes,
+                                                                         pack_every_linear):
     """Prompts of every length, several per step and chunked, reach only shapes the engine ran when it was built:
     each shape's oneDNN primitive (and the memory it keeps) exists before the first prompt."""
     server = build_prefill_server(ModelConfig.from_hf(model_factory("llama"), dtype="float32"), CacheConfig(16, 256),
@@ -109,7 +110,7 @@ def test_a_prefill_engine_makes_every_linear_shape_before_its_first_prompt(model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_padding_changes_no_row_of_a_linear(dtype):
+def test_padding_changes_no_row_of_a_linear(dtype, pack_every_linear):
     torch.manual_seed(0)
     layer = Linear(96, 160)
     layer.weight.data.copy_(torch.randn(160, 96))
