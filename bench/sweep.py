@@ -209,9 +209,9 @@ class Sweep:
     def run(self) -> None:
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         servers = len(self.plan.layouts) + len(self.plan.externals)
-        total = servers * (self.points_per_server(self.run_server)
-                           + (self.points_per_server(self.run_unloaded) if self.plan.slo_factors else 0))
-        with Progress(total, "[pdserve sweep]", file=sys.stdout, unit="run") as self.progress:
+        unloaded = [0.0] * self.points_per_server(self.run_unloaded) if self.plan.slo_factors else []
+        floors = servers * unloaded + servers * self.server_floors()
+        with Progress(len(floors), "[pdserve sweep]", file=sys.stdout, unit="run", floors=floors) as self.progress:
             if self.plan.slo_factors:
                 self.each_server(self.run_unloaded)
                 self.derive_slos()
@@ -219,11 +219,18 @@ class Sweep:
 
     def points_per_server(self, work) -> int:
         """The bench runs `work` makes on one server, a goodput search's probes not counted (added as they come)."""
-        warm = 1 if self.plan.warmup else 0
         if work == self.run_unloaded:
-            return warm + 1
-        loads = len(self.plan.loads)
-        return warm + loads + ((loads + 1) if self.plan.reference_requests else 0)
+            return (1 if self.plan.warmup else 0) + 1
+        return len(self.server_floors())
+
+    def server_floors(self) -> list[float]:
+        """The seconds each of run_server's runs takes at least, in order: a load at a finite rate spans its
+        arrivals (num_prompts / rate); warm-ups, references and loads sent at once are not known before they run."""
+        warm = [0.0] if self.plan.warmup else []
+        reference = [0.0] if self.plan.reference_requests else []
+        prompts = self.plan.bench.num_prompts
+        spans = [prompts / rate if prompts and math.isfinite(rate) and rate > 0 else 0.0 for rate, _ in self.plan.loads]
+        return warm + [floor for span in spans for floor in (*reference, span)] + reference
 
     def bench_point(self, label: str, *args, **kwargs) -> tuple[dict, dict | None]:
         """run_bench(*args, **kwargs) as one point of the progress, with its line of results."""

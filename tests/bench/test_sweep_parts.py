@@ -586,3 +586,14 @@ def test_raw_runs_go_outside_the_repository_unless_a_folder_is_named(tmp_path):
     assert Path(__file__).resolve().parents[2] not in default.resolve().parents
     named = build_plan(sweep_args("--request-rates", "1", "--output-dir", str(tmp_path / "mine"))).output_dir
     assert named == tmp_path / "mine"
+
+
+def test_a_load_at_a_listed_rate_counts_its_arrival_span_in_the_time_left():
+    from pdserve.bench.sweep import Sweep, build_plan
+
+    plan = build_plan(sweep_args("--request-rates", "0.1", "0.2", "inf", "--num-prompts", "24",
+                                 "--reference-requests", "3", "--warmup", "2"))
+    # warm-up, then a reference run before each load, and one after the last
+    sweep = Sweep(plan)
+    assert sweep.server_floors() == [0, 0, 240, 0, 120, 0, 0, 0]
+    assert sweep.points_per_server(sweep.run_server) == 8
