@@ -36,6 +36,7 @@ class Progress:
         self.total, self.desc, self.done = total, desc, 0
         self.tty = _is_terminal(self.file) if tty is None else tty
         self.first_estimate_s = first_estimate_s
+        self.started = time.monotonic()
         self.floors = list(floors) if floors is not None else [0.0] * total  # of the steps not finished yet
         self.beyond_floor_s = 0.0  # the finished steps' time beyond their floors, summed
         self.last_finish = time.monotonic()  # a step's time runs from the last one's end (set-up between counts)
