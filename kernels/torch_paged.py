@@ -10,14 +10,16 @@ composes plan + run into the plain kernel signatures that the Triton kernels are
 Shapes as in kernels.reference: caches [N, B, num_kv_heads, head_dim], block tables [S, max_blocks].
 A sliding window W lets the query at position p see keys (p - W, p]; the plans for a window gather only
 the blocks a window can reach. Soft-capped logits (cap * tanh(logit / cap)) and sinks (one extra logit
-per head in the softmax denominator, with no value) leave SDPA for an explicit softmax.
-K and V are gathered in the cache's dtype; decode attention runs in float32 (bf16 K/V are upcast), prefill
-in the query's dtype.
+per head in the softmax denominator, with no value) take an explicit softmax in prefill.
+Decode gathers K and V row by row (one KV head of one slot), in the cache's dtype, straight into
+[(sequence, KV head), positions, head_dim] buffers that every layer of the step reuses, and attends in
+float32 (bf16 K/V are upcast) with two batched matmuls around a softmax; the query heads that share a KV
+head are its query rows. Prefill attends in the query's dtype (SDPA).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +27,8 @@ import torch.nn.functional as F
 from pdserve.kernels.length_groups import group_by_length
 
 
-# Decode gathers at most about this many positions of K and V per SDPA call (at least one sequence), so a
-# chunk's K/V is still in the core's cache when SDPA reads it (experiments/cpu_attention_dtype.py times it).
+# Decode gathers at most about this many positions of K and V at a time (at least one sequence), so a
+# chunk's K/V is still in the core's cache when its matmuls read it (experiments/cpu_attention_dtype.py times it).
 DECODE_CHUNK_TOKENS = 2048
 
 
@@ -65,10 +67,24 @@ class DecodeGroup:
     first_pos: int  # context position of the first gathered key (a multiple of B; 0 without a window)
     block_ids: torch.Tensor  # [num_seqs * blocks] int64, the group's blocks from first_pos // B, row by row
     mask: torch.Tensor | None  # [num_seqs, 1, 1, max_len - first_pos] float32, 0 or -inf; None: all visible
+    # head_rows' results by (num_kv_heads, block_size), made by the first layer that reads them
+    _head_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def span(self) -> int:  # gathered positions per sequence
         return self.max_len - self.first_pos
+
+    def head_rows(self, num_kv_heads: int, block_size: int) -> torch.Tensor:  # [num_seqs, num_kv_heads, span]
+        """Row (slot * num_kv_heads + head) of each gathered key in a cache viewed as [N * B * num_kv_heads,
+        head_dim], head by head: what decode gathers K and V with, straight into [(seq, head), span, D]."""
+        key = (num_kv_heads, block_size)
+        if key not in self._head_rows:
+            device = self.block_ids.device
+            slots = (self.block_ids.view(self.num_seqs, 1, -1, 1) * block_size
+                     + torch.arange(block_size, device=device))  # [s, 1, blocks, B]
+            rows = slots * num_kv_heads + torch.arange(num_kv_heads, device=device).view(1, -1, 1, 1)
+            self._head_rows[key] = rows.flatten(2)[:, :, :self.span].contiguous()
+        return self._head_rows[key]
 
 
 @dataclass(frozen=True)
@@ -77,10 +93,18 @@ class DecodePlan:
     groups: tuple[DecodeGroup, ...]  # in the order of `order`
     order: torch.Tensor | None  # [S] int64, the step's sequence indices group by group; None: step order
     restore: torch.Tensor | None  # [S] int64, the inverse of order (group rows -> step rows)
+    # gather buffers by cache (dtype, device, num_kv_heads, head_dim): made by the first layer, reused by the rest
+    _workspaces: dict[tuple, DecodeWorkspace] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def any_empty(self) -> bool:  # a padding sequence with no context
         return self.groups[-1].max_len == 0 if self.groups else False
+
+    def workspace(self, cache: torch.Tensor) -> DecodeWorkspace:
+        key = (cache.dtype, cache.device, *cache.shape[2:])
+        if key not in self._workspaces:
+            self._workspaces[key] = DecodeWorkspace(self.groups, cache)
+        return self._workspaces[key]
 
 
 def plan_decode(
@@ -126,7 +150,7 @@ def _plan_group(
         hidden = positions >= group_lens[:, None]
         if window is not None:
             hidden |= positions < group_lens[:, None] - window
-        # additive: SDPA needs no cast
+        # additive: decode adds it to its logits, and SDPA (MLA's decode) takes it as it is
         mask = torch.zeros(hidden.shape, device=seq_lens.device).masked_fill_(hidden, float("-inf"))[:, None, None]
     return DecodeGroup(len(lens), max_len, first_pos, rows[:, first_block:num_blocks].reshape(-1).long(), mask)
 
@@ -141,69 +165,92 @@ def decode_attention_planned(
     sinks: torch.Tensor | None = None,  # [num_heads], one logit per head
 ) -> torch.Tensor:  # [S, num_heads, head_dim]
     num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
     if not plan.groups:
         return torch.zeros_like(query)
-    gqa = num_heads != key_cache.shape[2]
     rows = query if plan.order is None else query.index_select(0, plan.order)  # [S, num_heads, head_dim]
-    rows = rows.float().view(num_seqs, num_heads, 1, head_dim)
-    outs, begin = [], 0
+    # under GQA the query heads that share a KV head are that head's query rows: [S * Hkv, group, D]
+    rows = (rows.float() * scale).view(num_seqs * num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = (torch.zeros if plan.any_empty else torch.empty)(rows.shape, device=query.device)  # empty: zeros
+    sink_logits = None if sinks is None else sinks.float().view(1, num_kv_heads, -1, 1)
+    workspace = plan.workspace(key_cache)
+    begin = 0
     for group in plan.groups:
-        q = rows.narrow(0, begin, group.num_seqs)
+        if group.max_len > 0:
+            pairs = slice(begin * num_kv_heads, (begin + group.num_seqs) * num_kv_heads)
+            _attend_group(rows[pairs], out[pairs], key_cache, value_cache, group, soft_cap, sink_logits, workspace)
         begin += group.num_seqs
-        if group.max_len == 0:
-            outs.append(torch.zeros_like(q))
-            continue
-        outs.extend(_attend_group(q, key_cache, value_cache, group, scale, soft_cap, sinks, gqa))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    out = out.view(num_seqs, num_heads, head_dim)
     if plan.restore is not None:
         out = out.index_select(0, plan.restore)
-    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
+    return out.to(query.dtype)
+
+
+class DecodeWorkspace:
+    """A step's decode gather buffers, reused by every layer and chunk, for a chunk's keys and then its
+    values: rows of the cache gathered in its dtype, and (for other dtypes than float32) their float32 copy."""
+
+    def __init__(self, groups: tuple[DecodeGroup, ...], cache: torch.Tensor) -> None:
+        most = max((min(group.num_seqs, _seqs_per_chunk(group)) * group.span
+                    for group in groups if group.span > 0), default=0)
+        shape = (most * cache.shape[2], cache.shape[3])  # [rows, head_dim]
+        self.float32 = torch.empty(shape, device=cache.device)
+        self.gathered = self.float32 if cache.dtype == torch.float32 else cache.new_empty(shape)
+
+    def gather(self, cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # [len(rows), head_dim] float32
+        num_rows = rows.numel()
+        flat = cache.view(-1, cache.shape[-1])  # [N * B * num_kv_heads, head_dim]
+        gathered = torch.index_select(flat, 0, rows, out=self.gathered[:num_rows])
+        return gathered if gathered.dtype == torch.float32 else self.float32[:num_rows].copy_(gathered)
+
+
+def _seqs_per_chunk(group: DecodeGroup) -> int:
+    return max(1, DECODE_CHUNK_TOKENS // group.span)
 
 
 def _attend_group(
-    q: torch.Tensor,  # [s, num_heads, 1, head_dim] float32
+    q: torch.Tensor,  # [s * num_kv_heads, group, head_dim] float32, already scaled
+    out: torch.Tensor,  # [s * num_kv_heads, group, head_dim] float32, written
     key_cache: torch.Tensor,  # [N, B, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
     group: DecodeGroup,
-    scale: float,
     soft_cap: float | None,
-    sinks: torch.Tensor | None,
-    gqa: bool,
-) -> list[torch.Tensor]:  # chunk by chunk, each [chunk, num_heads, 1, head_dim] float32
-    """One group, a chunk of its sequences at a time: each chunk gathers whole blocks (about
-    DECODE_CHUNK_TOKENS positions of K and V), upcasts them to float32, and SDPA (4-D, so torch's fused
-    CPU kernel) reads them while they are still in the core's cache. Under GQA the query heads that
-    share a KV head are that head's query rows (the mask [c, 1, 1, L] is the same for each), so SDPA
-    runs one (sequence, KV head) pair per group of query heads."""
-    per_chunk = max(1, DECODE_CHUNK_TOKENS // group.span)
-    blocks_per_seq = group.block_ids.numel() // group.num_seqs
-    outs = []
+    sink_logits: torch.Tensor | None,  # [1, num_kv_heads, group, 1] float32
+    workspace: DecodeWorkspace,
+) -> None:
+    """One group, a chunk of its sequences at a time (about DECODE_CHUNK_TOKENS positions): each chunk
+    gathers its keys into float32 [(seq, KV head), span, D] rows, takes logits and softmax, then gathers
+    its values into the same buffer while the chunk is still in the core's cache."""
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    head_rows = group.head_rows(num_kv_heads, key_cache.shape[1])  # [s, Hkv, span]
+    per_chunk = _seqs_per_chunk(group)
     for first in range(0, group.num_seqs, per_chunk):
         count = min(per_chunk, group.num_seqs - first)
-        block_ids = group.block_ids.narrow(0, first * blocks_per_seq, count * blocks_per_seq)
-        keys = _gather_padded(key_cache, block_ids, count, group.span)
-        values = _gather_padded(value_cache, block_ids, count, group.span)
-        mask = None if group.mask is None else group.mask.narrow(0, first, count)
-        rows = q.narrow(0, first, count)
-        if gqa and soft_cap is None and sinks is None:  # SDPA: one pair per KV head, not per query head
-            heads = rows.shape[1]
-            rows = rows.view(count, keys.shape[1], heads // keys.shape[1], rows.shape[-1])  # [c, Hkv, group, D]
-            out = attend(rows, keys, values, mask, False, scale, None, None, False)
-            outs.append(out.view(count, heads, 1, rows.shape[-1]))
-        else:
-            outs.append(attend(rows, keys, values, mask, False, scale, soft_cap, sinks, gqa))
-    return outs
+        rows = head_rows.narrow(0, first, count).view(-1)
+        pairs = slice(first * num_kv_heads, (first + count) * num_kv_heads)
+        keys = workspace.gather(key_cache, rows).view(count * num_kv_heads, group.span, head_dim)
+        logits = torch.bmm(q[pairs], keys.transpose(1, 2))  # [c * Hkv, group, span]
+        mask = None if group.mask is None else group.mask.narrow(0, first, count).view(count, 1, group.span)
+        probs = _decode_softmax(logits, mask, soft_cap, sink_logits, count)
+        values = workspace.gather(value_cache, rows).view(count * num_kv_heads, group.span, head_dim)
+        torch.bmm(probs, values, out=out[pairs])
 
 
-def _gather_padded(
-    cache: torch.Tensor,  # [N, B, num_kv_heads, head_dim]
-    block_ids: torch.Tensor,  # [S * num_blocks] int64
-    num_seqs: int,
-    span: int,  # positions to keep per sequence, from its first gathered block
-) -> torch.Tensor:  # [S, num_kv_heads, span, head_dim] float32 (a view when the cache is float32)
-    blocks = cache.index_select(0, block_ids)  # [S * num_blocks, B, num_kv_heads, head_dim], in the cache's dtype
-    per_seq = blocks.view(num_seqs, -1, *cache.shape[2:])[:, :span]
-    return per_seq.float().transpose(1, 2)
+def _decode_softmax(
+    logits: torch.Tensor,  # [c * num_kv_heads, group, span] float32, overwritten
+    mask: torch.Tensor | None,  # [c, 1, span] float32, 0 or -inf
+    soft_cap: float | None,
+    sink_logits: torch.Tensor | None,  # [1, num_kv_heads, group, 1]
+    count: int,
+) -> torch.Tensor:  # [c * num_kv_heads, group, span]
+    if soft_cap is not None:
+        logits = logits.div_(soft_cap).tanh_().mul_(soft_cap)
+    if mask is not None:
+        logits.view(count, -1, logits.shape[-1]).add_(mask)
+    if sink_logits is None:
+        return torch.softmax(logits, dim=-1)
+    sink = sink_logits.expand(count, -1, -1, -1).reshape(-1, logits.shape[1], 1)
+    return torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The CPU paged decode attention (kernels/torch_paged.py) in bf16 computes in float32: its output is the
 float32 attention of the same bf16 K/V and queries, rounded once to bf16. And decode's chunking (a few
-sequences per SDPA call) changes no result, with padded groups, windows, soft caps and sinks."""
+sequences per gather) changes no result, with padded groups, windows, soft caps and sinks."""
 
 from __future__ import annotations
 
@@ -57,9 +57,9 @@ def test_decode_chunks_change_nothing(name, dtype, monkeypatch, request):
     query = randn((len(DECODE_LENS), HEADS, HEAD_DIM), dtype, gen)
     options = _options(name, gen)
     whole = _decode(cache, query, options)
-    chunk_calls = []
-    attend = torch_paged.attend
-    monkeypatch.setattr(torch_paged, "attend", lambda q, *rest: chunk_calls.append(q.shape[0]) or attend(q, *rest))
+    chunk_calls = []  # sequences per chunk
+    softmax = torch_paged._decode_softmax  # called once per chunk, with its number of sequences last
+    monkeypatch.setattr(torch_paged, "_decode_softmax", lambda *args: chunk_calls.append(args[-1]) or softmax(*args))
     monkeypatch.setattr(torch_paged, "DECODE_CHUNK_TOKENS", 48)  # one to three sequences per call
     chunked = _decode(cache, query, options)
     assert max(chunk_calls) < len(DECODE_LENS) and sum(chunk_calls) == len(DECODE_LENS)
