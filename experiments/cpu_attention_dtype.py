@@ -1,6 +1,7 @@
 """CPU paged attention in float32 against bfloat16, through the engine's torch-paged backend.
 
     python experiments/cpu_attention_dtype.py [--repeats 7] [--layers 8] [--threads N] [--clock wall|cpu]
+                                              [--against REV]
 
 Times what a step's attention costs on CPU at the demo model's shapes (9 heads, 3 KV heads, head_dim 64,
 block size 16): the backend's prepare (plans) once per step, then `--layers` layers of gather +
@@ -9,19 +10,25 @@ runs alternate, so both see the same machine load; each line gives the medians p
 bf16/fp32 ratio of the same run (below 1: bf16 is faster). The blocks of each sequence are scattered
 over the cache (a shuffled block pool), as a serving engine's are after some traffic. On a loaded
 machine, `--threads 1 --clock cpu` (this process's CPU time) is steadier than the wall clock.
+`--against REV` times decode only, this tree's kernels/torch_paged.py against the one at git revision REV
+(plan once per step, then the layers), the two alternating, per dtype; the last column is REV / this tree.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
-from types import SimpleNamespace
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import torch
 
 from pdserve.engine.attention.torch_paged import TorchPagedBackend
 from pdserve.engine.forward_context import ForwardContext
+from pdserve.kernels import torch_paged
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 DECODE_SHAPES = [(batch, context) for context in (256, 1024) for batch in (1, 8, 32)]
@@ -96,6 +103,46 @@ def compare(label: str, context: ForwardContext, num_tokens: int, num_blocks: in
     return fp32, bf16
 
 
+def load_revision(rev: str) -> ModuleType:
+    """kernels/torch_paged.py as it is at git revision `rev`, as a module of its own."""
+    source = subprocess.run(["git", "show", f"{rev}:kernels/torch_paged.py"], capture_output=True, text=True,
+                            check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    module = ModuleType(f"torch_paged_at_{rev}")
+    sys.modules[module.__name__] = module  # its dataclasses look their module up
+    exec(compile(source, f"{rev}:kernels/torch_paged.py", "exec"), module.__dict__)
+    return module
+
+
+def time_decode(kernels: ModuleType, context: ForwardContext, layer: SimpleNamespace, query: torch.Tensor,
+                layers: int) -> float:
+    """Seconds per layer of kernels' decode: one plan, then `layers` layers."""
+    started = clock()
+    plan = kernels.plan_decode(context.decode_block_tables, context.decode_seq_lens, BLOCK_SIZE)
+    for _ in range(layers):
+        kernels.decode_attention_planned(query, layer.key_cache, layer.value_cache, plan, layer.scale)
+    return (clock() - started) / layers
+
+
+def compare_revisions(rev: str, args: argparse.Namespace) -> None:
+    kernels = {rev: load_revision(rev), "this tree": torch_paged}
+    print(f"| shape | dtype | {rev} ms/layer | this tree ms/layer | {rev} / this tree |\n| --- | --- | --- | --- | --- |")
+    for batch, context_len in DECODE_SHAPES:
+        num_blocks = 2 * batch * context_len // BLOCK_SIZE + 8
+        context = decode_context(batch, context_len, num_blocks)
+        for dtype in (torch.float32, torch.bfloat16):
+            layer = make_layer(num_blocks, dtype)
+            query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
+            times: dict[str, list[float]] = {name: [] for name in kernels}
+            for name, module in kernels.items():
+                time_decode(module, context, layer, query, 1)  # warm-up
+            for _ in range(args.repeats):
+                for name, module in kernels.items():  # alternate: the same load for both
+                    times[name].append(time_decode(module, context, layer, query, args.layers))
+            old, new = (statistics.median(times[name]) * 1e3 for name in kernels)
+            print(f"| decode batch {batch}, context {context_len} | {str(dtype).removeprefix('torch.')} | "
+                  f"{old:.3f} | {new:.3f} | {old / new:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per dtype and shape")
@@ -103,6 +150,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall: elapsed time; cpu: this process's CPU time (use with --threads 1)")
+    parser.add_argument("--against", metavar="REV", default=None,
+                        help="decode only: this tree's kernels/torch_paged.py against the one at git revision REV")
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
@@ -110,6 +159,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    if args.against:
+        compare_revisions(args.against, args)
+        return
     print("| shape | fp32 ms/layer | bf16 ms/layer | bf16 / fp32 |\n| --- | --- | --- | --- |")
     for batch, context in DECODE_SHAPES:
         num_blocks = 2 * batch * context // BLOCK_SIZE + 8

@@ -86,6 +86,24 @@ def test_all_sequences_empty(request):
     assert plan.any_empty and torch.equal(out, torch.zeros_like(out))
 
 
+def test_a_plan_shared_by_layers_gives_each_layer_its_own_attention(request):
+    # Every layer of a step runs the same plan, whose gather buffers they share (one per cache dtype):
+    # layer after layer, and dtype after dtype, each result equals that of a plan of its own.
+    gen = generator_for(request.node.name)
+    lens = [300, 17, 64, 290, 1]
+    layers = [make_paged_cache(lens, 3, 64, dtype, gen, block_size=BLOCK)
+              for dtype in (torch.float32, torch.bfloat16, torch.float32)]
+    for layer in layers[1:]:
+        layer.block_tables.copy_(layers[0].block_tables)
+    plan = torch_paged.plan_decode(layers[0].block_tables, layers[0].seq_lens, BLOCK)
+    for layer in layers + layers[::-1]:
+        query = randn((len(lens), 9, 64), layer.key_cache.dtype, gen)
+        own_plan = torch_paged.plan_decode(layer.block_tables, layer.seq_lens, BLOCK)
+        shared = torch_paged.decode_attention_planned(query, layer.key_cache, layer.value_cache, plan, 0.125)
+        alone = torch_paged.decode_attention_planned(query, layer.key_cache, layer.value_cache, own_plan, 0.125)
+        assert torch.equal(shared, alone)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_precision_caches(dtype, request):
     rng = random.Random(dtype.itemsize)
