@@ -149,23 +149,29 @@ class Supervisor:
         component.ready = None
         component.started_at = time.monotonic()
 
-    def check_alive(self) -> None:
-        for component in self.components:
+    def check_alive(self, components: list[Component] | None = None) -> None:
+        for component in self.components if components is None else components:
             code = component.process.poll()
             if code is not None:
                 raise ComponentFailed(component, exit_reason(code))
 
+    @staticmethod
+    def find_line(component: Component, prefix: str) -> dict[str, str] | None:
+        """The KEY=VALUE fields of the first line of this run's log that starts with `prefix` (None: not yet)."""
+        with open(component.log_path, errors="replace") as log_file:
+            log_file.seek(component.log_offset)
+            lines = log_file.read().splitlines()
+        for line in lines:
+            if line.startswith(prefix):
+                return dict(item.split("=", 1) for item in line.split()[1:] if "=" in item)
+        return None
+
     def poll_ready(self, component: Component) -> bool:
         if component.ready is None:
-            with open(component.log_path, errors="replace") as log_file:
-                log_file.seek(component.log_offset)
-                lines = log_file.read().splitlines()
-            for line in lines:
-                if line.startswith("PDSERVE_READY "):
-                    component.ready = dict(item.split("=", 1) for item in line.split()[1:] if "=" in item)
-                    component.ready_wall = time.time()
-                    self._report_ready(component)
-                    break
+            component.ready = self.find_line(component, "PDSERVE_READY ")
+            if component.ready is not None:
+                component.ready_wall = time.time()
+                self._report_ready(component)
         return component.ready is not None
 
     def _report_ready(self, component: Component) -> None:
@@ -174,16 +180,20 @@ class Supervisor:
         restarted = f"; restart {len(component.restart_times)}" if component.restart_times else ""
         say(f"{component.name} ready ({where}, pid {component.process.pid}, {took:.1f}s{restarted})")
 
-    def wait_ready(self, components: list[Component], deadline: float) -> None:
+    def wait_ready(self, components: list[Component], deadline: float, first: Component | None = None) -> None:
+        """Until each of `components` printed its ready line. While `first` is not ready, only its exit ends the
+        wait: what the others' failures say is reported once it is ready, as if they had started after it."""
         waiting = list(components)
         while waiting:
-            self.tick(deadline, "did not become ready", waiting[0])
+            self.tick(deadline, "did not become ready", waiting[0], [first] if first in waiting else None)
             waiting = [component for component in waiting if not self.poll_ready(component)]
 
-    def tick(self, deadline: float, why: str, component: Component) -> None:
+    def tick(self, deadline: float, why: str, component: Component, watched: list[Component] | None = None) -> None:
+        """One poll interval; ComponentFailed when one of `watched` (default: every component) exited, or past
+        the deadline."""
         if self.stopping:
             raise KeyboardInterrupt
-        self.check_alive()
+        self.check_alive(watched)
         if time.monotonic() > deadline:
             raise ComponentFailed(component, f"{why} within --startup-timeout")
         time.sleep(POLL_S)

@@ -1,9 +1,10 @@
 """`pdserve up`: a router plus prefill and decode engines on this machine, as supervised processes (or, with
 --adaptive, --num-engines dual-role engines and the router's adaptive policy).
 
-Start order: the router (its PDSERVE_READY line names the registration address), then every engine
-at once (`python -m pdserve prefill|decode --router-address ...`, each waited for by its own
-PDSERVE_READY line), then until the router routes to all of them. One progress line per component.
+Start order: the router, then, as soon as its PDSERVE_REGISTRATION line names the registration address
+(before it loads the tokenizer), every engine at once (`python -m pdserve prefill|decode --router-address
+...`); each is waited for by its own PDSERVE_READY line (the router's first: a failure it reports is
+reported before an engine's), then until the router routes to all of them. One progress line per component.
 A component that dies at start makes `up` stop the rest and exit non-zero with its last log lines;
 once serving, pdserve.supervisor restarts what exits or stops making progress (docs/serving/supervision.md).
 Ctrl-C / SIGTERM stops engines then the router, each within a bound.
@@ -338,18 +339,28 @@ def watch_progress(engine: Component, log_dir: Path, stall_s: float) -> None:
     engine.command += ["--progress-file", str(engine.progress_path), "--stall-timeout", f"{stall_s:g}"]
 
 
+def wait_registration(supervisor: Supervisor, router: Component, deadline: float) -> str:
+    """The registration address the router bound, from its PDSERVE_REGISTRATION line (printed before it loads
+    the tokenizer) or its ready line."""
+    while True:
+        line = supervisor.find_line(router, "PDSERVE_REGISTRATION ") or supervisor.find_line(router, "PDSERVE_READY ")
+        if line is not None and line.get("registration"):
+            return line["registration"]
+        supervisor.tick(deadline, "did not become ready", router, [router])
+
+
 def _start_all(args: argparse.Namespace, supervisor: Supervisor, model: str, name: str, deadline: float) -> str:
-    """Router, then engines, until the router routes to all of them; returns the router's URL."""
+    """Router, then engines once it has bound its registration address (they start while it loads the
+    tokenizer), until the router routes to all of them; returns the router's URL."""
     router = router_component(args, model, name)
     supervisor.start(router)
-    supervisor.wait_ready([router], deadline)
-    pin_router_addresses(router)
-    url = router.ready["url"]
-    engines = engine_components(args, model, router.ready["registration"])
+    engines = engine_components(args, model, wait_registration(supervisor, router, deadline))
     for engine in engines:
         watch_progress(engine, supervisor.log_dir, args.stall_timeout)
         supervisor.start(engine)
-    supervisor.wait_ready(engines, deadline)
+    supervisor.wait_ready([router, *engines], deadline, first=router)
+    pin_router_addresses(router)
+    url = router.ready["url"]
     wait_routed(supervisor, url, args.num_prefill, args.num_decode, deadline, router)
     return url
 

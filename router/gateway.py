@@ -18,7 +18,8 @@ from pdserve.router.tokenization import Tokenization
 
 
 class Gateway:
-    def __init__(self, config: RouterConfig, tokenization: Tokenization | None = None) -> None:
+    def __init__(self, config: RouterConfig, tokenization: Tokenization | None = None,
+                 registry: EngineRegistry | None = None) -> None:
         self.config = config
         self.tokenization = tokenization or Tokenization(config.model, config.chat_template)
         self.generation_defaults = load_generation_defaults(config.model)  # generation_config.json's sampling
@@ -27,7 +28,7 @@ class Gateway:
         # request-supplied chat templates are rendered in killable worker processes, started with the router
         self.template_sandbox = (TemplateSandbox(config.model, config.preprocess_timeout_s)
                                  if config.allow_request_chat_template else None)
-        self.registry = EngineRegistry(config)
+        self.registry = registry or EngineRegistry(config)
         self.policy = make_policy(config)
         self.metrics = RouterMetrics(self.registry.links, self.policy)
         self.num_in_flight = 0

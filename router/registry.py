@@ -77,9 +77,24 @@ class EngineRegistry:
         self._stats_refresh: asyncio.Future | None = None  # the /metrics refresh in flight
         self._kv_peers: dict[str, str] = {}  # what the decode engines were last told: KV address -> incarnation
 
+    def bind(self) -> None:
+        """Bind the registration socket now, before the event loop runs (ZeroMQ queues what engines send until
+        the loop reads it): engines can register while the router still loads its tokenizer. start() binds it
+        otherwise."""
+        if self.config.registration_address and self._registration is None:
+            self._bind_registration(self.config.registration_address)
+
+    def unbind(self) -> None:
+        """Close what bind() opened when the router fails before it starts (a ZAP thread left running would keep
+        the process from exiting)."""
+        if self._registration is not None:
+            self._registration.close(linger_s=0)
+            self._registration = None
+        self.context.term()
+
     async def start(self) -> None:
         if self.config.registration_address:
-            self._bind_registration(self.config.registration_address)
+            self.bind()
             self._tasks.append(asyncio.create_task(self._serve_registration(), name="registration"))
         for role, addresses in (("prefill", self.config.prefill_addresses), ("decode", self.config.decode_addresses)):
             for address in addresses:

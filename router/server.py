@@ -3,6 +3,11 @@ works and the PDSERVE_READY line names the real address:
 
     PDSERVE_READY role=router url=http://127.0.0.1:8000 registration=tcp://127.0.0.1:7000
 
+The registration socket is bound before the tokenizer loads, and a line on stderr names it then, so a
+launcher (`pdserve up`) can start engines while the router loads:
+
+    PDSERVE_REGISTRATION registration=tcp://127.0.0.1:7000
+
 uvicorn runs on uvloop with the httptools parser (both dependencies of pdserve; uvicorn's "auto" falls
 back to asyncio and h11 where they are missing).
 """
@@ -12,6 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import sys
 
 import uvicorn
 
@@ -19,6 +25,7 @@ from pdserve.router.api import create_app
 from pdserve.router.config import RouterConfig, open_api_warning
 from pdserve.router.gateway import Gateway
 from pdserve.router.header_deadline import HeaderDeadlineProtocol
+from pdserve.router.registry import EngineRegistry
 
 log = logging.getLogger("pdserve.router")
 
@@ -53,11 +60,25 @@ def warn_if_open(config: RouterConfig, port: int) -> None:
         log.warning(warning)
 
 
+def build_gateway(config: RouterConfig) -> Gateway:
+    """The gateway, its registration socket bound (and named on stderr) before the tokenizer loads: engines
+    started meanwhile register then, and are reached once the server runs. A bad model fails here, before READY."""
+    registry = EngineRegistry(config)
+    registry.bind()
+    if registry.registration_address:
+        print(f"PDSERVE_REGISTRATION registration={registry.registration_address}", file=sys.stderr, flush=True)
+    try:
+        return Gateway(config, registry=registry)
+    except BaseException:
+        registry.unbind()
+        raise
+
+
 def run(config: RouterConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s router %(name)s %(levelname)s %(message)s")
     sock = bind_http(config.host, config.port)
     port = sock.getsockname()[1]
-    gateway = Gateway(config)  # loads the tokenizer now: a bad model fails before READY
+    gateway = build_gateway(config)
     warn_if_open(config, port)
 
     def ready(gateway: Gateway) -> None:

@@ -1,0 +1,78 @@
+"""`pdserve up` starts the engines while the router loads its tokenizer: the router's failure is still the one
+reported when both fail, and an engine's failure is reported once the router is ready (real child processes)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.supervisor import Component, ComponentFailed, RestartPolicy, Supervisor
+
+
+def child(code: str) -> list[str]:
+    return [sys.executable, "-c", f"import sys, time\n{code}"]
+
+
+READY_LATER = child("time.sleep(1.0); print('PDSERVE_READY role=router url=http://x registration=tcp://y', flush=True)"
+                    "; time.sleep(60)")
+FAILS_LATER = child("time.sleep(1.0); sys.exit(2)")
+FAILS_AT_ONCE = child("sys.exit(5)")
+
+
+def started(tmp_path, *components: Component) -> Supervisor:
+    supervisor = Supervisor(tmp_path, RestartPolicy())
+    for component in components:
+        supervisor.start(component)
+    return supervisor
+
+
+def test_the_router_failing_after_an_engine_is_the_failure_reported(tmp_path):
+    router, engine = Component("router", FAILS_LATER), Component("decode-0", FAILS_AT_ONCE)
+    supervisor = started(tmp_path, router, engine)
+    try:
+        with pytest.raises(ComponentFailed) as failed:
+            supervisor.wait_ready([router, engine], deadline=float("inf"), first=router)
+        assert failed.value.component is router and str(failed.value) == "router exited with code 2"
+    finally:
+        supervisor.stop_all()
+
+
+def test_an_engine_failing_while_the_router_loads_is_reported_once_the_router_is_ready(tmp_path, capsys):
+    router, engine = Component("router", READY_LATER), Component("decode-0", FAILS_AT_ONCE)
+    supervisor = started(tmp_path, router, engine)
+    try:
+        with pytest.raises(ComponentFailed) as failed:
+            supervisor.wait_ready([router, engine], deadline=float("inf"), first=router)
+        assert failed.value.component is engine and str(failed.value) == "decode-0 exited with code 5"
+        assert router.ready == {"role": "router", "url": "http://x", "registration": "tcp://y"}
+        assert "router ready (http://x" in capsys.readouterr().out
+    finally:
+        supervisor.stop_all()
+
+
+def test_find_line_reads_only_this_run_of_the_log(tmp_path):
+    router = Component("router", child("print('PDSERVE_REGISTRATION registration=tcp://127.0.0.1:5', flush=True)"))
+    supervisor = started(tmp_path, router)
+    router.process.wait(timeout=30)
+    assert supervisor.find_line(router, "PDSERVE_REGISTRATION ") == {"registration": "tcp://127.0.0.1:5"}
+    assert supervisor.find_line(router, "PDSERVE_READY ") is None
+    router.log_offset = router.log_path.stat().st_size  # a restart appends to the log: its lines start here
+    assert supervisor.find_line(router, "PDSERVE_REGISTRATION ") is None
+
+
+def test_up_names_the_router_when_a_broken_model_fails_it_and_the_faster_engines(model_factory, tmp_path):
+    broken = tmp_path / "model"
+    shutil.copytree(model_factory("llama"), broken)
+    (broken / "config.json").write_text("{")
+    run = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(broken), "--insecure", "--port", "0",
+                          "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=180,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 1, run.stderr
+    assert "[pdserve up] error: router exited with code 2" in run.stderr
+    assert f"cannot load the tokenizer of {broken}" in run.stderr
+    engine_log = (tmp_path / "logs" / "decode-0.log").read_text()  # started while the router loaded: failed too
+    assert "config.json cannot be read as JSON" in engine_log, engine_log
