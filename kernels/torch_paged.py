@@ -19,6 +19,7 @@ head are its query rows. Prefill attends in the query's dtype (SDPA).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -27,8 +28,11 @@ import torch.nn.functional as F
 from pdserve.kernels.length_groups import group_by_length
 
 
-# Decode gathers at most about this many positions of K and V at a time (at least one sequence), so a
-# chunk's K/V is still in the core's cache when its matmuls read it (experiments/cpu_attention_dtype.py times it).
+# Decode gathers at most about this many float32 elements of keys at a time (then as many of values; at least
+# one sequence), so a chunk is still in the core's cache when its matmuls read it: 1.5 MB, 2,048 positions of
+# 3 KV heads of 64 (experiments/cpu_attention_dtype.py times it).
+DECODE_CHUNK_ELEMENTS = 2048 * 3 * 64
+# MLA's decode (engine/layers/mla.py) gathers at most about this many positions of latents at a time.
 DECODE_CHUNK_TOKENS = 2048
 
 
@@ -79,12 +83,17 @@ class DecodeGroup:
         head_dim], head by head: what decode gathers K and V with, straight into [(seq, head), span, D]."""
         key = (num_kv_heads, block_size)
         if key not in self._head_rows:
-            device = self.block_ids.device
-            slots = (self.block_ids.view(self.num_seqs, 1, -1, 1) * block_size
-                     + torch.arange(block_size, device=device))  # [s, 1, blocks, B]
-            rows = slots * num_kv_heads + torch.arange(num_kv_heads, device=device).view(1, -1, 1, 1)
-            self._head_rows[key] = rows.flatten(2)[:, :, :self.span].contiguous()
+            in_block = _rows_in_block(num_kv_heads, block_size, self.block_ids.device)  # [1, Hkv, 1, B]
+            rows = self.block_ids.view(self.num_seqs, 1, -1, 1) * in_block.numel() + in_block
+            rows = rows.flatten(2)  # [s, num_kv_heads, blocks * B]
+            self._head_rows[key] = rows[:, :, :self.span].contiguous()
         return self._head_rows[key]
+
+
+@functools.lru_cache(maxsize=16)
+def _rows_in_block(num_kv_heads: int, block_size: int, device: torch.device) -> torch.Tensor:  # [1, Hkv, 1, B]
+    """Within a block, the row of head h at offset b: b * num_kv_heads + h."""
+    return torch.arange(block_size * num_kv_heads, device=device).view(block_size, -1).t().contiguous()[None, :, None]
 
 
 @dataclass(frozen=True)
@@ -177,8 +186,9 @@ def decode_attention_planned(
     begin = 0
     for group in plan.groups:
         if group.max_len > 0:
-            pairs = slice(begin * num_kv_heads, (begin + group.num_seqs) * num_kv_heads)
-            _attend_group(rows[pairs], out[pairs], key_cache, value_cache, group, soft_cap, sink_logits, workspace)
+            first, count = begin * num_kv_heads, group.num_seqs * num_kv_heads
+            _attend_group(_rows(rows, first, count), _rows(out, first, count), key_cache, value_cache, group,
+                          soft_cap, sink_logits, workspace)
         begin += group.num_seqs
     out = out.view(num_seqs, num_heads, head_dim)
     if plan.restore is not None:
@@ -191,7 +201,7 @@ class DecodeWorkspace:
     values: rows of the cache gathered in its dtype, and (for other dtypes than float32) their float32 copy."""
 
     def __init__(self, groups: tuple[DecodeGroup, ...], cache: torch.Tensor) -> None:
-        most = max((min(group.num_seqs, _seqs_per_chunk(group)) * group.span
+        most = max((min(group.num_seqs, _seqs_per_chunk(group, cache)) * group.span
                     for group in groups if group.span > 0), default=0)
         shape = (most * cache.shape[2], cache.shape[3])  # [rows, head_dim]
         self.float32 = torch.empty(shape, device=cache.device)
@@ -200,12 +210,12 @@ class DecodeWorkspace:
     def gather(self, cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # [len(rows), head_dim] float32
         num_rows = rows.numel()
         flat = cache.view(-1, cache.shape[-1])  # [N * B * num_kv_heads, head_dim]
-        gathered = torch.index_select(flat, 0, rows, out=self.gathered[:num_rows])
-        return gathered if gathered.dtype == torch.float32 else self.float32[:num_rows].copy_(gathered)
+        gathered = torch.index_select(flat, 0, rows, out=_rows(self.gathered, 0, num_rows))
+        return gathered if gathered.dtype == torch.float32 else _rows(self.float32, 0, num_rows).copy_(gathered)
 
 
-def _seqs_per_chunk(group: DecodeGroup) -> int:
-    return max(1, DECODE_CHUNK_TOKENS // group.span)
+def _seqs_per_chunk(group: DecodeGroup, cache: torch.Tensor) -> int:  # cache [N, B, num_kv_heads, head_dim]
+    return max(1, DECODE_CHUNK_ELEMENTS // (group.span * cache.shape[2] * cache.shape[3]))
 
 
 def _attend_group(
@@ -218,22 +228,27 @@ def _attend_group(
     sink_logits: torch.Tensor | None,  # [1, num_kv_heads, group, 1] float32
     workspace: DecodeWorkspace,
 ) -> None:
-    """One group, a chunk of its sequences at a time (about DECODE_CHUNK_TOKENS positions): each chunk
+    """One group, a chunk of its sequences at a time (about DECODE_CHUNK_ELEMENTS of keys): each chunk
     gathers its keys into float32 [(seq, KV head), span, D] rows, takes logits and softmax, then gathers
     its values into the same buffer while the chunk is still in the core's cache."""
     num_kv_heads, head_dim = key_cache.shape[2:]
     head_rows = group.head_rows(num_kv_heads, key_cache.shape[1])  # [s, Hkv, span]
-    per_chunk = _seqs_per_chunk(group)
+    per_chunk = _seqs_per_chunk(group, key_cache)
     for first in range(0, group.num_seqs, per_chunk):
         count = min(per_chunk, group.num_seqs - first)
-        rows = head_rows.narrow(0, first, count).view(-1)
-        pairs = slice(first * num_kv_heads, (first + count) * num_kv_heads)
+        rows = _rows(head_rows, first, count).view(-1)
+        pairs = (first * num_kv_heads, count * num_kv_heads)
         keys = workspace.gather(key_cache, rows).view(count * num_kv_heads, group.span, head_dim)
-        logits = torch.bmm(q[pairs], keys.transpose(1, 2))  # [c * Hkv, group, span]
-        mask = None if group.mask is None else group.mask.narrow(0, first, count).view(count, 1, group.span)
+        logits = torch.bmm(_rows(q, *pairs), keys.transpose(1, 2))  # [c * Hkv, group, span]
+        mask = None if group.mask is None else _rows(group.mask, first, count).view(count, 1, group.span)
         probs = _decode_softmax(logits, mask, soft_cap, sink_logits, count)
         values = workspace.gather(value_cache, rows).view(count * num_kv_heads, group.span, head_dim)
-        torch.bmm(probs, values, out=out[pairs])
+        torch.bmm(probs, values, out=_rows(out, *pairs))
+
+
+def _rows(tensor: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """tensor's rows [first, first + count): the tensor itself when that is all of it (a slice costs a call)."""
+    return tensor if first == 0 and count == tensor.shape[0] else tensor.narrow(0, first, count)
 
 
 def _decode_softmax(

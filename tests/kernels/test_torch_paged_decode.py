@@ -67,6 +67,15 @@ def test_equal_lengths_run_as_one_group_without_mask_or_reorder(request):
     assert_close(out, expected, torch.float32)
 
 
+@pytest.mark.parametrize("lens", [[16], [16] * 4, [64] * 5, [48, 64, 32, 64]], ids=["one block", "one block each",
+                                                                               "equal", "mixed"])
+def test_contexts_of_whole_blocks(lens, request):
+    # every gathered block full: no position past a sequence's last block to leave out
+    plan, out, expected = run_both(lens, 3, 3, torch.float32, request.node.name)
+    assert all(group.span % BLOCK == 0 for group in plan.groups)
+    assert_close(out, expected, torch.float32)
+
+
 def test_one_group_of_unsorted_lengths_keeps_the_step_order(request):
     plan, out, expected = run_both([100, 110, 95, 105], 3, 3, torch.float32, request.node.name)
     assert len(plan.groups) == 1 and plan.order is None and plan.groups[0].mask is not None

@@ -60,7 +60,7 @@ def test_decode_chunks_change_nothing(name, dtype, monkeypatch, request):
     chunk_calls = []  # sequences per chunk
     softmax = torch_paged._decode_softmax  # called once per chunk, with its number of sequences last
     monkeypatch.setattr(torch_paged, "_decode_softmax", lambda *args: chunk_calls.append(args[-1]) or softmax(*args))
-    monkeypatch.setattr(torch_paged, "DECODE_CHUNK_TOKENS", 48)  # one to three sequences per call
+    monkeypatch.setattr(torch_paged, "DECODE_CHUNK_ELEMENTS", 48 * KV_HEADS * HEAD_DIM)  # 1 to 3 sequences a chunk
     chunked = _decode(cache, query, options)
     assert max(chunk_calls) < len(DECODE_LENS) and sum(chunk_calls) == len(DECODE_LENS)
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
