@@ -18,7 +18,8 @@ LATENCY_COLUMNS = (("TTFT p50", "median_ttft_ms"), ("TTFT p90", "p90_ttft_ms"),
 class Comparison:
     headers: list[str]
     cells: list[list[str]]  # one row of cells per layout, in the sweep's order
-    winner: str | None  # the layout with the highest goodput per engine; None: no SLOs, or no clear winner
+    winner: str | None  # the highest goodput per engine (tied: the higher attainment at the next load); None: no
+    # SLOs, or no clear winner
     sentence: str
 
 
@@ -46,6 +47,8 @@ def compare(rows: list[dict], goodputs: list[dict], slos: dict[str, float]) -> C
         winner, sentence = winner_by_attainment(measured)
     elif slos and winner is None and not any(g["goodput_per_engine"] > 0 for g in goodputs):
         sentence += closest(measured)
+    elif slos and winner is None:
+        winner, sentence = break_tie(goodputs, measured) or (winner, sentence)
     basis = "at the highest rate within the SLOs" if slos else "at the highest load"
     headers = ["layout", "engines", "goodput (req/s)", "per engine"]
     headers += [f"attainment @ {load}" for load in loads] if slos else []
@@ -90,6 +93,27 @@ def pick_winner(goodputs: list[dict], slos: dict[str, float]) -> tuple[str | Non
     ratio = best["goodput_per_engine"] / second["goodput_per_engine"]
     return best["config"], (f"{best['config']} wins: {_per_engine(best)} against {second['config']}'s "
                             f"{_per_engine(second)}, {ratio:.2f}x ({ratio - 1:+.0%}).")
+
+
+def break_tie(goodputs: list[dict], measured: list[dict]) -> tuple[str, str] | None:
+    """Two layouts whose goodputs tie, both missing at some rate tried: the one that kept more requests within the
+    SLOs at the lightest listed rate where they missed (the next step of the load), if one did. None: no such rate,
+    or they tie there too."""
+    best, second = sorted(goodputs, key=lambda g: g["goodput_per_engine"], reverse=True)[:2]
+    tied = (best["config"], second["config"])
+    above = [row for row in measured if row["phase"] == "sweep" and row["config"] in tied and _finite_rate(row)
+             and row["request_rate"] > best["goodput"] and row.get("slo_attainment") is not None]
+    for rate in sorted({row["request_rate"] for row in above}):
+        at = {row["config"]: row["slo_attainment"] for row in above if row["request_rate"] == rate}
+        if len(at) < 2:
+            continue
+        if math.isclose(at[tied[0]], at[tied[1]], abs_tol=1e-9):
+            return None
+        lead, other = sorted(tied, key=lambda config: at[config], reverse=True)
+        return lead, (f"{lead} wins on the next load: both reach {_per_engine(best)}, and at {rate:g} req/s "
+                      f"{lead} kept {at[lead]:.0%} of requests within the SLOs against {other}'s {at[other]:.0%} "
+                      f"({100 * (at[lead] - at[other]):.0f} points).")
+    return None
 
 
 def winner_by_attainment(measured: list[dict]) -> tuple[str | None, str]:
@@ -138,7 +162,7 @@ def closest(measured: list[dict]) -> str:
 def _per_engine(goodput: dict) -> str:
     floor = "at least " if goodput.get("upper_bound") is None else ""
     return (f"{floor}{goodput['goodput_per_engine']:.3g} req/s per engine "
-            f"({goodput['goodput']:.3g} in total on {goodput['num_engines']})")
+            f"({goodput['goodput']:.3g} in total on {goodput['num_engines']:g})")
 
 
 def _latency_row(rows: list[dict], has_slos: bool) -> tuple[dict | None, bool]:

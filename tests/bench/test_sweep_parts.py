@@ -597,3 +597,22 @@ def test_a_load_at_a_listed_rate_counts_its_arrival_span_in_the_time_left():
     sweep = Sweep(plan)
     assert sweep.server_floors() == [0, 0, 240, 0, 120, 0, 0, 0]
     assert sweep.points_per_server(sweep.run_server) == 8
+
+
+def test_tied_goodputs_are_separated_by_the_next_load():
+    """Both layouts meet the SLOs at 1 req/s and miss at 2 and 4: the one that kept more requests within them at 2
+    req/s wins, said with both figures; equal there too, no winner."""
+    from pdserve.bench.sweep_report import compare
+
+    attainment = {("1P1D", 1.0): 1.0, ("0P2D", 1.0): 0.95, ("1P1D", 2.0): 0.8, ("0P2D", 2.0): 0.55,
+                  ("1P1D", 4.0): 0.1, ("0P2D", 4.0): 0.3}
+    rows = [{**row, "slo_attainment": attainment[row["config"], row["request_rate"]]} for row in synthetic_rows()]
+    goodputs = [{"config": c, "num_engines": 2, "goodput": 1.0, "goodput_per_engine": 0.5, "upper_bound": 2.0}
+                for c in ("0P2D", "1P1D")]
+    comparison = compare(rows, goodputs, {"ttft": 250})
+    assert comparison.winner == "1P1D"
+    assert comparison.sentence == ("1P1D wins on the next load: both reach 0.5 req/s per engine (1 in total on 2), "
+                                   "and at 2 req/s 1P1D kept 80% of requests within the SLOs against 0P2D's 55% "
+                                   "(25 points).")
+    even = [{**row, "slo_attainment": 0.5 if row["request_rate"] > 1 else 1.0} for row in rows]
+    assert compare(even, goodputs, {"ttft": 250}).winner is None
