@@ -59,8 +59,10 @@ def one_by_one(url: str, model: str) -> tuple[list[str], list[float]]:
 
 
 def test_a_prefill_engine_killed_under_up_is_trusted_again_at_once(model_factory, tmp_path):
+    base = free_port_base(6)  # the engines' 4 ports, then the router's HTTP port and registration address
     up = UpProcess(model_factory("llama"), tmp_path / "logs", "--num-prefill", "1", "--num-decode", "1",
-                   "--engine-port-base", str(free_port_base(4)), "--heartbeat-timeout", "2")
+                   "--engine-port-base", str(base), "--port", str(base + 4),
+                   "--registration-address", f"tcp://127.0.0.1:{base + 5}", "--heartbeat-timeout", "2")
     threading.Thread(target=_read_lines, args=(up,), daemon=True).start()
     try:
         model = httpx.get(f"{up.url}/v1/models").json()["data"][0]["id"]

@@ -132,12 +132,14 @@ def free_port_run(count: int) -> int:
 
 
 def test_up_binds_the_ports_it_is_given(tiny_model, tmp_path):
-    """For firewalls and containers: the registration address and every engine's ports are pinned."""
-    base = free_port_run(5)
+    """For firewalls and containers: the HTTP port, the registration address and every engine's ports are pinned
+    (the HTTP port too, so no port the OS picks can land inside the run)."""
+    base = free_port_run(6)
     registration = f"tcp://127.0.0.1:{base + 4}"
-    up = UpProcess(tiny_model, tmp_path / "up", "--num-prefill", "1", "--num-decode", "1",
+    up = UpProcess(tiny_model, tmp_path / "up", "--num-prefill", "1", "--num-decode", "1", "--port", str(base + 5),
                    "--registration-address", registration, "--engine-port-base", str(base))
     try:
+        assert up.url == f"http://127.0.0.1:{base + 5}"
         assert up.ready_line("router")["registration"] == registration
         assert up.ready_line("prefill-0")["control"] == f"tcp://127.0.0.1:{base}"
         assert up.ready_line("prefill-0")["kv"] == f"tcp://127.0.0.1:{base + 1}"
