@@ -26,6 +26,7 @@ import openai
 import pytest
 
 from tests.router.conftest import openai_client, scrape, up_cluster, wait_no_kv_used
+from tests.router.test_migration_up import DEEP_LAYERS
 
 pytestmark = pytest.mark.hostile
 
@@ -44,6 +45,13 @@ PREFIXES = ["import json\nimport sys\n\ndef load(path):\n    with open(path) as 
             "# Notes on the release\n\nThe parser now accepts nested lists.\n"]
 STREAM_TOKENS = 400  # the first streams: still decoding when the test strikes (about 100 tokens in)
 LATE_TOKENS = 24  # the prompts sent while the engines are stopped
+
+
+@pytest.fixture(scope="module")
+def tiny_model(model_factory) -> str:
+    """The tiny model, 16 layers deep: the same shapes, steps slow enough that every stream is still decoding when
+    the test strikes (with 2 layers a stream could finish first on a busy host)."""
+    return model_factory("llama", num_hidden_layers=DEEP_LAYERS)
 
 
 @pytest.fixture(scope="module")
