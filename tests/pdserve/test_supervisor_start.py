@@ -28,28 +28,29 @@ def started(tmp_path, *components: Component) -> Supervisor:
     return supervisor
 
 
-def test_the_router_failing_after_an_engine_is_the_failure_reported(tmp_path):
-    router, engine = Component("router", FAILS_LATER), Component("decode-0", FAILS_AT_ONCE)
+def start_failure(tmp_path, router: Component, engine: Component) -> ComponentFailed:
+    """What wait_ready raises for the router and an engine started together, the router first."""
     supervisor = started(tmp_path, router, engine)
     try:
         with pytest.raises(ComponentFailed) as failed:
             supervisor.wait_ready([router, engine], deadline=float("inf"), first=router)
-        assert failed.value.component is router and str(failed.value) == "router exited with code 2"
+        return failed.value
     finally:
         supervisor.stop_all()
+
+
+def test_the_router_failing_after_an_engine_is_the_failure_reported(tmp_path):
+    router, engine = Component("router", FAILS_LATER), Component("decode-0", FAILS_AT_ONCE)
+    failed = start_failure(tmp_path, router, engine)
+    assert failed.component is router and str(failed) == "router exited with code 2"
 
 
 def test_an_engine_failing_while_the_router_loads_is_reported_once_the_router_is_ready(tmp_path, capsys):
     router, engine = Component("router", READY_LATER), Component("decode-0", FAILS_AT_ONCE)
-    supervisor = started(tmp_path, router, engine)
-    try:
-        with pytest.raises(ComponentFailed) as failed:
-            supervisor.wait_ready([router, engine], deadline=float("inf"), first=router)
-        assert failed.value.component is engine and str(failed.value) == "decode-0 exited with code 5"
-        assert router.ready == {"role": "router", "url": "http://x", "registration": "tcp://y"}
-        assert "router ready (http://x" in capsys.readouterr().out
-    finally:
-        supervisor.stop_all()
+    failed = start_failure(tmp_path, router, engine)
+    assert failed.component is engine and str(failed) == "decode-0 exited with code 5"
+    assert router.ready == {"role": "router", "url": "http://x", "registration": "tcp://y"}
+    assert "router ready (http://x" in capsys.readouterr().out
 
 
 def test_find_line_reads_only_this_run_of_the_log(tmp_path):
