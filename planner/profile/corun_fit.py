@@ -12,6 +12,10 @@ step cannot price both, so the co-run step times short and long contexts and the
 in least squares of the relative error, corun / alone being the shape's paired ratio. Shapes whose KV part is small
 fix f_weights; the long-context shape fixes f_kv. Without a long-context shape (an older profile, --quick) both
 factors are the mean ratio, as before.
+
+The fit is bounded below by MIN_FACTOR: a neighbour does not make a term faster, and ratios a few percent under 1
+are timer noise. Unbounded, two noisy short-context shapes whose KV shares differ only by chance extrapolated to
+factors such as weights 2.5 and KV reads -0.56 (a clean-clone CI run of `pdserve profile --quick`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MIN_KV_SHARE_SPREAD = 0.15  # the shapes' KV shares must differ by this much to tell the two factors apart
+MIN_FACTOR = 0.9  # no term runs faster beside a neighbour; a paired ratio this far under 1 is noise
 
 
 @dataclass(frozen=True)
@@ -56,5 +61,25 @@ def corun_terms(measured: dict | None, per_context: float) -> CoRun:
     if share.max() - share.min() < MIN_KV_SHARE_SPREAD:
         return CoRun.uniform(float(ratios.mean()))
     terms = np.stack([alone - kv, kv], axis=1) / alone[:, None]  # (shapes, 2), each row relative to its step
-    (weights, kv_reads), *_ = np.linalg.lstsq(terms, ratios - 1.0, rcond=None)
-    return CoRun(1.0 + float(weights), 1.0 + float(kv_reads))
+    weights, kv_reads = bounded_least_squares(terms, ratios - 1.0, lower=MIN_FACTOR - 1.0)
+    return CoRun(1.0 + weights, 1.0 + kv_reads)
+
+
+def bounded_least_squares(terms: np.ndarray, target: np.ndarray, lower: float) -> tuple[float, float]:
+    """argmin |terms @ x - target| over x >= lower, for two unknowns: the unbounded solution if it is feasible,
+    else the best of the candidates with one or both unknowns on the bound (terms: (rows, 2))."""
+    (free_a, free_b), *_ = np.linalg.lstsq(terms, target, rcond=None)
+    if min(free_a, free_b) >= lower:
+        return float(free_a), float(free_b)
+    candidates = [(lower, lower)]
+    for fixed in (0, 1):
+        other = 1 - fixed
+        column = terms[:, other]
+        rest = target - terms[:, fixed] * lower
+        value = max(lower, float(column @ rest / (column @ column))) if column @ column > 0 else lower
+        candidates.append((lower, value) if fixed == 0 else (value, lower))
+
+    def residual(x: tuple[float, float]) -> float:
+        return float(np.sum((terms @ np.array(x) - target) ** 2))
+
+    return min(candidates, key=residual)

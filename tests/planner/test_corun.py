@@ -4,10 +4,12 @@ the profile's factor, in closed form; nothing changes without such overlap; prof
 from __future__ import annotations
 
 import argparse
+
+import numpy as np
 import pytest
 
 from pdserve.planner.profile.corun import paired_ratios, round_order
-from pdserve.planner.profile.corun_fit import NO_CORUN, CoRun, corun_terms
+from pdserve.planner.profile.corun_fit import MIN_FACTOR, NO_CORUN, CoRun, bounded_least_squares, corun_terms
 from pdserve.planner.profile.fit import DecodePoint, model_identity
 from pdserve.planner.model.host_effects import NO_HOST_EFFECTS, HostEffects, host_effects
 from pdserve.planner.model.simulator import ClusterSpec, simulate, simulate_tiers
@@ -227,3 +229,22 @@ def test_the_split_reads_the_paired_ratio_not_the_medians():
             for key, (batch, prompt) in {"1x16": (1, 16), "2x1000": (2, 1000)}.items()}
     factors = corun_terms({"factor": 1.1, "batches": rows}, per_context=1.5e-5)
     assert factors.weights == pytest.approx(1.1) and factors.kv_reads == pytest.approx(1.1)
+
+
+def test_noisy_short_shapes_do_not_fit_a_negative_factor():
+    """Two short-context shapes whose KV shares differ by chance: unbounded, the split read weights 2.5 and KV
+    reads -0.56 (a clean-clone CI run of profile --quick). Bounded, every factor is at least MIN_FACTOR and the
+    fit still explains the ratios as well as a feasible fit can."""
+    rows = {"1x16": {"batch": 1, "context": 28, "alone_cpu_s": 0.0020, "cpu_ratio": 1.30},
+            "2x16": {"batch": 2, "context": 56, "alone_cpu_s": 0.0022, "cpu_ratio": 0.95}}
+    factors = corun_terms({"factor": 1.1, "batches": rows}, per_context=1.5e-5)
+    assert min(factors.weights, factors.kv_reads) >= MIN_FACTOR
+    assert factors.kv_reads == pytest.approx(MIN_FACTOR)  # the term the noise pushed below the bound sits on it
+    assert 1.0 < factors.weights < 1.5
+
+
+def test_the_bounded_fit_is_the_plain_fit_when_that_is_feasible():
+    terms = np.array([[0.9, 0.1], [0.5, 0.5], [0.2, 0.8]])
+    target = terms @ np.array([0.05, 0.6])
+    assert bounded_least_squares(terms, target, lower=-0.1) == pytest.approx((0.05, 0.6))
+    assert bounded_least_squares(terms, target, lower=0.1) == pytest.approx((0.1, 0.6), abs=0.05)
