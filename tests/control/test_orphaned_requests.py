@@ -7,12 +7,16 @@ import time
 
 from pdserve.control.messages import TokenDelta
 from pdserve.local_cluster import Driver, EngineProcess
+from tests.router.test_migration_up import DEEP_LAYERS
 
 ENGINE_ARGS = ("--block-size", "4", "--num-kv-blocks", "256")
 
 
 def test_a_request_of_a_vanished_router_is_aborted_and_frees_its_blocks(model_factory, tmp_path):
-    decode = EngineProcess("decode", model_factory("llama"), *ENGINE_ARGS, log_dir=tmp_path)
+    # the tiny model 16 layers deep: 450 tokens of the 2-layer one could all be decoded before the engine
+    # noticed the closed connection on a busy host, and nothing would be left to abort
+    decode = EngineProcess("decode", model_factory("llama", num_hidden_layers=DEEP_LAYERS), *ENGINE_ARGS,
+                           log_dir=tmp_path)
     doomed, survivor = Driver(decode), Driver(decode)
     try:
         doomed.submit("orphan", list(range(10, 40)), remote=False, temperature=0.0, max_tokens=450, ignore_eos=True)
