@@ -14,6 +14,7 @@ import pytest
 from pdserve.control.sockets import ClientSocket
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.router.test_migration_up import DEEP_LAYERS
 
 pytestmark = pytest.mark.hostile
 
@@ -118,8 +119,10 @@ def test_prefill_restarted_on_its_address_is_served_at_once(model_factory, tmp_p
 def test_prefill_frees_at_once_what_it_held_for_a_killed_decode_engine(model_factory, tmp_path):
     """D runs one request at a time, so P holds the computed prompts of those queued behind it for D's KVWant
     (KVHold: up to --kv-hold-timeout, 600 s). D is killed and started again with the same engine id: its Hello
-    with a new incarnation tells P, which frees those blocks at once."""
-    model_dir = model_factory("llama")
+    with a new incarnation tells P, which frees those blocks at once. The tiny model is 16 layers deep here: the
+    busy request's 400 tokens of the 2-layer one could end before the kill on a busy host, and D would then pull
+    the queued prompts (P would hold nothing for it)."""
+    model_dir = model_factory("llama", num_hidden_layers=DEEP_LAYERS)
     prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", log_dir=tmp_path)
     decode_args = (*ENGINE_ARGS, "--max-num-seqs", "1", "--engine-id", "d0", "--control-address",
                    f"tcp://127.0.0.1:{free_port()}", *prefill.kv_peer_args())
