@@ -77,6 +77,14 @@ def sweep_counters(url: str) -> dict:
     return summarize_counters(counter_deltas({}, counters_by_engine(scrape_metrics(url))))
 
 
+def wait_ledger_empty(url: str, timeout: float = 10.0) -> None:
+    """Until the router has no request open on any engine (its ledger, /metrics' pdserve_engine_requests_in_flight)."""
+    deadline = time.monotonic() + timeout
+    while any(scrape(url)["pdserve_engine_requests_in_flight"].values()):
+        assert time.monotonic() < deadline, "a finished request stayed open in the router's ledger"
+        time.sleep(0.02)
+
+
 def kv_bytes_per_token(model_dir: str) -> int:
     """K and V x layers x kv heads x head_dim x 4 (float32, ENGINE_ARGS)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -90,7 +98,7 @@ def test_each_path_the_policy_takes_matches_the_offline_engine(cluster, client, 
     first = complete(client, tiny_model, PREFIX)
     assert_greedy_parity(offline, first)
     assert decisions(cluster.url) == {"local": 1.0, "disaggregated": 0.0}, "idle engines colocate"
-    time.sleep(0.3)  # the first request's stream closes in the router's ledger
+    wait_ledger_empty(cluster.url)  # the first request's stream closes in the router's ledger
 
     long_stream = client.completions.create(model=tiny_model, prompt="import os\n" * 4, max_tokens=300,
                                             temperature=0, stream=True, extra_body={"ignore_eos": True})
