@@ -1,16 +1,22 @@
 """The torch-paged attention backend (CPU): kernels.torch_paged's plans, built once per step (once per
-sliding window among the model's layers), run per layer."""
+sliding window among the model's layers), run per layer. Decode reads the paged cache in place through the
+CPU's native kernel (kernels.cpu_native) where it builds, else through the gathering torch plan."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+
+import logging
 
 import torch
 
 from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.forward_context import ForwardContext
 from pdserve.engine.layers.attention import Attention
-from pdserve.kernels import torch_paged
+from pdserve.kernels import cpu_native, torch_paged
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -21,6 +27,12 @@ class TorchPagedMetadata:
     # by sliding window (None: full attention), made by the first layer of the step that needs them
     decode_plans: dict[int | None, torch_paged.DecodePlan] = field(default_factory=dict)
     prefill_plans: dict[int | None, list[torch_paged.PrefillSequence]] = field(default_factory=dict)
+
+    @functools.cached_property
+    def native_decode_args(self) -> tuple[torch.Tensor, torch.Tensor]:  # int32 [S, max_blocks], [S], contiguous
+        context = self.context
+        return (context.decode_block_tables.to(torch.int32).contiguous(),
+                context.decode_seq_lens.to(torch.int32).contiguous())
 
     def decode(self, window: int | None) -> torch_paged.DecodePlan:
         if window not in self.decode_plans:
@@ -46,8 +58,13 @@ class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
     decode_pads_to_longest = False
     decode_groups_by_length = True
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, native_decode: bool = True) -> None:
         self.block_size = block_size
+        self.native_decode = native_decode and cpu_native.decode_kernel() is not None
+        if native_decode:
+            reason = cpu_native.unavailable_reason()
+            logger.info("CPU decode attention: %s", "the native paged kernel" if reason is None else
+                        f"torch ops with a gather copy ({reason})")
 
     def prepare(self, context: ForwardContext) -> TorchPagedMetadata:
         return TorchPagedMetadata(context, self.block_size, torch_paged.plan_store(context.slot_mapping))
@@ -57,6 +74,10 @@ class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
         torch_paged.store_kv_planned(key, value, layer.key_cache, layer.value_cache, metadata.store)
 
     def forward_decode(self, query: torch.Tensor, layer: Attention, metadata: TorchPagedMetadata) -> torch.Tensor:
+        if self.native_decode and cpu_native.supports(query, layer.key_cache, layer.value_cache):
+            block_tables, seq_lens = metadata.native_decode_args
+            return cpu_native.paged_decode(query, layer.key_cache, layer.value_cache, block_tables, seq_lens,
+                                           layer.scale, layer.sliding_window, layer.soft_cap, layer.sinks)
         return torch_paged.decode_attention_planned(
             query, layer.key_cache, layer.value_cache, metadata.decode(layer.sliding_window), layer.scale,
             layer.soft_cap, layer.sinks)

@@ -18,8 +18,10 @@ from pdserve.engine.cuda_graphs import DecodeGraphs, capture_batch_sizes, contex
 
 BLOCK = 4  # tokens per KV block in these tests: short prompts already span several blocks
 NUM_BLOCKS = 128  # a small KV cache: the tests clone and compare it
-# fp32, padded vs unpadded batch: matmuls of another row count round differently, a few ulp apart.
-FP32_TOLERANCE = 1e-5
+# fp32, padded vs unpadded batch: matmuls of another row count round differently, a few ulp apart (3 prompts
+# padded to 4 differed by 8.1e-6 with the torch decode plan, 1.1e-5 with the native CPU kernel; a wrong row or
+# position differs by O(1)).
+FP32_TOLERANCE = 3e-5
 
 
 def make_prompts(count: int, vocab_size: int, seed: int = 0, max_len: int = 30) -> list[list[int]]:

@@ -1,0 +1,137 @@
+"""The CPU's native paged decode attention (cpu_paged_decode.c), built with the host's C compiler on first
+use and loaded with ctypes.
+
+The shared library is compiled once per source, compiler and CPU (`-O3 -march=native`, OpenMP on the
+libgomp that torch has loaded) into $PDSERVE_CACHE/kernels (default ~/.cache/pdserve/kernels), and reused by every
+later process. Without a compiler, or with PDSERVE_CPU_KERNEL=torch, `decode_kernel()` returns None with
+the reason in `unavailable_reason()`, and decode attention runs on torch ops (kernels.torch_paged).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
+ENV_VAR = "PDSERVE_CPU_KERNEL"  # "torch": never build or use the native kernel
+CACHE_ENV_VAR = "PDSERVE_CACHE"  # pdserve's cache root, as for the demo model
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "kernel": the ctypes function, or "reason": why there is none
+
+
+def decode_kernel():
+    """The loaded `pdserve_paged_decode` function, or None (see unavailable_reason)."""
+    with _lock:
+        if not _state:
+            _state.update(_load())
+    return _state.get("kernel")
+
+
+def unavailable_reason() -> str | None:
+    decode_kernel()
+    return _state.get("reason")  # type: ignore[return-value]
+
+
+def _load() -> dict[str, object]:
+    if os.environ.get(ENV_VAR, "").lower() == "torch":
+        return {"reason": f"{ENV_VAR}=torch"}
+    compiler_path = compiler()
+    if compiler_path is None:
+        return {"reason": "no C compiler on PATH (install gcc to build pdserve's CPU decode attention)"}
+    try:
+        library = ctypes.CDLL(str(build(compiler_path)))
+    except (OSError, subprocess.SubprocessError) as error:
+        return {"reason": f"building {SOURCE.name} with {compiler_path} failed: {str(error).strip()[-300:]}"}
+    kernel = library.pdserve_paged_decode
+    kernel.restype = ctypes.c_int
+    pointer, integer, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    kernel.argtypes = [pointer, pointer, pointer, integer, pointer, integer, pointer, integer, integer, integer,
+                       integer, integer, integer, real, real, pointer, pointer, integer]
+    return {"kernel": kernel}
+
+
+def compiler() -> str | None:
+    """$CC, else cc or gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(compiler: str) -> Path:
+    """The compiled library for this source, compiler and CPU: built once into the cache, atomically."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), platform.machine(),
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    directory = Path(os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "pdserve") / "kernels"
+    target = directory / f"cpu_paged_decode-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), *_openmp_link_flags()],
+                                capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise subprocess.SubprocessError(result.stderr or result.stdout)
+        os.replace(built, target)  # another process may have built it too: the same bytes
+    return target
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _openmp_link_flags() -> list[str]:
+    """Link against the libgomp torch ships (one OpenMP runtime and thread pool in the process)."""
+    torch_lib = Path(torch.__file__).parent / "lib"
+    return [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"] if (torch_lib / "libgomp.so.1").exists() else []
+
+
+def paged_decode(
+    query: torch.Tensor,  # [S, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [N, B, num_kv_heads, head_dim] float32 or bfloat16, contiguous
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    seq_lens: torch.Tensor,  # [S] int32, context including the new token
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
+) -> torch.Tensor:  # [S, num_heads, head_dim], query's dtype
+    kernel = decode_kernel()
+    num_seqs, num_heads, head_dim = query.shape
+    q = query.float().contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    sink_logits = None if sinks is None else sinks.float().contiguous()
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=torch.float32)
+    status = kernel(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_cache.dtype == torch.bfloat16,
+                    tables.data_ptr(), tables.shape[1], lens.data_ptr(), num_seqs, num_heads, key_cache.shape[2],
+                    head_dim, key_cache.shape[1], sliding_window or 0, scale, soft_cap or 0.0,
+                    None if sink_logits is None else sink_logits.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("the CPU decode attention kernel could not allocate its logits buffer")
+    return out.to(query.dtype)
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether paged_decode takes these tensors: CPU, a float32 or bfloat16 cache, K and V of one shape."""
+    return (query.device.type == "cpu" and key_cache.dtype in (torch.float32, torch.bfloat16)
+            and value_cache.dtype == key_cache.dtype and key_cache.shape == value_cache.shape
+            and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and query.shape[1] % key_cache.shape[2] == 0 and query.shape[2] == key_cache.shape[3])

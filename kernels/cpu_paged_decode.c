@@ -1,0 +1,174 @@
+/* Paged decode attention for the CPU: one new query token per sequence, reading K and V in place from the
+ * paged cache (no gather copy), float32 arithmetic for float32 or bfloat16 caches.
+ *
+ * Shapes (row-major, contiguous):
+ *   query        [S, Hq, D]   float32, not yet scaled
+ *   key/value    [N, B, Hkv, D] float32 or bfloat16 (is_bf16)
+ *   block_tables [S, max_blocks] int32
+ *   seq_lens     [S] int32, context including the new token
+ *   sinks        [Hq] float32 or NULL: one extra logit per head in the softmax denominator, with no value
+ *   out          [S, Hq, D]   float32
+ * The query at position L - 1 sees positions [0, L), or [L - window, L) with a window (window > 0).
+ * soft_cap > 0 caps each scaled logit: cap * tanh(logit / cap). A sequence with L == 0 gets zeros.
+ * Work is split over (sequence, KV head) pairs; the query heads that share a KV head are its rows.
+ */
+#include <float.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t bits) {
+    union { uint32_t u; float f; } value = { (uint32_t)bits << 16 };
+    return value.f;
+}
+
+/* exp(x) for x <= 0 (logits minus their maximum), vectorizable: 2^n * 2^f with a degree-6 polynomial
+ * for 2^f, f in [-0.5, 0.5]; relative error about 2e-7. Below -87 it returns 0. */
+static inline float exp_nonpositive(float x) {
+    float y = x * 1.44269504088896341f;
+    if (y < -126.0f) y = -126.0f;
+    float n = (y + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 pushes the fraction out */
+    float f = y - n;
+    float p = 1.5403530393381606e-4f;
+    p = p * f + 1.3333558146428443e-3f;
+    p = p * f + 9.6181291076284772e-3f;
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;
+    p = p * f + 1.0f;
+    union { uint32_t u; float f; } scale = { (uint32_t)((int32_t)n + 127) << 23 };
+    float result = p * scale.f;
+    return x < -87.0f ? 0.0f : result;
+}
+
+static inline float soft_capped(float logit, float cap) {  /* cap * tanh(logit / cap) */
+    float t = 2.0f * logit / cap;
+    float a = t < 0 ? t : -t;  /* tanh(|t|/2) = (1 - e^-|t|) / (1 + e^-|t|) */
+    float e = exp_nonpositive(a);
+    float magnitude = (1.0f - e) / (1.0f + e);
+    return cap * (t < 0 ? -magnitude : magnitude);
+}
+
+#define TILE 16 /* positions converted and read together; the tile stays in L1 */
+
+/* Positions [first, first + count) of one KV head, as float32 rows [count, D] in `tile`. */
+static inline void load_tile(const void *restrict cache, int is_bf16, const int32_t *restrict table,
+                             int first, int count, int block_size, int64_t token_stride, int64_t head_offset,
+                             int head_dim, float *restrict tile) {
+    for (int t = 0; t < count; t++) {
+        int position = first + t;
+        int64_t row = ((int64_t)table[position / block_size] * block_size + position % block_size) * token_stride
+                      + head_offset;
+        float *restrict destination = tile + t * head_dim;
+        if (is_bf16) {
+            const uint16_t *restrict source = (const uint16_t *)cache + row;
+            for (int d = 0; d < head_dim; d++) destination[d] = bf16_to_float(source[d]);
+        } else {
+            memcpy(destination, (const float *)cache + row, sizeof(float) * head_dim);
+        }
+    }
+}
+
+static inline void softmax_rows(float *restrict logits, int group, int span, float soft_cap,
+                                const float *restrict sinks) {  /* logits [group, span], in place */
+    for (int g = 0; g < group; g++) {
+        float *restrict row = logits + g * span;
+        if (soft_cap > 0) for (int t = 0; t < span; t++) row[t] = soft_capped(row[t], soft_cap);
+        float top = sinks ? sinks[g] : -FLT_MAX;
+#pragma omp simd reduction(max : top)
+        for (int t = 0; t < span; t++) top = row[t] > top ? row[t] : top;
+        float total = sinks ? exp_nonpositive(sinks[g] - top) : 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int t = 0; t < span; t++) {
+            row[t] = exp_nonpositive(row[t] - top);
+            total += row[t];
+        }
+        float inverse = 1.0f / total;
+        for (int t = 0; t < span; t++) row[t] *= inverse;
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_one(
+        const float *restrict query, const void *restrict key_cache, const void *restrict value_cache, int is_bf16,
+        const int32_t *restrict table, int seq_len, int kv_head, int group, int num_kv_heads, int head_dim,
+        int block_size, int window, float scale, float soft_cap, const float *restrict sinks, float *restrict out,
+        float *restrict logits, float *restrict tile) {
+    /* query, out: [group, D] of this KV head; sinks: [group] or NULL; logits: [group, span]; tile: [TILE, D] */
+    int first = (window > 0 && seq_len > window) ? seq_len - window : 0;
+    int span = seq_len - first;
+    memset(out, 0, sizeof(float) * group * head_dim);
+    if (span <= 0) return;
+    int64_t token_stride = (int64_t)num_kv_heads * head_dim, head_offset = (int64_t)kv_head * head_dim;
+    for (int begin = 0; begin < span; begin += TILE) {
+        int count = span - begin < TILE ? span - begin : TILE;
+        load_tile(key_cache, is_bf16, table, first + begin, count, block_size, token_stride, head_offset, head_dim,
+                  tile);
+        for (int g = 0; g < group; g++) {
+            const float *restrict q = query + g * head_dim;
+            for (int t = 0; t < count; t++) {
+                const float *restrict key = tile + t * head_dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < head_dim; d++) dot += q[d] * key[d];
+                logits[g * span + begin + t] = dot * scale;
+            }
+        }
+    }
+    softmax_rows(logits, group, span, soft_cap, sinks);
+    for (int begin = 0; begin < span; begin += TILE) {
+        int count = span - begin < TILE ? span - begin : TILE;
+        load_tile(value_cache, is_bf16, table, first + begin, count, block_size, token_stride, head_offset,
+                  head_dim, tile);
+        for (int g = 0; g < group; g++) {
+            float *restrict o = out + g * head_dim;
+            const float *restrict weights = logits + g * span + begin;
+            for (int t = 0; t < count; t++) {
+                const float *restrict value = tile + t * head_dim;
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) o[d] += weights[t] * value[d];
+            }
+        }
+    }
+}
+
+int pdserve_paged_decode(const float *query, const void *key_cache, const void *value_cache, int is_bf16,
+                         const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, int num_seqs,
+                         int num_heads, int num_kv_heads, int head_dim, int block_size, int window, float scale,
+                         float soft_cap, const float *sinks, float *out, int num_threads) {
+    int group = num_heads / num_kv_heads;
+    int longest = 0;
+    for (int s = 0; s < num_seqs; s++) longest = seq_lens[s] > longest ? seq_lens[s] : longest;
+    if (window > 0 && longest > window) longest = window;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *logits = malloc(sizeof(float) * ((size_t)group * (longest > 0 ? longest : 1) + (size_t)TILE * head_dim));
+        if (!logits) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < num_seqs * num_kv_heads; item++) {
+            if (!logits) continue;
+            int s = item / num_kv_heads, h = item % num_kv_heads;
+            int64_t first_row = ((int64_t)s * num_heads + (int64_t)h * group) * head_dim;
+            const int32_t *table = block_tables + (int64_t)s * max_blocks;
+            const float *sink = sinks ? sinks + h * group : NULL;
+            float *tile = logits + (size_t)group * (longest > 0 ? longest : 1);
+            if (head_dim == 64)  /* a constant head_dim lets the compiler unroll the row loops */
+                attend_one(query + first_row, key_cache, value_cache, is_bf16, table, seq_lens[s], h, group,
+                           num_kv_heads, 64, block_size, window, scale, soft_cap, sink, out + first_row, logits,
+                           tile);
+            else if (head_dim == 128)
+                attend_one(query + first_row, key_cache, value_cache, is_bf16, table, seq_lens[s], h, group,
+                           num_kv_heads, 128, block_size, window, scale, soft_cap, sink, out + first_row, logits,
+                           tile);
+            else
+                attend_one(query + first_row, key_cache, value_cache, is_bf16, table, seq_lens[s], h, group,
+                           num_kv_heads, head_dim, block_size, window, scale, soft_cap, sink, out + first_row,
+                           logits, tile);
+        }
+        free(logits);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,111 @@
+"""The CPU's native paged decode attention against the torch plan it replaces (kernels.torch_paged), its build
+cache, and its fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pdserve.kernels import cpu_native, torch_paged
+
+pytestmark = pytest.mark.skipif(cpu_native.decode_kernel() is None,
+                                reason=f"no native CPU kernel: {cpu_native.unavailable_reason()}")
+
+
+def paged_case(lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+               dtype: torch.dtype, seed: int = 0):
+    """A cache with each sequence's blocks scattered at random, and one query token per sequence."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = [(length + block_size - 1) // block_size for length in lens]
+    num_blocks = sum(blocks) + 3  # a few blocks that no sequence owns
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(dtype)
+    value_cache = torch.randn(shape, generator=generator).to(dtype)
+    owners = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(lens), max(max(blocks), 1), dtype=torch.int32)
+    taken = 0
+    for row, count in enumerate(blocks):
+        tables[row, :count] = owners[taken:taken + count]
+        taken += count
+    query = torch.randn(len(lens), num_heads, head_dim, generator=generator).to(dtype)
+    return query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+CASES = {  # lens, num_heads, num_kv_heads, head_dim, block_size
+    "gqa-3": ([300, 17, 64, 1], 9, 3, 64, 16),
+    "mha": ([40, 33], 4, 4, 32, 16),
+    "gqa-8-d128": ([129, 250], 16, 2, 128, 32),
+    "odd-head-dim": ([23, 70], 6, 2, 80, 8),
+    "block-of-one": ([5, 9], 4, 2, 16, 1),
+    "empty-and-padding": ([0, 12, 0, 3], 4, 2, 64, 16),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("window, soft_cap, with_sinks", [(None, None, False), (16, None, False), (None, 20.0, True),
+                                                           (7, 5.0, True)])
+def test_native_decode_equals_the_torch_plan(case, dtype, window, soft_cap, with_sinks):
+    lens, num_heads, num_kv_heads, head_dim, block_size = CASES[case]
+    query, key_cache, value_cache, tables, seq_lens = paged_case(lens, num_heads, num_kv_heads, head_dim,
+                                                                 block_size, dtype)
+    sinks = torch.randn(num_heads) if with_sinks else None
+    plan = torch_paged.plan_decode(tables, seq_lens, block_size, sliding_window=window)
+    expected = torch_paged.decode_attention_planned(query, key_cache, value_cache, plan, 0.17, soft_cap, sinks)
+    assert cpu_native.supports(query, key_cache, value_cache)
+    got = cpu_native.paged_decode(query, key_cache, value_cache, tables, seq_lens, 0.17, window, soft_cap, sinks)
+    assert got.dtype == dtype and got.shape == query.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the float32 result
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    for row, length in enumerate(lens):  # nothing to attend to: zeros, as the torch plan gives
+        if length == 0:
+            assert not got[row].any()
+
+
+def test_two_threads_give_the_single_threads_result():
+    query, key_cache, value_cache, tables, seq_lens = paged_case([200, 5, 90, 31, 64], 8, 2, 64, 16, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_native.paged_decode(query, key_cache, value_cache, tables, seq_lens, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_native.paged_decode(query, key_cache, value_cache, tables, seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each (sequence, KV head) is one thread's work, in the same order
+
+
+def test_other_layouts_are_left_to_the_torch_plan():
+    query, key_cache, value_cache, _, _ = paged_case([4], 4, 2, 16, 16, torch.float32)
+    assert not cpu_native.supports(query, key_cache.half(), value_cache.half())  # float16: torch's
+    assert not cpu_native.supports(query, key_cache, value_cache[..., :8].contiguous())  # K and V differ (MLA-like)
+    assert not cpu_native.supports(query, key_cache.transpose(1, 2), value_cache.transpose(1, 2))  # not contiguous
+
+
+def test_the_library_is_built_once_per_source_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv(cpu_native.CACHE_ENV_VAR, str(tmp_path))
+    compiler = cpu_native.compiler()
+    first = cpu_native.build(compiler)
+    built_at = first.stat().st_mtime_ns
+    assert first.parent == tmp_path / "kernels" and first.suffix == ".so"
+    assert cpu_native.build(compiler) == first and first.stat().st_mtime_ns == built_at  # not rebuilt
+    assert [path.name for path in (tmp_path / "kernels").iterdir()] == [first.name]  # no scratch left behind
+
+
+@pytest.mark.parametrize("setting, reason", [
+    ({"PDSERVE_CPU_KERNEL": "torch"}, "PDSERVE_CPU_KERNEL=torch"),
+    ({"CC": "/nonexistent/cc"}, "failed"),
+])
+def test_without_the_kernel_decode_runs_on_torch_ops_and_says_why(monkeypatch, caplog, setting, reason):
+    from pdserve.engine.attention.torch_paged import TorchPagedBackend
+
+    for name, value in setting.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cpu_native, "_state", {})  # as in a fresh process
+    assert cpu_native.decode_kernel() is None and reason in cpu_native.unavailable_reason()
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.attention.torch_paged"):
+        backend = TorchPagedBackend(block_size=16)
+    assert not backend.native_decode
+    assert f"torch ops with a gather copy ({cpu_native.unavailable_reason()})" in caplog.text
