@@ -54,8 +54,7 @@ class DecodeServer(EngineServer):
             raise InvalidRequestError("a resumed request (resume_token_ids) prefills here: send it without "
                                       "prefill_kv_address")
         request = self.engine.make_request(msg.request_id, list(msg.prompt_token_ids), msg.sampling_params,
-                                           msg.resume_token_ids)
-        request.prefill_kv_address = self.kv_peers.checked(msg.prefill_kv_address)
+                                           msg.resume_token_ids, self.kv_peers.checked(msg.prefill_kv_address))
         self.engine.add_request(request)
         self.owners[msg.request_id] = peer_id
         if request.prefill_kv_address is not None:  # its prefill engine keeps the KV while it waits here

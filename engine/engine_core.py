@@ -64,9 +64,10 @@ class EngineCore:
         self.step_timer = StepTimer()  # recent steps' measured times (EngineStats.step_times)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     resume_token_ids: Sequence[int] = ()) -> Request:
+                     resume_token_ids: Sequence[int] = (), prefill_kv_address: str | None = None) -> Request:
         """Validate a request against this model and fill in what the model decides (eos, max_tokens).
-        resume_token_ids: output the request already has (a migrated request, GenerateRequest's field)."""
+        resume_token_ids: output the request already has (a migrated request, GenerateRequest's field).
+        prefill_kv_address: the prefill engine whose KV link sends the prompt's KV (decode role), or None."""
         config = self.model_config
         if params.n != 1:  # an engine samples once per request: n is fanned out before (router, LLM)
             raise InvalidRequestError(f"n={params.n}: an engine request samples one sequence; send n requests of n=1")
@@ -86,11 +87,12 @@ class EngineCore:
                 f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the model's context "
                 f"length of {config.max_model_len} tokens: shorten the prompt or lower max_tokens"
             )
-        self._check_fits_cache(num_prompt + max_tokens)
+        max_chunk_tokens = self._check_fits_cache(num_prompt + max_tokens, prefill_kv_address is not None)
         eos, *extra_eos = config.eos_token_ids or (None,)
         if extra_eos and not params.ignore_eos:  # e.g. Llama 3's <|eot_id|> beside <|end_of_text|>
             params = params.replace(stop_token_ids=params.stop_token_ids + tuple(extra_eos))
-        request = Request(request_id, list(prompt_token_ids), params, eos_token_id=eos, max_tokens=max_tokens)
+        request = Request(request_id, list(prompt_token_ids), params, eos_token_id=eos, max_tokens=max_tokens,
+                          prefill_kv_address=prefill_kv_address, max_chunk_tokens=max_chunk_tokens)
         if resume_token_ids:
             resume_output(request, resume_token_ids, config.vocab_size)
         if self.structured_output.compiles_at_once(params):  # else add_request compiles it on a thread
@@ -98,22 +100,32 @@ class EngineCore:
             advance_over_output(request)
         return request
 
-    def _check_fits_cache(self, num_tokens: int) -> None:
-        block_size = self.cache_config.block_size
-        capacity = self.runner.num_blocks * block_size
+    def _check_fits_cache(self, num_tokens: int, prompt_arrives: bool) -> int | None:
+        """Refuse a request that would not fit the whole KV cache alone. prompt_arrives: its prompt's KV comes
+        whole from a prefill engine, so it computes one token a step. Returns the most tokens a step may compute
+        for it, should it prefill here after all (a failed transfer, a preemption); None: the step's budget."""
         manager = self.kv_cache_manager
         if isinstance(manager, HybridKVCacheManager):  # every layer group's table, a sliding one's window only
-            if manager.max_blocks_held(num_tokens, self._max_chunk_tokens) > self.runner.num_blocks:
+            if prompt_arrives:
+                needed = manager.max_blocks_held_received(num_tokens)
+            else:
+                needed = manager.max_blocks_held(num_tokens, self._max_chunk_tokens)
+            if needed > self.runner.num_blocks:
                 raise InvalidRequestError(
-                    f"the request needs up to {manager.max_blocks_held(num_tokens, self._max_chunk_tokens)} KV "
-                    f"blocks across the model's layer groups but the whole cache holds {self.runner.num_blocks}: "
-                    "lower max_tokens or start the engine with a larger KV cache")
-            return
+                    f"the request needs up to {needed} KV blocks across the model's layer groups but the whole "
+                    f"cache holds {self.runner.num_blocks}: lower max_tokens or start the engine with a larger "
+                    "KV cache")
+            if not prompt_arrives:
+                return None
+            chunk = manager.largest_chunk_held(num_tokens, self._max_chunk_tokens)
+            return chunk if chunk < self._max_chunk_tokens else None
+        capacity = self.runner.num_blocks * self.cache_config.block_size
         if num_tokens > capacity:
             raise InvalidRequestError(
                 f"the request needs up to {num_tokens} tokens of KV cache but the whole cache holds {capacity}: "
                 "lower max_tokens or start the engine with a larger KV cache"
             )
+        return None
 
     def add_request(self, request: Request) -> None:
         if request.sampling_params.structured_kind is not None and request.grammar is None:

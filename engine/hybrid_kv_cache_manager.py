@@ -13,14 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.engine.block_pool import BlockPool, KVBlock, KVCacheInvariantError
-from pdserve.engine.kv_cache_manager import KVCacheManager, PoolCounts, holder_count_problems
+from pdserve.engine.kv_cache_manager import KVCacheManager, PoolCounts, cdiv, holder_count_problems
 from pdserve.engine.request import Request
 
 GroupBlocks = tuple[list[KVBlock | None], ...]  # one list per group
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class HybridKVCacheManager(PoolCounts):
@@ -44,13 +40,33 @@ class HybridKVCacheManager(PoolCounts):
     def max_blocks_held(self, num_tokens: int, max_chunk_tokens: int) -> int:
         """The most blocks a request of num_tokens tokens holds at once when it computes at most
         max_chunk_tokens tokens a step: a sliding group holds its window and a chunk."""
-        total = 0
-        for group in self.groups:
-            whole = _cdiv(num_tokens, self.block_size)
-            if group.sliding_window is not None:
-                whole = min(whole, _cdiv(group.sliding_window + max_chunk_tokens, self.block_size) + 1)
-            total += whole
-        return total
+        return self._blocks_held(num_tokens, lambda window: cdiv(window + max_chunk_tokens, self.block_size) + 1)
+
+    def max_blocks_held_received(self, num_tokens: int) -> int:
+        """The most blocks a request of num_tokens tokens holds at once when its prompt KV arrives whole from a
+        prefill engine and it then computes one token a step: a sliding group of window W keeps the blocks that
+        the window of the token in hand reaches, at most ceil((W + B - 1) / B) (allocate_slots never allocates
+        an external token's block before that window)."""
+        return self._blocks_held(num_tokens, lambda window: cdiv(window + self.block_size - 1, self.block_size))
+
+    def _blocks_held(self, num_tokens: int, window_blocks) -> int:
+        """Every block of num_tokens tokens in a full group, at most window_blocks(window) in a sliding one."""
+        whole = cdiv(num_tokens, self.block_size)
+        return sum(whole if group.sliding_window is None else min(whole, window_blocks(group.sliding_window))
+                   for group in self.groups)
+
+    def largest_chunk_held(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The largest chunk, from 1 to max_chunk_tokens, with which a request of num_tokens tokens computed
+        here holds at most the whole pool (max_blocks_held); 1 if none does (a chunk of one token holds what
+        max_blocks_held_received counts)."""
+        low, high = 1, max_chunk_tokens
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.max_blocks_held(num_tokens, middle) <= self.pool.num_blocks:
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     # -- prefix lookup --------------------------------------------------------------------------
 

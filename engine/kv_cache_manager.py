@@ -33,7 +33,7 @@ from pdserve.engine.request import Request
 SKIPPED_BLOCK_ID = 0
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -202,7 +202,7 @@ class KVCacheManager(PoolCounts):
         num_unneeded = self._free_outside_window(req_blocks, request.num_computed_tokens + num_new_computed_tokens
                                                  + num_external_computed_tokens, hits)
         num_new_blocks = max(
-            0, _cdiv(num_total_tokens, self.block_size) - len(req_blocks) - len(hits) - num_unneeded
+            0, cdiv(num_total_tokens, self.block_size) - len(req_blocks) - len(hits) - num_unneeded
         )
         # Touching a free cached hit takes it out of the free queue, so it counts against the supply.
         num_free_hits = sum(1 for block in hits if block is not None and block.ref_cnt == 0)

@@ -62,6 +62,9 @@ class Request:
     # Decode role of disaggregation: the prefill engine's KV link address, or None to prefill locally.
     prefill_kv_address: str | None = None
     allow_remote_prefill: bool = True  # cleared when a remote prefill failed and the request recomputes
+    # The most prompt tokens one step computes for it (None: the step's budget): a smaller chunk for a request
+    # whose prompt KV was to arrive and that fits the cache only in smaller chunks when it prefills here.
+    max_chunk_tokens: int | None = None
     # Decode role: the first token (and its logprobs) the prefill engine sampled and the client already has;
     # a local prefill emits it instead of its own sample.
     prefill_first_token: tuple[int, dict[int, float] | None] | None = None

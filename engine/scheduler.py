@@ -133,17 +133,19 @@ class Scheduler:
         prefills = [s for s in scheduled if s.num_new_tokens != 1]
         return SchedulerOutput(decodes + prefills, len(decodes), [r.request_id for r in preempted])
 
-    def _chunk(self, num_tokens: int, budget: int) -> int:
+    def _chunk(self, request: Request, num_tokens: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             num_tokens = min(num_tokens, threshold)
+        if request.max_chunk_tokens is not None:
+            num_tokens = min(num_tokens, request.max_chunk_tokens)
         return min(num_tokens, budget)
 
     def _schedule_running(self, budget: int, scheduled: list, preempted: list) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens, budget)
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()  # the newest request yields first
                 self._preempt(victim)
@@ -170,7 +172,7 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 return
-            num_new = self._chunk(num_new, budget)
+            num_new = self._chunk(request, num_new, budget)
             if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
                 self.admission_blocked = True
                 return
