@@ -11,6 +11,7 @@ from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.sockets import ServerSocket
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_faults import wait_for_log
 
 
 def send_generate(driver: Driver, request_id: str, prompt: list[int], kv_address: str) -> None:
@@ -66,12 +67,12 @@ def test_the_routers_kv_peers_are_trusted_and_replaced_whole(model_factory, tmp_
         expected = colocated_tokens(model_dir, PROMPTS[:2], **GREEDY)
         peer = wait_for_register(router)
         router.send(peer, KVPeers(kv_addresses=(prefill.addresses["kv"],)), timeout=2.0)
-        time.sleep(0.5)  # the heartbeat thread takes it between beats
+        wait_for_log(decode, f"lists them: {[prefill.addresses['kv']]}")  # its heartbeat thread took it
         first, = driver.generate([PROMPTS[0]], prefix="listed", **GREEDY)
         assert first.token_ids == expected[0]
         assert driver.decode_stats().num_kv_transfers == 1, "KV came from the listed prefill engine"
         router.send(peer, KVPeers(kv_addresses=()), timeout=2.0)  # the prefill engine left the router
-        time.sleep(0.5)
+        wait_for_log(decode, "lists them: none")
         prefill_client, driver.prefill = driver.prefill, None  # no PrefillRequest: D must not ask P for this one
         prefill_client.close()
         send_generate(driver, "unlisted", PROMPTS[1], prefill.addresses["kv"])

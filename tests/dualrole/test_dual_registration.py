@@ -9,6 +9,7 @@ from pdserve.control.messages import EngineStats, KVPeers, Register
 from pdserve.control.sockets import ServerSocket
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_faults import wait_for_log
 
 
 def wait_for_register(router: ServerSocket, timeout_s: float = 20.0) -> tuple[bytes, Register, EngineStats]:
@@ -38,12 +39,12 @@ def test_a_dual_engine_registers_as_dual_and_pulls_from_the_peers_its_router_lis
         assert register.role == stats.role == "dual"
         assert register.kv_address == dual.addresses["kv"] and register.control_address == dual.addresses["control"]
         router.send(peer_id, KVPeers(kv_addresses=(peer.addresses["kv"],)), timeout=2.0)
-        time.sleep(0.5)  # the heartbeat thread takes it between beats
+        wait_for_log(dual, f"lists them: {[peer.addresses['kv']]}")  # its heartbeat thread took it
         listed, = driver.generate([PROMPTS[0]], prefix="listed", **GREEDY)
         assert listed.token_ids == expected[0]
         assert driver.decode_stats().kv_bytes_received > 0, "the KV came from the listed dual engine"
         router.send(peer_id, KVPeers(kv_addresses=()), timeout=2.0)  # the peer left the router
-        time.sleep(0.5)
+        wait_for_log(dual, "lists them: none")
         received = driver.decode_stats().kv_bytes_received
         unlisted, = driver.generate([PROMPTS[1]], prefix="unlisted", **GREEDY)
         assert unlisted.token_ids == expected[1]
