@@ -25,7 +25,6 @@ MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but fo
 MAX_TEMPERATURE = 100.0
 # a JSON schema, regex, grammar or choice list of one request (the wire header holds it whole: 1 MiB)
 MAX_STRUCTURED_SPEC_CHARS = 1 << 18
-STRUCTURED_KINDS = ("json", "json_object", "regex", "grammar", "choice")
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 

@@ -387,7 +387,6 @@ class SchedulerConfig:
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0 = only the step budget limits a chunk
 
     def __post_init__(self) -> None:

@@ -101,7 +101,7 @@ class LLM:
         self.engine = EngineCore(
             self.model_config,
             CacheConfig(block_size, num_kv_blocks, kv_cache_memory_bytes, enable_prefix_caching=enable_prefix_caching),
-            SchedulerConfig(max_num_seqs, max_num_batched_tokens, True, long_prefill_token_threshold),
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold),
             device,
         )
         self._ids = itertools.count()

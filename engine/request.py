@@ -5,7 +5,6 @@ engine takes them as the router sent them; this module names them for the engine
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +50,6 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     max_tokens: int = 16  # resolved from sampling_params and the context length by the engine
-    arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

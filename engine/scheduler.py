@@ -169,10 +169,7 @@ class Scheduler:
                     self.admission_blocked = True
                     return
                 continue
-            num_new = request.num_tokens - num_hit
-            if not self.config.enable_chunked_prefill and num_new > budget:
-                return
-            num_new = self._chunk(request, num_new, budget)
+            num_new = self._chunk(request, request.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
                 self.admission_blocked = True
                 return

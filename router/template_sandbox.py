@@ -37,7 +37,6 @@ class TemplateSandbox:
         self._idle: queue.LifoQueue[_Worker] = queue.LifoQueue()
         for _ in range(num_workers):  # started now: a worker loads the tokenizer for seconds
             self._idle.put(self._start())
-        self.num_renders = 0
         self.num_kills = 0
 
     def _start(self) -> _Worker:
@@ -52,7 +51,6 @@ class TemplateSandbox:
             if not worker.alive():
                 worker = self._start()
             self._wait_started(worker)
-            self.num_renders += 1
             answer = self._ask(worker, {"conversation": conversation, "options": options})
         except WorkerDied as exc:
             worker.kill()
