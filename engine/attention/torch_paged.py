@@ -53,14 +53,15 @@ class TorchPagedMetadata:
 class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
     name = "torch-paged"
     supports_cuda_graphs = False  # the plans read sequence lengths on the host
-    # Decode groups the step's sequences by length (kernels.length_groups.group_by_length bounds each group's
-    # padding to 10% of its tokens or 256 tokens), so a step reads the sum of its contexts and that padding.
+    # The native decode kernel reads each sequence's own context; the torch plan groups the step's sequences by
+    # length (kernels.length_groups.group_by_length bounds each group's padding to 10% of its tokens or 256
+    # tokens), so a step reads the sum of its contexts and that padding (decode_groups_by_length, set below).
     decode_pads_to_longest = False
-    decode_groups_by_length = True
 
     def __init__(self, block_size: int, native_decode: bool = True) -> None:
         self.block_size = block_size
         self.native_decode = native_decode and cpu_native.decode_kernel() is not None
+        self.decode_groups_by_length = not self.native_decode
         if native_decode:
             reason = cpu_native.unavailable_reason()
             logger.info("CPU decode attention: %s", "the native paged kernel" if reason is None else

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from pdserve.engine.config import cpu_has_native_bf16
+from pdserve.kernels import cpu_native
 from pdserve.planner.profile.corun_fit import NO_CORUN, corun_terms
 from pdserve.planner.profile.fit import load_profile, model_identity
 from pdserve.planner.profile.served import SERVED_TOKENS
@@ -59,7 +60,8 @@ def test_profile_measures_a_real_engine_and_plan_reads_it(model_factory, tmp_pat
     assert profile.machine["pinned_core"] is not None and profile.machine["torch"]
     assert {p.batch for p in profile.decode_points} >= {1, 4}
     assert not profile.engine.decode_pads_to_longest  # the CPU backend groups by length: the sum and the padding
-    assert profile.engine.decode_groups_by_length and profile.decode_groups_by_length
+    grouped = cpu_native.decode_kernel() is None  # the native kernel reads each context; the torch plan groups
+    assert profile.engine.decode_groups_by_length == profile.decode_groups_by_length == grouped
     assert all(p.longest * p.batch == p.context for p in profile.decode_points)  # uniform batches
     assert any(p.batch > 1 for p in profile.prefill_points)
     assert all(p.seconds > 0 and p.cpu_seconds > 0 for p in profile.prefill_points + profile.decode_points)
