@@ -106,10 +106,6 @@ class SamplingParams(WireModel):
         """A copy with `changes`, validated again (model_copy(update=...) would skip validation)."""
         return SamplingParams(**{**self.__dict__, **changes})
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     @model_validator(mode="after")
     def _check_ranges(self) -> SamplingParams:
         problem = _range_problem(self)

@@ -219,15 +219,6 @@ class BlockPool:
             self._cached[block_hash] = block
             block.block_hash = block_hash
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; refused (False) while any block is in use."""
-        if self.num_used_blocks > 0:
-            return False
-        for block in self._cached.values():
-            block.block_hash = None
-        self._cached.clear()
-        return True
-
     # -- checks ---------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:

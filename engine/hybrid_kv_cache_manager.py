@@ -127,9 +127,6 @@ class HybridKVCacheManager(PoolCounts):
         for group in self.groups:
             group.free(request)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
-
     # -- checks ---------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:

@@ -185,13 +185,14 @@ class KVCacheManager(PoolCounts):
                                num_external_computed_tokens)
         if plan.num_blocks_needed > self.pool.num_free_blocks:
             return None
-        return self.take_slots(request, plan, delay_cache_blocks)
+        self.take_hits(request, plan)
+        return self.take_new_blocks(request, plan, delay_cache_blocks)
 
     def plan_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                    new_computed_blocks: Sequence[KVBlock | None] = (),
                    num_external_computed_tokens: int = 0) -> SlotPlan:
         """Check allocate_slots' arguments, free the blocks that left the window, and count what the rest
-        needs from the pool; take_slots does it."""
+        needs from the pool; take_hits and take_new_blocks do it."""
         hits = list(new_computed_blocks)
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         self._check_allocate_args(
@@ -207,11 +208,6 @@ class KVCacheManager(PoolCounts):
         # Touching a free cached hit takes it out of the free queue, so it counts against the supply.
         num_free_hits = sum(1 for block in hits if block is not None and block.ref_cnt == 0)
         return SlotPlan(hits, num_unneeded, num_new_blocks, num_free_hits, num_total_tokens)
-
-    def take_slots(self, request: Request, plan: SlotPlan, delay_cache_blocks: bool = False) -> list[KVBlock]:
-        """Carry out plan_slots' plan (the caller checked that the pool has plan.num_blocks_needed free)."""
-        self.take_hits(request, plan)
-        return self.take_new_blocks(request, plan, delay_cache_blocks)
 
     def take_hits(self, request: Request, plan: SlotPlan) -> None:
         """The plan's prefix hits join the request's blocks; a free one leaves the free queue, so no
@@ -348,10 +344,6 @@ class KVCacheManager(PoolCounts):
         self.num_cached_blocks.pop(request.request_id, None)
         if req_blocks:
             self.pool.free_blocks(block for block in reversed(req_blocks) if block is not None)
-
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached prefix; refused (False) while any request holds blocks."""
-        return self.pool.reset_prefix_cache()
 
     # -- checks ---------------------------------------------------------------------------------
 

@@ -19,14 +19,10 @@ class RequestStatus(enum.IntEnum):
     WAITING_FOR_REMOTE_KV = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
-    # Everything after this line is finished.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()
-
-    def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
 
     def finish_reason(self) -> str | None:
         return {
@@ -103,10 +99,6 @@ class Request:
         """Prompt positions whose logprobs are still to be computed."""
         return (self.sampling_params.prompt_logprobs is not None
                 and self.num_prompt_logprob_positions < self.num_prompt_tokens - 1)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.is_finished()
 
     def add_prompt_logprobs(self, tables: tuple) -> list[tuple] | None:
         """Keep one prompt chunk's prompt-logprob tables (engine/prompt_logprobs.py); all of the prompt's

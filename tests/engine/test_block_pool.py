@@ -194,17 +194,6 @@ def test_cache_full_blocks_rejects_a_range_without_hashes():
     assert_pool_idle(pool)
 
 
-def test_reset_prefix_cache_is_refused_while_blocks_are_used():
-    pool = BlockPool(2)
-    block = cached_block(pool, b"a")
-    assert pool.reset_prefix_cache() is False
-    assert pool.get_cached_block(b"a") is block
-    pool.free_blocks([block])
-    assert pool.reset_prefix_cache() is True
-    assert pool.get_cached_block(b"a") is None and block.block_hash is None
-    assert_pool_idle(pool)
-
-
 # -- invariant checker --------------------------------------------------------------------------
 
 

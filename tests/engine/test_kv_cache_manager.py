@@ -291,17 +291,6 @@ def test_free_of_an_unknown_request_is_a_no_op():
     assert_all_blocks_free(manager)
 
 
-def test_reset_prefix_cache_waits_for_idle():
-    manager = make_manager()
-    request = make_request(list(range(9)))
-    prefill(manager, request)
-    assert manager.reset_prefix_cache() is False
-    manager.free(request)
-    assert manager.reset_prefix_cache() is True
-    assert manager.get_computed_blocks(make_request(list(range(9)))) == ([], 0)
-    assert_all_blocks_free(manager)
-
-
 def test_invariants_catch_a_ref_count_that_does_not_match_holders():
     manager = make_manager()
     request = make_request(list(range(6)))
