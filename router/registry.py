@@ -51,7 +51,6 @@ from pdserve.router.link import EngineLink
 
 log = logging.getLogger("pdserve.router.registry")
 
-ROLES = ("prefill", "decode")
 DUAL = "dual"  # a dual-role engine (`pdserve engine`): a member of both pools
 KV_SERVING_ROLES = ("prefill", DUAL)  # engines that serve KV to others: their KV addresses are every puller's peers
 KV_PULLING_ROLES = ("decode", DUAL)  # engines told those peers (KVPeers)
