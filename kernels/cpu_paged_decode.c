@@ -16,6 +16,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 static inline float bf16_to_float(uint16_t bits) {
     union { uint32_t u; float f; } value = { (uint32_t)bits << 16 };
@@ -69,6 +72,70 @@ static inline void load_tile(const void *restrict cache, int is_bf16, const int3
     }
 }
 
+/* logits[t] = scale * (q . tile[t]) for the tile's `count` rows [count, D]. */
+static inline void tile_logits(const float *restrict q, const float *restrict tile, int count, int head_dim,
+                               float scale, float *restrict logits) {
+#if defined(__AVX512F__)
+    if (count == TILE && head_dim % 16 == 0) {  /* 16 sums at once: each row's 16 lanes, then one lane tree */
+        __m512 sums[TILE];
+        for (int t = 0; t < TILE; t++) {
+            const float *row = tile + t * head_dim;
+            __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(row));
+            for (int d = 16; d < head_dim; d += 16)
+                sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(row + d), sum);
+            sums[t] = sum;
+        }
+        __m512 pairs[8], quads[4];
+        for (int i = 0; i < 8; i++)  /* per 128-bit lane: rows 2i, 2i+1 interleaved, half summed */
+            pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(sums[2 * i], sums[2 * i + 1]),
+                                     _mm512_unpackhi_ps(sums[2 * i], sums[2 * i + 1]));
+        for (int j = 0; j < 4; j++) {  /* per 128-bit lane: rows 4j..4j+3, one partial sum each */
+            __m512d a = _mm512_castps_pd(pairs[2 * j]), b = _mm512_castps_pd(pairs[2 * j + 1]);
+            quads[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                     _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+        }
+        __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xEE));
+        __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44),
+                                    _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
+        __m512 total = _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+        _mm512_storeu_ps(logits, _mm512_mul_ps(total, _mm512_set1_ps(scale)));
+        return;
+    }
+#endif
+    for (int t = 0; t < count; t++) {
+        const float *restrict key = tile + t * head_dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < head_dim; d++) dot += q[d] * key[d];
+        logits[t] = dot * scale;
+    }
+}
+
+/* o += sum over the tile's rows t of weights[t] * tile[t]  (o: [D]) */
+static inline void tile_accumulate(const float *restrict weights, const float *restrict tile, int count,
+                                   int head_dim, float *restrict o) {
+#if defined(__AVX512F__)
+    if (head_dim % 16 == 0 && head_dim <= 256) {  /* o stays in registers over the tile */
+        __m512 acc[16];
+        int vectors = head_dim / 16;
+        for (int v = 0; v < vectors; v++) acc[v] = _mm512_loadu_ps(o + 16 * v);
+        for (int t = 0; t < count; t++) {
+            __m512 weight = _mm512_set1_ps(weights[t]);
+            for (int v = 0; v < vectors; v++)
+                acc[v] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(tile + t * head_dim + 16 * v), acc[v]);
+        }
+        for (int v = 0; v < vectors; v++) _mm512_storeu_ps(o + 16 * v, acc[v]);
+        return;
+    }
+#endif
+    for (int t = 0; t < count; t++) {
+        const float *restrict value = tile + t * head_dim;
+#pragma omp simd
+        for (int d = 0; d < head_dim; d++) o[d] += weights[t] * value[d];
+    }
+}
+
 static inline void softmax_rows(float *restrict logits, int group, int span, float soft_cap,
                                 const float *restrict sinks) {  /* logits [group, span], in place */
     for (int g = 0; g < group; g++) {
@@ -103,31 +170,16 @@ static inline __attribute__((always_inline)) void attend_one(
         int count = span - begin < TILE ? span - begin : TILE;
         load_tile(key_cache, is_bf16, table, first + begin, count, block_size, token_stride, head_offset, head_dim,
                   tile);
-        for (int g = 0; g < group; g++) {
-            const float *restrict q = query + g * head_dim;
-            for (int t = 0; t < count; t++) {
-                const float *restrict key = tile + t * head_dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int d = 0; d < head_dim; d++) dot += q[d] * key[d];
-                logits[g * span + begin + t] = dot * scale;
-            }
-        }
+        for (int g = 0; g < group; g++)
+            tile_logits(query + g * head_dim, tile, count, head_dim, scale, logits + g * span + begin);
     }
     softmax_rows(logits, group, span, soft_cap, sinks);
     for (int begin = 0; begin < span; begin += TILE) {
         int count = span - begin < TILE ? span - begin : TILE;
         load_tile(value_cache, is_bf16, table, first + begin, count, block_size, token_stride, head_offset,
                   head_dim, tile);
-        for (int g = 0; g < group; g++) {
-            float *restrict o = out + g * head_dim;
-            const float *restrict weights = logits + g * span + begin;
-            for (int t = 0; t < count; t++) {
-                const float *restrict value = tile + t * head_dim;
-#pragma omp simd
-                for (int d = 0; d < head_dim; d++) o[d] += weights[t] * value[d];
-            }
-        }
+        for (int g = 0; g < group; g++)
+            tile_accumulate(logits + g * span + begin, tile, count, head_dim, out + g * head_dim);
     }
 }
 
