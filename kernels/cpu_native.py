@@ -1,10 +1,11 @@
 """The CPU's native paged decode attention (cpu_paged_decode.c), built with the host's C compiler on first
 use and loaded with ctypes.
 
-The shared library is compiled once per source, compiler and CPU (`-O3 -march=native`, OpenMP on the
-libgomp that torch has loaded) into $PDSERVE_CACHE/kernels (default ~/.cache/pdserve/kernels), and reused by every
-later process. Without a compiler, or with PDSERVE_CPU_KERNEL=torch, `decode_kernel()` returns None with
-the reason in `unavailable_reason()`, and decode attention runs on torch ops (kernels.torch_paged).
+The shared library is compiled once per source, compiler and CPU (`-O3 -march=native`; OpenMP on the
+libgomp that torch has loaded, or none where the compiler has none) into $PDSERVE_CACHE/kernels (default
+~/.cache/pdserve/kernels) and reused by every later process. Without a compiler, or with
+PDSERVE_CPU_KERNEL=torch, `decode_kernel()` returns None with the reason in `unavailable_reason()`, and decode
+attention runs on torch ops (kernels.torch_paged).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
 ENV_VAR = "PDSERVE_CPU_KERNEL"  # "torch": never build or use the native kernel
 CACHE_ENV_VAR = "PDSERVE_CACHE"  # pdserve's cache root, as for the demo model
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
+OPENMP = "-fopenmp"  # dropped when the compiler refuses it (Apple's clang): one thread per call then
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "kernel": the ctypes function, or "reason": why there is none
@@ -78,8 +80,11 @@ def build(compiler: str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), *_openmp_link_flags()],
-                                capture_output=True, text=True, timeout=300)
+        command = [compiler, *FLAGS, str(SOURCE), "-o", str(built)]
+        result = subprocess.run([*command, OPENMP, *_openmp_link_flags()], capture_output=True, text=True,
+                                timeout=300)
+        if result.returncode != 0:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise subprocess.SubprocessError(result.stderr or result.stdout)
         os.replace(built, target)  # another process may have built it too: the same bytes

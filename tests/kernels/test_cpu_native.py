@@ -110,3 +110,12 @@ def test_without_the_kernel_decode_runs_on_torch_ops_and_says_why(monkeypatch, c
         backend = TorchPagedBackend(block_size=16)
     assert not backend.native_decode
     assert f"torch ops with a gather copy ({cpu_native.unavailable_reason()})" in caplog.text
+
+
+def test_a_compiler_without_openmp_still_builds_the_kernel(tmp_path, monkeypatch):
+    import ctypes
+
+    monkeypatch.setenv(cpu_native.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(cpu_native, "OPENMP", "-fno-such-openmp-flag")  # refused, as Apple's clang refuses -fopenmp
+    library = ctypes.CDLL(str(cpu_native.build(cpu_native.compiler())))
+    assert library.pdserve_paged_decode  # built without OpenMP: its pragmas are ignored, one thread per call
