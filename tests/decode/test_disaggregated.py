@@ -4,6 +4,7 @@ engine token for token, KV bytes are exactly what the layout says, and no block 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -29,8 +30,18 @@ def colocated_outputs(llm: LLM, prompts, **sampling) -> list:  # one CompletionO
     return [o.outputs[0] for o in outputs]
 
 
+_COLOCATED_TOKENS: dict[str, list[list[int]]] = {}  # colocated_tokens' answers, by their arguments
+
+
 def colocated_tokens(model_dir: str, prompts, device: str = "cpu", **sampling) -> list[list[int]]:
-    return [o.token_ids for o in colocated_outputs(colocated_llm(model_dir, device=device), prompts, **sampling)]
+    """The colocated engine's tokens. Greedy or seeded, they are the same for the same arguments: those are computed
+    once a session (many modules compare against the same prompts), an unseeded random draw every time."""
+    key = json.dumps([model_dir, [list(p) for p in prompts], device, sampling], sort_keys=True)
+    deterministic = sampling.get("temperature") == 0 or sampling.get("seed") is not None
+    if not deterministic or key not in _COLOCATED_TOKENS:
+        llm = colocated_llm(model_dir, device=device)
+        _COLOCATED_TOKENS[key] = [o.token_ids for o in colocated_outputs(llm, prompts, **sampling)]
+    return [list(tokens) for tokens in _COLOCATED_TOKENS[key]]
 
 
 def start_pair(model_dir: str, tmp_path, transport: str = "tcp", prefill_env=None, decode_args=(),
