@@ -103,8 +103,12 @@ def test_prefill_restarted_on_its_address_is_served_at_once(model_factory, tmp_p
         print(f"\nthe {NUM_REQUESTS} requests after the restart: median {statistics.median(after):.3f}s, max "
               f"{max(after):.3f}s; unloaded (bracketing) median {statistics.median(unloaded):.3f}s; after / unloaded: "
               f"median {statistics.median(ratios):.2f}, max {max(ratios):.2f}")
-        slow = {i: f"{a:.2f}s > 2 x {u:.2f}s" for i, (a, u) in enumerate(zip(after, unloaded)) if a > 2 * u}
-        assert not slow, f"requests after the restart over 2x their unloaded time: {slow}\n{failed_transfers(driver)}"
+        # The fault this guards against made every request wait out a 30 s timeout (about 100x); one request
+        # of a busy host can take 2x its bracket by itself (0.60 s against 0.27 s in a CI-like run), so the
+        # median is held to 2x and each request to 10x.
+        slow = {i: f"{a:.2f}s > 10 x {u:.2f}s" for i, (a, u) in enumerate(zip(after, unloaded)) if a > 10 * u}
+        assert not slow, f"requests after the restart over 10x their unloaded time: {slow}\n{failed_transfers(driver)}"
+        assert statistics.median(ratios) <= 2, f"after / unloaded median {statistics.median(ratios):.2f} > 2"
         assert tokens == expected, "greedy output changed"
         assert driver.prefill_stats().num_kv_transfers == NUM_REQUESTS, "every request took its KV from the new P_a"
         assert_no_leaks(driver)
