@@ -1,5 +1,7 @@
 /* Paged decode attention for the CPU: one new query token per sequence, reading K and V in place from the
- * paged cache (no gather copy), float32 arithmetic for float32 or bfloat16 caches.
+ * paged cache (no gather copy), float32 arithmetic for float32 or bfloat16 caches. With AVX-512, a full tile's
+ * logits come from one lane-reduction tree; with AVX512-BF16, a bfloat16 query's logits against a bfloat16
+ * cache are VDPBF16PS products of the rows in place (exact products, float32 sums).
  *
  * Shapes (row-major, contiguous):
  *   query        [S, Hq, D]   float32, not yet scaled
@@ -19,6 +21,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+static inline uint32_t float_bits(float x) {
+    union { float f; uint32_t u; } value = { x };
+    return value.u;
+}
 
 static inline float bf16_to_float(uint16_t bits) {
     union { uint32_t u; float f; } value = { (uint32_t)bits << 16 };
@@ -72,6 +79,43 @@ static inline void load_tile(const void *restrict cache, int is_bf16, const int3
     }
 }
 
+#if defined(__AVX512F__)
+/* lane t of the result = the sum of sums[t]'s 16 lanes */
+static inline __m512 lane_sums(const __m512 *sums) {
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: rows 2i, 2i+1 interleaved, half summed */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(sums[2 * i], sums[2 * i + 1]),
+                     _mm512_unpackhi_ps(sums[2 * i], sums[2 * i + 1]));
+    for (int j = 0; j < 4; j++) {  /* per 128-bit lane: rows 4j..4j+3, one partial sum each */
+        __m512d a = _mm512_castps_pd(pairs[2 * j]), b = _mm512_castps_pd(pairs[2 * j + 1]);
+        quads[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                     _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44),
+                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xEE));
+    __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44),
+                    _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* logits[t] = scale * (q . K[t]) for TILE positions read in place as bfloat16 pairs (VDPBF16PS: exact products,
+ * float32 sums); q_pairs: [D] bfloat16 (the query, exactly representable), D a multiple of 32 */
+static inline void tile_logits_bf16(const uint16_t *restrict q_pairs, const uint16_t *const *rows, int head_dim,
+                                    float scale, float *restrict logits) {
+    __m512 sums[TILE];
+    for (int t = 0; t < TILE; t++) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int d = 0; d < head_dim; d += 32)
+            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q_pairs + d),
+                                   (__m512bh)_mm512_loadu_si512(rows[t] + d));
+        sums[t] = sum;
+    }
+    _mm512_storeu_ps(logits, _mm512_mul_ps(lane_sums(sums), _mm512_set1_ps(scale)));
+}
+#endif
+
 /* logits[t] = scale * (q . tile[t]) for the tile's `count` rows [count, D]. */
 static inline void tile_logits(const float *restrict q, const float *restrict tile, int count, int head_dim,
                                float scale, float *restrict logits) {
@@ -85,20 +129,7 @@ static inline void tile_logits(const float *restrict q, const float *restrict ti
                 sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(row + d), sum);
             sums[t] = sum;
         }
-        __m512 pairs[8], quads[4];
-        for (int i = 0; i < 8; i++)  /* per 128-bit lane: rows 2i, 2i+1 interleaved, half summed */
-            pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(sums[2 * i], sums[2 * i + 1]),
-                                     _mm512_unpackhi_ps(sums[2 * i], sums[2 * i + 1]));
-        for (int j = 0; j < 4; j++) {  /* per 128-bit lane: rows 4j..4j+3, one partial sum each */
-            __m512d a = _mm512_castps_pd(pairs[2 * j]), b = _mm512_castps_pd(pairs[2 * j + 1]);
-            quads[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                                     _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-        }
-        __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44),
-                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xEE));
-        __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44),
-                                    _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
-        __m512 total = _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+        __m512 total = lane_sums(sums);
         _mm512_storeu_ps(logits, _mm512_mul_ps(total, _mm512_set1_ps(scale)));
         return;
     }
@@ -166,8 +197,30 @@ static inline __attribute__((always_inline)) void attend_one(
     memset(out, 0, sizeof(float) * group * head_dim);
     if (span <= 0) return;
     int64_t token_stride = (int64_t)num_kv_heads * head_dim, head_offset = (int64_t)kv_head * head_dim;
+#if defined(__AVX512BF16__)
+    uint16_t q_pairs[group * head_dim];
+    int in_place = is_bf16 && head_dim % 32 == 0;  /* and a query that bfloat16 holds exactly (a bf16 model's) */
+    for (int i = 0; in_place && i < group * head_dim; i++) {
+        uint32_t bits = float_bits(query[i]);
+        q_pairs[i] = (uint16_t)(bits >> 16);
+        in_place = (bits & 0xffffu) == 0;
+    }
+#endif
     for (int begin = 0; begin < span; begin += TILE) {
         int count = span - begin < TILE ? span - begin : TILE;
+#if defined(__AVX512BF16__)
+        if (in_place && count == TILE) {
+            const uint16_t *rows[TILE];
+            for (int t = 0; t < TILE; t++) {
+                int position = first + begin + t;
+                rows[t] = (const uint16_t *)key_cache + ((int64_t)table[position / block_size] * block_size
+                          + position % block_size) * token_stride + head_offset;
+            }
+            for (int g = 0; g < group; g++)
+                tile_logits_bf16(q_pairs + g * head_dim, rows, head_dim, scale, logits + g * span + begin);
+            continue;
+        }
+#endif
         load_tile(key_cache, is_bf16, table, first + begin, count, block_size, token_stride, head_offset, head_dim,
                   tile);
         for (int g = 0; g < group; g++)

@@ -119,3 +119,14 @@ def test_a_compiler_without_openmp_still_builds_the_kernel(tmp_path, monkeypatch
     monkeypatch.setattr(cpu_native, "OPENMP", "-fno-such-openmp-flag")  # refused, as Apple's clang refuses -fopenmp
     library = ctypes.CDLL(str(cpu_native.build(cpu_native.compiler())))
     assert library.pdserve_paged_decode  # built without OpenMP: its pragmas are ignored, one thread per call
+
+
+def test_a_query_bf16_cannot_hold_is_not_rounded_to_it():
+    """A bf16 cache with a float32 query that bfloat16 does not hold exactly: the logits use the query as it is
+    (the in-place bf16 products are only for a bf16 model's query)."""
+    query, key_cache, value_cache, tables, seq_lens = paged_case([64, 48], 4, 2, 64, 16, torch.bfloat16)
+    query = query.float() + 1e-3  # off the bf16 grid
+    plan = torch_paged.plan_decode(tables, seq_lens, 16)
+    expected = torch_paged.decode_attention_planned(query, key_cache, value_cache, plan, 0.2)
+    got = cpu_native.paged_decode(query, key_cache, value_cache, tables, seq_lens, 0.2)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
