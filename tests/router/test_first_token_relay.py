@@ -35,8 +35,9 @@ def test_the_decode_stream_continues_from_the_second_token(tiny_model, tokenizat
 
 
 def test_a_decode_engine_lost_before_its_first_token_is_an_error_after_it(tiny_model, tokenization):
+    """No other decode engine: the stream waits --migration-timeout (0.5 s here, not the default 15 s) for one."""
     async def scenario():
-        async with router_app(tiny_model, tokenization) as (gateway, client):
+        async with router_app(tiny_model, tokenization, migration_timeout_s=0.5) as (gateway, client):
             async with serving_engines(gateway, {"role": "prefill", "engine_id": "p0", "first_token": True},
                                        {"engine_id": "d0", "token_delay_s": 60}) as (prefill, decode):
 
