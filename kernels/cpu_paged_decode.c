@@ -167,6 +167,22 @@ static inline void tile_accumulate(const float *restrict weights, const float *r
     }
 }
 
+#define AHEAD TILE /* rows asked for ahead of their use; farther ahead measured no faster */
+/* Asks for rows [from, to) of an item's stream ahead of their use: the K rows of its positions, then the V rows
+ * (index span + i). Blocks lie anywhere, so the hardware's stride prefetchers do not find them. */
+static inline void prefetch_stream(const void *key_cache, const void *value_cache, int element_size,
+                                   const int32_t *restrict table, int first, int span, int from, int to,
+                                   int block_size, int64_t token_stride, int64_t head_offset, int head_dim) {
+    if (to > 2 * span) to = 2 * span;
+    for (int i = from; i < to; i++) {
+        int position = first + (i < span ? i : i - span);
+        const char *cache = i < span ? key_cache : value_cache;
+        const char *row = cache + (((int64_t)table[position / block_size] * block_size + position % block_size)
+                                   * token_stride + head_offset) * element_size;
+        for (int byte = 0; byte < head_dim * element_size; byte += 64) __builtin_prefetch(row + byte, 0, 3);
+    }
+}
+
 static inline void softmax_rows(float *restrict logits, int group, int span, float soft_cap,
                                 const float *restrict sinks) {  /* logits [group, span], in place */
     for (int g = 0; g < group; g++) {
@@ -206,8 +222,13 @@ static inline __attribute__((always_inline)) void attend_one(
         in_place = (bits & 0xffffu) == 0;
     }
 #endif
+    int element_size = is_bf16 ? 2 : 4;
+    prefetch_stream(key_cache, value_cache, element_size, table, first, span, 0, AHEAD, block_size, token_stride,
+                    head_offset, head_dim);
     for (int begin = 0; begin < span; begin += TILE) {
         int count = span - begin < TILE ? span - begin : TILE;
+        prefetch_stream(key_cache, value_cache, element_size, table, first, span, begin + AHEAD,
+                        begin + AHEAD + TILE, block_size, token_stride, head_offset, head_dim);
 #if defined(__AVX512BF16__)
         if (in_place && count == TILE) {
             const uint16_t *rows[TILE];
@@ -229,6 +250,8 @@ static inline __attribute__((always_inline)) void attend_one(
     softmax_rows(logits, group, span, soft_cap, sinks);
     for (int begin = 0; begin < span; begin += TILE) {
         int count = span - begin < TILE ? span - begin : TILE;
+        prefetch_stream(key_cache, value_cache, element_size, table, first, span, span + begin + AHEAD,
+                        span + begin + AHEAD + TILE, block_size, token_stride, head_offset, head_dim);
         load_tile(value_cache, is_bf16, table, first + begin, count, block_size, token_stride, head_offset,
                   head_dim, tile);
         for (int g = 0; g < group; g++)
