@@ -59,6 +59,7 @@ static inline float soft_capped(float logit, float cap) {  /* cap * tanh(logit /
     return cap * (t < 0 ? -magnitude : magnitude);
 }
 
+#define MIN_PARALLEL_ELEMENTS (1 << 18) /* K elements a call reads before it splits over threads */
 #define TILE 16 /* positions converted and read together; the tile stays in L1 */
 
 /* Positions [first, first + count) of one KV head, as float32 rows [count, D] in `tile`. */
@@ -265,10 +266,16 @@ int pdserve_paged_decode(const float *query, const void *key_cache, const void *
                          float soft_cap, const float *sinks, float *out, int num_threads) {
     int group = num_heads / num_kv_heads;
     int longest = 0;
-    for (int s = 0; s < num_seqs; s++) longest = seq_lens[s] > longest ? seq_lens[s] : longest;
+    int64_t positions = 0;  /* the call's work: positions read, summed over its sequences */
+    for (int s = 0; s < num_seqs; s++) {
+        longest = seq_lens[s] > longest ? seq_lens[s] : longest;
+        positions += window > 0 && seq_lens[s] > window ? window : seq_lens[s];
+    }
     if (window > 0 && longest > window) longest = window;
+    /* a call with little work runs on the calling thread: waking the others costs more than they save */
+    int threads = positions * num_kv_heads * head_dim >= MIN_PARALLEL_ELEMENTS ? num_threads : 1;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel if (threads > 1) num_threads(threads)
     {
         float *logits = malloc(sizeof(float) * ((size_t)group * (longest > 0 ? longest : 1) + (size_t)TILE * head_dim));
         if (!logits) {

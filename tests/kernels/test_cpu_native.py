@@ -66,7 +66,8 @@ def test_native_decode_equals_the_torch_plan(case, dtype, window, soft_cap, with
 
 
 def test_two_threads_give_the_single_threads_result():
-    query, key_cache, value_cache, tables, seq_lens = paged_case([200, 5, 90, 31, 64], 8, 2, 64, 16, torch.float32)
+    # enough positions (2,675 x 2 KV heads x 64 > 2^18 elements) that the call splits over its threads
+    query, key_cache, value_cache, tables, seq_lens = paged_case([2000, 5, 90, 31, 549], 8, 2, 64, 16, torch.float32)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
