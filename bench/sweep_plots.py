@@ -112,7 +112,8 @@ def load_figure(plt, lines: dict, x_label: str, y_label: str, context: PlotConte
     axes.set_ylabel(y_label)
     axes.set_title(_title(f"{y_label} against load", context), fontsize=10)
     axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the plot, over no point
+    if axes.get_legend_handles_labels()[0]:  # bars name their servers on the axis: no legend, and no warning
+        axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the plot, over no point
     figure.tight_layout()
     return figure
 

@@ -413,6 +413,23 @@ def test_one_rate_is_drawn_as_bars_and_many_as_lines_with_every_marker_visible()
     plt.close(figure)
 
 
+def test_bars_without_an_slo_line_have_no_legend_to_warn_about():
+    """One rate and no SLO: the bars name their servers on the axis, so there is no legend, and matplotlib's
+    'No artists with labels' warning (printed three times by such a sweep) is not raised."""
+    import warnings
+
+    from pdserve.bench.sweep_plots import PlotContext, load_figure, pyplot, series
+
+    plt = pyplot()
+    one_rate = [row for row in synthetic_rows() if row["request_rate"] == 2.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        figure = load_figure(plt, series(one_rate, "request_rate", "p90_ttft_ms"), "request rate (req/s)",
+                             "TTFT p90 (ms)", PlotContext("about 16 tokens in / 4 out per request", {}, None), None)
+    assert figure.axes[0].get_legend() is None
+    plt.close(figure)
+
+
 # ---- the plan and the bench command ----
 
 
