@@ -26,7 +26,7 @@ PARTS = [
     ("pdserve.engine.layers.linear", "_packed_linear", "linears (lm_head too)"),
     ("pdserve.engine.models.llama", "LlamaForCausalLM.compute_logits", "lm_head"),
     ("pdserve.kernels.torch_paged", "decode_attention_planned", "decode attention"),
-    ("pdserve.kernels.cpu_native", "paged_decode", "decode attention (native)"),
+    ("pdserve.kernels.cpu_native", "paged_decode", "decode attention"),  # the native kernel, where it runs
     ("pdserve.kernels.torch_paged", "prefill_attention_planned", "prefill attention"),
     ("pdserve.kernels.torch_paged", "store_kv_planned", "KV store"),
     ("pdserve.kernels.torch_paged", "plan_decode", "decode plan"),
