@@ -61,7 +61,7 @@ def test_deepseek_v2_matches_transformers_fp32(deepseek_dir, case):
     assert type(llm.engine.runner.model) is DeepseekV2ForCausalLM
 
 
-@pytest.mark.parametrize("decode_mode, prefill_mode", itertools.product(("absorbed", "decompressed"), repeat=2))
+@pytest.mark.parametrize("decode_mode, prefill_mode", list(itertools.product(("absorbed", "decompressed"), repeat=2)))
 def test_every_attention_mode_matches_transformers(deepseek_dir, decode_mode, prefill_mode):
     """Absorbed and decompressed attention, in decode steps and in prefill chunks over a cached prefix."""
     model_dir = deepseek_dir("deepseek-v3")
