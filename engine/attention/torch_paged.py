@@ -5,9 +5,8 @@ CPU's native kernel (kernels.cpu_native) where it builds, else through the gathe
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
-
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
