@@ -39,7 +39,7 @@ from pdserve.router.errors import (
     UnsupportedMediaType,
 )
 from pdserve.router.gateway import Gateway
-from pdserve.router.lean_routes import BodyRoute, is_json
+from pdserve.router.body_route import BodyRoute, is_json
 from pdserve.router.responses import (
     AutoToolCallFormatter,
     ChatFormatter,

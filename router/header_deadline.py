@@ -8,7 +8,7 @@ within HEADER_TIMEOUT_S of the connection opening (or of the request's first byt
 connection); else the client gets a 408 and the connection is closed. The headers (request line
 included) may also take at most MAX_HEADER_BYTES: beyond it the client gets a 431 before any of the app
 runs (the parser keeps every header it reads, so an unbounded one costs memory and event-loop time).
-Bodies have their own limit (router/lean_routes.py, router/body_limit.py).
+Bodies have their own limit (router/body_route.py, router/body_limit.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the generation endpoints answer (router/api.py, routes of router/lean_routes.py's BodyRoute):
+"""What the generation endpoints answer (router/api.py, routes of router/body_route.py's BodyRoute):
 status, content type and error, for good requests (whole and streamed) and every kind of refusal (body
 cap by Content-Length and by a chunked body, API key, bad JSON and fields, unknown model, no engine),
 and an unexpected server error."""

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.router import lean_routes
+from pdserve.router import body_route
 from tests.router.conftest import assert_openai_error, health_latencies, router_app, router_server, wait_until
 from tests.router.test_router_limits import chat, router_serving, serving
 
@@ -94,7 +94,7 @@ def test_a_client_that_leaves_mid_body_is_499_without_a_traceback(tiny_model, to
 
 
 def test_a_body_that_trickles_past_the_limit_is_408(tiny_model, tokenization, monkeypatch):
-    monkeypatch.setattr(lean_routes, "BODY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(body_route, "BODY_TIMEOUT_S", 0.5)
 
     async def scenario():
         async with router_server(tiny_model, tokenization) as (gateway, url):

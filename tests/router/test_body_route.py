@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 from starlette.exceptions import HTTPException
 
-from pdserve.router.lean_routes import BodyRoute
+from pdserve.router.body_route import BodyRoute
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 
 
@@ -24,10 +24,10 @@ def app_with_both(model) -> FastAPI:
     async def through_fastapi(body: model, request: Request) -> JSONResponse:  # type: ignore[valid-type]
         return await echo(body, request)
 
-    async def lean(body: model, request: Request) -> JSONResponse:  # type: ignore[valid-type]
+    async def through_body_route(body: model, request: Request) -> JSONResponse:  # type: ignore[valid-type]
         return await echo(body, request)
 
-    app.router.add_api_route("/lean", lean, methods=["POST"], route_class_override=BodyRoute)
+    app.router.add_api_route("/body-route", through_body_route, methods=["POST"], route_class_override=BodyRoute)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc):
@@ -64,9 +64,9 @@ def test_every_body_gets_fastapis_answer(model):
     client = TestClient(app_with_both(model))
     for body, content_type in BODIES:
         headers = {"content-type": content_type} if content_type else {}
-        lean = client.post("/lean", content=body, headers=headers)
+        routed = client.post("/body-route", content=body, headers=headers)
         fastapi = client.post("/fastapi", content=body, headers=headers)
-        assert (lean.status_code, lean.json()) == (fastapi.status_code, fastapi.json()), body[:60]
+        assert (routed.status_code, routed.json()) == (fastapi.status_code, fastapi.json()), body[:60]
 
 
 def test_the_routes_dependencies_run_before_the_body_is_read():
@@ -77,12 +77,12 @@ def test_the_routes_dependencies_run_before_the_body_is_read():
         checked.append(request.url.path)
         raise HTTPException(status_code=401, detail="no key")
 
-    async def lean(body: CompletionRequest, request: Request) -> JSONResponse:
+    async def through_body_route(body: CompletionRequest, request: Request) -> JSONResponse:
         return JSONResponse({})
 
-    app.router.add_api_route("/guarded", lean, methods=["POST"], dependencies=[Depends(refuse)],
+    app.router.add_api_route("/guarded", through_body_route, methods=["POST"], dependencies=[Depends(refuse)],
                              route_class_override=BodyRoute)
     answer = TestClient(app).post("/guarded", content=b'{"prompt": [1, 2', headers={"content-type": "application/json"})
     assert (answer.status_code, answer.json(), checked) == (401, {"kind": "http", "detail": "no key", "cause": None},
                                                            ["/guarded"])
-    assert "/lean" in app.openapi()["paths"] and "/guarded" in app.openapi()["paths"]  # listed as any route
+    assert "/body-route" in app.openapi()["paths"] and "/guarded" in app.openapi()["paths"]  # listed as any route
