@@ -21,7 +21,7 @@ from pdserve.engine.kv_cache_groups import KVCacheGroups, group_layers_by_window
 from pdserve.engine.layers.attention import Attention
 from pdserve.engine.layers.sampler import Sampler
 from pdserve.engine.loader import load_model
-from pdserve.engine.models.registry import NATIVE_MODELS
+from pdserve.engine.models.registry import is_native
 from pdserve.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class ModelRunner:
         if not self.attn_backend.supports_cuda_graphs:
             return (f"PDSERVE_KERNELS=torch: the {self.attn_backend.name} attention backend reads sequence lengths "
                     "on the host, which a CUDA graph cannot capture; unset it to capture graphs")
-        if type(self.model) not in NATIVE_MODELS.values():
+        if not is_native(self.model):
             return "the transformers backend runs eagerly (CUDA graphs are captured for native models only)"
         return None
 

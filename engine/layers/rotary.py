@@ -11,12 +11,9 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 # Types whose frequencies change with the sequence length: one fixed table cannot hold them.
 SEQUENCE_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
-SUPPORTED_ROPE_TYPES = ("default",) + tuple(t for t in ROPE_INIT_FUNCTIONS if t not in SEQUENCE_DEPENDENT_ROPE_TYPES)
 
 # (query [T, H, D], key [T, Hkv, D]) -> both rotated: one step's rotation, applied by every layer
 Rotation = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -26,6 +23,15 @@ RotaryKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 class UnsupportedRopeError(ValueError):
     pass
+
+
+@functools.cache
+def supported_rope_types() -> tuple[str, ...]:
+    """'default', then every static type of transformers' ROPE_INIT_FUNCTIONS (transformers is imported
+    only for a model that names a scaling)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ("default",) + tuple(t for t in ROPE_INIT_FUNCTIONS if t not in SEQUENCE_DEPENDENT_ROPE_TYPES)
 
 
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:  # [head_dim // 2]
@@ -43,6 +49,9 @@ def _transformers_rope(rope_type: str, head_dim: int, theta: float, scaling: dic
                        max_positions: int) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim // 2], attention factor) from transformers' own init function for `rope_type`,
     given a config holding just what those functions read."""
+    from transformers import PretrainedConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     config = PretrainedConfig()
     config.head_dim, config.hidden_size, config.num_attention_heads = head_dim, head_dim, 1
     config.max_position_embeddings = max_positions
@@ -66,13 +75,13 @@ def rope_parameters(head_dim: int, theta: float, scaling: dict | None,
     rope_type = rope_type_of(scaling)
     if rope_type == "default":
         return _base_inv_freq(head_dim, theta), 1.0
-    if rope_type in SUPPORTED_ROPE_TYPES:
+    if rope_type in supported_rope_types():
         return _transformers_rope(rope_type, head_dim, theta, scaling, max_positions)
     why = ("its frequencies change with the sequence length, which one precomputed table cannot hold"
            if rope_type in SEQUENCE_DEPENDENT_ROPE_TYPES else "neither pdserve nor transformers knows it")
     raise UnsupportedRopeError(
         f"rope scaling type {rope_type!r} is not supported by pdserve ({why}; supported: "
-        f"{', '.join(SUPPORTED_ROPE_TYPES)}); use a checkpoint without it or --model-impl transformers"
+        f"{', '.join(supported_rope_types())}); use a checkpoint without it or --model-impl transformers"
     )
 
 

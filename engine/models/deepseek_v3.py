@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import yarn_get_mscale
 
 from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.config import ConfigError, ModelConfig
@@ -24,7 +23,7 @@ from pdserve.engine.layers.linear import Linear, MergedLinear
 from pdserve.engine.layers.mla import LatentAttention, LatentUpProjection
 from pdserve.engine.layers.moe import ExpertWeights, GroupLimitedRouter
 from pdserve.engine.layers.norm import RMSNorm
-from pdserve.engine.layers.rotary import SUPPORTED_ROPE_TYPES, Rotation, rope_type_of
+from pdserve.engine.layers.rotary import Rotation, rope_type_of, supported_rope_types
 from pdserve.engine.models.llama import DecoderForCausalLM, DecoderLayer, DecoderStack, GatedMLP
 
 
@@ -42,6 +41,8 @@ def softmax_scale(config: ModelConfig, qk_head_dim: int) -> float:
     scaling = config.rope_scaling or {}
     mscale_all_dim = scaling.get("mscale_all_dim") or 0
     if rope_type_of(scaling) != "default" and mscale_all_dim:
+        from transformers.modeling_rope_utils import yarn_get_mscale
+
         mscale = yarn_get_mscale(scaling["factor"], mscale_all_dim)
         scale *= mscale * mscale
     return scale
@@ -179,9 +180,9 @@ def _check_supported(config: ModelConfig) -> None:
         raise ConfigError(f"{config.architecture} with hidden_act={activation!r}: pdserve's DeepSeek-V3 code is "
                           "SiLU-gated only")
     rope_type = rope_type_of(config.rope_scaling)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if rope_type not in supported_rope_types():
         raise ConfigError(f"{config.architecture} with rope scaling {rope_type!r}: pdserve's rotary supports "
-                          f"{', '.join(SUPPORTED_ROPE_TYPES)} (sequence-dependent types need a table per length); "
+                          f"{', '.join(supported_rope_types())} (sequence-dependent types need a table per length); "
                           "use --model-impl transformers")
     if not config.is_mla:
         raise ConfigError(f"{config.architecture} config.json has no kv_lora_rank: it is not an MLA model; restore "

@@ -10,24 +10,33 @@ model_impl (ModelConfig.model_impl):
 
 from __future__ import annotations
 
+import importlib
+
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.models.deepseek_v3 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from pdserve.engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-from pdserve.engine.models.sparse_moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
-NATIVE_MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
-    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
-    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+# architecture name -> the module defining the class of that name (imported only when that architecture loads)
+NATIVE_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "pdserve.engine.models.llama",
+    "MistralForCausalLM": "pdserve.engine.models.llama",
+    "Qwen2ForCausalLM": "pdserve.engine.models.llama",
+    "Qwen3ForCausalLM": "pdserve.engine.models.llama",
+    "MixtralForCausalLM": "pdserve.engine.models.sparse_moe",
+    "Qwen2MoeForCausalLM": "pdserve.engine.models.sparse_moe",
+    "Qwen3MoeForCausalLM": "pdserve.engine.models.sparse_moe",
+    "DeepseekV2ForCausalLM": "pdserve.engine.models.deepseek_v3",
+    "DeepseekV3ForCausalLM": "pdserve.engine.models.deepseek_v3",
 }
+
+
+def native_model_class(architecture: str) -> type[nn.Module]:
+    return getattr(importlib.import_module(NATIVE_MODELS[architecture]), architecture)
+
+
+def is_native(model: nn.Module) -> bool:
+    """Whether the model is pdserve's own code (not the transformers backend)."""
+    return NATIVE_MODELS.get(type(model).__name__) == type(model).__module__
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -43,9 +52,8 @@ def transformers_causal_lm_names() -> frozenset[str]:
 
 def resolve_model_class(config: ModelConfig) -> type[nn.Module]:
     architecture, impl = config.architecture, config.model_impl
-    native = NATIVE_MODELS.get(architecture)
-    if native is not None and impl != "transformers":
-        return native
+    if architecture in NATIVE_MODELS and impl != "transformers":
+        return native_model_class(architecture)
     if impl == "native":
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} has no native pdserve implementation; native: "
