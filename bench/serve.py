@@ -93,23 +93,6 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     add_vllm_args(parser)
 
 
-def parse_goodput(items: list[str] | None) -> dict[str, float]:
-    from pdserve.bench.serve_metrics import SLO_NAMES
-
-    slos = {}
-    for item in items or []:
-        name, _, value = item.partition(":")
-        try:
-            limit = float(value)
-        except ValueError:
-            limit = math.nan
-        if name not in SLO_NAMES or not limit > 0 or math.isinf(limit):
-            raise ValueError(f"--goodput {item!r}: write NAME:MS with NAME one of {', '.join(SLO_NAMES)} and MS a "
-                             "positive number of milliseconds, e.g. --goodput ttft:2000 tpot:100")
-        slos[name] = limit
-    return slos
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Refuses bad values before any work; first turns vLLM's flags into pdserve's settings."""
     from pdserve.bench.serve_arrivals import check_arrival_args, check_arrival_span
@@ -200,10 +183,11 @@ def run_bench(args: argparse.Namespace) -> int:
     bad arguments, files or an unusable server raise ValueError before any load."""
     import asyncio
 
+    from pdserve.bench.serve_metrics import parse_slos
     from pdserve.bench.serve_run import bench_main
 
     check_args(args)
-    slos = parse_goodput(args.goodput)
+    slos = parse_slos(args.goodput)
     try:
         return asyncio.run(bench_main(args, base_url_of(args.base_url), slos))
     except KeyboardInterrupt:

@@ -6,6 +6,8 @@ Times in a RequestResult are seconds; the metrics are milliseconds (`*_ms`) or p
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,6 +15,31 @@ import numpy as np
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 STATISTICS = ("mean", "median", "std", "p90", "p95", "p99")
 SLO_NAMES = ("ttft", "tpot", "e2el")
+
+
+def parse_slos(items: list[str] | None, flag: str = "--goodput") -> dict[str, float]:
+    """["ttft:500", "tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds); errors name `flag`."""
+    return parse_metric_values(items, lambda ms: ms > 0, lambda item: (
+        f"{flag} {item!r}: give METRIC:MILLISECONDS with METRIC one of {', '.join(SLO_NAMES)} and a positive "
+        "number, e.g. ttft:500 tpot:50"))
+
+
+def parse_metric_values(items: list[str] | None, accepts: Callable[[float], bool],
+                        problem: Callable[[str], str]) -> dict[str, float]:
+    """["ttft:4", ...] -> {"ttft": 4.0, ...}: each item METRIC:VALUE with METRIC one of SLO_NAMES and a finite
+    VALUE that `accepts` takes, else a ValueError saying problem(item)."""
+    values: dict[str, float] = {}
+    for item in items or []:
+        name, sep, text = item.partition(":")
+        name = name.strip().lower()
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not sep or name not in SLO_NAMES or not math.isfinite(value) or not accepts(value):
+            raise ValueError(problem(item))
+        values[name] = value
+    return values
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pdserve.bench.serve_arrivals import check_arrival_span
+from pdserve.bench.serve_metrics import parse_slos
 from pdserve.bench.sweep_args import DATASET_FLAGS, resolve_num_prompts
 from pdserve.bench.sweep_cluster import Cluster, ClusterError, ClusterSpec, engines_dtype
 from pdserve.bench.sweep_goodput import find_goodput
@@ -34,7 +35,6 @@ from pdserve.bench.sweep_results import (
     SUMMARY_COLUMNS,
     RunInfo,
     goodput_from_rows,
-    parse_slos,
     slo_attainment,
     summary_row,
     write_csv,

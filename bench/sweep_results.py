@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.sweep_metrics import SUMMARY_FIELDS
 
-SLO_METRICS = ("ttft", "tpot", "e2el")
 ATTAINMENT_TARGET = 0.9  # DistServe's goodput: the highest rate at which >= 90% of requests meet the SLOs
 LATENCY_FIELDS = [f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el")
                   for stat in ("mean", "median", "p90", "p99")]
@@ -21,31 +19,6 @@ RUN_FIELDS = ["config", "num_prefill", "num_decode", "num_engines", "phase", "re
 SUMMARY_COLUMNS = [*RUN_FIELDS, *BENCH_FIELDS, "slo_attainment", *SUMMARY_FIELDS, "result_file", "error"]
 GOODPUT_COLUMNS = ["config", "num_engines", "goodput", "goodput_per_engine", "source", "upper_bound"]
 REFERENCE_PHASE = "reference"  # a sweep's reference runs: the machine's speed around each load (validate/speed.py)
-
-
-def parse_slos(items: list[str] | None, flag: str = "--goodput") -> dict[str, float]:
-    """["ttft:500", "tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds); errors name `flag`."""
-    return parse_metric_values(items, lambda ms: ms > 0, lambda item: (
-        f"{flag} {item!r}: give METRIC:MILLISECONDS with METRIC one of {', '.join(SLO_METRICS)} and a positive "
-        "number, e.g. ttft:500 tpot:50"))
-
-
-def parse_metric_values(items: list[str] | None, accepts: Callable[[float], bool],
-                        problem: Callable[[str], str]) -> dict[str, float]:
-    """["ttft:4", ...] -> {"ttft": 4.0, ...}: each item METRIC:VALUE with METRIC one of SLO_METRICS and a finite
-    VALUE that `accepts` takes, else a ValueError saying problem(item)."""
-    values: dict[str, float] = {}
-    for item in items or []:
-        name, sep, text = item.partition(":")
-        name = name.strip().lower()
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not sep or name not in SLO_METRICS or not math.isfinite(value) or not accepts(value):
-            raise ValueError(problem(item))
-        values[name] = value
-    return values
 
 
 def request_latencies_ms(result: dict, index: int) -> dict[str, float]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from pdserve.bench.sweep_results import SLO_METRICS, parse_metric_values
+from pdserve.bench.serve_metrics import SLO_NAMES, parse_metric_values
 
 UNLOADED_PHASE = "unloaded"
 
@@ -14,7 +14,7 @@ UNLOADED_PHASE = "unloaded"
 def parse_slo_factors(items: list[str] | None) -> dict[str, float]:
     """["ttft:4", "tpot:1.3"] -> {"ttft": 4.0, "tpot": 1.3}."""
     return parse_metric_values(items, lambda factor: factor >= 1, lambda item: (
-        f"--slo-factors {item!r}: give METRIC:FACTOR with METRIC one of {', '.join(SLO_METRICS)} and a factor >= 1 "
+        f"--slo-factors {item!r}: give METRIC:FACTOR with METRIC one of {', '.join(SLO_NAMES)} and a factor >= 1 "
         "(an SLO below the unloaded latency cannot be met), e.g. ttft:4 tpot:1.3"))
 
 

@@ -22,7 +22,7 @@ from pdserve.planner.search.recommend import (PlanSettings, plan_adaptive, plan_
 from pdserve.planner.search.goodput import search_adaptive, search_splits
 from pdserve.planner.model.simulator import ClusterSpec, StepModel
 from pdserve.planner.model.workload import Workload, workload_from_args
-from pdserve.bench.sweep_results import parse_slos
+from pdserve.bench.serve_metrics import parse_slos
 
 PLAN_COLUMNS = (("config", "config", "{}"), ("request_rate", "rate/s", "{:.3g}"), ("slo_attainment", "attain", "{:.0%}"),
                 ("median_ttft_ms", "TTFT p50 ms", "{:.0f}"), ("p90_ttft_ms", "TTFT p90", "{:.0f}"),

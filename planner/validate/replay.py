@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.sweep_results import ATTAINMENT_TARGET, parse_slos
+from pdserve.bench.serve_metrics import parse_slos
+from pdserve.bench.sweep_results import ATTAINMENT_TARGET
 from pdserve.planner.cli import cluster_spec, format_table, step_model
 from pdserve.planner.model.host_cpu import HostCpu, given_host_cpu, validate_host_cpu
 from pdserve.planner.model.host_effects import HostEffects, host_effects

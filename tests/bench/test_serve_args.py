@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.serve import base_url_of, check_args, parse_goodput
+from pdserve.bench.serve import base_url_of, check_args
+from pdserve.bench.serve_metrics import parse_slos
 from pdserve.bench.serve_results import METRIC_KEYS, parse_metadata
 from pdserve.cli import build_parser
 
@@ -14,14 +15,15 @@ def bench_args(*argv: str):
 
 
 def test_goodput_slos_are_parsed_in_milliseconds():
-    assert parse_goodput(["ttft:2000", "tpot:50.5", "e2el:9000"]) == {"ttft": 2000.0, "tpot": 50.5, "e2el": 9000.0}
-    assert parse_goodput(None) == {}
+    """One parser for bench's --goodput, sweep's --goodput and plan's --slo."""
+    assert parse_slos(["ttft:2000", "TPOT:50.5", "e2el:9000"]) == {"ttft": 2000.0, "tpot": 50.5, "e2el": 9000.0}
+    assert parse_slos(None) == {}
 
 
-@pytest.mark.parametrize("item", ["itl:5", "ttft", "ttft:abc", "tpot:0", "e2el:-3", "ttft:inf"])
+@pytest.mark.parametrize("item", ["itl:5", "ttft", "ttft:", "ttft:abc", "tpot:0", "e2el:-3", "ttft:inf", "ttft:nan"])
 def test_bad_goodput_slos_are_refused(item):
-    with pytest.raises(ValueError, match="write NAME:MS"):
-        parse_goodput([item])
+    with pytest.raises(ValueError, match="--goodput .*METRIC:MILLISECONDS"):
+        parse_slos([item])
 
 
 def test_metadata_is_key_value_and_cannot_shadow_a_result():
