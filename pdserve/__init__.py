@@ -5,19 +5,22 @@
 
 Subpackages: engine (runtime), kernels, control (router <-> engine plane), kvtransfer (KV link),
 prefill, decode, router, bench (`pdserve bench`, `sweep`), planner (`profile`, `plan`). `import pdserve`
-alone loads no torch.
+alone loads neither torch nor pydantic: each name below is imported when first asked for.
 """
 
-from pdserve.control.errors import InvalidRequestError
-from pdserve.control.sampling_params import SamplingParams, StructuredOutputsParams
+import importlib
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "InvalidRequestError"]
+# public name -> the module that defines it (LLM pulls in torch; the others, pydantic)
+_EXPORTS = {
+    "LLM": "pdserve.engine.llm",
+    "SamplingParams": "pdserve.control.sampling_params",
+    "StructuredOutputsParams": "pdserve.control.sampling_params",
+    "InvalidRequestError": "pdserve.control.errors",
+}
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch and transformers; import it only when asked for.
-    if name == "LLM":
-        from pdserve.engine.llm import LLM
-
-        return LLM
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'pdserve' has no attribute {name!r}")
