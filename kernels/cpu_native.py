@@ -1,11 +1,12 @@
-"""The CPU's native paged decode attention (cpu_paged_decode.c), built with the host's C compiler on first
-use and loaded with ctypes.
+"""pdserve's native CPU kernels, built with the host's C compiler on first use and loaded with ctypes: the paged
+decode attention (cpu_paged_decode.c, wrapped here) and the bfloat16 linear product (cpu_gemm_bf16.c, wrapped in
+kernels.cpu_gemm).
 
-The shared library is compiled once per source, compiler and CPU (`-O3 -march=native`; OpenMP on the
+Each shared library is compiled once per source, compiler and CPU (`-O3 -march=native`; OpenMP on the
 libgomp that torch has loaded, or none where the compiler has none) into $PDSERVE_CACHE/kernels (default
 ~/.cache/pdserve/kernels) and reused by every later process. Without a compiler, or with
-PDSERVE_CPU_KERNEL=torch, `decode_kernel()` returns None with the reason in `unavailable_reason()`, and decode
-attention runs on torch ops (kernels.torch_paged).
+PDSERVE_CPU_KERNEL=torch, `library()` returns None with the reason in `unavailable_reason()`, and the work runs
+on torch ops (kernels.torch_paged for attention, oneDNN for linears).
 """
 
 from __future__ import annotations
@@ -23,44 +24,52 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
-ENV_VAR = "PDSERVE_CPU_KERNEL"  # "torch": never build or use the native kernel
+ENV_VAR = "PDSERVE_CPU_KERNEL"  # "torch": never build or use a native kernel
 CACHE_ENV_VAR = "PDSERVE_CACHE"  # pdserve's cache root, as for the demo model
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
 OPENMP = "-fopenmp"  # dropped when the compiler refuses it (Apple's clang): one thread per call then
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "kernel": the ctypes function, or "reason": why there is none
+_state: dict[Path, dict[str, object]] = {}  # per source: "library" (the ctypes.CDLL) or "reason" (why none)
+
+
+def library(source: Path = SOURCE) -> ctypes.CDLL | None:
+    """The loaded library built from `source`, or None (see unavailable_reason)."""
+    with _lock:
+        if source not in _state:
+            _state[source] = _load(source)
+    return _state[source].get("library")  # type: ignore[return-value]
+
+
+def unavailable_reason(source: Path = SOURCE) -> str | None:
+    library(source)
+    return _state[source].get("reason")  # type: ignore[return-value]
 
 
 def decode_kernel():
     """The loaded `pdserve_paged_decode` function, or None (see unavailable_reason)."""
-    with _lock:
-        if not _state:
-            _state.update(_load())
-    return _state.get("kernel")
+    loaded = library(SOURCE)
+    if loaded is None:
+        return None
+    kernel = loaded.pdserve_paged_decode
+    if kernel.argtypes is None:
+        pointer, integer, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        kernel.restype = ctypes.c_int
+        kernel.argtypes = [pointer, pointer, pointer, integer, pointer, integer, pointer, integer, integer,
+                           integer, integer, integer, integer, real, real, pointer, pointer, integer]
+    return kernel
 
 
-def unavailable_reason() -> str | None:
-    decode_kernel()
-    return _state.get("reason")  # type: ignore[return-value]
-
-
-def _load() -> dict[str, object]:
+def _load(source: Path) -> dict[str, object]:
     if os.environ.get(ENV_VAR, "").lower() == "torch":
         return {"reason": f"{ENV_VAR}=torch"}
     compiler_path = compiler()
     if compiler_path is None:
-        return {"reason": "no C compiler on PATH (install gcc to build pdserve's CPU decode attention)"}
+        return {"reason": "no C compiler on PATH (install gcc to build pdserve's native CPU kernels)"}
     try:
-        library = ctypes.CDLL(str(build(compiler_path)))
+        return {"library": ctypes.CDLL(str(build(compiler_path, source)))}
     except (OSError, subprocess.SubprocessError) as error:
-        return {"reason": f"building {SOURCE.name} with {compiler_path} failed: {str(error).strip()[-300:]}"}
-    kernel = library.pdserve_paged_decode
-    kernel.restype = ctypes.c_int
-    pointer, integer, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    kernel.argtypes = [pointer, pointer, pointer, integer, pointer, integer, pointer, integer, integer, integer,
-                       integer, integer, integer, real, real, pointer, pointer, integer]
-    return {"kernel": kernel}
+        return {"reason": f"building {source.name} with {compiler_path} failed: {str(error).strip()[-300:]}"}
 
 
 def compiler() -> str | None:
@@ -68,19 +77,19 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(compiler: str) -> Path:
+def build(compiler: str, source: Path = SOURCE) -> Path:
     """The compiled library for this source, compiler and CPU: built once into the cache, atomically."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), platform.machine(),
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, " ".join(FLAGS), platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     directory = Path(os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "pdserve") / "kernels"
-    target = directory / f"cpu_paged_decode-{key}.so"
+    target = directory / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         built = Path(scratch) / target.name
-        command = [compiler, *FLAGS, str(SOURCE), "-o", str(built)]
+        command = [compiler, *FLAGS, str(source), "-o", str(built)]
         result = subprocess.run([*command, OPENMP, *_openmp_link_flags()], capture_output=True, text=True,
                                 timeout=300)
         if result.returncode != 0:

@@ -16,11 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.cpu_threads import one_cpu_thread
+from pdserve.kernels import cpu_gemm
 
 logger = logging.getLogger(__name__)
 
-# On CPU, linears run on oneDNN with their weight reordered once into oneDNN's blocked layout
-# (pack_linear_weights). torch's F.linear hands fp32 products to MKL, which repacks the whole weight on
+# On CPU, bfloat16 linears run on pdserve's own kernel (kernels/cpu_gemm_bf16.c) where the CPU has AVX512-BF16,
+# with the weight packed once into its panels; they ran 1.05-2.6x as fast as oneDNN's packed products at 1-256
+# rows (docs/results.md, CPU linears). Other linears run on oneDNN with their weight reordered once into oneDNN's
+# blocked layout (pack_linear_weights). torch's F.linear hands fp32 products to MKL, which repacks the whole weight on
 # every call: on the 2-core benchmark box the prepacked products of this model's shapes ran 1.7-1.9x
 # faster at 1-32 rows and 1.45x faster at 2048 rows (docs/results.md, offline throughput).
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
@@ -53,43 +56,53 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: o
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.weight.weight_loader = default_weight_loader
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout, set by pack_linear_weights
+        self.native_weight: torch.Tensor | None = None  # pdserve's bf16 kernel's panels, set by pack_linear_weights
 
     def pack_for_cpu(self, keep_weight: bool) -> bool:
-        """Reorder the weight for oneDNN; without keep_weight the plain copy is released. False if the
-        weight stays on F.linear (not on CPU, a dtype oneDNN lacks, a CPU without its instructions, or a small
-        float32 weight: MIN_PACKED_FP32_ELEMENTS)."""
+        """Pack the weight for pdserve's bf16 kernel, else reorder it for oneDNN; without keep_weight the plain
+        copy is released. False if the weight stays on F.linear (not on CPU, a dtype oneDNN lacks, a CPU without
+        its instructions, or a small float32 weight: MIN_PACKED_FP32_ELEMENTS)."""
         return _pack(self, keep_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.packed_weight is not None:
+        if self.packed_weight is not None or self.native_weight is not None:
             return _packed_linear(self, x)
         return F.linear(x, self.weight, self.bias)
 
 
 def _pack(linear: nn.Module, keep_weight: bool) -> bool:
-    """Set linear.packed_weight (oneDNN layout) from linear.weight; see Linear.pack_for_cpu."""
+    """Set linear.native_weight (pdserve's bf16 panels) or linear.packed_weight (oneDNN layout) from
+    linear.weight; see Linear.pack_for_cpu."""
     weight = linear.weight
-    if weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
+    linear.native_weight = linear.packed_weight = None
+    if weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES:
         return False
-    if weight.dtype == torch.float32 and weight.numel() < MIN_PACKED_FP32_ELEMENTS:
+    if cpu_gemm.supports(weight, linear.bias):
+        linear.native_weight = cpu_gemm.pack_weight(weight.data)
+    elif not torch.backends.mkldnn.is_available() or (
+            weight.dtype == torch.float32 and weight.numel() < MIN_PACKED_FP32_ELEMENTS):
         return False
-    try:
-        linear.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.data)  # [out, in] blocked
-    except RuntimeError as exc:  # e.g. bf16 on a CPU without avx512_bf16/AMX
-        logger.debug("linear weight %s stays on F.linear: %s", tuple(weight.shape), exc)
-        return False
+    else:
+        try:
+            linear.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.data)  # [out, in] blocked
+        except RuntimeError as exc:  # e.g. bf16 on a CPU without avx512_bf16/AMX
+            logger.debug("linear weight %s stays on F.linear: %s", tuple(weight.shape), exc)
+            return False
     if not keep_weight:
         linear.weight = None
     return True
 
 
 def _packed_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+    if linear.native_weight is not None:
+        return cpu_gemm.linear(x, linear.native_weight, linear.out_features, linear.bias)
     rows = x.numel() // x.shape[-1]
     padded = padded_rows(rows)
     if padded == rows:
@@ -173,14 +186,28 @@ class MergedLinear(Linear):
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Reorder every CPU Linear's weight for oneDNN once, after loading; returns how many were packed.
+    """Pack every CPU Linear's weight once, after loading (pdserve's bf16 kernel, else oneDNN); returns how
+    many were packed, and logs which kernel runs them.
 
     A weight that another module also uses (an lm_head tied to the embedding) is kept; the others are
     released, so packing does not double the model's memory.
     """
     shared = _shared_parameter_ids(model, Linear)
     linears = [module for module in model.modules() if isinstance(module, Linear)]
-    return sum(linear.pack_for_cpu(keep_weight=id(linear.weight) in shared) for linear in linears)
+    any_bf16 = any(linear.weight.dtype == torch.bfloat16 for linear in linears)
+    packed = sum(linear.pack_for_cpu(keep_weight=id(linear.weight) in shared) for linear in linears)
+    _log_linear_kernels(linears, any_bf16)
+    return packed
+
+
+def _log_linear_kernels(linears: list[Linear], any_bf16: bool) -> None:
+    native = sum(linear.native_weight is not None for linear in linears)
+    onednn = sum(linear.packed_weight is not None for linear in linears)
+    if native or onednn:
+        logger.info("CPU linears: %d on pdserve's bf16 kernel, %d on oneDNN, %d on F.linear", native, onednn,
+                    len(linears) - native - onednn)
+    if any_bf16 and not native and cpu_gemm.unavailable_reason():
+        logger.info("bf16 linears run on oneDNN: pdserve's kernel is unavailable (%s)", cpu_gemm.unavailable_reason())
 
 
 def pack_torch_linears(model: nn.Module) -> int:

@@ -115,8 +115,8 @@ def test_padding_changes_no_row_of_a_linear(dtype, pack_every_linear):
     layer = Linear(96, 160)
     layer.weight.data.copy_(torch.randn(160, 96))
     layer = layer.to(dtype)
-    if not layer.pack_for_cpu(keep_weight=True):
-        pytest.skip(f"this CPU runs no {dtype} linear on oneDNN")
+    if not layer.pack_for_cpu(keep_weight=True) or layer.packed_weight is None:
+        pytest.skip(f"this CPU runs no {dtype} linear on oneDNN (bf16 runs on pdserve's kernel, which pads nothing)")
     for rows in (EXACT_ROWS + 1, 37, 100, 513, 1000):
         assert padded_rows(rows) > rows, "these row counts are padded"
         x = torch.randn(rows, 96, dtype=dtype)

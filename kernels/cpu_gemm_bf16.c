@@ -1,0 +1,136 @@
+/* A linear layer's product on the CPU in bfloat16: y = x W^T (+ bias), float32 sums, for CPUs with AVX512-BF16.
+ *
+ * W is packed once (kernels/cpu_native.py, pack_bf16_weight) into panels of PANEL_BLOCKS blocks of 16 outputs.
+ * Within a panel, pair kp of every output is stored together: [K/2][blocks][16][2] bfloat16, so one 64-byte
+ * load holds 16 outputs' weights for two inputs, and VDPBF16PS against a broadcast pair of x adds both products
+ * to 16 float32 sums. The sums stay in registers for the whole K; nothing is reduced across lanes.
+ * A panel (64 outputs by K) is read from memory once per call and stays in L2 while every block of x rows
+ * passes it; the next panel is prefetched into L2 while the first rows go through the current one.
+ *
+ * Shapes (row-major, contiguous):
+ *   x       [M, K] bfloat16, K even
+ *   packed  panels of [K/2][blocks][16][2] bfloat16, outputs past N zero
+ *   bias    [N] bfloat16 or NULL
+ *   y       [M, N] bfloat16: the float32 sum plus the bias, rounded to nearest even once
+ * Panels are split over OpenMP threads.
+ */
+#include <stdint.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#define BLOCK 16                         /* outputs per 512-bit register of sums */
+#define PANEL_BLOCKS 4                   /* blocks per panel: the unit of packing, prefetch and threading */
+#ifndef PREFETCH_PANELS
+#define PREFETCH_PANELS 1
+#endif
+#define MIN_PARALLEL_PRODUCTS (1 << 17)  /* fewer multiply-adds (M * N * K) than this: one thread */
+
+int pdserve_gemm_bf16_panel_blocks(void) { return PANEL_BLOCKS; }
+
+int pdserve_gemm_bf16_supported(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+typedef struct {
+    const uint16_t *x, *packed, *bias;
+    uint16_t *y;
+    int M, K, N;
+} Problem;
+
+/* y rows [m0, m0 + rows), outputs of blocks [b0, b0 + blocks) of the panel at `panel` (panel_blocks wide).
+ * With `next` set, the next panel's lines are prefetched into L2 as this panel's are read. */
+static inline __attribute__((always_inline)) void tile(const Problem *p, const uint16_t *panel, int panel_blocks,
+                                                       int n_panel, int b0, int blocks, int m0, int rows,
+                                                       const char *next) {
+    __m512 acc[BLOCK];
+    for (int i = 0; i < blocks * rows; i++) acc[i] = _mm512_setzero_ps();
+    const int pairs = p->K / 2, stride = panel_blocks * BLOCK * 2;  /* bfloat16s per pair of inputs */
+    const uint32_t *x_pairs = (const uint32_t *)(p->x + (int64_t)m0 * p->K);
+    for (int kp = 0; kp < pairs; kp++) {
+        const uint16_t *w = panel + (int64_t)kp * stride + b0 * BLOCK * 2;
+        if (next)
+            for (int line = 0; line < stride * 2; line += 64) _mm_prefetch(next + (int64_t)kp * stride * 2 + line,
+                                                                           _MM_HINT_T1);
+        __m512bh wk[BLOCK];
+        for (int b = 0; b < blocks; b++) wk[b] = (__m512bh)_mm512_loadu_si512(w + b * BLOCK * 2);
+        for (int r = 0; r < rows; r++) {
+            __m512bh xk = (__m512bh)_mm512_set1_epi32((int)x_pairs[(int64_t)r * pairs + kp]);
+            for (int b = 0; b < blocks; b++) acc[b * rows + r] = _mm512_dpbf16_ps(acc[b * rows + r], xk, wk[b]);
+        }
+    }
+    for (int b = 0; b < blocks; b++) {
+        int n = n_panel + (b0 + b) * BLOCK;
+        int valid = p->N - n < BLOCK ? p->N - n : BLOCK;
+        __mmask16 mask = (__mmask16)((1u << valid) - 1);
+        __m512 shift = _mm512_setzero_ps();
+        if (p->bias)
+            shift = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p->bias + n)), 16));
+        for (int r = 0; r < rows; r++) {
+            __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[b * rows + r], shift));
+            _mm256_mask_storeu_epi16(p->y + (int64_t)(m0 + r) * p->N + n, mask, (__m256i)out);
+        }
+    }
+}
+
+/* every x row against one panel: rows in blocks of 8, 4, 2 and 1, each with the widest tile that fits */
+static void panel_product(const Problem *p, int panel_index, int panels) {
+    const int64_t panel_size = (int64_t)p->K * PANEL_BLOCKS * BLOCK;  /* bfloat16s in a full panel */
+    const uint16_t *panel = p->packed + panel_index * panel_size;
+    int n_panel = panel_index * PANEL_BLOCKS * BLOCK;
+    int total_blocks = (p->N + BLOCK - 1) / BLOCK;
+    int panel_blocks = total_blocks - panel_index * PANEL_BLOCKS;
+    if (panel_blocks > PANEL_BLOCKS) panel_blocks = PANEL_BLOCKS;
+    const char *next = panel_index + PREFETCH_PANELS < panels ? (const char *)(panel + PREFETCH_PANELS * panel_size) : 0;
+    int m = 0;
+    if (panel_blocks == PANEL_BLOCKS) {
+        for (; m + 8 <= p->M; m += 8, next = 0) {
+            tile(p, panel, PANEL_BLOCKS, n_panel, 0, 2, m, 8, next);
+            tile(p, panel, PANEL_BLOCKS, n_panel, 2, 2, m, 8, 0);
+        }
+        for (; m + 4 <= p->M; m += 4, next = 0) tile(p, panel, PANEL_BLOCKS, n_panel, 0, 4, m, 4, next);
+        for (; m + 2 <= p->M; m += 2, next = 0) tile(p, panel, PANEL_BLOCKS, n_panel, 0, 4, m, 2, next);
+        for (; m < p->M; m++, next = 0) tile(p, panel, PANEL_BLOCKS, n_panel, 0, 4, m, 1, next);
+        return;
+    }
+    for (int b = 0; b < panel_blocks; b++) {  /* the last, narrower panel */
+        int r = 0;
+        for (; r + 8 <= p->M; r += 8) tile(p, panel, panel_blocks, n_panel, b, 1, r, 8, 0);
+        for (; r < p->M; r++) tile(p, panel, panel_blocks, n_panel, b, 1, r, 1, 0);
+    }
+}
+#endif
+
+/* y = x W^T (+ bias); returns 0, or -1 where this build lacks AVX512-BF16 or K is odd (nothing written) */
+int pdserve_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int M, int K,
+                      int N, int threads) {
+#if defined(__AVX512BF16__)
+    if (K % 2 != 0) return -1;
+    Problem problem = { x, packed, bias, y, M, K, N };
+    int panels = (N + PANEL_BLOCKS * BLOCK - 1) / (PANEL_BLOCKS * BLOCK);
+    if ((int64_t)M * N * K < MIN_PARALLEL_PRODUCTS || panels < 2) threads = 1;
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int team = 1, me = 0;
+#if defined(_OPENMP)
+        team = omp_get_num_threads();
+        me = omp_get_thread_num();
+#endif
+        int begin = (int)((int64_t)panels * me / team), end = (int)((int64_t)panels * (me + 1) / team);
+        for (int panel = begin; panel < end; panel++) panel_product(&problem, panel, end);
+    }
+    return 0;
+#else
+    (void)x; (void)packed; (void)bias; (void)y; (void)M; (void)K; (void)N; (void)threads;
+    return -1;
+#endif
+}
