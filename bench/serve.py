@@ -165,6 +165,16 @@ def check_output_dir(path: str, flag: str = "--output-dir") -> None:
     _check_no_file_above(out, path, flag)
 
 
+def new_output_dir(kind: str):
+    """A new folder under the system's temp directory, e.g. /tmp/pdserve-sweeps/<time> (kind "sweeps"): raw
+    results (megabytes) stay out of the repository unless --output-dir names a place."""
+    import tempfile
+    import time
+    from pathlib import Path
+
+    return Path(tempfile.gettempdir()) / f"pdserve-{kind}" / time.strftime("%Y%m%d-%H%M%S")
+
+
 def _check_no_file_above(out, path: str, flag: str) -> None:
     """The nearest existing folder above `out` is a folder, not a file."""
     taken = next((parent for parent in out.parents if parent.exists()), None)

@@ -11,11 +11,10 @@ import math
 import shlex
 import signal
 import sys
-import tempfile
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from pdserve.bench.serve import new_output_dir
 from pdserve.bench.serve_arrivals import check_arrival_span
 from pdserve.bench.serve_metrics import parse_slos
 from pdserve.bench.sweep_args import DATASET_FLAGS, resolve_num_prompts
@@ -121,7 +120,7 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
     loads = []  # none: --find-goodput alone
     if args.request_rates or args.max_concurrencies:
         loads = list(itertools.product(args.request_rates or [math.inf], args.max_concurrencies or [None]))
-    output_dir = Path(args.output_dir) if args.output_dir else default_output_dir()
+    output_dir = Path(args.output_dir) if args.output_dir else new_output_dir("sweeps")
     return SweepPlan(layouts, externals, loads, slos, cluster, bench, output_dir, args.warmup, args.find_goodput,
                      args.goodput_start_rate, args.goodput_steps, not args.no_plots, slo_factors,
                      args.unloaded_prompts, args.reference_requests, args.reference_output_len)
@@ -431,12 +430,6 @@ def sweep_command() -> str | None:
     if sys.argv[1:2] != ["sweep"]:
         return None
     return shlex.join(["pdserve", *sys.argv[1:]])
-
-
-def default_output_dir() -> Path:
-    """A new folder under the system's temp directory: a sweep's raw runs (megabytes) stay out of the repository
-    unless --output-dir names a place."""
-    return Path(tempfile.gettempdir()) / "pdserve-sweeps" / time.strftime("%Y%m%d-%H%M%S")
 
 
 def with_output_len(dataset_args: list[str], output_len: int) -> list[str]:

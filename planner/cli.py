@@ -8,7 +8,6 @@ import json
 import math
 import os
 import shlex
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -104,16 +103,10 @@ def check_nothing_validate_ignores(args: argparse.Namespace) -> None:
                          "rates; drop them, or plan without --validate")
 
 
-def default_output_dir() -> Path:
-    """A new folder under the system's temp directory, as `pdserve sweep`'s: out of the repository unless
-    --output-dir names a place."""
-    return Path(tempfile.gettempdir()) / "pdserve-plans" / time.strftime("%Y%m%d-%H%M%S")
-
-
 def run_plan(args: argparse.Namespace) -> int:
-    from pdserve.bench.serve import check_output_dir
+    from pdserve.bench.serve import check_output_dir, new_output_dir
 
-    args.output_dir = str(args.output_dir or default_output_dir())
+    args.output_dir = str(args.output_dir or new_output_dir("plans"))
     check_output_dir(args.output_dir)  # before the simulations (a 100,000-request plan runs for a minute)
     profile = load_profile(args.profile)
     if args.model:
