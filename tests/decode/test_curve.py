@@ -45,7 +45,8 @@ def test_encrypted_cluster_serves_key_holders_only(model_factory, tmp_path):
                   "prefill KV link": (prefill.addresses["kv"], HELLO)}
         for plane, (address, msg) in planes.items():
             for who, curve in outsiders.items():
-                with ClientSocket(address, curve=curve, send_timeout=1.0) as outsider:
+                # a key holder's handshake on loopback takes milliseconds: 0.5 s without one is a refusal
+                with ClientSocket(address, curve=curve, send_timeout=0.5) as outsider:
                     with pytest.raises(TransportTimeout):  # the handshake never completes: nothing is taken
                         outsider.send(msg)
                         pytest.fail(f"the {plane} took a message from {who}")
