@@ -15,6 +15,7 @@ from torch import nn
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.hub import cache_only, hub_failure, is_hub_id
 from pdserve.engine.layers.linear import pack_linear_weights
+from pdserve.engine.layers.moe import pack_expert_weights
 from pdserve.engine.models.registry import resolve_model_class
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
@@ -200,5 +201,6 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> nn.Mo
     else:
         load_weights(model, weights)
         pack_linear_weights(model)  # CPU: oneDNN layout, see engine/layers/linear.py
+        pack_expert_weights(model)  # CPU bf16 experts: pdserve's kernel, see engine/layers/moe.py
     skip.log_skipped()
     return model.eval()

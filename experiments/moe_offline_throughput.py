@@ -4,7 +4,7 @@ generate(), batch 32 and 1, in one process (experiments/offline_throughput.py's 
     python experiments/moe_offline_throughput.py [--arch qwen3-moe|qwen2-moe|mixtral|deepseek-v3] [--size tiny|small]
                                                  [--batch 32 --batch 1]
                                                  [--prompt-len 128] [--new-tokens 64] [--repeats 3] [--expert-loop]
-                                                 [--threads N]
+                                                 [--unpacked-experts] [--threads N]
 
 Each figure is the median of --repeats runs taken in turns (A B B A ...: experiments/ab_runs.py), so a
 shared machine that drifts weighs on both engines alike; "spread" is the lowest and highest ratio of the
@@ -14,7 +14,10 @@ runs paired in turn (pdserve's i-th run over transformers' i-th), the run-to-run
 The model is built here with transformers' own config class and save_pretrained (the hub's
 per-expert checkpoint format), with the demo tokenizer. --expert-loop adds a pdserve column whose
 CPU experts run one product per expert instead of torch's grouped_mm (the two CPU paths of
-kernels/reference_moe.py), to measure which is faster here.
+kernels/reference_moe.py), to measure which is faster here. --unpacked-experts (with --dtype bfloat16) adds a
+pdserve column whose experts are not packed for pdserve's bf16 CPU kernel (kernels/cpu_grouped_gemm.py) and stay on
+kernels/reference_moe.py; it runs beside each pdserve run, first in every other turn, and "packed/unpacked" is the
+median of the runs paired in turn, with their lowest and highest ratio.
 """
 
 from __future__ import annotations
@@ -92,6 +95,23 @@ def run_pdserve_expert_loop(model_dir: str, prompts, batch: int, new_tokens: int
         reference_moe._grouped_mm_fits = fits
 
 
+def run_pdserve_unpacked(model_dir: str, prompts, batch: int, new_tokens: int, dtype: str) -> float:
+    from pdserve.engine.layers.moe import ExpertWeights
+
+    pack = ExpertWeights.pack_for_cpu
+    ExpertWeights.pack_for_cpu = lambda self: False  # the experts stay stacked, on kernels/reference_moe.py
+    try:
+        return run_pdserve(model_dir, prompts, batch, new_tokens, dtype)
+    finally:
+        ExpertWeights.pack_for_cpu = pack
+
+
+def pdserve_turn(args: argparse.Namespace, turn: int) -> list[str]:
+    """The pdserve runs of one turn: packed and unpacked swap places every other turn."""
+    names = ["pdserve", "unpacked"] if args.unpacked_experts else ["pdserve"]
+    return (names if turn % 2 == 0 else names[::-1]) + (["loop"] if args.expert_loop else [])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=list(ARCHS), default="qwen3-moe")
@@ -102,6 +122,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines")
     parser.add_argument("--repeats", type=int, default=3, help="runs per engine, in turns; medians reported")
     parser.add_argument("--expert-loop", action="store_true", help="also pdserve with one product per expert")
+    parser.add_argument("--unpacked-experts", action="store_true",
+                        help="also pdserve with its bf16 experts not packed for pdserve's CPU kernel")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads, both engines")
     args = parser.parse_args()
     if args.threads:
@@ -109,15 +131,17 @@ def main() -> None:
     model_dir = build_model(args.arch, args.size, Path(tempfile.mkdtemp(prefix=f"moe-{args.arch}-")))
     print(f"{args.arch} ({args.size}, random weights) {model_dir}; {args.dtype}; torch threads {torch.get_num_threads()}")
     loop_header = f" {'loop tok/s':>11} {'loop/grouped':>12}" if args.expert_loop else ""
-    print(f"{'batch':>5} {'transformers tok/s':>19} {'pdserve tok/s':>14} {'ratio':>6} {'spread':>11}{loop_header}")
-    runners = {"transformers": run_transformers, "pdserve": run_pdserve, "loop": run_pdserve_expert_loop}
+    unpacked_header = f" {'unpacked tok/s':>15} {'packed/unpacked':>15} {'spread':>11}" if args.unpacked_experts else ""
+    print(f"{'batch':>5} {'transformers tok/s':>19} {'pdserve tok/s':>14} {'ratio':>6} {'spread':>11}{loop_header}"
+          f"{unpacked_header}")
+    runners = {"transformers": run_transformers, "pdserve": run_pdserve, "loop": run_pdserve_expert_loop,
+               "unpacked": run_pdserve_unpacked}
     for batch in args.batch or [32, 1]:
         prompts = make_prompts(max(batch, 4), args.prompt_len, _SPECIAL["vocab_size"])
         runs: dict[str, list[float]] = {name: [] for name in runners}
         for mode in mode_order(("transformers", "pdserve"), args.repeats):
-            runs[mode].append(runners[mode](model_dir, prompts, batch, args.new_tokens, args.dtype))
-            if mode == "pdserve" and args.expert_loop:
-                runs["loop"].append(run_pdserve_expert_loop(model_dir, prompts, batch, args.new_tokens, args.dtype))
+            for name in pdserve_turn(args, len(runs["pdserve"])) if mode == "pdserve" else [mode]:
+                runs[name].append(runners[name](model_dir, prompts, batch, args.new_tokens, args.dtype))
         theirs, ours = statistics.median(runs["transformers"]), statistics.median(runs["pdserve"])
         paired = [o / t for o, t in zip(runs["pdserve"], runs["transformers"])]
         spread = f"{min(paired):.2f}-{max(paired):.2f}"
@@ -125,6 +149,11 @@ def main() -> None:
         if args.expert_loop:
             loop = statistics.median(runs["loop"])
             line += f" {loop:>11.1f} {loop / ours:>12.2f}"
+        if args.unpacked_experts:
+            packed_paired = [p / u for p, u in zip(runs["pdserve"], runs["unpacked"])]
+            packed_spread = f"{min(packed_paired):.2f}-{max(packed_paired):.2f}"
+            line += (f" {statistics.median(runs['unpacked']):>15.1f} {statistics.median(packed_paired):>15.2f}"
+                     f" {packed_spread:>11}")
         print(line, flush=True)
 
 

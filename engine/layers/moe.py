@@ -5,7 +5,8 @@ router; an optional shared expert, scaled by a sigmoid gate, is added.
 
 Expert weights are held fused, in transformers 5's in-memory layout: gate_up_proj [E, 2I, H] (gate
 rows, then up rows) and down_proj [E, H, I]. A checkpoint tensor of one expert loads into its rows
-with shard id (expert, "gate" | "up" | "down"); a fused tensor loads whole (shard id None).
+with shard id (expert, "gate" | "up" | "down"); a fused tensor loads whole (shard id None). On a CPU with
+AVX512-BF16, bfloat16 experts are packed after loading for pdserve's kernel (pack_expert_weights).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from torch import nn
 
 from pdserve.engine.config import ConfigError
 from pdserve.engine.layers.linear import Linear, copy_checked, default_weight_loader
+from pdserve.kernels import cpu_grouped_gemm
+from pdserve.kernels.cpu_grouped_gemm import PackedExperts
 from pdserve.kernels.dispatch import kernel_for
 
 
@@ -123,6 +126,17 @@ class ExpertWeights(nn.Module):
             param.weight_loader = self._load
             param.shard_ids = [(expert, part) for expert in range(num_experts) for part in parts]
         self.register_buffer("expert_range", torch.arange(num_experts), persistent=False)
+        self.packed: tuple[PackedExperts, PackedExperts] | None = None  # (gate_up, down), set by pack_for_cpu
+
+    def pack_for_cpu(self) -> bool:
+        """Pack gate_up_proj and down_proj for pdserve's bf16 CPU kernel and release them (the memory does not
+        double). False if they stay as they are (not bfloat16 on a CPU with AVX512-BF16)."""
+        if not (cpu_grouped_gemm.supports(self.gate_up_proj) and cpu_grouped_gemm.supports(self.down_proj)):
+            return False
+        self.packed = (cpu_grouped_gemm.pack_experts(self.gate_up_proj.data),
+                       cpu_grouped_gemm.pack_experts(self.down_proj.data))
+        self.gate_up_proj = self.down_proj = None
+        return True
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None,
               name: str = "") -> None:
@@ -142,8 +156,14 @@ class ExpertWeights(nn.Module):
         routing_weights: torch.Tensor,  # [T, k]
         expert_ids: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:  # [T, H]
-        return routed_experts(hidden, routing_weights, expert_ids, self.gate_up_proj, self.down_proj, silu_and_mul,
-                              self.expert_range)
+        gate_up, down = self.packed or (self.gate_up_proj, self.down_proj)
+        return routed_experts(hidden, routing_weights, expert_ids, gate_up, down, silu_and_mul, self.expert_range)
+
+
+def pack_expert_weights(model: nn.Module) -> int:
+    """Pack every ExpertWeights of the model once, after loading (see ExpertWeights.pack_for_cpu); returns how many
+    were packed."""
+    return sum(module.pack_for_cpu() for module in model.modules() if isinstance(module, ExpertWeights))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [M, 2I] -> [M, I]
@@ -155,13 +175,17 @@ def routed_experts(
     hidden: torch.Tensor,  # [T, H]
     routing_weights: torch.Tensor,  # [T, k]
     expert_ids: torch.Tensor,  # [T, k]
-    gate_up_proj: torch.Tensor,  # [E, 2I, H]
-    down_proj: torch.Tensor,  # [E, H, I]
+    gate_up_proj: torch.Tensor | PackedExperts,  # [E, 2I, H]
+    down_proj: torch.Tensor | PackedExperts,  # [E, H, I]
     activation: Callable[[torch.Tensor], torch.Tensor],  # [M, 2I] -> [M, I]
     expert_range: torch.Tensor,  # [E] arange, on hidden's device
 ) -> torch.Tensor:  # [T, H]
-    """Each token's routed experts as two grouped GEMMs over its (token, expert) pairs sorted by expert."""
-    grouped_gemm = kernel_for("grouped_gemm", hidden.device)
+    """Each token's routed experts as two grouped GEMMs over its (token, expert) pairs sorted by expert; packed
+    weights run on pdserve's bf16 CPU kernel (kernels/cpu_grouped_gemm.py)."""
+    if isinstance(gate_up_proj, PackedExperts):
+        grouped_gemm = cpu_grouped_gemm.grouped_gemm
+    else:
+        grouped_gemm = kernel_for("grouped_gemm", hidden.device)
     num_tokens, top_k = expert_ids.shape
     sorted_ids, order = expert_ids.flatten().sort(stable=True)  # [T * k] pairs by expert; pair p is token p // k
     # expert e's pairs end where the sorted ids first exceed e (no host sync: CUDA-graph safe)
