@@ -9,11 +9,14 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.forward_context import ForwardContext
 from pdserve.engine.layers.attention import Attention
-from pdserve.kernels import cpu_native, torch_paged
+from pdserve.engine.layers.norm import RMSNorm
+from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.kernels import cpu_native, cpu_norm_rotary, torch_paged
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,17 @@ class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
             reason = cpu_native.unavailable_reason()
             logger.info("CPU decode attention: %s", "the native paged kernel" if reason is None else
                         f"torch ops with a gather copy ({reason})")
+
+    def bind_layer_kernels(self, model: nn.Module) -> None:
+        """bfloat16 RMSNorms and rotations in one native call each where cpu_norm_rotary.c builds (other dtypes
+        keep their torch code inside the same functions)."""
+        if not cpu_norm_rotary.available():
+            return
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.use_kernel(cpu_norm_rotary.add_rms_norm)
+            elif isinstance(module, RotaryEmbedding):
+                module.use_native_rotate(cpu_norm_rotary.rotate)
 
     def prepare(self, context: ForwardContext) -> TorchPagedMetadata:
         return TorchPagedMetadata(context, self.block_size, torch_paged.plan_store(context.slot_mapping))

@@ -19,6 +19,8 @@ SEQUENCE_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 Rotation = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # (positions [T], query, key, cos_sin_cache [max_positions, rotary_dim]) -> (query, key), like kernels.reference_extra
 RotaryKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (x [T, H, head_dim], cos, sin [T, 1, head_dim // 2]) -> rotated x, or None where it does not take these tensors
+NativeRotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
 class UnsupportedRopeError(ValueError):
@@ -105,6 +107,11 @@ class RotaryEmbedding(nn.Module):
         """Rotate with `kernel` from now on (the attention backend's fused kernel, bound once)."""
         self.make_rotation = functools.partial(KernelRotation, kernel)
 
+    def use_native_rotate(self, rotate: NativeRotate) -> None:
+        """Keep the per-step table, and rotate each layer's heads with `rotate` where it takes them (the CPU
+        backend's native call)."""
+        self.make_rotation = functools.partial(TableRotation, native_rotate=rotate)
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:  # positions [T] int64
         return self.make_rotation(self.cos_sin_cache, positions, dtype)
 
@@ -112,16 +119,22 @@ class RotaryEmbedding(nn.Module):
 class TableRotation:
     """torch: the step's cos/sin gathered once, in the model dtype like transformers; each layer rotates with them."""
 
-    def __init__(self, cos_sin_cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, cos_sin_cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+                 native_rotate: NativeRotate | None = None) -> None:
         cos_sin = cos_sin_cache.index_select(0, positions)[:, None, :].to(dtype)  # [T, 1, head_dim]
         self.cos, self.sin = cos_sin.chunk(2, dim=-1)  # [T, 1, head_dim // 2] each
+        self.native_rotate = native_rotate
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         both = _heads_side_by_side(query, key)
         if both is None:
-            return _rotate(query, self.cos, self.sin), _rotate(key, self.cos, self.sin)
-        rotated = _rotate(both, self.cos, self.sin)  # [T, H + Hkv, head_dim]: one pass over both
+            return self._rotated(query), self._rotated(key)
+        rotated = self._rotated(both)  # [T, H + Hkv, head_dim]: one pass over both
         return rotated[:, :query.shape[1]], rotated[:, query.shape[1]:]
+
+    def _rotated(self, x: torch.Tensor) -> torch.Tensor:  # [T, H, head_dim]
+        rotated = None if self.native_rotate is None else self.native_rotate(x, self.cos, self.sin)
+        return _rotate(x, self.cos, self.sin) if rotated is None else rotated
 
 
 def _heads_side_by_side(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
