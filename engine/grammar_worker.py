@@ -71,7 +71,12 @@ def main(argv: list[str]) -> None:
     memory_bytes, cpu_s, stack_bytes = (int(value) for value in argv)
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     threading.stack_size(stack_bytes)
-    from pdserve.engine.grammar import grammar_of  # noqa: F401  imported once, before the first job
+    # everything a job needs, imported once before the ready frame: a worker that cannot load the compiler
+    # (too little memory) did not start, and no constraint is blamed for it
+    from llguidance import LLMatcher  # noqa: F401
+
+    from pdserve.control.errors import InvalidRequestError  # noqa: F401
+    from pdserve.engine.grammar import grammar_of  # noqa: F401
 
     jobs, verdicts = sys.stdin.buffer, sys.stdout.buffer
     verdicts.write(frame({"ready": True}))
