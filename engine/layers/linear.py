@@ -21,11 +21,11 @@ from pdserve.kernels import cpu_gemm
 logger = logging.getLogger(__name__)
 
 # On CPU, bfloat16 linears run on pdserve's own kernel (kernels/cpu_gemm_bf16.c) where the CPU has AVX512-BF16,
-# with the weight packed once into its panels; they ran 1.05-2.6x as fast as oneDNN's packed products at 1-256
-# rows (docs/results.md, CPU linears). Other linears run on oneDNN with their weight reordered once into oneDNN's
-# blocked layout (pack_linear_weights). torch's F.linear hands fp32 products to MKL, which repacks the whole weight on
-# every call: on the 2-core benchmark box the prepacked products of this model's shapes ran 1.7-1.9x
-# faster at 1-32 rows and 1.45x faster at 2048 rows (docs/results.md, offline throughput).
+# with the weight packed once into its panels: a step's linears ran 1.1-2.1x as fast as on oneDNN's prepacked
+# products at 1-32 rows (docs/results.md, CPU kernels). Other linears run on oneDNN with their weight reordered
+# once into oneDNN's blocked layout (pack_linear_weights). torch's F.linear hands fp32 products to MKL, which
+# repacks the whole weight on every call: on the 2-core benchmark box the prepacked products of this model's
+# shapes ran 1.7-1.9x faster at 1-32 rows and 1.45x faster at 2048 rows (docs/results.md, offline throughput).
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # A float32 weight smaller than this stays on F.linear: at 1-128 rows its product ran 1.1-6x faster there than
 # packed (one call's fixed cost dominates), and at 512-2048 rows packed was at most 12% faster
