@@ -24,9 +24,6 @@
 
 #define BLOCK 16                         /* outputs per 512-bit register of sums */
 #define PANEL_BLOCKS 4                   /* blocks per panel: the unit of packing, prefetch and threading */
-#ifndef PREFETCH_PANELS
-#define PREFETCH_PANELS 1
-#endif
 #define MIN_PARALLEL_PRODUCTS (1 << 17)  /* fewer multiply-adds (M * N * K) than this: one thread */
 
 int pdserve_gemm_bf16_panel_blocks(void) { return PANEL_BLOCKS; }
@@ -90,7 +87,8 @@ static void panel_product(const Problem *p, int panel_index, int panels) {
     int total_blocks = (p->N + BLOCK - 1) / BLOCK;
     int panel_blocks = total_blocks - panel_index * PANEL_BLOCKS;
     if (panel_blocks > PANEL_BLOCKS) panel_blocks = PANEL_BLOCKS;
-    const char *next = panel_index + PREFETCH_PANELS < panels ? (const char *)(panel + PREFETCH_PANELS * panel_size) : 0;
+    /* prefetched while this panel is read: the next one (its own thread's) */
+    const char *next = panel_index + 1 < panels ? (const char *)(panel + panel_size) : 0;
     int m = 0;
     if (panel_blocks == PANEL_BLOCKS) {
         for (; m + 8 <= p->M; m += 8, next = 0) {
