@@ -176,13 +176,15 @@ def test_transformers_builds_no_attention_mask(model_factory):
     assert len(masks) >= 3 and all(mask is None for mask in masks)
 
 
-def test_disaggregated_non_native_equals_colocated(hf_model_dir, tmp_path):
-    """Phi-3 (auto -> backend) on real prefill and decode processes: D continues from the KV that P's
-    backend computed and produces the colocated tokens; no block leaks on either side."""
+@pytest.mark.parametrize("case", ["phi3", "gemma"])
+def test_disaggregated_non_native_equals_colocated(hf_model_dir, case, tmp_path):
+    """Phi-3 and Gemma (auto -> backend) on real prefill and decode processes: D continues from the KV that P's
+    backend computed and produces the colocated tokens (which match transformers: test_non_native_architectures);
+    no block leaks on either side."""
     from pdserve.local_cluster import Driver
     from tests.decode.test_disaggregated import GREEDY, PROMPTS, assert_no_leaks, colocated_tokens, start_pair
 
-    model_dir = hf_model_dir("phi3")
+    model_dir = hf_model_dir(case)
     expected = colocated_tokens(model_dir, PROMPTS, **GREEDY)
     prefill, decode = start_pair(model_dir, tmp_path)
     driver = Driver(decode, prefill)
