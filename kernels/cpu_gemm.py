@@ -21,10 +21,12 @@ BLOCK = 16  # outputs per block; a panel holds pdserve_gemm_bf16_panel_blocks() 
 def packed_gemm():
     """The loaded `pdserve_gemm_bf16` function, or None (see unavailable_reason)."""
     library = cpu_native.library(SOURCE)
-    if library is None or not library.pdserve_gemm_bf16_supported():
+    if library is None:
         return None
     kernel = library.pdserve_gemm_bf16
-    if kernel.argtypes is None:
+    if kernel.argtypes is None:  # checked once per library, not on every product
+        if not library.pdserve_gemm_bf16_supported():
+            return None
         pointer, integer = ctypes.c_void_p, ctypes.c_int
         kernel.restype = integer
         kernel.argtypes = [pointer, pointer, pointer, pointer, integer, integer, integer, integer]

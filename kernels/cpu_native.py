@@ -35,10 +35,11 @@ _state: dict[Path, dict[str, object]] = {}  # per source: "library" (the ctypes.
 
 def library(source: Path = SOURCE) -> ctypes.CDLL | None:
     """The loaded library built from `source`, or None (see unavailable_reason)."""
-    with _lock:
-        if source not in _state:
-            _state[source] = _load(source)
-    return _state[source].get("library")  # type: ignore[return-value]
+    state = _state.get(source)
+    if state is None:
+        with _lock:
+            state = _state.get(source) or _state.setdefault(source, _load(source))
+    return state.get("library")  # type: ignore[return-value]
 
 
 def unavailable_reason(source: Path = SOURCE) -> str | None:
