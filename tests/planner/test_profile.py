@@ -8,6 +8,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -15,7 +16,7 @@ from pdserve.engine.config import cpu_has_native_bf16
 from pdserve.kernels import cpu_native
 from pdserve.planner.profile.corun_fit import NO_CORUN, corun_terms
 from pdserve.planner.profile.fit import load_profile, model_identity
-from pdserve.planner.profile.served import SERVED_TOKENS
+from pdserve.planner.profile.served import SERVED_TOKENS, process_cpu_s
 from pdserve.cli import main
 from tests.planner.helpers import synthetic_profile
 
@@ -146,6 +147,20 @@ def test_on_a_gpu_every_shape_runs_once_untimed_first(monkeypatch):
     plan_profile.measure_engine(argparse.Namespace(**{**vars(args), "device": "cpu", "in_process_decode": True}),
                                 "model")
     assert len(calls) - 2 == half  # no JIT on CPU: one pass
+
+
+def test_another_process_cpu_is_read_finer_than_a_clock_tick():
+    """A small model's 15 decode steps take a few ms of CPU: whole 10 ms ticks read 0 (CI saw corun_cpu_s 0.0)."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time\nend = time.thread_time() + 0.003\n"
+                              "while time.thread_time() < end: pass\nsys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        start = process_cpu_s(child.pid)
+        time.sleep(0.5)  # its start-up and 3 ms of spinning, then it waits on stdin
+        spent = process_cpu_s(child.pid) - start
+        assert spent > 0 and abs(spent * 100 - round(spent * 100)) > 1e-6  # not a whole number of ticks
+        assert process_cpu_s(child.pid) - start == pytest.approx(spent, abs=1e-3)  # idle now: the clock stands
+    finally:
+        child.communicate(b"")
 
 
 def test_served_decode_points_time_a_real_engine_process(model_factory):
