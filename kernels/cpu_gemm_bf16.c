@@ -44,19 +44,21 @@ typedef struct {
 } Problem;
 
 /* y rows [m0, m0 + rows), outputs of blocks [b0, b0 + blocks) of the panel at `panel` (panel_blocks wide).
- * With `next` set, the next panel's lines are prefetched into L2 as this panel's are read. */
+ * With `next` set, this tile is pass `pass` of the `passes` that go through the panel, and it prefetches its share
+ * of the next panel into L2: one pair's lines every `passes` pairs, so the stream runs evenly under all of them. */
 static inline __attribute__((always_inline)) void tile(const Problem *p, const uint16_t *panel, int panel_blocks,
                                                        int n_panel, int b0, int blocks, int m0, int rows,
-                                                       const char *next) {
+                                                       const char *next, int pass, int passes) {
     __m512 acc[BLOCK];
     for (int i = 0; i < blocks * rows; i++) acc[i] = _mm512_setzero_ps();
     const int pairs = p->K / 2, stride = panel_blocks * BLOCK * 2;  /* bfloat16s per pair of inputs */
     const uint32_t *x_pairs = (const uint32_t *)(p->x + (int64_t)m0 * p->K);
     for (int kp = 0; kp < pairs; kp++) {
         const uint16_t *w = panel + (int64_t)kp * stride + b0 * BLOCK * 2;
-        if (next)
-            for (int line = 0; line < stride * 2; line += 64) _mm_prefetch(next + (int64_t)kp * stride * 2 + line,
-                                                                           _MM_HINT_T1);
+        int slot = pass * pairs + kp;  /* 0 .. passes * pairs - 1 over the panel's passes */
+        if (next && slot % passes == 0)
+            for (int line = 0; line < stride * 2; line += 64)
+                _mm_prefetch(next + (int64_t)(slot / passes) * stride * 2 + line, _MM_HINT_T1);
         __m512bh wk[BLOCK];
         for (int b = 0; b < blocks; b++) wk[b] = (__m512bh)_mm512_loadu_si512(w + b * BLOCK * 2);
         for (int r = 0; r < rows; r++) {
@@ -89,21 +91,22 @@ static void panel_product(const Problem *p, int panel_index, int panels) {
     if (panel_blocks > PANEL_BLOCKS) panel_blocks = PANEL_BLOCKS;
     /* prefetched while this panel is read: the next one (its own thread's) */
     const char *next = panel_index + 1 < panels ? (const char *)(panel + panel_size) : 0;
-    int m = 0;
+    int m = 0, pass = 0;
     if (panel_blocks == PANEL_BLOCKS) {
-        for (; m + 8 <= p->M; m += 8, next = 0) {
-            tile(p, panel, PANEL_BLOCKS, n_panel, 0, 2, m, 8, next);
-            tile(p, panel, PANEL_BLOCKS, n_panel, 2, 2, m, 8, 0);
+        int passes = 2 * (p->M / 8) + (p->M % 8 >= 4) + (p->M % 4 >= 2) + p->M % 2;
+        for (; m + 8 <= p->M; m += 8, pass += 2) {
+            tile(p, panel, PANEL_BLOCKS, n_panel, 0, 2, m, 8, next, pass, passes);
+            tile(p, panel, PANEL_BLOCKS, n_panel, 2, 2, m, 8, next, pass + 1, passes);
         }
-        for (; m + 4 <= p->M; m += 4, next = 0) tile(p, panel, PANEL_BLOCKS, n_panel, 0, 4, m, 4, next);
-        for (; m + 2 <= p->M; m += 2, next = 0) tile(p, panel, PANEL_BLOCKS, n_panel, 0, 4, m, 2, next);
-        for (; m < p->M; m++, next = 0) tile(p, panel, PANEL_BLOCKS, n_panel, 0, 4, m, 1, next);
+        for (; m + 4 <= p->M; m += 4) tile(p, panel, PANEL_BLOCKS, n_panel, 0, 4, m, 4, next, pass++, passes);
+        for (; m + 2 <= p->M; m += 2) tile(p, panel, PANEL_BLOCKS, n_panel, 0, 4, m, 2, next, pass++, passes);
+        for (; m < p->M; m++) tile(p, panel, PANEL_BLOCKS, n_panel, 0, 4, m, 1, next, pass++, passes);
         return;
     }
     for (int b = 0; b < panel_blocks; b++) {  /* the last, narrower panel */
         int r = 0;
-        for (; r + 8 <= p->M; r += 8) tile(p, panel, panel_blocks, n_panel, b, 1, r, 8, 0);
-        for (; r < p->M; r++) tile(p, panel, panel_blocks, n_panel, b, 1, r, 1, 0);
+        for (; r + 8 <= p->M; r += 8) tile(p, panel, panel_blocks, n_panel, b, 1, r, 8, 0, 0, 1);
+        for (; r < p->M; r++) tile(p, panel, panel_blocks, n_panel, b, 1, r, 1, 0, 0, 1);
     }
 }
 #endif
