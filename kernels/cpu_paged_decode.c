@@ -203,6 +203,37 @@ static inline void softmax_rows(float *restrict logits, int group, int span, flo
     }
 }
 
+#if defined(__AVX512BF16__)
+/* out[g] = sum_t weights[g][t] V[t] over the span's V rows, read in place as bfloat16 (widening is exact), each
+ * query head's sums in registers across the whole span: the products and the order of tile_accumulate's, so
+ * the same float32 results, without a float32 copy of every tile. D a multiple of 16, at most 256. */
+static inline void values_bf16(const void *restrict key_cache, const void *restrict value_cache,
+                               const int32_t *restrict table, int first, int span, int group, int block_size,
+                               int64_t token_stride, int64_t head_offset, int head_dim,
+                               const float *restrict weights, float *restrict out) {
+    const int vectors = head_dim / 16;
+    for (int g = 0; g < group; g++) {
+        __m512 acc[16];
+        for (int v = 0; v < vectors; v++) acc[v] = _mm512_setzero_ps();
+        const float *restrict w = weights + (int64_t)g * span;
+        for (int t = 0; t < span; t++) {
+            if (g == 0 && t % TILE == 0)  /* the first head's pass brings the rows in, a tile ahead */
+                prefetch_stream(key_cache, value_cache, 2, table, first, span, span + t + AHEAD,
+                                span + t + AHEAD + TILE, block_size, token_stride, head_offset, head_dim);
+            int position = first + t;
+            const uint16_t *restrict row = (const uint16_t *)value_cache + ((int64_t)table[position / block_size]
+                                           * block_size + position % block_size) * token_stride + head_offset;
+            __m512 weight = _mm512_set1_ps(w[t]);
+            for (int v = 0; v < vectors; v++) {
+                __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * v)));
+                acc[v] = _mm512_fmadd_ps(weight, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)), acc[v]);
+            }
+        }
+        for (int v = 0; v < vectors; v++) _mm512_storeu_ps(out + g * head_dim + 16 * v, acc[v]);
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void attend_one(
         const float *restrict query, const void *restrict key_cache, const void *restrict value_cache, int is_bf16,
         const int32_t *restrict table, int seq_len, int kv_head, int group, int num_kv_heads, int head_dim,
@@ -249,6 +280,13 @@ static inline __attribute__((always_inline)) void attend_one(
             tile_logits(query + g * head_dim, tile, count, head_dim, scale, logits + g * span + begin);
     }
     softmax_rows(logits, group, span, soft_cap, sinks);
+#if defined(__AVX512BF16__)
+    if (is_bf16 && head_dim % 16 == 0 && head_dim <= 256) {
+        values_bf16(key_cache, value_cache, table, first, span, group, block_size, token_stride, head_offset,
+                    head_dim, logits, out);
+        return;
+    }
+#endif
     for (int begin = 0; begin < span; begin += TILE) {
         int count = span - begin < TILE ? span - begin : TILE;
         prefetch_stream(key_cache, value_cache, element_size, table, first, span, span + begin + AHEAD,
