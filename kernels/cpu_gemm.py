@@ -18,25 +18,19 @@ SOURCE = Path(__file__).with_name("cpu_gemm_bf16.c")
 BLOCK = 16  # outputs per block; a panel holds pdserve_gemm_bf16_panel_blocks() blocks
 
 
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int
+_GEMM = {"pdserve_gemm_bf16": (_INT, [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT])}
+
+
 def packed_gemm():
     """The loaded `pdserve_gemm_bf16` function, or None (see unavailable_reason)."""
-    library = cpu_native.library(SOURCE)
-    if library is None:
-        return None
-    kernel = library.pdserve_gemm_bf16
-    if kernel.argtypes is None:  # checked once per library, not on every product
-        if not library.pdserve_gemm_bf16_supported():
-            return None
-        pointer, integer = ctypes.c_void_p, ctypes.c_int
-        kernel.restype = integer
-        kernel.argtypes = [pointer, pointer, pointer, pointer, integer, integer, integer, integer]
-    return kernel
+    bound = cpu_native.functions(SOURCE, _GEMM, ("pdserve_gemm_bf16_supported", "this CPU has no AVX512-BF16"))
+    return None if bound is None else bound[0]
 
 
 def unavailable_reason() -> str | None:
-    if cpu_native.library(SOURCE) is None:
-        return cpu_native.unavailable_reason(SOURCE)
-    return None if packed_gemm() is not None else "this CPU has no AVX512-BF16"
+    packed_gemm()  # binds the kernel, or records why it cannot
+    return cpu_native.unavailable_reason(SOURCE)
 
 
 def supports(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -6,7 +6,8 @@ Each shared library is compiled once per source, compiler and CPU (`-O3 -march=n
 libgomp that torch has loaded, or none where the compiler has none) into $PDSERVE_CACHE/kernels (default
 ~/.cache/pdserve/kernels) and reused by every later process. Without a compiler, or with
 PDSERVE_CPU_KERNEL=torch, `library()` returns None with the reason in `unavailable_reason()`, and the work runs
-on torch ops (kernels.torch_paged for attention, oneDNN for linears).
+on torch ops (kernels.torch_paged for attention, oneDNN for linears). `functions()` binds a library's named
+functions to their ctypes signatures once per process, for this module and the kernels built on it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
 OPENMP = "-fopenmp"  # dropped when the compiler refuses it (Apple's clang): one thread per call then
 
 _lock = threading.Lock()
-_state: dict[Path, dict[str, object]] = {}  # per source: "library" (the ctypes.CDLL) or "reason" (why none)
+# per source: "library" (the ctypes.CDLL) or "reason" (why none), and once functions() has run, "functions" (the
+# bound tuple, or None; "reason" then also where a library's check refused this CPU)
+_state: dict[Path, dict[str, object]] = {}
+
+_POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_DECODE = {"pdserve_paged_decode": (_INT, [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT,
+                                           _INT, _INT, _INT, _INT, _FLOAT, _FLOAT, _POINTER, _POINTER, _INT])}
 
 
 def library(source: Path = SOURCE) -> ctypes.CDLL | None:
@@ -47,18 +54,37 @@ def unavailable_reason(source: Path = SOURCE) -> str | None:
     return _state[source].get("reason")  # type: ignore[return-value]
 
 
+def functions(source: Path, signatures: dict[str, tuple], requires: tuple[str, str] | None = None) -> tuple | None:
+    """The functions named in `signatures` (name -> (restype, argtypes)), in its order, from the library built from
+    `source`; None without the library, or where `requires` = (a check function, the reason) and the check returns
+    0 on this CPU (unavailable_reason then says so). Bound once per process: later calls take no lock."""
+    try:
+        return _state[source]["functions"]  # type: ignore[return-value]
+    except KeyError:
+        pass
+    with _lock:
+        state = _state.get(source) or _state.setdefault(source, _load(source))
+        if "functions" not in state:
+            state["functions"] = _bind(state, signatures, requires)
+    return state["functions"]  # type: ignore[return-value]
+
+
 def decode_kernel():
     """The loaded `pdserve_paged_decode` function, or None (see unavailable_reason)."""
-    loaded = library(SOURCE)
+    bound = functions(SOURCE, _DECODE)
+    return None if bound is None else bound[0]
+
+
+def _bind(state: dict[str, object], signatures: dict[str, tuple], requires: tuple[str, str] | None) -> tuple | None:
+    loaded = state.get("library")
+    if loaded is not None and requires is not None and not getattr(loaded, requires[0])():
+        loaded, state["reason"] = None, requires[1]
     if loaded is None:
         return None
-    kernel = loaded.pdserve_paged_decode
-    if kernel.argtypes is None:
-        pointer, integer, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        kernel.restype = ctypes.c_int
-        kernel.argtypes = [pointer, pointer, pointer, integer, pointer, integer, pointer, integer, integer,
-                           integer, integer, integer, integer, real, real, pointer, pointer, integer]
-    return kernel
+    bound = tuple(getattr(loaded, name) for name in signatures)
+    for function, (restype, argtypes) in zip(bound, signatures.values()):
+        function.restype, function.argtypes = restype, argtypes
+    return bound
 
 
 def _load(source: Path) -> dict[str, object]:

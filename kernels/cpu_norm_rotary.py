@@ -16,28 +16,16 @@ from pdserve.kernels import cpu_native, reference_extra
 SOURCE = Path(__file__).with_name("cpu_norm_rotary.c")
 
 
-_loaded: list = []  # [(add_rms_norm, rotary)] once loaded, or [None]: looked up once per process
-
-
-def _functions():
-    """(add_rms_norm, rotary) from the loaded library with their argument types, or None."""
-    if not _loaded:
-        library = cpu_native.library(SOURCE)
-        functions = None
-        if library is not None:
-            functions = library.pdserve_add_rms_norm_bf16, library.pdserve_rotary_bf16
-            pointer, integer = ctypes.c_void_p, ctypes.c_int
-            for function in functions:
-                function.restype = None
-            functions[0].argtypes = [pointer, pointer, pointer, pointer, pointer, integer, integer, ctypes.c_float,
-                                     integer]
-            functions[1].argtypes = [pointer, ctypes.c_int64, pointer, pointer, integer, integer, integer, integer]
-        _loaded.append(functions)
-    return _loaded[0]
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int
+_FUNCTIONS = {  # (add_rms_norm, rotary): cpu_native.functions binds them once per process, or gives None
+    "pdserve_add_rms_norm_bf16": (None, [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, ctypes.c_float,
+                                         _INT]),
+    "pdserve_rotary_bf16": (None, [_POINTER, ctypes.c_int64, _POINTER, _POINTER, _INT, _INT, _INT, _INT]),
+}
 
 
 def available() -> bool:
-    return _functions() is not None
+    return cpu_native.functions(SOURCE, _FUNCTIONS) is not None
 
 
 def add_rms_norm(
@@ -47,7 +35,7 @@ def add_rms_norm(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, hidden + residual), hidden's shape
     """kernels.reference_extra.add_rms_norm, natively for bfloat16 on the CPU."""
-    functions = _functions()
+    functions = cpu_native.functions(SOURCE, _FUNCTIONS)
     if (functions is None or hidden.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
             or hidden.device.type != "cpu" or not weight.is_contiguous()):
         return reference_extra.add_rms_norm(hidden, residual, weight, eps)
@@ -68,7 +56,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """x [T, H, D] rotated with cos and sin [T, 1, D/2] (the halves of one bfloat16 [T, 1, D] cos | sin
     table), every product and sum rounded to bfloat16 as torch rounds them; None where the kernel does not take
     these tensors (the caller then uses torch)."""
-    functions = _functions()
+    functions = cpu_native.functions(SOURCE, _FUNCTIONS)
     tokens, heads, head_dim = x.shape
     if (functions is None or x.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16 or x.device.type != "cpu"
             or x.stride()[1:] != (head_dim, 1)
