@@ -56,6 +56,7 @@ from pdserve.control.messages import (
 )
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.sockets import ClientSocket, ServerSocket
+from pdserve.planner.profile.served import process_cpu_s
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 300
@@ -261,7 +262,7 @@ def _latency_rounds(engine_address: str, front_ends: dict[str, tuple[subprocess.
                     args: argparse.Namespace) -> dict[str, list[float]]:
     prompt = [(7 * i) % 900 + 10 for i in range(args.prompt_len)]
     samples: dict[str, list[float]] = {"direct_e2e": [], "direct_ttft": []}
-    cpu_before = {name: cpu_seconds(process.pid) for name, (process, _) in front_ends.items()}
+    cpu_before = {name: process_cpu_s(process.pid) for name, (process, _) in front_ends.items()}
     with ClientSocket(engine_address) as client, ExitStack() as clients:
         http = {name: clients.enter_context(closing(CLIENTS[args.client](url)))
                 for name, (_, url) in front_ends.items()}
@@ -278,7 +279,7 @@ def _latency_rounds(engine_address: str, front_ends: dict[str, tuple[subprocess.
                     samples.setdefault(key, []).append(value * 1000)
     num_routed = 2 * (args.num_requests + args.warmup)  # one whole and one streamed request per round
     for name, (process, _) in front_ends.items():
-        samples[f"{name}_cpu_per_request"] = [(cpu_seconds(process.pid) - cpu_before[name]) * 1000 / num_routed]
+        samples[f"{name}_cpu_per_request"] = [(process_cpu_s(process.pid) - cpu_before[name]) * 1000 / num_routed]
     return samples
 
 
@@ -361,12 +362,6 @@ async def _relay(url: str, num_streams: int, num_tokens: int) -> tuple[int, int,
     return sum(counts), counts.count(0), time.perf_counter() - start_time
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure_relay(model: str, args: argparse.Namespace, log_dir: Path) -> list[dict[str, float]]:
     engine, ready = start([sys.executable, str(Path(__file__).resolve()), "--synthetic-engine", "--model", model],
                           log_dir / "synthetic.log")
@@ -374,9 +369,9 @@ def measure_relay(model: str, args: argparse.Namespace, log_dir: Path) -> list[d
     rows = []
     try:
         for num_streams in args.streams:
-            cpu_before = cpu_seconds(router.pid)
+            cpu_before = process_cpu_s(router.pid)
             num_tokens, num_failed, seconds = asyncio.run(_relay(url, num_streams, args.stream_tokens))
-            router_cpu = cpu_seconds(router.pid) - cpu_before
+            router_cpu = process_cpu_s(router.pid) - cpu_before
             rows.append({"streams": num_streams, "failed": num_failed, "tokens": num_tokens, "seconds": seconds,
                          "tokens_per_s": num_tokens / seconds, "router_cpu_s": router_cpu,
                          "tokens_per_cpu_s": num_tokens / max(router_cpu, 1e-9)})

@@ -62,14 +62,18 @@ static inline float soft_capped(float logit, float cap) {  /* cap * tanh(logit /
 #define MIN_PARALLEL_ELEMENTS (1 << 18) /* K elements a call reads before it splits over threads */
 #define TILE 16 /* positions converted and read together; the tile stays in L1 */
 
+/* Element index of `position`'s row of one KV head in a paged cache [N, B, Hkv, D]: its block from the table. */
+static inline int64_t row_index(const int32_t *restrict table, int position, int block_size, int64_t token_stride,
+                                int64_t head_offset) {
+    return ((int64_t)table[position / block_size] * block_size + position % block_size) * token_stride + head_offset;
+}
+
 /* Positions [first, first + count) of one KV head, as float32 rows [count, D] in `tile`. */
 static inline void load_tile(const void *restrict cache, int is_bf16, const int32_t *restrict table,
                              int first, int count, int block_size, int64_t token_stride, int64_t head_offset,
                              int head_dim, float *restrict tile) {
     for (int t = 0; t < count; t++) {
-        int position = first + t;
-        int64_t row = ((int64_t)table[position / block_size] * block_size + position % block_size) * token_stride
-                      + head_offset;
+        int64_t row = row_index(table, first + t, block_size, token_stride, head_offset);
         float *restrict destination = tile + t * head_dim;
         if (is_bf16) {
             const uint16_t *restrict source = (const uint16_t *)cache + row;
@@ -178,8 +182,7 @@ static inline void prefetch_stream(const void *key_cache, const void *value_cach
     for (int i = from; i < to; i++) {
         int position = first + (i < span ? i : i - span);
         const char *cache = i < span ? key_cache : value_cache;
-        const char *row = cache + (((int64_t)table[position / block_size] * block_size + position % block_size)
-                                   * token_stride + head_offset) * element_size;
+        const char *row = cache + row_index(table, position, block_size, token_stride, head_offset) * element_size;
         for (int byte = 0; byte < head_dim * element_size; byte += 64) __builtin_prefetch(row + byte, 0, 3);
     }
 }
@@ -220,9 +223,8 @@ static inline void values_bf16(const void *restrict key_cache, const void *restr
             if (g == 0 && t % TILE == 0)  /* the first head's pass brings the rows in, a tile ahead */
                 prefetch_stream(key_cache, value_cache, 2, table, first, span, span + t + AHEAD,
                                 span + t + AHEAD + TILE, block_size, token_stride, head_offset, head_dim);
-            int position = first + t;
-            const uint16_t *restrict row = (const uint16_t *)value_cache + ((int64_t)table[position / block_size]
-                                           * block_size + position % block_size) * token_stride + head_offset;
+            const uint16_t *restrict row = (const uint16_t *)value_cache
+                                           + row_index(table, first + t, block_size, token_stride, head_offset);
             __m512 weight = _mm512_set1_ps(w[t]);
             for (int v = 0; v < vectors; v++) {
                 __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * v)));
@@ -264,11 +266,9 @@ static inline __attribute__((always_inline)) void attend_one(
 #if defined(__AVX512BF16__)
         if (in_place && count == TILE) {
             const uint16_t *rows[TILE];
-            for (int t = 0; t < TILE; t++) {
-                int position = first + begin + t;
-                rows[t] = (const uint16_t *)key_cache + ((int64_t)table[position / block_size] * block_size
-                          + position % block_size) * token_stride + head_offset;
-            }
+            for (int t = 0; t < TILE; t++)
+                rows[t] = (const uint16_t *)key_cache
+                          + row_index(table, first + begin + t, block_size, token_stride, head_offset);
             for (int g = 0; g < group; g++)
                 tile_logits_bf16(q_pairs + g * head_dim, rows, head_dim, scale, logits + g * span + begin);
             continue;
