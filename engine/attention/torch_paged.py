@@ -1,6 +1,7 @@
 """The torch-paged attention backend (CPU): kernels.torch_paged's plans, built once per step (once per
 sliding window among the model's layers), run per layer. Decode reads the paged cache in place through the
-CPU's native kernel (kernels.cpu_native) where it builds, else through the gathering torch plan."""
+CPU's native kernel (kernels.cpu_native) where it builds, else through the gathering torch plan; bfloat16 prefill
+runs on the native AVX512-BF16 kernel (kernels.cpu_prefill) where the CPU has it, else on the gather and SDPA."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pdserve.engine.forward_context import ForwardContext
 from pdserve.engine.layers.attention import Attention
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.kernels import cpu_native, cpu_norm_rotary, torch_paged
+from pdserve.kernels import cpu_native, cpu_norm_rotary, cpu_prefill, torch_paged
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,12 @@ class TorchPagedMetadata:
         context = self.context
         return (context.decode_block_tables.to(torch.int32).contiguous(),
                 context.decode_seq_lens.to(torch.int32).contiguous())
+
+    @functools.cached_property
+    def native_prefill_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # int32, contiguous
+        context = self.context
+        return tuple(tensor.to(torch.int32).contiguous() for tensor in (
+            context.prefill_block_tables, context.prefill_query_start_loc, context.prefill_seq_lens))
 
     def decode(self, window: int | None) -> torch_paged.DecodePlan:
         if window not in self.decode_plans:
@@ -60,14 +67,18 @@ class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
     # tokens), so a step reads the sum of its contexts and that padding (decode_groups_by_length, set below).
     decode_pads_to_longest = False
 
-    def __init__(self, block_size: int, native_decode: bool = True) -> None:
+    def __init__(self, block_size: int, native: bool = True) -> None:  # native False: torch ops only
         self.block_size = block_size
-        self.native_decode = native_decode and cpu_native.decode_kernel() is not None
+        self.native_decode = native and cpu_native.decode_kernel() is not None
         self.decode_groups_by_length = not self.native_decode
-        if native_decode:
+        self.native_prefill = native and cpu_prefill.prefill_kernel() is not None
+        if native:
             reason = cpu_native.unavailable_reason()
             logger.info("CPU decode attention: %s", "the native paged kernel" if reason is None else
                         f"torch ops with a gather copy ({reason})")
+            reason = cpu_prefill.unavailable_reason()
+            logger.info("CPU bfloat16 prefill attention: %s", "the native AVX512-BF16 kernel" if reason is None else
+                        f"a gather and torch's SDPA ({reason})")
 
     def bind_layer_kernels(self, model: nn.Module) -> None:
         """bfloat16 RMSNorms and rotations in one native call each where cpu_norm_rotary.c builds (other dtypes
@@ -97,6 +108,10 @@ class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
             layer.soft_cap, layer.sinks)
 
     def forward_prefill(self, query: torch.Tensor, layer: Attention, metadata: TorchPagedMetadata) -> torch.Tensor:
+        if self.native_prefill and cpu_prefill.supports(query, layer.key_cache, layer.value_cache, layer.soft_cap,
+                                                        layer.sinks):
+            return cpu_prefill.paged_prefill(query, layer.key_cache, layer.value_cache, *metadata.native_prefill_args,
+                                             layer.scale, layer.sliding_window)
         return torch_paged.prefill_attention_planned(
             query, layer.key_cache, layer.value_cache, metadata.prefill(layer.sliding_window), layer.scale,
             layer.soft_cap, layer.sinks)
