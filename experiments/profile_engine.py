@@ -28,6 +28,7 @@ PARTS = [
     ("pdserve.kernels.torch_paged", "decode_attention_planned", "decode attention"),
     ("pdserve.kernels.cpu_native", "paged_decode", "decode attention"),  # the native kernel, where it runs
     ("pdserve.kernels.torch_paged", "prefill_attention_planned", "prefill attention"),
+    ("pdserve.kernels.cpu_prefill", "paged_prefill", "prefill attention"),  # the native bf16 kernel, where it runs
     ("pdserve.kernels.torch_paged", "store_kv_planned", "KV store"),
     ("pdserve.kernels.torch_paged", "plan_decode", "decode plan"),
     ("pdserve.engine.layers.norm", "RMSNorm.forward", "norms"),

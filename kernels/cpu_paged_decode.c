@@ -62,18 +62,22 @@ static inline float soft_capped(float logit, float cap) {  /* cap * tanh(logit /
 #define MIN_PARALLEL_ELEMENTS (1 << 18) /* K elements a call reads before it splits over threads */
 #define TILE 16 /* positions converted and read together; the tile stays in L1 */
 
-/* Element index of `position`'s row of one KV head in a paged cache [N, B, Hkv, D]: its block from the table. */
-static inline int64_t row_index(const int32_t *restrict table, int position, int block_size, int64_t token_stride,
-                                int64_t head_offset) {
-    return ((int64_t)table[position / block_size] * block_size + position % block_size) * token_stride + head_offset;
+/* rows[i] = the element index of position first + i's row of one KV head in a paged cache [N, B, Hkv, D], for
+ * the span's positions in order: one division for the whole span (then the block offset counts up). */
+static inline void span_rows(const int32_t *restrict table, int first, int span, int block_size, int64_t token_stride,
+                             int64_t head_offset, int64_t *restrict rows) {
+    int block = first / block_size, offset = first % block_size;
+    for (int i = 0; i < span; i++) {
+        rows[i] = ((int64_t)table[block] * block_size + offset) * token_stride + head_offset;
+        if (++offset == block_size) offset = 0, block++;
+    }
 }
 
-/* Positions [first, first + count) of one KV head, as float32 rows [count, D] in `tile`. */
-static inline void load_tile(const void *restrict cache, int is_bf16, const int32_t *restrict table,
-                             int first, int count, int block_size, int64_t token_stride, int64_t head_offset,
+/* The `count` rows at rows[0..count) of one KV head, as float32 rows [count, D] in `tile`. */
+static inline void load_tile(const void *restrict cache, int is_bf16, const int64_t *restrict rows, int count,
                              int head_dim, float *restrict tile) {
     for (int t = 0; t < count; t++) {
-        int64_t row = row_index(table, first + t, block_size, token_stride, head_offset);
+        int64_t row = rows[t];
         float *restrict destination = tile + t * head_dim;
         if (is_bf16) {
             const uint16_t *restrict source = (const uint16_t *)cache + row;
@@ -176,13 +180,11 @@ static inline void tile_accumulate(const float *restrict weights, const float *r
 /* Asks for rows [from, to) of an item's stream ahead of their use: the K rows of its positions, then the V rows
  * (index span + i). Blocks lie anywhere, so the hardware's stride prefetchers do not find them. */
 static inline void prefetch_stream(const void *key_cache, const void *value_cache, int element_size,
-                                   const int32_t *restrict table, int first, int span, int from, int to,
-                                   int block_size, int64_t token_stride, int64_t head_offset, int head_dim) {
+                                   const int64_t *restrict rows, int span, int from, int to, int head_dim) {
     if (to > 2 * span) to = 2 * span;
     for (int i = from; i < to; i++) {
-        int position = first + (i < span ? i : i - span);
         const char *cache = i < span ? key_cache : value_cache;
-        const char *row = cache + row_index(table, position, block_size, token_stride, head_offset) * element_size;
+        const char *row = cache + rows[i < span ? i : i - span] * element_size;
         for (int byte = 0; byte < head_dim * element_size; byte += 64) __builtin_prefetch(row + byte, 0, 3);
     }
 }
@@ -207,31 +209,51 @@ static inline void softmax_rows(float *restrict logits, int group, int span, flo
 }
 
 #if defined(__AVX512BF16__)
-/* out[g] = sum_t weights[g][t] V[t] over the span's V rows, read in place as bfloat16 (widening is exact), each
- * query head's sums in registers across the whole span: the products and the order of tile_accumulate's, so
- * the same float32 results, without a float32 copy of every tile. D a multiple of 16, at most 256. */
-static inline void values_bf16(const void *restrict key_cache, const void *restrict value_cache,
-                               const int32_t *restrict table, int first, int span, int group, int block_size,
-                               int64_t token_stride, int64_t head_offset, int head_dim,
-                               const float *restrict weights, float *restrict out) {
+#define VALUE_ACCUMULATORS 24 /* float32 vectors of output the V pass keeps in registers: heads x D / 16 */
+/* out[g] += sum_t w[g][t] V[t] for `heads` query heads (w: their weights, [heads, span]), the span's V rows read in
+ * place as bfloat16 and widened once for all of them (exact); a constant `heads` keeps the sums in registers. */
+static inline __attribute__((always_inline)) void values_pass(
+        const void *restrict key_cache, const void *restrict value_cache, const int64_t *restrict rows, int span,
+        int head_dim, const float *restrict w, float *restrict out, const int heads, int prefetch) {
     const int vectors = head_dim / 16;
-    for (int g = 0; g < group; g++) {
-        __m512 acc[16];
-        for (int v = 0; v < vectors; v++) acc[v] = _mm512_setzero_ps();
-        const float *restrict w = weights + (int64_t)g * span;
-        for (int t = 0; t < span; t++) {
-            if (g == 0 && t % TILE == 0)  /* the first head's pass brings the rows in, a tile ahead */
-                prefetch_stream(key_cache, value_cache, 2, table, first, span, span + t + AHEAD,
-                                span + t + AHEAD + TILE, block_size, token_stride, head_offset, head_dim);
-            const uint16_t *restrict row = (const uint16_t *)value_cache
-                                           + row_index(table, first + t, block_size, token_stride, head_offset);
-            __m512 weight = _mm512_set1_ps(w[t]);
-            for (int v = 0; v < vectors; v++) {
-                __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * v)));
-                acc[v] = _mm512_fmadd_ps(weight, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)), acc[v]);
-            }
+    __m512 acc[VALUE_ACCUMULATORS];
+    for (int i = 0; i < heads * vectors; i++) acc[i] = _mm512_setzero_ps();
+    for (int t = 0; t < span; t++) {
+        if (prefetch && t % TILE == 0)  /* the first pass brings the rows in, a tile ahead */
+            prefetch_stream(key_cache, value_cache, 2, rows, span, span + t + AHEAD, span + t + AHEAD + TILE,
+                            head_dim);
+        const uint16_t *restrict row = (const uint16_t *)value_cache + rows[t];
+        for (int v = 0; v < vectors; v++) {
+            __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * v)));
+            __m512 value = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+            for (int g = 0; g < heads; g++)
+                acc[g * vectors + v] = _mm512_fmadd_ps(_mm512_set1_ps(w[(int64_t)g * span + t]), value,
+                                                       acc[g * vectors + v]);
         }
-        for (int v = 0; v < vectors; v++) _mm512_storeu_ps(out + g * head_dim + 16 * v, acc[v]);
+    }
+    for (int g = 0; g < heads; g++)
+        for (int v = 0; v < vectors; v++) _mm512_storeu_ps(out + g * head_dim + 16 * v, acc[g * vectors + v]);
+}
+
+/* out[g] = sum_t weights[g][t] V[t] for every query head, as many heads a pass as their sums fit in registers:
+ * the products and the order of tile_accumulate's, so the same float32 results, without a float32 copy of every
+ * tile. D a multiple of 16, at most 256. */
+static inline __attribute__((always_inline)) void values_bf16(
+        const void *restrict key_cache, const void *restrict value_cache, const int64_t *restrict rows, int span,
+        int group, int head_dim, const float *restrict weights, float *restrict out) {
+    const int heads_per_pass = VALUE_ACCUMULATORS / (head_dim / 16);
+    for (int first = 0; first < group; first += heads_per_pass) {
+        const float *restrict w = weights + (int64_t)first * span;
+        float *restrict o = out + first * head_dim;
+        int prefetch = first == 0;
+        switch (group - first < heads_per_pass ? group - first : heads_per_pass) {
+        case 1: values_pass(key_cache, value_cache, rows, span, head_dim, w, o, 1, prefetch); break;
+        case 2: values_pass(key_cache, value_cache, rows, span, head_dim, w, o, 2, prefetch); break;
+        case 3: values_pass(key_cache, value_cache, rows, span, head_dim, w, o, 3, prefetch); break;
+        case 4: values_pass(key_cache, value_cache, rows, span, head_dim, w, o, 4, prefetch); break;
+        case 5: values_pass(key_cache, value_cache, rows, span, head_dim, w, o, 5, prefetch); break;
+        default: values_pass(key_cache, value_cache, rows, span, head_dim, w, o, 6, prefetch); break;
+        }
     }
 }
 #endif
@@ -240,13 +262,14 @@ static inline __attribute__((always_inline)) void attend_one(
         const float *restrict query, const void *restrict key_cache, const void *restrict value_cache, int is_bf16,
         const int32_t *restrict table, int seq_len, int kv_head, int group, int num_kv_heads, int head_dim,
         int block_size, int window, float scale, float soft_cap, const float *restrict sinks, float *restrict out,
-        float *restrict logits, float *restrict tile) {
-    /* query, out: [group, D] of this KV head; sinks: [group] or NULL; logits: [group, span]; tile: [TILE, D] */
+        float *restrict logits, float *restrict tile, int64_t *restrict rows) {
+    /* query, out: [group, D] of this KV head; sinks: [group] or NULL; logits: [group, span]; tile: [TILE, D];
+     * rows: [span], filled here */
     int first = (window > 0 && seq_len > window) ? seq_len - window : 0;
     int span = seq_len - first;
     memset(out, 0, sizeof(float) * group * head_dim);
     if (span <= 0) return;
-    int64_t token_stride = (int64_t)num_kv_heads * head_dim, head_offset = (int64_t)kv_head * head_dim;
+    span_rows(table, first, span, block_size, (int64_t)num_kv_heads * head_dim, (int64_t)kv_head * head_dim, rows);
 #if defined(__AVX512BF16__)
     uint16_t q_pairs[group * head_dim];
     int in_place = is_bf16 && head_dim % 32 == 0;  /* and a query that bfloat16 holds exactly (a bf16 model's) */
@@ -257,42 +280,36 @@ static inline __attribute__((always_inline)) void attend_one(
     }
 #endif
     int element_size = is_bf16 ? 2 : 4;
-    prefetch_stream(key_cache, value_cache, element_size, table, first, span, 0, AHEAD, block_size, token_stride,
-                    head_offset, head_dim);
+    prefetch_stream(key_cache, value_cache, element_size, rows, span, 0, AHEAD, head_dim);
     for (int begin = 0; begin < span; begin += TILE) {
         int count = span - begin < TILE ? span - begin : TILE;
-        prefetch_stream(key_cache, value_cache, element_size, table, first, span, begin + AHEAD,
-                        begin + AHEAD + TILE, block_size, token_stride, head_offset, head_dim);
+        prefetch_stream(key_cache, value_cache, element_size, rows, span, begin + AHEAD, begin + AHEAD + TILE,
+                        head_dim);
 #if defined(__AVX512BF16__)
         if (in_place && count == TILE) {
-            const uint16_t *rows[TILE];
-            for (int t = 0; t < TILE; t++)
-                rows[t] = (const uint16_t *)key_cache
-                          + row_index(table, first + begin + t, block_size, token_stride, head_offset);
+            const uint16_t *tile_rows[TILE];
+            for (int t = 0; t < TILE; t++) tile_rows[t] = (const uint16_t *)key_cache + rows[begin + t];
             for (int g = 0; g < group; g++)
-                tile_logits_bf16(q_pairs + g * head_dim, rows, head_dim, scale, logits + g * span + begin);
+                tile_logits_bf16(q_pairs + g * head_dim, tile_rows, head_dim, scale, logits + g * span + begin);
             continue;
         }
 #endif
-        load_tile(key_cache, is_bf16, table, first + begin, count, block_size, token_stride, head_offset, head_dim,
-                  tile);
+        load_tile(key_cache, is_bf16, rows + begin, count, head_dim, tile);
         for (int g = 0; g < group; g++)
             tile_logits(query + g * head_dim, tile, count, head_dim, scale, logits + g * span + begin);
     }
     softmax_rows(logits, group, span, soft_cap, sinks);
 #if defined(__AVX512BF16__)
     if (is_bf16 && head_dim % 16 == 0 && head_dim <= 256) {
-        values_bf16(key_cache, value_cache, table, first, span, group, block_size, token_stride, head_offset,
-                    head_dim, logits, out);
+        values_bf16(key_cache, value_cache, rows, span, group, head_dim, logits, out);
         return;
     }
 #endif
     for (int begin = 0; begin < span; begin += TILE) {
         int count = span - begin < TILE ? span - begin : TILE;
-        prefetch_stream(key_cache, value_cache, element_size, table, first, span, span + begin + AHEAD,
-                        span + begin + AHEAD + TILE, block_size, token_stride, head_offset, head_dim);
-        load_tile(value_cache, is_bf16, table, first + begin, count, block_size, token_stride, head_offset,
-                  head_dim, tile);
+        prefetch_stream(key_cache, value_cache, element_size, rows, span, span + begin + AHEAD,
+                        span + begin + AHEAD + TILE, head_dim);
+        load_tile(value_cache, is_bf16, rows + begin, count, head_dim, tile);
         for (int g = 0; g < group; g++)
             tile_accumulate(logits + g * span + begin, tile, count, head_dim, out + g * head_dim);
     }
@@ -315,33 +332,36 @@ int pdserve_paged_decode(const float *query, const void *key_cache, const void *
     int failed = 0;
 #pragma omp parallel if (threads > 1) num_threads(threads)
     {
-        float *logits = malloc(sizeof(float) * ((size_t)group * (longest > 0 ? longest : 1) + (size_t)TILE * head_dim));
-        if (!logits) {
+        size_t positions_held = longest > 0 ? (size_t)longest : 1;
+        float *logits = malloc(sizeof(float) * (group * positions_held + (size_t)TILE * head_dim));
+        int64_t *rows = malloc(sizeof(int64_t) * positions_held);
+        if (!logits || !rows) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < num_seqs * num_kv_heads; item++) {
-            if (!logits) continue;
+            if (!logits || !rows) continue;
             int s = item / num_kv_heads, h = item % num_kv_heads;
             int64_t first_row = ((int64_t)s * num_heads + (int64_t)h * group) * head_dim;
             const int32_t *table = block_tables + (int64_t)s * max_blocks;
             const float *sink = sinks ? sinks + h * group : NULL;
-            float *tile = logits + (size_t)group * (longest > 0 ? longest : 1);
+            float *tile = logits + group * positions_held;
             if (head_dim == 64)  /* a constant head_dim lets the compiler unroll the row loops */
                 attend_one(query + first_row, key_cache, value_cache, is_bf16, table, seq_lens[s], h, group,
                            num_kv_heads, 64, block_size, window, scale, soft_cap, sink, out + first_row, logits,
-                           tile);
+                           tile, rows);
             else if (head_dim == 128)
                 attend_one(query + first_row, key_cache, value_cache, is_bf16, table, seq_lens[s], h, group,
                            num_kv_heads, 128, block_size, window, scale, soft_cap, sink, out + first_row, logits,
-                           tile);
+                           tile, rows);
             else
                 attend_one(query + first_row, key_cache, value_cache, is_bf16, table, seq_lens[s], h, group,
                            num_kv_heads, head_dim, block_size, window, scale, soft_cap, sink, out + first_row,
-                           logits, tile);
+                           logits, tile, rows);
         }
         free(logits);
+        free(rows);
     }
     return failed ? -1 : 0;
 }
