@@ -105,10 +105,12 @@ def compiler() -> str | None:
 
 
 def build(compiler: str, source: Path = SOURCE) -> Path:
-    """The compiled library for this source, compiler and CPU: built once into the cache, atomically."""
+    """The compiled library for this source (and the headers beside it), compiler and CPU: built once into the
+    cache, atomically."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, " ".join(FLAGS), platform.machine(),
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]  # what a source may include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, compiler, version, " ".join(FLAGS),
+                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     directory = Path(os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "pdserve") / "kernels"
     target = directory / f"{source.stem}-{key}.so"
     if target.exists():

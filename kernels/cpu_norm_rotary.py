@@ -1,7 +1,7 @@
-"""The residual add with RMSNorm and the rotary embedding in bfloat16 on the CPU, one native call each
-(cpu_norm_rotary.c, built by kernels.cpu_native) instead of a chain of small torch ops. Where the kernel is not
-built, or for other dtypes and layouts, they run the torch code they replace, so results are the same to
-bfloat16 rounding either way.
+"""The residual add with RMSNorm, the rotary embedding and the gated MLP's SiLU(gate) * up in bfloat16 on the CPU,
+one native call each (cpu_norm_rotary.c, built by kernels.cpu_native) instead of a chain of small torch ops. Where
+the kernel is not built, or for other dtypes, devices and layouts, they run the torch code they replace, so results
+are the same to bfloat16 rounding either way.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import ctypes
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from pdserve.kernels import cpu_native, reference_extra
 
@@ -17,10 +18,11 @@ SOURCE = Path(__file__).with_name("cpu_norm_rotary.c")
 
 
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int
-_FUNCTIONS = {  # (add_rms_norm, rotary): cpu_native.functions binds them once per process, or gives None
+_FUNCTIONS = {  # (add_rms_norm, rotary, silu_mul): cpu_native.functions binds them once per process, or gives None
     "pdserve_add_rms_norm_bf16": (None, [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, ctypes.c_float,
                                          _INT]),
     "pdserve_rotary_bf16": (None, [_POINTER, ctypes.c_int64, _POINTER, _POINTER, _INT, _INT, _INT, _INT]),
+    "pdserve_silu_mul_bf16": (None, [_POINTER, _POINTER, _INT, _INT, _INT]),
 }
 
 
@@ -65,5 +67,19 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         return None
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
     functions[1](x.data_ptr(), x.stride(0), cos.data_ptr(), out.data_ptr(), tokens, heads, head_dim,
+                 torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2I] (gate | up) -> [..., I]
+    """SiLU(gate) * up, natively for a contiguous bfloat16 CPU tensor (torch's F.silu(gate).mul_(up) elsewhere)."""
+    functions = cpu_native.functions(SOURCE, _FUNCTIONS)
+    size = gate_up.shape[-1] // 2
+    if (functions is None or gate_up.dtype != torch.bfloat16 or gate_up.device.type != "cpu"
+            or not gate_up.is_contiguous()):
+        gate, up = gate_up.split(size, dim=-1)
+        return F.silu(gate).mul_(up)  # in place: one [..., I] buffer, not two
+    out = torch.empty((*gate_up.shape[:-1], size), dtype=gate_up.dtype)
+    functions[2](gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], size,
                  torch.get_num_threads())
     return out

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "cpu_exp.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -30,25 +31,6 @@ static inline uint32_t float_bits(float x) {
 static inline float bf16_to_float(uint16_t bits) {
     union { uint32_t u; float f; } value = { (uint32_t)bits << 16 };
     return value.f;
-}
-
-/* exp(x) for x <= 0 (logits minus their maximum), vectorizable: 2^n * 2^f with a degree-6 polynomial
- * for 2^f, f in [-0.5, 0.5]; relative error about 2e-7. Below -87 it returns 0. */
-static inline float exp_nonpositive(float x) {
-    float y = x * 1.44269504088896341f;
-    if (y < -126.0f) y = -126.0f;
-    float n = (y + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 pushes the fraction out */
-    float f = y - n;
-    float p = 1.5403530393381606e-4f;
-    p = p * f + 1.3333558146428443e-3f;
-    p = p * f + 9.6181291076284772e-3f;
-    p = p * f + 5.5504108664821580e-2f;
-    p = p * f + 2.4022650695910071e-1f;
-    p = p * f + 6.9314718055994531e-1f;
-    p = p * f + 1.0f;
-    union { uint32_t u; float f; } scale = { (uint32_t)((int32_t)n + 127) << 23 };
-    float result = p * scale.f;
-    return x < -87.0f ? 0.0f : result;
 }
 
 static inline float soft_capped(float logit, float cap) {  /* cap * tanh(logit / cap) */

@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "cpu_exp.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -55,25 +56,8 @@ typedef struct {
     int64_t packed;       /* element offset of head 0's packed keys (and values) */
 } Sequence;
 
-/* exp(x) for x <= 0, 16 lanes: 2^n * 2^f, a degree-6 polynomial for 2^f; 0 below -87 and for NaN (a row's
- * masked logits minus a masked maximum) */
-static inline __m512 exp_nonpositive(__m512 x) {
-    __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.0f));
-    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    return _mm512_maskz_mov_ps(kept, _mm512_scalef_ps(p, n));
-}
-
 static inline float exp_scalar(float x) {  /* exp(x) for x <= 0 through the vector code */
-    return _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(x)));
+    return _mm512_cvtss_f32(exp_nonpositive_16(_mm512_set1_ps(x)));
 }
 
 /* Position `position`'s row of one KV head in the paged cache, as 32-bit pairs of bfloat16. */
@@ -145,7 +129,7 @@ static inline void block_softmax(const float *logits, int vectors, float *maximu
         correction[r] = new_max == -INFINITY ? 1.0f : exp_scalar(maximum[r] - new_max);
         __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(new_max);
         for (int v = 0; v < vectors; v++) {
-            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(logits + r * KEYS + 16 * v), shift));
+            __m512 e = exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(logits + r * KEYS + 16 * v), shift));
             total = _mm512_add_ps(total, e);
             _mm256_storeu_si256((__m256i *)(weights + r * (KEYS / 2) + 8 * v), (__m256i)_mm512_cvtneps_pbh(e));
         }

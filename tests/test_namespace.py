@@ -46,11 +46,11 @@ def test_the_wheel_holds_only_the_pdserve_package(wheel):
     assert {name for name in top_level if not name.endswith(".dist-info")} == {"pdserve"}
     for package in SUBPACKAGES:
         assert f"pdserve/{package.replace('.', '/')}/__init__.py" in names, package
-    # only pdserve's own modules: no experiment, no shell script, no data file but the CPU kernels' C sources
+    # only pdserve's own modules: no experiment, no shell script, no data file but the CPU kernels' C sources and headers
     folders = {name.rsplit("/", 1)[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert folders == {"pdserve"} | {f"pdserve/{package.replace('.', '/')}" for package in SUBPACKAGES}
     assert {name for name in names if not name.endswith(".py") and ".dist-info/" not in name} == {
-        f"pdserve/kernels/{source.name}" for source in (REPO / "kernels").glob("*.c")}  # every one of them
+        f"pdserve/kernels/{source.name}" for source in (REPO / "kernels").glob("*.[ch]")}  # every one of them
     assert not any("experiments" in name for name in names)
 
 

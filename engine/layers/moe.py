@@ -22,6 +22,7 @@ from pdserve.engine.config import ConfigError
 from pdserve.engine.layers.linear import Linear, copy_checked, default_weight_loader
 from pdserve.kernels import cpu_grouped_gemm
 from pdserve.kernels.cpu_grouped_gemm import PackedExperts
+from pdserve.kernels.cpu_norm_rotary import silu_and_mul
 from pdserve.kernels.dispatch import kernel_for
 
 
@@ -164,11 +165,6 @@ def pack_expert_weights(model: nn.Module) -> int:
     """Pack every ExpertWeights of the model once, after loading (see ExpertWeights.pack_for_cpu); returns how many
     were packed."""
     return sum(module.pack_for_cpu() for module in model.modules() if isinstance(module, ExpertWeights))
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [M, 2I] -> [M, I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)  # in place: one [M, I] buffer, not two
 
 
 def routed_experts(

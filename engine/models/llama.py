@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention.backend import AttentionBackend
@@ -18,6 +17,7 @@ from pdserve.engine.layers.attention import Attention
 from pdserve.engine.layers.linear import Linear, MergedLinear, default_weight_loader
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding, Rotation
+from pdserve.kernels.cpu_norm_rotary import silu_and_mul
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, I] buffer, not two
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] (gate | up) -> [T, I]
 
 
 class DecoderLayer(nn.Module):
