@@ -158,7 +158,9 @@ static inline void tile_accumulate(const float *restrict weights, const float *r
     }
 }
 
-#define AHEAD TILE /* rows asked for ahead of their use; farther ahead measured no faster */
+/* Rows asked for ahead of their use, into L2 (a T1 hint), far enough ahead that a cold cache (an engine step's,
+ * evicted by the other layers' weights) has enough misses in flight; one tile ahead into L1 kept too few. */
+#define AHEAD (4 * TILE)
 /* Asks for rows [from, to) of an item's stream ahead of their use: the K rows of its positions, then the V rows
  * (index span + i). Blocks lie anywhere, so the hardware's stride prefetchers do not find them. */
 static inline void prefetch_stream(const void *key_cache, const void *value_cache, int element_size,
@@ -167,7 +169,7 @@ static inline void prefetch_stream(const void *key_cache, const void *value_cach
     for (int i = from; i < to; i++) {
         const char *cache = i < span ? key_cache : value_cache;
         const char *row = cache + rows[i < span ? i : i - span] * element_size;
-        for (int byte = 0; byte < head_dim * element_size; byte += 64) __builtin_prefetch(row + byte, 0, 3);
+        for (int byte = 0; byte < head_dim * element_size; byte += 64) __builtin_prefetch(row + byte, 0, 2);
     }
 }
 
