@@ -4,8 +4,11 @@ engine token for token, KV bytes are exactly what the layout says, and no block 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
-from collections.abc import Iterator
+import socket
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -44,19 +47,73 @@ def colocated_tokens(model_dir: str, prompts, device: str = "cpu", **sampling) -
     return [list(tokens) for tokens in _COLOCATED_TOKENS[key]]
 
 
+def free_kv_addresses(count: int) -> list[str]:
+    """Loopback TCP addresses no socket holds now, for prefill engines' --kv-address: given before they start, their
+    decode engines (which name them with --kv-peer) can start at the same time."""
+    with contextlib.ExitStack() as stack:  # every probe held until all are bound: `count` different ports
+        probes = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [f"tcp://127.0.0.1:{probe.getsockname()[1]}" for probe in probes]
+
+
+def start_together(*starts: Callable[[], EngineProcess]) -> list[EngineProcess]:
+    """Engine processes started at once, each by its callable (each imports torch and loads its model: seconds of
+    CPU, which the cores overlap), in the callables' order; if any does not start, the others are stopped and its
+    error raised."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    started = [future.result() for future in futures if future.exception() is None]
+    failed = [future.exception() for future in futures if future.exception() is not None]
+    if failed:
+        stop_together(*started)
+        raise failed[0]
+    return started
+
+
+def start_at_free_kv_addresses(count: int, *starts: Callable[[list[str]], EngineProcess]) -> list[EngineProcess]:
+    """Each start(addresses) at once (start_together), given `count` free loopback KV addresses
+    (free_kv_addresses); others if some other process bound one of them first."""
+    for attempt in range(3):
+        addresses = free_kv_addresses(count)
+        try:
+            return start_together(*(functools.partial(start, addresses) for start in starts))
+        except RuntimeError as exc:
+            if attempt == 2 or "Address already in use" not in str(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
+def stop_together(*processes: EngineProcess) -> None:
+    """SIGTERM to every process at once, then each one's bounded wait (EngineProcess.stop)."""
+    for process in processes:
+        if process.process.poll() is None:
+            process.process.terminate()
+    for process in processes:
+        process.stop()
+
+
 def start_pair(model_dir: str, tmp_path, transport: str = "tcp", prefill_env=None, decode_args=(),
                prefill_args=("--kv-streaming", "on")):  # auto would not stream on CPU
+    """A prefill engine and its decode engine, started at once."""
     if transport == "ipc":
         addresses = {name: f"ipc://{tmp_path}/{name}.sock" for name in ("p-control", "p-kv", "d-control")}
-        p_args = ("--control-address", addresses["p-control"], "--kv-address", addresses["p-kv"])
+        p_args = ("--control-address", addresses["p-control"])
         d_args = ("--control-address", addresses["d-control"])
     else:
         p_args = d_args = ()
-    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, *p_args, *prefill_args, env=prefill_env,
-                            log_dir=tmp_path)
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *d_args, *prefill.kv_peer_args(), *decode_args,
-                           log_dir=tmp_path)
-    return prefill, decode
+
+    def prefill(kv: list[str]) -> EngineProcess:
+        return EngineProcess("prefill", model_dir, *ENGINE_ARGS, *p_args, "--kv-address", kv[0], *prefill_args,
+                             env=prefill_env, log_dir=tmp_path)
+
+    def decode(kv: list[str]) -> EngineProcess:
+        return EngineProcess("decode", model_dir, *ENGINE_ARGS, *d_args, "--kv-peer", kv[0], *decode_args,
+                             log_dir=tmp_path)
+
+    if transport == "ipc":
+        return tuple(start_together(lambda: prefill([addresses["p-kv"]]), lambda: decode([addresses["p-kv"]])))
+    return tuple(start_at_free_kv_addresses(1, prefill, decode))
 
 
 @contextlib.contextmanager
@@ -68,8 +125,7 @@ def running_pair(model_dir: str, tmp_path, **start_args) -> Iterator[Driver]:
         yield driver
     finally:
         driver.close()
-        prefill.stop()
-        decode.stop()
+        stop_together(prefill, decode)
 
 
 def assert_no_leaks(driver: Driver) -> None:
@@ -213,8 +269,7 @@ def test_decode_prefix_hit_sends_exactly_the_missing_tokens(model_factory, tmp_p
         assert_no_leaks(driver)
     finally:
         driver.close()
-        prefill.stop()
-        decode.stop()
+        stop_together(prefill, decode)
 
 
 @pytest.mark.parametrize("streaming", ["on", "off"])
@@ -223,8 +278,10 @@ def test_prefill_prefix_hit_serves_a_decode_engine_without_it(model_factory, tmp
     but not in D2's: for D2, P sends those tokens from its cache and computes only the rest."""
     model_dir = model_factory("llama")
     bytes_per_token = 2 * 2 * 2 * 16 * 4  # K and V x layers x kv_heads x head_dim x fp32 bytes
-    prefill, first_decode = start_pair(model_dir, tmp_path, prefill_args=("--kv-streaming", streaming))
-    second_decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *prefill.kv_peer_args(), log_dir=tmp_path)
+    prefill, first_decode, second_decode = start_at_free_kv_addresses(
+        1, lambda kv: EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-address", kv[0], "--kv-streaming",
+                                    streaming, log_dir=tmp_path),
+        *[lambda kv: EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-peer", kv[0], log_dir=tmp_path)] * 2)
     first_driver, second_driver = Driver(first_decode, prefill), Driver(second_decode, prefill)
     try:
         shared = list(range(200, 220))  # 5 full blocks
@@ -241,8 +298,7 @@ def test_prefill_prefix_hit_serves_a_decode_engine_without_it(model_factory, tmp
     finally:
         for driver in (first_driver, second_driver):
             driver.close()
-        for process in (prefill, first_decode, second_decode):
-            process.stop()
+        stop_together(prefill, first_decode, second_decode)
 
 
 def test_one_decode_engine_pulls_from_two_prefill_engines(model_factory, tmp_path):
@@ -250,9 +306,13 @@ def test_one_decode_engine_pulls_from_two_prefill_engines(model_factory, tmp_pat
     keeps one KV link per prefill engine, all in flight at once."""
     model_dir = model_factory("llama")
     expected = colocated_tokens(model_dir, PROMPTS, **GREEDY)
-    after = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "off", "--engine-id", "prefill-1",
-                          log_dir=tmp_path)
-    streamed, decode = start_pair(model_dir, tmp_path, decode_args=after.kv_peer_args())
+    streamed, after, decode = start_at_free_kv_addresses(
+        2, lambda kv: EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-address", kv[0], "--kv-streaming", "on",
+                                    log_dir=tmp_path),
+        lambda kv: EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-address", kv[1], "--kv-streaming", "off",
+                                 "--engine-id", "prefill-1", log_dir=tmp_path),
+        lambda kv: EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-peer", kv[0], "--kv-peer", kv[1],
+                                 log_dir=tmp_path))
     drivers = [Driver(decode, streamed), Driver(decode, after)]
     try:
         for i, prompt in enumerate(PROMPTS):
@@ -269,5 +329,4 @@ def test_one_decode_engine_pulls_from_two_prefill_engines(model_factory, tmp_pat
     finally:
         for driver in drivers:
             driver.close()
-        for process in (streamed, after, decode):
-            process.stop()
+        stop_together(streamed, after, decode)

@@ -15,6 +15,8 @@ from tests.decode.test_disaggregated import (
     PROMPTS,
     assert_no_leaks,
     colocated_tokens,
+    start_at_free_kv_addresses,
+    stop_together,
 )
 
 KV_TIMEOUT = ("--kv-timeout", "4", "--kv-queue-timeout", "4")  # no router: no FirstToken either
@@ -30,9 +32,10 @@ def run_pair(model_factory, tmp_path, fault=None, decode_args=KV_TIMEOUT, prefil
     model_dir = model_factory("llama")
     launch = {"module": "tests.decode.faulty_prefill"} if fault else {}
     fault_args = ("--fault", fault) if fault else ()
-    prefill = EngineProcess("prefill", prefill_model or model_dir, *ENGINE_ARGS, "--kv-streaming", "on",
-                            *prefill_args, *fault_args, log_dir=tmp_path, **launch)
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *prefill.kv_peer_args(), *decode_args, log_dir=tmp_path)
+    prefill, decode = start_at_free_kv_addresses(
+        1, lambda kv: EngineProcess("prefill", prefill_model or model_dir, *ENGINE_ARGS, "--kv-address", kv[0],
+                                    "--kv-streaming", "on", *prefill_args, *fault_args, log_dir=tmp_path, **launch),
+        lambda kv: EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-peer", kv[0], *decode_args, log_dir=tmp_path))
     return prefill, decode, Driver(decode, prefill)
 
 
@@ -47,8 +50,7 @@ def wait_for_log(process: EngineProcess, text: str, timeout_s: float = 20.0) -> 
 
 def shutdown(driver, *processes):
     driver.close()
-    for process in processes:
-        process.stop()
+    stop_together(*processes)
 
 
 @pytest.mark.parametrize("fault, reason", [("drop:0", "incomplete"), ("corrupt:1", "checksum")])

@@ -18,7 +18,15 @@ from transformers import AutoModelForCausalLM
 
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.peak_blocks_engine import peak_in_log
-from tests.decode.test_disaggregated import BLOCK, ENGINE_ARGS, assert_no_leaks, running_pair, start_pair
+from tests.decode.test_disaggregated import (
+    BLOCK,
+    ENGINE_ARGS,
+    assert_no_leaks,
+    running_pair,
+    start_at_free_kv_addresses,
+    start_pair,
+    stop_together,
+)
 from tests.decode.test_faults import wait_for_log
 from tests.engine.parity import assert_greedy_match, hf_greedy
 from tests.engine.test_transformers_backend import make_hf_model_dir
@@ -62,6 +70,20 @@ def window_model_dir(model_factory, tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def hf_reference(window_model_dir):
+    """hf_reference(case): transformers' model of window_model_dir(case), loaded once a module (generate() leaves it
+    as it was)."""
+    loaded: dict[str, torch.nn.Module] = {}
+
+    def load(case: str) -> torch.nn.Module:
+        if case not in loaded:
+            loaded[case] = AutoModelForCausalLM.from_pretrained(window_model_dir(case), dtype=torch.float32).eval()
+        return loaded[case]
+
+    return load
+
+
 def expected_bytes(prompt_len: int, windows: list[int | None]) -> int:
     """A sliding layer sends the tokens from the first block that the first decoded token's window (at position
     prompt_len) reaches; a full layer sends every token."""
@@ -76,10 +98,11 @@ def full_kv_bytes(prompt_len: int, windows: list[int | None]) -> int:
 
 @pytest.mark.parametrize("case, streaming", [("mistral", "on"), ("mistral", "off"), ("gemma2", "on"),
                                              ("gemma3", "on"), ("gpt-oss", "off")])
-def test_only_the_window_travels_and_output_equals_transformers(window_model_dir, case, streaming, tmp_path):
+def test_only_the_window_travels_and_output_equals_transformers(window_model_dir, hf_reference, case, streaming,
+                                                               tmp_path):
     model_dir = window_model_dir(case)
     windows = LAYER_WINDOWS[case]
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = hf_reference(case)
     with running_pair(model_dir, tmp_path, prefill_args=("--kv-streaming", streaming)) as driver:
         sent_before = 0
         for i, prompt in enumerate(PROMPTS):  # one at a time: each request's bytes on their own
@@ -96,13 +119,13 @@ def test_only_the_window_travels_and_output_equals_transformers(window_model_dir
         assert_no_leaks(driver)
 
 
-def test_decode_prefix_hits_use_only_blocks_that_hold_every_layers_kv(window_model_dir, tmp_path):
+def test_decode_prefix_hits_use_only_blocks_that_hold_every_layers_kv(window_model_dir, hf_reference, tmp_path):
     """D publishes a received prompt's blocks from its window's first block on: the blocks before hold no sliding
     KV. A prompt that shares only those blocks gets no hit; one that shares the window's blocks gets them, and P
     sends only the rest."""
     model_dir = window_model_dir("mistral")
     windows = LAYER_WINDOWS["mistral"]
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = hf_reference("mistral")
     first = list(range(300, 336))  # 36 tokens: the window of position 36 starts at token 28 (block 7)
     shares_unpublished = first[:32] + [9] * 8  # would need blocks 6 and 7 for a hit of 32: 6 is unpublished
     shares_window = first + [5, 6, 7, 8, 9]  # hit of 36 tokens: the window of position 36 needs blocks 7, 8
@@ -130,8 +153,9 @@ def test_a_pair_whose_layer_windows_differ_is_refused_naming_the_layers(window_m
     shutil.copytree(model_dir, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "sliding_window": 2 * WINDOW}))
-    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, log_dir=tmp_path)
-    decode = EngineProcess("decode", str(other), *ENGINE_ARGS, *prefill.kv_peer_args(), log_dir=tmp_path)
+    prefill, decode = start_at_free_kv_addresses(
+        1, lambda kv: EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-address", kv[0], log_dir=tmp_path),
+        lambda kv: EngineProcess("decode", str(other), *ENGINE_ARGS, "--kv-peer", kv[0], log_dir=tmp_path))
     driver = Driver(decode, prefill)
     try:
         result = driver.generate([PROMPTS[0]], prefix="mismatch-", **GREEDY)[0]
@@ -141,8 +165,7 @@ def test_a_pair_whose_layer_windows_differ_is_refused_naming_the_layers(window_m
         assert_no_leaks(driver)
     finally:
         driver.close()
-        prefill.stop()
-        decode.stop()
+        stop_together(prefill, decode)
     sentence = "layer_windows differ at layers 0, 1: local 0=8 1=8, remote 0=16 1=16"
     log = decode.log_path.read_text()
     assert sentence in log, f"the decode engine's log does not say {sentence!r}"
@@ -156,16 +179,18 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @pytest.mark.parametrize("case", ["gemma2", "gemma3", "gpt-oss"])
-def test_decode_frees_sliding_blocks_of_a_long_generation(window_model_dir, case, tmp_path):
+def test_decode_frees_sliding_blocks_of_a_long_generation(window_model_dir, hf_reference, case, tmp_path):
     """D (logging its peak, tests/decode/peak_blocks_engine.py) receives a prompt of four windows and decodes 60
     tokens: a sliding group holds at most the blocks its window reaches, so D's peak is below what one block
     table for every layer holds (every block of every layer), with transformers' tokens and no block left."""
     model_dir, windows = window_model_dir(case), LAYER_WINDOWS[case]
     prompt = PROMPTS[1]
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", log_dir=tmp_path)
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *prefill.kv_peer_args(), log_dir=tmp_path,
-                           module="tests.decode.peak_blocks_engine")
+    reference = hf_reference(case)
+    prefill, decode = start_at_free_kv_addresses(
+        1, lambda kv: EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-address", kv[0], "--kv-streaming", "on",
+                                    log_dir=tmp_path),
+        lambda kv: EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-peer", kv[0], log_dir=tmp_path,
+                                 module="tests.decode.peak_blocks_engine"))
     driver = Driver(decode, prefill)
     try:
         result = driver.generate([prompt], prefix=f"{case}-long-", **LONG)[0]
@@ -175,8 +200,7 @@ def test_decode_frees_sliding_blocks_of_a_long_generation(window_model_dir, case
         assert_no_leaks(driver)
     finally:
         driver.close()
-        prefill.stop()
-        decode.stop()
+        stop_together(prefill, decode)
     num_blocks = _cdiv(len(prompt) + LONG["max_tokens"] - 1, BLOCK)  # the last token's KV is never computed
     one_table = len(windows) * num_blocks  # layer-blocks: one layer's K and V of BLOCK tokens
     window_blocks = _cdiv(WINDOW - 1, BLOCK) + 1  # the most blocks the window (p - W, p] touches
@@ -187,19 +211,21 @@ def test_decode_frees_sliding_blocks_of_a_long_generation(window_model_dir, case
 
 def _kv_link_pair(model_dir: str, tmp_path, fault: str) -> tuple[EngineProcess, EngineProcess]:
     """P misbehaving on its KV link as `fault` says (tests/decode/faulty_prefill.py), and its D."""
-    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", "--fault", fault,
-                            log_dir=tmp_path, module="tests.decode.faulty_prefill")
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *prefill.kv_peer_args(), "--kv-timeout", "4",
-                           "--kv-queue-timeout", "4", log_dir=tmp_path)
+    prefill, decode = start_at_free_kv_addresses(
+        1, lambda kv: EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-address", kv[0], "--kv-streaming", "on",
+                                    "--fault", fault, log_dir=tmp_path, module="tests.decode.faulty_prefill"),
+        lambda kv: EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-peer", kv[0], "--kv-timeout", "4",
+                                 "--kv-queue-timeout", "4", log_dir=tmp_path))
     return prefill, decode
 
 
-def test_an_abort_mid_transfer_and_corrupt_kv_free_every_group_of_a_hybrid_model(window_model_dir, tmp_path):
+def test_an_abort_mid_transfer_and_corrupt_kv_free_every_group_of_a_hybrid_model(window_model_dir, hf_reference,
+                                                                                  tmp_path):
     """Gemma 3 (six layer groups): a request aborted while P's first KV send is delayed ends with no block held on
     either engine; then corrupt KVLayers fail a transfer, and D frees every group's blocks and computes the
     prompt itself (transformers' tokens)."""
     model_dir = window_model_dir("gemma3")
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = hf_reference("gemma3")
     # the aborted request (one chunk) sends at most a message per layer: whichever come next, some are corrupt
     fault = ",".join(["delay:0", *(f"corrupt:{index}" for index in range(1, 16))])
     prefill, decode = _kv_link_pair(model_dir, tmp_path, fault)
@@ -220,15 +246,15 @@ def test_an_abort_mid_transfer_and_corrupt_kv_free_every_group_of_a_hybrid_model
         assert_no_leaks(driver)
     finally:
         driver.close()
-        prefill.stop()
-        decode.stop()
+        stop_together(prefill, decode)
 
 
-def test_preempted_hybrid_requests_on_decode_keep_parity_and_free_every_group(window_model_dir, tmp_path):
+def test_preempted_hybrid_requests_on_decode_keep_parity_and_free_every_group(window_model_dir, hf_reference,
+                                                                              tmp_path):
     """Gemma 3 with a decode pool that three long generations overflow: D preempts (freeing every group's blocks)
     and recomputes locally; every request still gives transformers' tokens and nothing leaks."""
     model_dir = window_model_dir("gemma3")
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = hf_reference("gemma3")
     prefill, decode = start_pair(model_dir, tmp_path, decode_args=("--num-kv-blocks", "90"))
     driver = Driver(decode, prefill)
     try:
@@ -242,16 +268,16 @@ def test_preempted_hybrid_requests_on_decode_keep_parity_and_free_every_group(wi
         assert_no_leaks(driver)
     finally:
         driver.close()
-        prefill.stop()
-        decode.stop()
+        stop_together(prefill, decode)
 
 
-def test_a_hybrid_decode_engine_reuses_its_own_decoded_blocks_as_prefix_hits(window_model_dir, tmp_path):
+def test_a_hybrid_decode_engine_reuses_its_own_decoded_blocks_as_prefix_hits(window_model_dir, hf_reference,
+                                                                              tmp_path):
     """Gemma 3, a second turn: the prompt is the first prompt, its answer and a few new tokens. D's hit covers every
     block it computed or received whose window blocks every group still has cached (decoded blocks that left a
     sliding window stay cached), P sends only the tokens after it, and both turns give transformers' tokens."""
     model_dir, windows = window_model_dir("gemma3"), LAYER_WINDOWS["gemma3"]
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = hf_reference("gemma3")
     first_turn = {"temperature": 0.0, "max_tokens": 20, "ignore_eos": True}
     with running_pair(model_dir, tmp_path) as driver:
         first = PROMPTS[1]

@@ -4,6 +4,7 @@ plus a direct P <-> D link that carries only KV. Every process and namespace goe
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from pdserve.local_cluster import ChildProcess, Driver, EngineProcess
+from tests.decode.test_disaggregated import start_together
 from tests.multihost.netns import Host, Network, netns_refusal
 
 KV_DEVICE = "kv0"  # the direct P <-> D link's device on both hosts
@@ -106,25 +108,29 @@ def cluster(model_dir, tmp_path_factory):
     try:
         hosts = {name: network.add_host(name) for name in ("r1", "r2", "p", "d")}
         kv_addresses = network.add_direct_link(hosts["p"], hosts["d"], KV_DEVICE)
-        routers = [RouterProcess(hosts[name], model_dir, curve_dir, log_dir) for name in ("r1", "r2")]
+        # each process imports torch and loads the model: the routers at once, then P with the unregistered decode
+        # engine at once; D after P, so that P is listed when D registers (the KV address D is asserted to learn)
+        routers = start_together(*(functools.partial(RouterProcess, hosts[name], model_dir, curve_dir, log_dir)
+                                   for name in ("r1", "r2")))
         started += routers
         registration = [arg for router in routers for arg in ("--router-address", router.registration)]
         keys = ("--curve-dir", curve_dir)
-        prefill = engine_on(hosts["p"], "prefill", model_dir, log_dir, *registration, *keys,
-                            "--control-address", f"tcp://0.0.0.0:{CONTROL_PORT}",
-                            "--kv-address", f"tcp://{kv_addresses[0]}:{KV_PORT}", "--kv-lease", str(KV_LEASE_S),
-                            "--kv-want-timeout", str(KV_LEASE_S))
-        started.append(prefill)
+        prefill_and_decode_fail = start_together(
+            lambda: engine_on(hosts["p"], "prefill", model_dir, log_dir, *registration, *keys,
+                              "--control-address", f"tcp://0.0.0.0:{CONTROL_PORT}",
+                              "--kv-address", f"tcp://{kv_addresses[0]}:{KV_PORT}", "--kv-lease", str(KV_LEASE_S),
+                              "--kv-want-timeout", str(KV_LEASE_S)),
+            lambda: engine_on(hosts["d"], "decode", model_dir, log_dir, *keys, "--engine-id", "decode-fail",
+                              "--control-address", f"tcp://0.0.0.0:{CONTROL_PORT + 1}",
+                              "--kv-timeout", str(KV_TIMEOUT_S), "--kv-queue-timeout", str(KV_TIMEOUT_S),
+                              "--kv-failure", "fail",
+                              "--kv-peer", f"tcp://{kv_addresses[0]}:{KV_PORT}"))
+        started += prefill_and_decode_fail
+        prefill, decode_fail = prefill_and_decode_fail
         decode = engine_on(hosts["d"], "decode", model_dir, log_dir, *registration, *keys,
                            "--control-address", f"tcp://0.0.0.0:{CONTROL_PORT}", "--kv-timeout", str(KV_TIMEOUT_S),
                            "--kv-queue-timeout", str(KV_TIMEOUT_S))  # the driver sends no FirstToken
         started.append(decode)
-        decode_fail = engine_on(hosts["d"], "decode", model_dir, log_dir, *keys, "--engine-id", "decode-fail",
-                                "--control-address", f"tcp://0.0.0.0:{CONTROL_PORT + 1}",
-                                "--kv-timeout", str(KV_TIMEOUT_S), "--kv-queue-timeout", str(KV_TIMEOUT_S),
-                                "--kv-failure", "fail",
-                                "--kv-peer", f"tcp://{kv_addresses[0]}:{KV_PORT}")
-        started.append(decode_fail)
         for router in routers:
             wait_routable(router.url)
         yield Cluster(network, hosts, routers, prefill, decode, decode_fail, kv_addresses, curve_dir)

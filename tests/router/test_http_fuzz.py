@@ -24,6 +24,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 
 from pdserve.local_cluster import Driver, EngineProcess
+from tests.decode.test_disaggregated import start_together, stop_together
 from tests.router.conftest import REPO, assert_openai_error, stop_process
 
 pytestmark = pytest.mark.fuzz
@@ -64,8 +65,8 @@ def health(url: str) -> httpx.Response:
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("fuzz-cluster")
-    prefill = EngineProcess("prefill", tiny_model, *ENGINE_ARGS, log_dir=log_dir)
-    decode = EngineProcess("decode", tiny_model, *ENGINE_ARGS, log_dir=log_dir)
+    prefill, decode = start_together(lambda: EngineProcess("prefill", tiny_model, *ENGINE_ARGS, log_dir=log_dir),
+                                     lambda: EngineProcess("decode", tiny_model, *ENGINE_ARGS, log_dir=log_dir))
     router = RouterProcess(tiny_model, prefill, decode, log_dir / "router.log")
     try:
         deadline = time.monotonic() + 30
@@ -75,8 +76,7 @@ def cluster(tiny_model, tmp_path_factory):
         yield router, prefill, decode
     finally:
         router.stop()
-        decode.stop()
-        prefill.stop()
+        stop_together(decode, prefill)
 
 
 def server_errors_in_stream(body: str) -> list[dict]:
