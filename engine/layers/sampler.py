@@ -39,7 +39,7 @@ class Sampler:
         if not requests:
             return SamplerOutput(token_ids=[], logprobs=[])
         if all(_is_plain_greedy(request) for request in requests):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+            return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(requests))
         processed = _processed_logits(logits, requests)  # [num_seqs, vocab_size] float32
         token_ids = _choose_tokens(processed, requests)  # [num_seqs] int64
         logprobs = compute_logprobs(logits, token_ids, requests)
@@ -214,14 +214,37 @@ def _raise_out_of_vocab(requests: list[Request], vocab_size: int) -> None:
 # --------------------------------------------------------------------------- choosing tokens
 
 
+ARGMAX_CHUNK = 1024  # positions of a row whose maximum one vectorised amax takes, in greedy_tokens
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:  # [num_seqs, V] -> [num_seqs] int64
+    """logits.argmax(dim=-1), the same indices (the first maximum; NaN counts as the largest), through vectorised
+    chunk maxima on the CPU, where torch's argmax walks a row one element at a time (5x slower at a 49k vocabulary)."""
+    rows, vocab = logits.shape
+    whole = vocab // ARGMAX_CHUNK * ARGMAX_CHUNK
+    if logits.device.type != "cpu" or whole < 8 * ARGMAX_CHUNK or logits.stride(-1) != 1:
+        return logits.argmax(dim=-1)
+    chunks = logits[:, :whole].unflatten(1, (-1, ARGMAX_CHUNK))  # [S, n, C]
+    chunk_max = chunks.amax(dim=-1)  # [S, n]
+    best = chunk_max.argmax(dim=-1)  # [S]: the first chunk that holds the row's maximum
+    every_row = torch.arange(rows, device=logits.device)
+    token_ids = best * ARGMAX_CHUNK + chunks[every_row, best].argmax(dim=-1)
+    if whole < vocab:  # the tail past the last whole chunk wins only with a larger value (or the first NaN)
+        tail_max, tail_index = logits[:, whole:].max(dim=-1)
+        head_max = chunk_max[every_row, best]
+        later = (tail_max > head_max) | (tail_max.isnan() & ~head_max.isnan())
+        token_ids = torch.where(later, whole + tail_index, token_ids)
+    return token_ids
+
+
 def _choose_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Processed logits [num_seqs, V] -> token ids [num_seqs]: greedy rows argmax, others draw."""
     sampled_rows = [i for i, r in enumerate(requests) if not _is_greedy(r.sampling_params)]
     if not sampled_rows:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     if len(sampled_rows) == len(requests):
         return _sample_rows(logits, requests)
-    token_ids = logits.argmax(dim=-1)  # [num_seqs]; sampled rows are overwritten below
+    token_ids = greedy_tokens(logits)  # [num_seqs]; sampled rows are overwritten below
     row_index = torch.tensor(sampled_rows, device=logits.device)
     token_ids[row_index] = _sample_rows(logits[row_index], [requests[i] for i in sampled_rows])
     return token_ids

@@ -53,6 +53,25 @@ def test_greedy_returns_the_argmax(dtype):
     assert out.logprobs == [None] * 6
 
 
+@pytest.mark.parametrize("vocab", [8 * 1024, 49152, 50000, 151936])  # whole chunks, and a tail past the last one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_of_a_large_vocabulary_equal_torch_argmax(vocab, dtype):
+    """The chunked argmax: the first maximum wins, within a chunk, across chunks and in the tail; NaN counts as the
+    largest (the first NaN)."""
+    from pdserve.engine.layers.sampler import greedy_tokens
+
+    torch.manual_seed(vocab)
+    logits = torch.randn(7, vocab).to(dtype)
+    logits[0, [5, 900]] = 50.0  # a tie inside the first chunk
+    logits[1, [100, vocab - 1]] = 50.0  # a tie between a chunk and the tail (or the last chunk)
+    logits[2, vocab - 1] = 60.0  # the maximum in the last position
+    logits[3, [2000, 7000]] = float("nan")
+    logits[4, vocab - 2] = float("nan")  # a NaN only in the tail
+    logits[5] = -1.0  # every position equal: the first
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert torch.equal(greedy_tokens(logits[:, :4000]), logits[:, :4000].argmax(dim=-1))  # small: argmax itself
+
+
 def test_greedy_breaks_ties_to_the_lowest_id_on_both_paths():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [1.0, 3.0, 3.0, 0.0]])
     plain = make_request(temperature=0.0)
