@@ -37,7 +37,7 @@ _state: dict[Path, dict[str, object]] = {}
 
 _POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _DECODE = {"pdserve_paged_decode": (_INT, [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT,
-                                           _INT, _INT, _INT, _INT, _FLOAT, _FLOAT, _POINTER, _POINTER, _INT])}
+                                           _INT, _INT, _INT, _INT, _FLOAT, _FLOAT, _POINTER, _POINTER, _INT, _INT])}
 
 
 def library(source: Path = SOURCE) -> ctypes.CDLL | None:
@@ -158,18 +158,25 @@ def paged_decode(
 ) -> torch.Tensor:  # [S, num_heads, head_dim], query's dtype
     kernel = decode_kernel()
     num_seqs, num_heads, head_dim = query.shape
-    q = query.float().contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
+    bf16_io = query.dtype == torch.bfloat16  # read and written as it is: no float32 copies
+    q = query.contiguous() if bf16_io else query.float().contiguous()
+    tables = int32_contiguous(block_tables)
+    lens = int32_contiguous(seq_lens)
     sink_logits = None if sinks is None else sinks.float().contiguous()
-    out = torch.empty((num_seqs, num_heads, head_dim), dtype=torch.float32)
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype)
     status = kernel(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_cache.dtype == torch.bfloat16,
                     tables.data_ptr(), tables.shape[1], lens.data_ptr(), num_seqs, num_heads, key_cache.shape[2],
                     head_dim, key_cache.shape[1], sliding_window or 0, scale, soft_cap or 0.0,
-                    None if sink_logits is None else sink_logits.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                    None if sink_logits is None else sink_logits.data_ptr(), out.data_ptr(), bf16_io,
+                    torch.get_num_threads())
     if status != 0:
         raise MemoryError("the CPU decode attention kernel could not allocate its logits buffer")
-    return out.to(query.dtype)
+    return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+def int32_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor as contiguous int32: itself when it already is (the backend's step tensors), without a call."""
+    return tensor if tensor.dtype == torch.int32 and tensor.is_contiguous() else tensor.to(torch.int32).contiguous()
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:

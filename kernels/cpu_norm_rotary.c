@@ -14,20 +14,9 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include "cpu_exp.h"
+#include "cpu_math.h"
 
 #define MIN_PARALLEL_ELEMENTS (1 << 16)
-
-static inline float bf16_value(uint16_t bits) {
-    union { uint32_t u; float f; } value = { (uint32_t)bits << 16 };
-    return value.f;
-}
-
-static inline uint16_t bf16_round(float value) {  /* round to nearest even; NaN stays NaN */
-    union { float f; uint32_t u; } bits = { value };
-    if ((bits.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits.u >> 16) | 0x40u);
-    return (uint16_t)((bits.u + 0x7fffu + ((bits.u >> 16) & 1u)) >> 16);
-}
 
 /* summed = bf16(hidden + residual); normed = bf16(weight * bf16(x * 1 / sqrt(mean(x^2) + eps))), x = summed */
 static void norm_row(const uint16_t *hidden, const uint16_t *residual, const uint16_t *weight, uint16_t *normed,

@@ -4,12 +4,12 @@
  * cache are VDPBF16PS products of the rows in place (exact products, float32 sums).
  *
  * Shapes (row-major, contiguous):
- *   query        [S, Hq, D]   float32, not yet scaled
+ *   query        [S, Hq, D]   float32, or bfloat16 with bf16_io; not yet scaled
  *   key/value    [N, B, Hkv, D] float32 or bfloat16 (is_bf16)
  *   block_tables [S, max_blocks] int32
  *   seq_lens     [S] int32, context including the new token
  *   sinks        [Hq] float32 or NULL: one extra logit per head in the softmax denominator, with no value
- *   out          [S, Hq, D]   float32
+ *   out          [S, Hq, D]   float32, or bfloat16 with bf16_io (rounded to nearest even)
  * The query at position L - 1 sees positions [0, L), or [L - window, L) with a window (window > 0).
  * soft_cap > 0 caps each scaled logit: cap * tanh(logit / cap). A sequence with L == 0 gets zeros.
  * Work is split over (sequence, KV head) pairs; the query heads that share a KV head are its rows.
@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "cpu_exp.h"
+#include "cpu_math.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -28,10 +28,6 @@ static inline uint32_t float_bits(float x) {
     return value.u;
 }
 
-static inline float bf16_to_float(uint16_t bits) {
-    union { uint32_t u; float f; } value = { (uint32_t)bits << 16 };
-    return value.f;
-}
 
 static inline float soft_capped(float logit, float cap) {  /* cap * tanh(logit / cap) */
     float t = 2.0f * logit / cap;
@@ -63,7 +59,7 @@ static inline void load_tile(const void *restrict cache, int is_bf16, const int6
         float *restrict destination = tile + t * head_dim;
         if (is_bf16) {
             const uint16_t *restrict source = (const uint16_t *)cache + row;
-            for (int d = 0; d < head_dim; d++) destination[d] = bf16_to_float(source[d]);
+            for (int d = 0; d < head_dim; d++) destination[d] = bf16_value(source[d]);
         } else {
             memcpy(destination, (const float *)cache + row, sizeof(float) * head_dim);
         }
@@ -299,10 +295,10 @@ static inline __attribute__((always_inline)) void attend_one(
     }
 }
 
-int pdserve_paged_decode(const float *query, const void *key_cache, const void *value_cache, int is_bf16,
+int pdserve_paged_decode(const void *query, const void *key_cache, const void *value_cache, int is_bf16,
                          const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, int num_seqs,
                          int num_heads, int num_kv_heads, int head_dim, int block_size, int window, float scale,
-                         float soft_cap, const float *sinks, float *out, int num_threads) {
+                         float soft_cap, const float *sinks, void *out, int bf16_io, int num_threads) {
     int group = num_heads / num_kv_heads;
     int longest = 0;
     int64_t positions = 0;  /* the call's work: positions read, summed over its sequences */
@@ -317,7 +313,9 @@ int pdserve_paged_decode(const float *query, const void *key_cache, const void *
 #pragma omp parallel if (threads > 1) num_threads(threads)
     {
         size_t positions_held = longest > 0 ? (size_t)longest : 1;
-        float *logits = malloc(sizeof(float) * (group * positions_held + (size_t)TILE * head_dim));
+        /* logits [group, longest], a tile [TILE, D], and (bf16_io) the item's query and output in float32 */
+        float *logits = malloc(sizeof(float) * (group * positions_held + (size_t)TILE * head_dim
+                                                + (size_t)2 * group * head_dim));
         int64_t *rows = malloc(sizeof(int64_t) * positions_held);
         if (!logits || !rows) {
 #pragma omp atomic write
@@ -330,19 +328,22 @@ int pdserve_paged_decode(const float *query, const void *key_cache, const void *
             int64_t first_row = ((int64_t)s * num_heads + (int64_t)h * group) * head_dim;
             const int32_t *table = block_tables + (int64_t)s * max_blocks;
             const float *sink = sinks ? sinks + h * group : NULL;
-            float *tile = logits + group * positions_held;
-            if (head_dim == 64)  /* a constant head_dim lets the compiler unroll the row loops */
-                attend_one(query + first_row, key_cache, value_cache, is_bf16, table, seq_lens[s], h, group,
-                           num_kv_heads, 64, block_size, window, scale, soft_cap, sink, out + first_row, logits,
-                           tile, rows);
-            else if (head_dim == 128)
-                attend_one(query + first_row, key_cache, value_cache, is_bf16, table, seq_lens[s], h, group,
-                           num_kv_heads, 128, block_size, window, scale, soft_cap, sink, out + first_row, logits,
-                           tile, rows);
+            float *tile = logits + group * positions_held, *q = tile + TILE * head_dim, *o = q + group * head_dim;
+            if (bf16_io)
+                for (int i = 0; i < group * head_dim; i++) q[i] = bf16_value(((const uint16_t *)query)[first_row + i]);
             else
-                attend_one(query + first_row, key_cache, value_cache, is_bf16, table, seq_lens[s], h, group,
-                           num_kv_heads, head_dim, block_size, window, scale, soft_cap, sink, out + first_row,
-                           logits, tile, rows);
+                q = (float *)query + first_row, o = (float *)out + first_row;
+            if (head_dim == 64)  /* a constant head_dim lets the compiler unroll the row loops */
+                attend_one(q, key_cache, value_cache, is_bf16, table, seq_lens[s], h, group, num_kv_heads, 64,
+                           block_size, window, scale, soft_cap, sink, o, logits, tile, rows);
+            else if (head_dim == 128)
+                attend_one(q, key_cache, value_cache, is_bf16, table, seq_lens[s], h, group, num_kv_heads, 128,
+                           block_size, window, scale, soft_cap, sink, o, logits, tile, rows);
+            else
+                attend_one(q, key_cache, value_cache, is_bf16, table, seq_lens[s], h, group, num_kv_heads, head_dim,
+                           block_size, window, scale, soft_cap, sink, o, logits, tile, rows);
+            if (bf16_io)
+                for (int i = 0; i < group * head_dim; i++) ((uint16_t *)out)[first_row + i] = bf16_round(o[i]);
         }
         free(logits);
         free(rows);

@@ -59,9 +59,7 @@ def paged_prefill(
 ) -> torch.Tensor:  # [T, num_heads, head_dim] bfloat16
     num_tokens, num_heads, head_dim = query.shape
     q = query.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    starts = query_start_loc.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
+    tables, starts, lens = (cpu_native.int32_contiguous(t) for t in (block_tables, query_start_loc, seq_lens))
     out = torch.empty_like(q)
     status = prefill_kernel()(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
                               tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0], num_heads,

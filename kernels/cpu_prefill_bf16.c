@@ -23,7 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "cpu_exp.h"
+#include "cpu_math.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif

@@ -131,3 +131,16 @@ def test_a_query_bf16_cannot_hold_is_not_rounded_to_it():
     expected = torch_paged.decode_attention_planned(query, key_cache, value_cache, plan, 0.2)
     got = cpu_native.paged_decode(query, key_cache, value_cache, tables, seq_lens, 0.2)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["gqa-3", "gqa-8-d128", "head-dim-24", "empty-and-padding"])
+def test_a_bf16_query_is_read_and_its_output_written_in_bf16(case):
+    """bf16 in and out (no float32 copies around the call): the float32 call's result rounded to bf16, exactly."""
+    lens, num_heads, num_kv_heads, head_dim, block_size = CASES[case]
+    query, key_cache, value_cache, tables, seq_lens = paged_case(lens, num_heads, num_kv_heads, head_dim, block_size,
+                                                                 torch.bfloat16)
+    sinks = torch.randn(num_heads)
+    got = cpu_native.paged_decode(query, key_cache, value_cache, tables, seq_lens, 0.17, 16, 5.0, sinks)
+    in_float32 = cpu_native.paged_decode(query.float(), key_cache, value_cache, tables, seq_lens, 0.17, 16, 5.0, sinks)
+    assert got.dtype == torch.bfloat16 and in_float32.dtype == torch.float32
+    assert torch.equal(got, in_float32.to(torch.bfloat16))

@@ -1,7 +1,19 @@
-/* exp for the native CPU kernels, in plain C that the compiler vectorizes (no libm call in the loops). */
-#ifndef PDSERVE_CPU_EXP_H
-#define PDSERVE_CPU_EXP_H
+/* What the native CPU kernels share: bfloat16 conversions, and exp in plain C that the compiler vectorizes (no libm
+ * call in the loops) and on 16 AVX-512 lanes. */
+#ifndef PDSERVE_CPU_MATH_H
+#define PDSERVE_CPU_MATH_H
 #include <stdint.h>
+
+static inline float bf16_value(uint16_t bits) {  /* exact */
+    union { uint32_t u; float f; } value = { (uint32_t)bits << 16 };
+    return value.f;
+}
+
+static inline uint16_t bf16_round(float value) {  /* round to nearest even; NaN stays NaN */
+    union { float f; uint32_t u; } bits = { value };
+    if ((bits.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits.u >> 16) | 0x40u);
+    return (uint16_t)((bits.u + 0x7fffu + ((bits.u >> 16) & 1u)) >> 16);
+}
 
 /* exp(x) for x <= 0 (logits minus their maximum, or -|x|), vectorizable: 2^n * 2^f with a degree-6 polynomial
  * for 2^f, f in [-0.5, 0.5]; relative error about 2e-7. Below -87 it returns 0. */
