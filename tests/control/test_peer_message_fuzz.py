@@ -29,7 +29,7 @@ from pdserve.control.sockets import ClientSocket
 from pdserve.kvtransfer.messages import Hello, KVAck, KVDone, KVLayer, KVWant
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.control.test_protocol import FINGERPRINT
-from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS
+from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, start_at_free_kv_addresses, stop_together
 
 pytestmark = pytest.mark.fuzz
 
@@ -40,13 +40,14 @@ SHORT_TIMEOUTS = {"prefill": ("--kv-want-timeout", "1", "--kv-lease", "1"), "dec
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("peer-fuzz")
-    prefill = EngineProcess("prefill", tiny_model_dir, *ENGINE_ARGS, *SHORT_TIMEOUTS["prefill"], log_dir=log_dir)
     trusted = [arg for address in DEAD_KV_ADDRESSES for arg in ("--kv-peer", address)]  # listed, but down
-    decode = EngineProcess("decode", tiny_model_dir, *ENGINE_ARGS, *SHORT_TIMEOUTS["decode"], *prefill.kv_peer_args(),
-                           *trusted, log_dir=log_dir)
+    prefill, decode = start_at_free_kv_addresses(
+        1, lambda kv: EngineProcess("prefill", tiny_model_dir, *ENGINE_ARGS, *SHORT_TIMEOUTS["prefill"],
+                                    "--kv-address", kv[0], log_dir=log_dir),
+        lambda kv: EngineProcess("decode", tiny_model_dir, *ENGINE_ARGS, *SHORT_TIMEOUTS["decode"], "--kv-peer", kv[0],
+                                 *trusted, log_dir=log_dir))
     yield prefill, decode
-    decode.stop()
-    prefill.stop()
+    stop_together(decode, prefill)
 
 
 DEAD_KV_ADDRESSES = [f"tcp://127.0.0.1:{port}" for port in (1, 2, 3)]

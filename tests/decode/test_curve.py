@@ -17,6 +17,8 @@ from tests.decode.test_disaggregated import (
     PROMPTS,
     assert_no_leaks,
     colocated_tokens,
+    start_at_free_kv_addresses,
+    stop_together,
 )
 
 GENERATE = GenerateRequest(request_id="x", prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=2))
@@ -27,8 +29,10 @@ def test_encrypted_cluster_serves_key_holders_only(model_factory, tmp_path):
     model_dir = model_factory("llama")
     keys = write_cluster_keys(tmp_path / "keys")
     curve = ("--curve-dir", str(keys))
-    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, *curve, log_dir=tmp_path)
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *curve, *prefill.kv_peer_args(), log_dir=tmp_path)
+    prefill, decode = start_at_free_kv_addresses(
+        1, lambda kv: EngineProcess("prefill", model_dir, *ENGINE_ARGS, *curve, "--kv-address", kv[0],
+                                    log_dir=tmp_path),
+        lambda kv: EngineProcess("decode", model_dir, *ENGINE_ARGS, *curve, "--kv-peer", kv[0], log_dir=tmp_path))
     driver = Driver(decode, prefill, curve=load_cluster_keys(keys).client)
     try:
         results = driver.generate(PROMPTS[:3], **GREEDY)
@@ -53,5 +57,4 @@ def test_encrypted_cluster_serves_key_holders_only(model_factory, tmp_path):
         assert driver.generate(PROMPTS[:1], prefix="after", **GREEDY)[0].finish_reason == "length"
     finally:
         driver.close()
-        prefill.stop()
-        decode.stop()
+        stop_together(prefill, decode)

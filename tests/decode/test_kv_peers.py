@@ -10,7 +10,15 @@ from pdserve.control.messages import GenerateRequest, KVPeers, Register
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.sockets import ServerSocket
 from pdserve.local_cluster import Driver, EngineProcess
-from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_disaggregated import (
+    ENGINE_ARGS,
+    GREEDY,
+    PROMPTS,
+    assert_no_leaks,
+    colocated_tokens,
+    start_at_free_kv_addresses,
+    stop_together,
+)
 from tests.decode.test_faults import wait_for_log
 
 
@@ -22,8 +30,10 @@ def send_generate(driver: Driver, request_id: str, prompt: list[int], kv_address
 def test_a_request_naming_an_unknown_kv_sender_is_prefilled_locally(model_factory, tmp_path):
     model_dir = model_factory("llama")
     rogue = ServerSocket("tcp://127.0.0.1:0")  # would serve forged KV if the decode engine came to it
-    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", log_dir=tmp_path)
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *prefill.kv_peer_args(), log_dir=tmp_path)
+    prefill, decode = start_at_free_kv_addresses(
+        1, lambda kv: EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-address", kv[0], "--kv-streaming", "on",
+                                    log_dir=tmp_path),
+        lambda kv: EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-peer", kv[0], log_dir=tmp_path))
     driver = Driver(decode, prefill)
     try:
         expected = colocated_tokens(model_dir, PROMPTS[:3], **GREEDY)
@@ -41,8 +51,7 @@ def test_a_request_naming_an_unknown_kv_sender_is_prefilled_locally(model_factor
     finally:
         driver.close()
         rogue.close()
-        prefill.stop()
-        decode.stop()
+        stop_together(prefill, decode)
 
 
 def wait_for_register(router: ServerSocket, timeout_s: float = 20.0) -> bytes:

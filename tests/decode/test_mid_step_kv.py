@@ -10,7 +10,7 @@ import time
 from pdserve.control.messages import GenerateRequest, PrefillRequest, TokenDelta
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.local_cluster import Driver, EngineProcess
-from tests.decode.test_disaggregated import assert_no_leaks
+from tests.decode.test_disaggregated import assert_no_leaks, start_at_free_kv_addresses, stop_together
 from tests.decode.test_first_token import DEBUG, _times
 
 # A model and prompt whose prefill is one step of a second or more on a CPU core.
@@ -50,8 +50,10 @@ def _generate(driver: Driver, request_id: str, prompt: list[int]) -> None:
 
 def test_a_kvwant_during_a_long_step_is_answered_before_the_step_ends(model_factory, tmp_path):
     model_dir = model_factory("llama", **LONG_STEP_MODEL)
-    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "off", log_dir=tmp_path)
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, *prefill.kv_peer_args(), log_dir=tmp_path)
+    prefill, decode = start_at_free_kv_addresses(
+        1, lambda kv: EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-address", kv[0], "--kv-streaming", "off",
+                                    log_dir=tmp_path),
+        lambda kv: EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-peer", kv[0], log_dir=tmp_path))
     driver = Driver(decode, prefill)
     try:
         # "early" is computed first: its KV waits on the prefill engine for the decode engine's KVWant.
@@ -70,8 +72,7 @@ def test_a_kvwant_during_a_long_step_is_answered_before_the_step_ends(model_fact
         verified = _times(decode.log(), r"KV of (\S+) verified at ([\d.]+)")
     finally:
         driver.close()
-        prefill.stop()
-        decode.stop()
+        stop_together(prefill, decode)
     assert began < asked_after < ended, (
         f"the long step ({ended - began:.2f}s) ended before the KVWant could be sent: make it longer")
     assert verified["early"] < ended, (

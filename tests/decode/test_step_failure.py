@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.faulty_sampler import FAULT_SEED
-from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_disaggregated import (
+    ENGINE_ARGS,
+    GREEDY,
+    PROMPTS,
+    assert_no_leaks,
+    colocated_tokens,
+    start_at_free_kv_addresses,
+    stop_together,
+)
 
 
 def test_a_failing_step_fails_its_request_and_the_engine_keeps_serving(model_factory, tmp_path):
@@ -34,10 +42,11 @@ def test_a_prefill_step_that_fails_mid_stream_frees_both_engines(model_factory, 
     """The prefill engine streams a prompt's KV layer by layer, then its sampler raises: the request
     fails (the router would abort it on decode, as here), and both engines go on without leaks."""
     model_dir = model_factory("llama")
-    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", log_dir=tmp_path,
-                            module="tests.decode.faulty_sampler")
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-timeout", "4", "--kv-queue-timeout", "4", *prefill.kv_peer_args(),
-                           log_dir=tmp_path)
+    prefill, decode = start_at_free_kv_addresses(
+        1, lambda kv: EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-address", kv[0], "--kv-streaming", "on",
+                                    log_dir=tmp_path, module="tests.decode.faulty_sampler"),
+        lambda kv: EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-timeout", "4", "--kv-queue-timeout", "4",
+                                 "--kv-peer", kv[0], log_dir=tmp_path))
     driver = Driver(decode, prefill)
     try:
         bad, = driver.generate([PROMPTS[4]], prefix="bad", temperature=1.0, seed=FAULT_SEED, max_tokens=8)
@@ -50,5 +59,4 @@ def test_a_prefill_step_that_fails_mid_stream_frees_both_engines(model_factory, 
         assert_no_leaks(driver)
     finally:
         driver.close()
-        prefill.stop()
-        decode.stop()
+        stop_together(prefill, decode)

@@ -9,6 +9,7 @@ transfer, an abort mid-transfer and a preemption free every group's blocks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -84,6 +85,31 @@ def hf_reference(window_model_dir):
     return load
 
 
+@pytest.fixture(scope="module")
+def window_pair(window_model_dir, tmp_path_factory):
+    """window_pair(case): a Driver for a prefill engine that streams KV and a decode engine that logs its peak
+    (tests/decode/peak_blocks_engine.py) on window_model_dir(case), started once a module for the tests that run
+    such a pair. Each of them sends prompts no other sends (no prefix hit on another's blocks), reads counters as
+    differences, and ends with no block held (assert_no_leaks)."""
+    drivers: dict[str, Driver] = {}
+
+    def get(case: str) -> Driver:
+        if case not in drivers:
+            model_dir, log_dir = window_model_dir(case), tmp_path_factory.mktemp(f"pair-{case}")
+            prefill, decode = start_at_free_kv_addresses(
+                1, lambda kv: EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-address", kv[0],
+                                            "--kv-streaming", "on", log_dir=log_dir),
+                lambda kv: EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-peer", kv[0], log_dir=log_dir,
+                                         module="tests.decode.peak_blocks_engine"))
+            drivers[case] = Driver(decode, prefill)
+        return drivers[case]
+
+    yield get
+    for driver in drivers.values():
+        driver.close()
+        stop_together(*driver.engines)
+
+
 def expected_bytes(prompt_len: int, windows: list[int | None]) -> int:
     """A sliding layer sends the tokens from the first block that the first decoded token's window (at position
     prompt_len) reaches; a full layer sends every token."""
@@ -98,13 +124,17 @@ def full_kv_bytes(prompt_len: int, windows: list[int | None]) -> int:
 
 @pytest.mark.parametrize("case, streaming", [("mistral", "on"), ("mistral", "off"), ("gemma2", "on"),
                                              ("gemma3", "on"), ("gpt-oss", "off")])
-def test_only_the_window_travels_and_output_equals_transformers(window_model_dir, hf_reference, case, streaming,
-                                                               tmp_path):
+def test_only_the_window_travels_and_output_equals_transformers(window_model_dir, hf_reference, window_pair, case,
+                                                               streaming, tmp_path):
     model_dir = window_model_dir(case)
     windows = LAYER_WINDOWS[case]
     reference = hf_reference(case)
-    with running_pair(model_dir, tmp_path, prefill_args=("--kv-streaming", streaming)) as driver:
-        sent_before = 0
+    # streaming on: the module's pair for this model (window_pair); off: a pair of its own
+    pair = contextlib.nullcontext(window_pair(case)) if streaming == "on" else \
+        running_pair(model_dir, tmp_path, prefill_args=("--kv-streaming", streaming))
+    with pair as driver:
+        decode_before = driver.decode_stats()
+        sent_at_start = sent_before = driver.prefill_stats().kv_bytes_sent
         for i, prompt in enumerate(PROMPTS):  # one at a time: each request's bytes on their own
             result = driver.generate([prompt], prefix=f"{case}-{i}-", **GREEDY)[0]
             theirs, logits = hf_greedy(reference, prompt, GREEDY["max_tokens"])
@@ -114,35 +144,36 @@ def test_only_the_window_travels_and_output_equals_transformers(window_model_dir
             assert sent < full_kv_bytes(len(prompt), windows)
             sent_before += sent
         decode_stats = driver.decode_stats()
-        assert decode_stats.kv_bytes_received == sent_before
-        assert decode_stats.num_kv_transfers == len(PROMPTS) and decode_stats.num_kv_transfers_failed == 0
+        assert decode_stats.kv_bytes_received - decode_before.kv_bytes_received == sent_before - sent_at_start
+        assert decode_stats.num_kv_transfers - decode_before.num_kv_transfers == len(PROMPTS)
+        assert decode_stats.num_kv_transfers_failed == 0
         assert_no_leaks(driver)
 
 
-def test_decode_prefix_hits_use_only_blocks_that_hold_every_layers_kv(window_model_dir, hf_reference, tmp_path):
+def test_decode_prefix_hits_use_only_blocks_that_hold_every_layers_kv(hf_reference, window_pair):
     """D publishes a received prompt's blocks from its window's first block on: the blocks before hold no sliding
     KV. A prompt that shares only those blocks gets no hit; one that shares the window's blocks gets them, and P
     sends only the rest."""
-    model_dir = window_model_dir("mistral")
     windows = LAYER_WINDOWS["mistral"]
     reference = hf_reference("mistral")
     first = list(range(300, 336))  # 36 tokens: the window of position 36 starts at token 28 (block 7)
     shares_unpublished = first[:32] + [9] * 8  # would need blocks 6 and 7 for a hit of 32: 6 is unpublished
     shares_window = first + [5, 6, 7, 8, 9]  # hit of 36 tokens: the window of position 36 needs blocks 7, 8
-    with running_pair(model_dir, tmp_path) as driver:
-        sent_before = 0
-        for name, prompt, hit in (("first", first, 0), ("unpublished", shares_unpublished, 0),
-                                  ("window", shares_window, 36)):
-            result = driver.generate([prompt], prefix=f"{name}-", **GREEDY)[0]
-            theirs, logits = hf_greedy(reference, prompt, GREEDY["max_tokens"])
-            assert_greedy_match(result.token_ids, theirs, logits, f"mistral 1P1D, {name} prompt")
-            sent = driver.prefill_stats().kv_bytes_sent - sent_before
-            expected = expected_bytes(len(prompt), windows) if hit == 0 else \
-                len(windows) * (len(prompt) - hit) * LAYER_TOKEN_BYTES
-            assert sent == expected, f"{name} prompt"
-            sent_before += sent
-        assert driver.decode_stats().prefix_cache_hits == 36
-        assert_no_leaks(driver)
+    driver = window_pair("mistral")
+    hits_before = driver.decode_stats().prefix_cache_hits
+    sent_before = driver.prefill_stats().kv_bytes_sent
+    for name, prompt, hit in (("first", first, 0), ("unpublished", shares_unpublished, 0),
+                              ("window", shares_window, 36)):
+        result = driver.generate([prompt], prefix=f"{name}-", **GREEDY)[0]
+        theirs, logits = hf_greedy(reference, prompt, GREEDY["max_tokens"])
+        assert_greedy_match(result.token_ids, theirs, logits, f"mistral 1P1D, {name} prompt")
+        sent = driver.prefill_stats().kv_bytes_sent - sent_before
+        expected = expected_bytes(len(prompt), windows) if hit == 0 else \
+            len(windows) * (len(prompt) - hit) * LAYER_TOKEN_BYTES
+        assert sent == expected, f"{name} prompt"
+        sent_before += sent
+    assert driver.decode_stats().prefix_cache_hits - hits_before == 36
+    assert_no_leaks(driver)
 
 
 def test_a_pair_whose_layer_windows_differ_is_refused_naming_the_layers(window_model_dir, tmp_path):
@@ -172,6 +203,8 @@ def test_a_pair_whose_layer_windows_differ_is_refused_naming_the_layers(window_m
 
 
 LONG = {"temperature": 0.0, "max_tokens": 60, "ignore_eos": True}  # decoding runs seven windows past the prompt
+# prompts of PROMPTS[1]'s length (4x the window plus a partial block) that no other test sends to window_pair's engines
+LONG_PROMPT, FIRST_TURN = list(range(400, 400 + 4 * WINDOW + 3)), list(range(500, 500 + 4 * WINDOW + 3))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -179,28 +212,22 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @pytest.mark.parametrize("case", ["gemma2", "gemma3", "gpt-oss"])
-def test_decode_frees_sliding_blocks_of_a_long_generation(window_model_dir, hf_reference, case, tmp_path):
+def test_decode_frees_sliding_blocks_of_a_long_generation(hf_reference, window_pair, case):
     """D (logging its peak, tests/decode/peak_blocks_engine.py) receives a prompt of four windows and decodes 60
     tokens: a sliding group holds at most the blocks its window reaches, so D's peak is below what one block
-    table for every layer holds (every block of every layer), with transformers' tokens and no block left."""
-    model_dir, windows = window_model_dir(case), LAYER_WINDOWS[case]
-    prompt = PROMPTS[1]
+    table for every layer holds (every block of every layer), with transformers' tokens and no block left. D's
+    peak is the most it held for any request of window_pair's, each shorter than this one."""
+    windows = LAYER_WINDOWS[case]
+    prompt = LONG_PROMPT
     reference = hf_reference(case)
-    prefill, decode = start_at_free_kv_addresses(
-        1, lambda kv: EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-address", kv[0], "--kv-streaming", "on",
-                                    log_dir=tmp_path),
-        lambda kv: EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-peer", kv[0], log_dir=tmp_path,
-                                 module="tests.decode.peak_blocks_engine"))
-    driver = Driver(decode, prefill)
-    try:
-        result = driver.generate([prompt], prefix=f"{case}-long-", **LONG)[0]
-        theirs, logits = hf_greedy(reference, prompt, LONG["max_tokens"])
-        assert_greedy_match(result.token_ids, theirs, logits, f"{case} 1P1D, a long generation")
-        assert driver.prefill_stats().kv_bytes_sent == expected_bytes(len(prompt), windows)
-        assert_no_leaks(driver)
-    finally:
-        driver.close()
-        stop_together(prefill, decode)
+    driver = window_pair(case)
+    decode = driver.engines[0]
+    sent_before = driver.prefill_stats().kv_bytes_sent
+    result = driver.generate([prompt], prefix=f"{case}-long-", **LONG)[0]
+    theirs, logits = hf_greedy(reference, prompt, LONG["max_tokens"])
+    assert_greedy_match(result.token_ids, theirs, logits, f"{case} 1P1D, a long generation")
+    assert driver.prefill_stats().kv_bytes_sent - sent_before == expected_bytes(len(prompt), windows)
+    assert_no_leaks(driver)
     num_blocks = _cdiv(len(prompt) + LONG["max_tokens"] - 1, BLOCK)  # the last token's KV is never computed
     one_table = len(windows) * num_blocks  # layer-blocks: one layer's K and V of BLOCK tokens
     window_blocks = _cdiv(WINDOW - 1, BLOCK) + 1  # the most blocks the window (p - W, p] touches
@@ -271,27 +298,27 @@ def test_preempted_hybrid_requests_on_decode_keep_parity_and_free_every_group(wi
         stop_together(prefill, decode)
 
 
-def test_a_hybrid_decode_engine_reuses_its_own_decoded_blocks_as_prefix_hits(window_model_dir, hf_reference,
-                                                                              tmp_path):
+def test_a_hybrid_decode_engine_reuses_its_own_decoded_blocks_as_prefix_hits(hf_reference, window_pair):
     """Gemma 3, a second turn: the prompt is the first prompt, its answer and a few new tokens. D's hit covers every
     block it computed or received whose window blocks every group still has cached (decoded blocks that left a
     sliding window stay cached), P sends only the tokens after it, and both turns give transformers' tokens."""
-    model_dir, windows = window_model_dir("gemma3"), LAYER_WINDOWS["gemma3"]
+    windows = LAYER_WINDOWS["gemma3"]
     reference = hf_reference("gemma3")
     first_turn = {"temperature": 0.0, "max_tokens": 20, "ignore_eos": True}
-    with running_pair(model_dir, tmp_path) as driver:
-        first = PROMPTS[1]
-        answer = driver.generate([first], prefix="turn1-", **first_turn)[0].token_ids
-        theirs, logits = hf_greedy(reference, first, first_turn["max_tokens"])
-        assert_greedy_match(answer, theirs, logits, "gemma3 1P1D, first turn")
-        sent_before = driver.prefill_stats().kv_bytes_sent
-        second = first + answer + [5, 6, 7, 8, 9]
-        result = driver.generate([second], prefix="turn2-", **GREEDY)[0]
-        theirs, logits = hf_greedy(reference, second, GREEDY["max_tokens"])
-        assert_greedy_match(result.token_ids, theirs, logits, "gemma3 1P1D, second turn")
-        hit = (len(first) + len(answer) - 1) // BLOCK * BLOCK  # the last answer token's KV was never computed
-        assert driver.decode_stats().prefix_cache_hits == hit
-        firsts = [hit if w is None else max(hit, max(0, len(second) - w + 1) // BLOCK * BLOCK) for w in windows]
-        expected = sum(len(second) - f for f in firsts) * LAYER_TOKEN_BYTES
-        assert driver.prefill_stats().kv_bytes_sent - sent_before == expected
-        assert_no_leaks(driver)
+    driver = window_pair("gemma3")
+    hits_before = driver.decode_stats().prefix_cache_hits
+    first = FIRST_TURN
+    answer = driver.generate([first], prefix="turn1-", **first_turn)[0].token_ids
+    theirs, logits = hf_greedy(reference, first, first_turn["max_tokens"])
+    assert_greedy_match(answer, theirs, logits, "gemma3 1P1D, first turn")
+    sent_before = driver.prefill_stats().kv_bytes_sent
+    second = first + answer + [5, 6, 7, 8, 9]
+    result = driver.generate([second], prefix="turn2-", **GREEDY)[0]
+    theirs, logits = hf_greedy(reference, second, GREEDY["max_tokens"])
+    assert_greedy_match(result.token_ids, theirs, logits, "gemma3 1P1D, second turn")
+    hit = (len(first) + len(answer) - 1) // BLOCK * BLOCK  # the last answer token's KV was never computed
+    assert driver.decode_stats().prefix_cache_hits - hits_before == hit
+    firsts = [hit if w is None else max(hit, max(0, len(second) - w + 1) // BLOCK * BLOCK) for w in windows]
+    expected = sum(len(second) - f for f in firsts) * LAYER_TOKEN_BYTES
+    assert driver.prefill_stats().kv_bytes_sent - sent_before == expected
+    assert_no_leaks(driver)

@@ -10,7 +10,15 @@ from pdserve.control.keys import load_cluster_keys, write_cluster_keys
 from pdserve.control.sockets import ClientSocket
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.test_curve import GENERATE, HELLO
-from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_disaggregated import (
+    ENGINE_ARGS,
+    GREEDY,
+    PROMPTS,
+    assert_no_leaks,
+    colocated_tokens,
+    start_together,
+    stop_together,
+)
 
 
 def test_dual_engines_pull_from_each_other_under_curve(model_factory, tmp_path):
@@ -18,10 +26,11 @@ def test_dual_engines_pull_from_each_other_under_curve(model_factory, tmp_path):
     keys = write_cluster_keys(tmp_path / "keys")
     curve = ("--curve-dir", str(keys))
     kv = {name: f"ipc://{tmp_path}/{name}-kv.sock" for name in ("a", "b")}
-    a = EngineProcess("engine", model_dir, *ENGINE_ARGS, *curve, "--kv-address", kv["a"], "--kv-peer", kv["b"],
-                      log_dir=tmp_path)
-    b = EngineProcess("engine", model_dir, *ENGINE_ARGS, *curve, "--kv-address", kv["b"], "--kv-peer", kv["a"],
-                      log_dir=tmp_path)
+    a, b = start_together(
+        lambda: EngineProcess("engine", model_dir, *ENGINE_ARGS, *curve, "--kv-address", kv["a"], "--kv-peer", kv["b"],
+                              log_dir=tmp_path),
+        lambda: EngineProcess("engine", model_dir, *ENGINE_ARGS, *curve, "--kv-address", kv["b"], "--kv-peer", kv["a"],
+                              log_dir=tmp_path))
     client = load_cluster_keys(keys).client
     a_to_b, b_to_a = Driver(b, a, curve=client), Driver(a, b, curve=client)
     try:
@@ -42,5 +51,4 @@ def test_dual_engines_pull_from_each_other_under_curve(model_factory, tmp_path):
     finally:
         a_to_b.close()
         b_to_a.close()
-        a.stop()
-        b.stop()
+        stop_together(a, b)

@@ -5,6 +5,7 @@ engine holds a KV block afterwards."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -13,7 +14,15 @@ from pdserve.control.messages import GenerateRequest, PrefillRequest
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.sockets import ClientSocket, ServerSocket
 from pdserve.local_cluster import Driver, EngineProcess
-from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_disaggregated import (
+    ENGINE_ARGS,
+    GREEDY,
+    PROMPTS,
+    assert_no_leaks,
+    colocated_tokens,
+    start_together,
+    stop_together,
+)
 
 
 @dataclass
@@ -39,22 +48,20 @@ def cluster(model_dir, tmp_path_factory):
     """A and B trust each other's KV address (and A the fixed prefill engine's): known before any starts."""
     tmp = tmp_path_factory.mktemp("dual")
     kv = {name: f"ipc://{tmp}/{name}-kv.sock" for name in ("a", "b", "p")}
-    started = []
+    def start(role: str, *args: str):
+        return functools.partial(EngineProcess, role, model_dir, *ENGINE_ARGS, *args, log_dir=tmp)
 
-    def start(role: str, *args: str) -> EngineProcess:
-        started.append(EngineProcess(role, model_dir, *ENGINE_ARGS, *args, log_dir=tmp))
-        return started[-1]
-
+    # all four at once (start_together): each one's KV peers are named by address, whenever they come up
+    started = start_together(
+        start("engine", "--engine-id", "dual-a", "--kv-address", kv["a"], "--kv-streaming", "on",
+              "--kv-peer", kv["b"], "--kv-peer", kv["p"], "--kv-peer", kv["a"]),  # a router lists A's own too
+        start("engine", "--engine-id", "dual-b", "--kv-address", kv["b"], "--kv-peer", kv["a"]),
+        start("prefill", "--kv-address", kv["p"], "--kv-streaming", "on"),
+        start("decode", "--kv-peer", kv["a"]))
     try:
-        a = start("engine", "--engine-id", "dual-a", "--kv-address", kv["a"], "--kv-streaming", "on",
-                  "--kv-peer", kv["b"], "--kv-peer", kv["p"], "--kv-peer", kv["a"])  # a router lists A's own too
-        b = start("engine", "--engine-id", "dual-b", "--kv-address", kv["b"], "--kv-peer", kv["a"])
-        prefill = start("prefill", "--kv-address", kv["p"], "--kv-streaming", "on")
-        decode = start("decode", "--kv-peer", kv["a"])
-        yield Cluster(a, b, prefill, decode)
+        yield Cluster(*started)
     finally:
-        for process in started:
-            process.stop()
+        stop_together(*started)
 
 
 def submit_all(driver: Driver, prefix: str, prompts=PROMPTS, remote: bool = True) -> list[str]:

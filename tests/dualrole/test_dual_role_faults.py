@@ -9,7 +9,15 @@ import time
 import pytest
 
 from pdserve.local_cluster import Driver, EngineProcess
-from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_disaggregated import (
+    ENGINE_ARGS,
+    GREEDY,
+    PROMPTS,
+    assert_no_leaks,
+    colocated_tokens,
+    start_at_free_kv_addresses,
+    stop_together,
+)
 from tests.decode.test_faults import KV_TIMEOUT, wait_for_log, wait_prefill_idle
 
 FAULTY = {"module": "tests.decode.faulty_prefill"}  # its KV sender misbehaves (tests/decode/faulty_prefill.py)
@@ -23,9 +31,10 @@ def expected(model_factory):
 def start_pair(model_dir: str, tmp_path, fault: str, *x_args: str) -> tuple[EngineProcess, EngineProcess, Driver]:
     """X, a dual engine whose KV sender acts out `fault`, and Y, a dual engine that pulls from it; three prompts
     sent, X prefilling them for Y."""
-    x = EngineProcess("engine", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", "--fault", fault, *x_args,
-                      log_dir=tmp_path, **FAULTY)
-    y = EngineProcess("engine", model_dir, *ENGINE_ARGS, *KV_TIMEOUT, *x.kv_peer_args(), log_dir=tmp_path)
+    x, y = start_at_free_kv_addresses(
+        1, lambda kv: EngineProcess("engine", model_dir, *ENGINE_ARGS, "--kv-address", kv[0], "--kv-streaming", "on",
+                                    "--fault", fault, *x_args, log_dir=tmp_path, **FAULTY),
+        lambda kv: EngineProcess("engine", model_dir, *ENGINE_ARGS, *KV_TIMEOUT, "--kv-peer", kv[0], log_dir=tmp_path))
     driver = Driver(y, x)
     for i, prompt in enumerate(PROMPTS[:3]):
         driver.submit(f"r{i}", prompt, **GREEDY)
@@ -51,8 +60,7 @@ def test_killing_the_dual_engine_that_prefills_leaves_its_decode_peer_clean(mode
         assert_no_leaks(driver)
     finally:
         driver.close()
-        x.stop()
-        y.stop()
+        stop_together(x, y)
 
 
 def test_killing_the_dual_engine_that_decodes_leaves_its_prefill_peer_clean(model_factory, tmp_path, expected):
@@ -76,8 +84,7 @@ def test_killing_the_dual_engine_that_decodes_leaves_its_prefill_peer_clean(mode
             local.close()
     finally:
         driver.close()
-        x.stop()
-        y.stop()
+        stop_together(x, y)
 
 
 def test_abort_during_a_transfer_between_dual_engines_frees_both(model_factory, tmp_path, expected):
@@ -95,5 +102,4 @@ def test_abort_during_a_transfer_between_dual_engines_frees_both(model_factory, 
         assert_no_leaks(driver)
     finally:
         driver.close()
-        x.stop()
-        y.stop()
+        stop_together(x, y)
