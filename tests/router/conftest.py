@@ -218,19 +218,49 @@ def wait_no_kv_used(url: str, timeout: float = 20.0, api_key: str | None = None)
         time.sleep(0.1)
 
 
-@contextlib.contextmanager
-def layout_stack(layout: str, model_dir: str, log_dir: Path, *args: str):
+def start_layout(layout: str, model_dir: str, log_dir: Path, *args: str) -> UpProcess:
     """`pdserve up` served as "tiny" in one of the two layouts the end-to-end API tests run in: "1p1d"
-    (disaggregated) or "colocated" (no prefill engine); `args`: more `pdserve up` flags. On exit: no KV block
-    held, and a clean stop."""
+    (disaggregated) or "colocated" (no prefill engine); `args`: more `pdserve up` flags."""
     num_prefill = "1" if layout == "1p1d" else "0"
     up = UpProcess(model_dir, log_dir, "--num-prefill", num_prefill, "--num-decode", "1", "--served-model-name", "tiny",
                    *args)
     up.layout = layout
-    yield up
+    return up
+
+
+def assert_no_kv_used(up: UpProcess) -> None:
     used = wait_no_kv_used(up.url)
     assert used and all(value == 0 for value in used.values()), used
+
+
+@contextlib.contextmanager
+def layout_stack(layout: str, model_dir: str, log_dir: Path, *args: str):
+    """start_layout(layout, ..., *args) for the block. On exit: no KV block held, and a clean stop."""
+    up = start_layout(layout, model_dir, log_dir, *args)
+    yield up
+    assert_no_kv_used(up)
     assert up.stop() == 0, up.logs()
+
+
+@pytest.fixture(scope="session")
+def shared_layouts():
+    """The `pdserve up` of each layout (start_layout, no flag of a module's own) that shared_layout_cluster started,
+    by (layout, model dir): started by the first module that asks, served to every later one (each start is a router
+    and its engines: seconds); each stops cleanly at the session's end."""
+    started: dict[tuple[str, str], UpProcess] = {}
+    yield started
+    for up in started.values():
+        assert up.stop() == 0, up.logs()
+
+
+def shared_layout_cluster(layout: str, model_dir: str, tmp_path_factory, shared_layouts: dict):
+    """For a module-scoped fixture (`yield from`): start_layout(layout) as the session's modules share it
+    (shared_layouts), for a module whose tests need nothing of a fresh one; the module ends with no KV block held."""
+    key = (layout, model_dir)
+    if key not in shared_layouts:
+        shared_layouts[key] = start_layout(layout, model_dir, tmp_path_factory.mktemp(f"up-shared-{layout}"))
+    yield shared_layouts[key]
+    assert_no_kv_used(shared_layouts[key])
 
 
 def openai_client(up: UpProcess, timeout: float = 120, api_key: str = "unused"):

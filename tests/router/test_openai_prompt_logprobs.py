@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.router.conftest import layout_cluster, scrape
+from tests.router.conftest import scrape, shared_layout_cluster
 
 # over --max-num-batched-tokens 64 (conftest's ENGINE_ARGS): the prompt is computed in several chunks
 LONG_PROMPT = ("import os\nimport sys\n\ndef main(argv):\n    for name in argv[1:]:\n        with open(name) as f:\n"
@@ -20,8 +20,8 @@ TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module", params=["1p1d", "colocated"])
-def cluster(request, tiny_model, tmp_path_factory):
-    yield from layout_cluster(request, tiny_model, tmp_path_factory, "prompt-logprobs")
+def cluster(request, tiny_model, tmp_path_factory, shared_layouts):
+    yield from shared_layout_cluster(request.param, tiny_model, tmp_path_factory, shared_layouts)
 
 
 class Reference:

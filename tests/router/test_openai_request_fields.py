@@ -10,15 +10,14 @@ import httpx
 import openai
 import pytest
 
-from tests.router.conftest import up_cluster
+from tests.router.conftest import shared_layout_cluster
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model, tmp_path_factory):
-    yield from up_cluster(tiny_model, tmp_path_factory, "up-fields", "--num-prefill", "0", "--num-decode", "1",
-                          "--served-model-name", "tiny")
+def cluster(tiny_model, tmp_path_factory, shared_layouts):
+    yield from shared_layout_cluster("colocated", tiny_model, tmp_path_factory, shared_layouts)
 
 
 def test_explicit_nulls_take_the_defaults(client):

@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.router.conftest import layout_cluster
+from tests.router.conftest import shared_layout_cluster
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "size", "count"],
           "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]},
@@ -32,8 +32,8 @@ class Answer(BaseModel):
 
 
 @pytest.fixture(scope="module", params=["1p1d", "colocated"])
-def cluster(request, tiny_model, tmp_path_factory):
-    yield from layout_cluster(request, tiny_model, tmp_path_factory, "structured")
+def cluster(request, tiny_model, tmp_path_factory, shared_layouts):
+    yield from shared_layout_cluster(request.param, tiny_model, tmp_path_factory, shared_layouts)
 
 
 def fits_schema(value: dict) -> bool:

@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 
-from tests.router.conftest import layout_cluster
+from tests.router.conftest import shared_layout_cluster
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "celsius", "days"],
            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "celsius": {"type": "boolean"},
@@ -27,8 +27,8 @@ SEEDS = range(4)
 
 
 @pytest.fixture(scope="module", params=["1p1d", "colocated"])
-def cluster(request, tiny_model, tmp_path_factory):
-    yield from layout_cluster(request, tiny_model, tmp_path_factory, "tools")
+def cluster(request, tiny_model, tmp_path_factory, shared_layouts):
+    yield from shared_layout_cluster(request.param, tiny_model, tmp_path_factory, shared_layouts)
 
 
 def fits(name: str, arguments: dict) -> bool:
