@@ -1,6 +1,6 @@
 """pdserve's native CPU kernels, built with the host's C compiler on first use and loaded with ctypes: the paged
-decode attention (cpu_paged_decode.c, wrapped here) and the bfloat16 linear product (cpu_gemm_bf16.c, wrapped in
-kernels.cpu_gemm).
+decode attention and the KV store (cpu_paged_decode.c, wrapped here), and the others (wrapped in kernels.cpu_gemm,
+cpu_norm_rotary and cpu_prefill).
 
 Each shared library is compiled once per source, compiler and CPU (`-O3 -march=native`; OpenMP on the
 libgomp that torch has loaded, or none where the compiler has none) into $PDSERVE_CACHE/kernels (default
@@ -37,7 +37,9 @@ _state: dict[Path, dict[str, object]] = {}
 
 _POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _DECODE = {"pdserve_paged_decode": (_INT, [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT,
-                                           _INT, _INT, _INT, _INT, _FLOAT, _FLOAT, _POINTER, _POINTER, _INT, _INT])}
+                                           _INT, _INT, _INT, _INT, _FLOAT, _FLOAT, _POINTER, _POINTER, _INT, _INT]),
+           "pdserve_store_kv": (_INT, [_POINTER, ctypes.c_int64, _POINTER, ctypes.c_int64, _POINTER, _POINTER, _POINTER,
+                                       _INT, ctypes.c_int64, ctypes.c_int64])}
 
 
 def library(source: Path = SOURCE) -> ctypes.CDLL | None:
@@ -185,3 +187,34 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
             and value_cache.dtype == key_cache.dtype and key_cache.shape == value_cache.shape
             and key_cache.is_contiguous() and value_cache.is_contiguous()
             and query.shape[1] % key_cache.shape[2] == 0 and query.shape[2] == key_cache.shape[3])
+
+
+def store_kv(
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim], the cache's dtype, each token's [num_kv_heads, head_dim] contiguous
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # [N, B, num_kv_heads, head_dim], contiguous
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64; negative: not stored
+) -> bool:
+    """Each token's K and V rows into its cache slot in one native call (two index_copy_ calls in torch); False,
+    with nothing written, where the kernel or these tensors do not allow it (the caller then uses torch)."""
+    bound = functions(SOURCE, _DECODE)
+    if (bound is None or key.device.type != "cpu" or key.dtype != key_cache.dtype or value.dtype != key_cache.dtype
+            or value_cache.dtype != key_cache.dtype or key_cache.shape != value_cache.shape
+            or key.shape[1:] != key_cache.shape[2:] or value.shape != key.shape
+            or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+            or not (_rows_contiguous(key) and _rows_contiguous(value))
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
+        return False
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    status = bound[1](key.data_ptr(), key.stride(0) * key.element_size(), value.data_ptr(),
+                      value.stride(0) * value.element_size(), key_cache.data_ptr(), value_cache.data_ptr(),
+                      slot_mapping.data_ptr(), key.shape[0], key.shape[1] * key.shape[2] * key.element_size(),
+                      num_slots)
+    if status != 0:
+        raise IndexError(f"a KV slot past the cache's {num_slots} slots: the step's slot_mapping is corrupt")
+    return True
+
+
+def _rows_contiguous(tensor: torch.Tensor) -> bool:  # [T, H, D]: each token's [H, D] contiguous
+    return tensor.dim() == 3 and tensor.stride(2) == 1 and tensor.stride(1) == tensor.shape[2]

@@ -1,5 +1,6 @@
 /* Paged decode attention for the CPU: one new query token per sequence, reading K and V in place from the
- * paged cache (no gather copy), float32 arithmetic for float32 or bfloat16 caches. With AVX-512, a full tile's
+ * paged cache (no gather copy), float32 arithmetic for float32 or bfloat16 caches; and the store of a step's new K
+ * and V rows into the cache's slots (pdserve_store_kv). With AVX-512, a full tile's
  * logits come from one lane-reduction tree; with AVX512-BF16, a bfloat16 query's logits against a bfloat16
  * cache are VDPBF16PS products of the rows in place (exact products, float32 sums).
  *
@@ -349,4 +350,21 @@ int pdserve_paged_decode(const void *query, const void *key_cache, const void *v
         free(rows);
     }
     return failed ? -1 : 0;
+}
+
+/* key_cache/value_cache [num_slots, row_bytes]: each token t with slot_mapping[t] >= 0 gets key and value row t
+ * (row_bytes each, rows key_stride and value_stride bytes apart) in that slot; negative slots are skipped. Returns
+ * -1, having written nothing, when a slot lies past the cache. */
+int pdserve_store_kv(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *key_cache,
+                     char *value_cache, const int64_t *slot_mapping, int tokens, int64_t row_bytes,
+                     int64_t num_slots) {
+    for (int t = 0; t < tokens; t++)
+        if (slot_mapping[t] >= num_slots) return -1;
+    for (int t = 0; t < tokens; t++) {
+        int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        memcpy(key_cache + slot * row_bytes, key + t * key_stride, (size_t)row_bytes);
+        memcpy(value_cache + slot * row_bytes, value + t * value_stride, (size_t)row_bytes);
+    }
+    return 0;
 }

@@ -96,6 +96,9 @@ class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, layer: Attention,
                  metadata: TorchPagedMetadata) -> None:
+        if self.native_decode and cpu_native.store_kv(key, value, layer.key_cache, layer.value_cache,
+                                                      metadata.context.slot_mapping):
+            return
         torch_paged.store_kv_planned(key, value, layer.key_cache, layer.value_cache, metadata.store)
 
     def forward_decode(self, query: torch.Tensor, layer: Attention, metadata: TorchPagedMetadata) -> torch.Tensor:

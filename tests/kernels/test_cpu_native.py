@@ -144,3 +144,38 @@ def test_a_bf16_query_is_read_and_its_output_written_in_bf16(case):
     in_float32 = cpu_native.paged_decode(query.float(), key_cache, value_cache, tables, seq_lens, 0.17, 16, 5.0, sinks)
     assert got.dtype == torch.bfloat16 and in_float32.dtype == torch.float32
     assert torch.equal(got, in_float32.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_what_the_torch_store_writes(dtype):
+    """Rows of a fused projection (strided tokens), padding slots (-1) skipped, every other slot untouched."""
+    from pdserve.kernels import reference
+
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(7, 9 * 64 + 2 * 3 * 64, generator=generator).to(dtype)
+    key, value = qkv[:, 576:768].view(7, 3, 64), qkv[:, 768:].view(7, 3, 64)  # not contiguous: rows of 960
+    slots = torch.tensor([5, -1, 17, 0, 63, -1, 40])
+    caches = [torch.randn(4, 16, 3, 64, generator=generator).to(dtype) for _ in range(2)]
+    expected = [cache.clone() for cache in caches]
+    reference.store_kv(key, value, *expected, slots)
+    assert cpu_native.store_kv(key, value, *caches, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+def test_store_kv_refuses_a_slot_past_the_cache_and_writes_nothing():
+    key = value = torch.randn(2, 3, 64)
+    caches = [torch.zeros(4, 16, 3, 64) for _ in range(2)]
+    with pytest.raises(IndexError, match="past the cache's 64 slots"):
+        cpu_native.store_kv(key, value, *caches, torch.tensor([3, 64]))
+    assert not caches[0].any() and not caches[1].any()
+
+
+def test_store_kv_leaves_other_dtypes_and_layouts_to_torch():
+    key = value = torch.randn(2, 3, 64)
+    cache = torch.zeros(4, 16, 3, 64)
+    slots = torch.tensor([0, 1])
+    assert not cpu_native.store_kv(key.bfloat16(), value.bfloat16(), cache, cache.clone(), slots)  # dtype differs
+    assert not cpu_native.store_kv(key, value, cache, cache.clone(), slots.int())  # int32 slots
+    assert not cpu_native.store_kv(key.transpose(1, 2).contiguous().transpose(1, 2), value, cache, cache.clone(),
+                                   slots)  # a token's heads not contiguous
+    assert not cache.any()
