@@ -33,6 +33,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.control.messages import GenerateRequest, PrefillRequest, TokenDelta
 from pdserve.control.sampling_params import SamplingParams as WireSamplingParams
 from pdserve.local_cluster import Driver, EngineProcess
+from tests.decode.test_disaggregated import start_at_free_kv_addresses, stop_together
 
 BLOCK = 4
 ARGS = ("--block-size", str(BLOCK), "--max-num-batched-tokens", "64")
@@ -95,13 +96,18 @@ def test_a_cycle_of_held_prompts_across_two_prefill_engines_is_broken(tiny_model
     engines: dict[str, EngineProcess] = {}
     drivers: dict[str, Driver] = {}
     try:
-        for name in ("p1", "p2"):
-            engines[name] = EngineProcess("prefill", tiny_model, *ARGS, "--num-kv-blocks", str(PREFILL_BLOCKS),
-                                          "--engine-id", name, log_dir=tmp_path)
-        peers = (*engines["p1"].kv_peer_args(), *engines["p2"].kv_peer_args())
-        for name in ("d1", "d2"):
-            engines[name] = EngineProcess("decode", tiny_model, *ARGS, "--num-kv-blocks", str(DECODE_BLOCKS),
-                                          "--engine-id", name, *peers, log_dir=tmp_path)
+        def prefill(index: int):
+            return lambda kv: EngineProcess("prefill", tiny_model, *ARGS, "--num-kv-blocks", str(PREFILL_BLOCKS),
+                                            "--engine-id", f"p{index + 1}", "--kv-address", kv[index],
+                                            log_dir=tmp_path)
+
+        def decode(name: str):
+            return lambda kv: EngineProcess("decode", tiny_model, *ARGS, "--num-kv-blocks", str(DECODE_BLOCKS),
+                                            "--engine-id", name, "--kv-peer", kv[0], "--kv-peer", kv[1],
+                                            log_dir=tmp_path)
+
+        engines = dict(zip(("p1", "p2", "d1", "d2"),
+                           start_at_free_kv_addresses(2, prefill(0), prefill(1), decode("d1"), decode("d2"))))
         drivers = {"d1": Driver(engines["d1"], engines["p1"]), "d2": Driver(engines["d2"], engines["p2"])}
         prefill_kv = {name: engines[name].addresses["kv"] for name in ("p1", "p2")}
 
@@ -133,5 +139,4 @@ def test_a_cycle_of_held_prompts_across_two_prefill_engines_is_broken(tiny_model
     finally:
         for driver in drivers.values():
             driver.close()
-        for engine in engines.values():
-            engine.stop()
+        stop_together(*engines.values())

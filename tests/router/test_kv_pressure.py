@@ -16,6 +16,7 @@ import httpx
 
 from pdserve import LLM, SamplingParams
 from pdserve.local_cluster import EngineProcess
+from tests.decode.test_disaggregated import start_together, stop_together
 from tests.router.conftest import router_server, wait_until
 
 ARGS = ("--dtype", "float32", "--block-size", "4", "--max-num-batched-tokens", "64")
@@ -40,10 +41,11 @@ def _run(tiny_model, tokenization, tmp_path, bodies: list[dict], want_timeout: s
     async def scenario():
         async with router_server(tiny_model, tokenization) as (gateway, url):
             registration = ("--router-address", gateway.registry.registration_address)
-            prefill = EngineProcess("prefill", tiny_model, *ARGS, "--num-kv-blocks", str(PREFILL_BLOCKS),
-                                    "--kv-want-timeout", want_timeout, *registration, log_dir=tmp_path)
-            decode = EngineProcess("decode", tiny_model, *ARGS, "--num-kv-blocks", str(DECODE_BLOCKS),
-                                   *registration, log_dir=tmp_path)
+            prefill, decode = start_together(
+                lambda: EngineProcess("prefill", tiny_model, *ARGS, "--num-kv-blocks", str(PREFILL_BLOCKS),
+                                      "--kv-want-timeout", want_timeout, *registration, log_dir=tmp_path),
+                lambda: EngineProcess("decode", tiny_model, *ARGS, "--num-kv-blocks", str(DECODE_BLOCKS),
+                                      *registration, log_dir=tmp_path))
             try:
                 await wait_until(lambda: gateway.registry.engines("prefill") and gateway.registry.engines("decode"),
                                  what="both engines in routing")
@@ -56,8 +58,7 @@ def _run(tiny_model, tokenization, tmp_path, bodies: list[dict], want_timeout: s
                 stats = {role: gateway.registry.engines(role)[0].stats for role in ("prefill", "decode")}
                 return [answer.json() for answer in answers], stats, decode.log_path.read_text()
             finally:
-                decode.stop()
-                prefill.stop()
+                stop_together(decode, prefill)
 
     return asyncio.run(scenario())
 
@@ -107,10 +108,11 @@ def test_a_decode_engine_that_dies_with_requests_queued_does_not_leave_their_kv_
     async def scenario():
         async with router_server(tiny_model, tokenization, max_retries=0, migration_timeout_s=0.5) as (gateway, url):
             registration = ("--router-address", gateway.registry.registration_address)
-            prefill = EngineProcess("prefill", tiny_model, *ARGS, "--num-kv-blocks", str(2 * prompt_len // 4 + 2),
-                                    "--kv-want-timeout", "0.1", *registration, log_dir=tmp_path)
-            decode = EngineProcess("decode", tiny_model, *ARGS, "--num-kv-blocks",
-                                   str((prompt_len + max_tokens) // 4 + 1), *registration, log_dir=tmp_path)
+            prefill, decode = start_together(
+                lambda: EngineProcess("prefill", tiny_model, *ARGS, "--num-kv-blocks", str(2 * prompt_len // 4 + 2),
+                                      "--kv-want-timeout", "0.1", *registration, log_dir=tmp_path),
+                lambda: EngineProcess("decode", tiny_model, *ARGS, "--num-kv-blocks",
+                                      str((prompt_len + max_tokens) // 4 + 1), *registration, log_dir=tmp_path))
             try:
                 await wait_until(lambda: gateway.registry.engines("prefill") and gateway.registry.engines("decode"),
                                  what="both engines in routing")
@@ -134,8 +136,7 @@ def test_a_decode_engine_that_dies_with_requests_queued_does_not_leave_their_kv_
                 await wait_until_async(lambda: _blocks_free(gateway, p_link), "the held prompts freed", 10.0)
                 return [answer.status_code for answer in answers]
             finally:
-                decode.stop()
-                prefill.stop()
+                stop_together(decode, prefill)
 
     statuses = asyncio.run(scenario())
     assert statuses[0] == 200 or statuses[0] >= 500, statuses

@@ -18,6 +18,7 @@ import httpx
 
 from pdserve import LLM, SamplingParams
 from pdserve.local_cluster import EngineProcess
+from tests.decode.test_disaggregated import start_together, stop_together
 from tests.router.conftest import ENGINE_ARGS, router_server, wait_until
 
 PROMPT_A, PROMPT_B = [5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25]
@@ -40,10 +41,11 @@ def test_queue_time_at_the_prefill_engine_does_not_count_against_the_kv_timeout(
     async def scenario():
         async with router_server(tiny_model, tokenization) as (gateway, url):
             registration = ("--router-address", gateway.registry.registration_address)
-            prefill = EngineProcess("prefill", tiny_model, *ENGINE_ARGS, *registration, "--fault", "delay:0",
-                                    log_dir=tmp_path, module="tests.decode.faulty_prefill")
-            decode = EngineProcess("decode", tiny_model, *ENGINE_ARGS, *registration, "--kv-timeout", "1",
-                                   log_dir=tmp_path)
+            prefill, decode = start_together(
+                lambda: EngineProcess("prefill", tiny_model, *ENGINE_ARGS, *registration, "--fault", "delay:0",
+                                      log_dir=tmp_path, module="tests.decode.faulty_prefill"),
+                lambda: EngineProcess("decode", tiny_model, *ENGINE_ARGS, *registration, "--kv-timeout", "1",
+                                      log_dir=tmp_path))
             try:
                 await wait_until(lambda: gateway.registry.engines("prefill") and gateway.registry.engines("decode"),
                                  what="both engines in routing")
@@ -56,8 +58,7 @@ def test_queue_time_at_the_prefill_engine_does_not_count_against_the_kv_timeout(
                 stats = gateway.registry.engines("decode")[0].stats
                 return first.json(), second.json(), stats
             finally:
-                decode.stop()
-                prefill.stop()
+                stop_together(decode, prefill)
 
     answer_a, answer_b, decode_stats = asyncio.run(scenario())
     offline = LLM(tiny_model, dtype="float32", block_size=4, num_kv_blocks=512)
