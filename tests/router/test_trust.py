@@ -18,6 +18,7 @@ from pdserve.local_cluster import EngineProcess
 from pdserve.router.config import RouterConfig
 from pdserve.router.server import warn_if_open
 from pdserve.trust import curve_dir_for, default_cluster_keys, is_loopback
+from tests.decode.test_disaggregated import start_together, stop_together
 from tests.router.conftest import ENGINE_ARGS, REPO, UpProcess
 from tests.router.test_launcher_and_compose import up_args
 
@@ -94,10 +95,12 @@ def test_an_engine_without_the_cluster_keys_cannot_join(tiny_model, tmp_path):
     try:
         assert any("CURVE keys in" in line for line in up.lines), "up runs on keys by default"
         registration = up.ready_line("router")["registration"]
-        rogue = EngineProcess("decode", tiny_model, *ENGINE_ARGS, "--router-address", registration,
-                              "--engine-id", "rogue", log_dir=tmp_path)  # plaintext: --insecure
-        member = EngineProcess("decode", tiny_model, *ENGINE_ARGS, "--router-address", registration,
-                               "--engine-id", "member", "--curve-dir", str(default_cluster_keys()), log_dir=tmp_path)
+        rogue, member = start_together(
+            lambda: EngineProcess("decode", tiny_model, *ENGINE_ARGS, "--router-address", registration,
+                                  "--engine-id", "rogue", log_dir=tmp_path),  # plaintext: --insecure
+            lambda: EngineProcess("decode", tiny_model, *ENGINE_ARGS, "--router-address", registration,
+                                  "--engine-id", "member", "--curve-dir", str(default_cluster_keys()),
+                                  log_dir=tmp_path))
         try:
             deadline = time.monotonic() + 20
             while _decode_engines(up.url) < 2 and time.monotonic() < deadline:
@@ -105,8 +108,7 @@ def test_an_engine_without_the_cluster_keys_cannot_join(tiny_model, tmp_path):
             time.sleep(3.0)  # three heartbeats more for the rogue to get in, if it could
             assert _decode_engines(up.url) == 2, "up's own decode engine and the member: never the rogue"
         finally:
-            rogue.stop()
-            member.stop()
+            stop_together(rogue, member)
     finally:
         up.stop()
 
