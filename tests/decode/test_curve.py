@@ -17,9 +17,8 @@ from tests.decode.test_disaggregated import (
     PROMPTS,
     assert_no_leaks,
     colocated_tokens,
-    start_at_free_kv_addresses,
-    stop_together,
 )
+from tests.decode.test_disaggregated import start_at_free_kv_addresses, stop_together
 
 GENERATE = GenerateRequest(request_id="x", prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=2))
 HELLO = Hello(fingerprint={}, role="decode", engine_id="outsider")

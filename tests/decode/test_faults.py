@@ -15,9 +15,8 @@ from tests.decode.test_disaggregated import (
     PROMPTS,
     assert_no_leaks,
     colocated_tokens,
-    start_at_free_kv_addresses,
-    stop_together,
 )
+from tests.decode.test_disaggregated import start_at_free_kv_addresses, stop_together
 
 KV_TIMEOUT = ("--kv-timeout", "4", "--kv-queue-timeout", "4")  # no router: no FirstToken either
 

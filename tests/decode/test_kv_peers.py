@@ -10,15 +10,8 @@ from pdserve.control.messages import GenerateRequest, KVPeers, Register
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.sockets import ServerSocket
 from pdserve.local_cluster import Driver, EngineProcess
-from tests.decode.test_disaggregated import (
-    ENGINE_ARGS,
-    GREEDY,
-    PROMPTS,
-    assert_no_leaks,
-    colocated_tokens,
-    start_at_free_kv_addresses,
-    stop_together,
-)
+from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_disaggregated import start_at_free_kv_addresses, stop_together
 from tests.decode.test_faults import wait_for_log
 
 

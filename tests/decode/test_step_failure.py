@@ -5,15 +5,8 @@ from __future__ import annotations
 
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.faulty_sampler import FAULT_SEED
-from tests.decode.test_disaggregated import (
-    ENGINE_ARGS,
-    GREEDY,
-    PROMPTS,
-    assert_no_leaks,
-    colocated_tokens,
-    start_at_free_kv_addresses,
-    stop_together,
-)
+from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_disaggregated import start_at_free_kv_addresses, stop_together
 
 
 def test_a_failing_step_fails_its_request_and_the_engine_keeps_serving(model_factory, tmp_path):

@@ -10,15 +10,8 @@ from pdserve.control.keys import load_cluster_keys, write_cluster_keys
 from pdserve.control.sockets import ClientSocket
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.test_curve import GENERATE, HELLO
-from tests.decode.test_disaggregated import (
-    ENGINE_ARGS,
-    GREEDY,
-    PROMPTS,
-    assert_no_leaks,
-    colocated_tokens,
-    start_together,
-    stop_together,
-)
+from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_disaggregated import start_together, stop_together
 
 
 def test_dual_engines_pull_from_each_other_under_curve(model_factory, tmp_path):

@@ -14,15 +14,8 @@ from pdserve.control.messages import GenerateRequest, PrefillRequest
 from pdserve.control.sampling_params import SamplingParams
 from pdserve.control.sockets import ClientSocket, ServerSocket
 from pdserve.local_cluster import Driver, EngineProcess
-from tests.decode.test_disaggregated import (
-    ENGINE_ARGS,
-    GREEDY,
-    PROMPTS,
-    assert_no_leaks,
-    colocated_tokens,
-    start_together,
-    stop_together,
-)
+from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_disaggregated import start_together, stop_together
 
 
 @dataclass

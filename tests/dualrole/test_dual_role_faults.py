@@ -9,15 +9,8 @@ import time
 import pytest
 
 from pdserve.local_cluster import Driver, EngineProcess
-from tests.decode.test_disaggregated import (
-    ENGINE_ARGS,
-    GREEDY,
-    PROMPTS,
-    assert_no_leaks,
-    colocated_tokens,
-    start_at_free_kv_addresses,
-    stop_together,
-)
+from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_disaggregated import start_at_free_kv_addresses, stop_together
 from tests.decode.test_faults import KV_TIMEOUT, wait_for_log, wait_prefill_idle
 
 FAULTY = {"module": "tests.decode.faulty_prefill"}  # its KV sender misbehaves (tests/decode/faulty_prefill.py)
