@@ -37,7 +37,8 @@ _state: dict[Path, dict[str, object]] = {}
 
 _POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _DECODE = {"pdserve_paged_decode": (_INT, [_POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT,
-                                           _INT, _INT, _INT, _INT, _FLOAT, _FLOAT, _POINTER, _POINTER, _INT, _INT]),
+                                           _INT, _INT, _INT, _INT, _FLOAT, _FLOAT, _POINTER, _POINTER, _INT,
+                                           ctypes.c_int64, _INT]),
            "pdserve_store_kv": (_INT, [_POINTER, ctypes.c_int64, _POINTER, ctypes.c_int64, _POINTER, _POINTER, _POINTER,
                                        _INT, ctypes.c_int64, ctypes.c_int64])}
 
@@ -161,7 +162,10 @@ def paged_decode(
     kernel = decode_kernel()
     num_seqs, num_heads, head_dim = query.shape
     bf16_io = query.dtype == torch.bfloat16  # read and written as it is: no float32 copies
-    q = query.contiguous() if bf16_io else query.float().contiguous()
+    if bf16_io:  # read where it is when each token's heads are contiguous (q split from a fused projection)
+        q = query if heads_contiguous(query) else query.contiguous()
+    else:
+        q = query.float().contiguous()
     tables = int32_contiguous(block_tables)
     lens = int32_contiguous(seq_lens)
     sink_logits = None if sinks is None else sinks.float().contiguous()
@@ -169,7 +173,7 @@ def paged_decode(
     status = kernel(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_cache.dtype == torch.bfloat16,
                     tables.data_ptr(), tables.shape[1], lens.data_ptr(), num_seqs, num_heads, key_cache.shape[2],
                     head_dim, key_cache.shape[1], sliding_window or 0, scale, soft_cap or 0.0,
-                    None if sink_logits is None else sink_logits.data_ptr(), out.data_ptr(), bf16_io,
+                    None if sink_logits is None else sink_logits.data_ptr(), out.data_ptr(), bf16_io, q.stride(0),
                     torch.get_num_threads())
     if status != 0:
         raise MemoryError("the CPU decode attention kernel could not allocate its logits buffer")
@@ -203,7 +207,7 @@ def store_kv(
             or value_cache.dtype != key_cache.dtype or key_cache.shape != value_cache.shape
             or key.shape[1:] != key_cache.shape[2:] or value.shape != key.shape
             or not (key_cache.is_contiguous() and value_cache.is_contiguous())
-            or not (_rows_contiguous(key) and _rows_contiguous(value))
+            or not (heads_contiguous(key) and heads_contiguous(value))
             or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
         return False
     num_slots = key_cache.shape[0] * key_cache.shape[1]
@@ -216,5 +220,5 @@ def store_kv(
     return True
 
 
-def _rows_contiguous(tensor: torch.Tensor) -> bool:  # [T, H, D]: each token's [H, D] contiguous
+def heads_contiguous(tensor: torch.Tensor) -> bool:  # [T, H, D]: each token's [H, D] contiguous (q split from qkv)
     return tensor.dim() == 3 and tensor.stride(2) == 1 and tensor.stride(1) == tensor.shape[2]

@@ -5,7 +5,8 @@
  * cache are VDPBF16PS products of the rows in place (exact products, float32 sums).
  *
  * Shapes (row-major, contiguous):
- *   query        [S, Hq, D]   float32, or bfloat16 with bf16_io; not yet scaled
+ *   query        [S, Hq, D]   float32, or bfloat16 with bf16_io; not yet scaled; query_stride elements from one
+ *                             sequence's row to the next (heads and dims contiguous, as q split from one projection)
  *   key/value    [N, B, Hkv, D] float32 or bfloat16 (is_bf16)
  *   block_tables [S, max_blocks] int32
  *   seq_lens     [S] int32, context including the new token
@@ -299,7 +300,8 @@ static inline __attribute__((always_inline)) void attend_one(
 int pdserve_paged_decode(const void *query, const void *key_cache, const void *value_cache, int is_bf16,
                          const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, int num_seqs,
                          int num_heads, int num_kv_heads, int head_dim, int block_size, int window, float scale,
-                         float soft_cap, const float *sinks, void *out, int bf16_io, int num_threads) {
+                         float soft_cap, const float *sinks, void *out, int bf16_io, int64_t query_stride,
+                         int num_threads) {
     int group = num_heads / num_kv_heads;
     int longest = 0;
     int64_t positions = 0;  /* the call's work: positions read, summed over its sequences */
@@ -326,14 +328,15 @@ int pdserve_paged_decode(const void *query, const void *key_cache, const void *v
         for (int item = 0; item < num_seqs * num_kv_heads; item++) {
             if (!logits || !rows) continue;
             int s = item / num_kv_heads, h = item % num_kv_heads;
-            int64_t first_row = ((int64_t)s * num_heads + (int64_t)h * group) * head_dim;
+            int64_t first_row = ((int64_t)s * num_heads + (int64_t)h * group) * head_dim;  /* in out */
+            int64_t query_row = (int64_t)s * query_stride + (int64_t)h * group * head_dim;
             const int32_t *table = block_tables + (int64_t)s * max_blocks;
             const float *sink = sinks ? sinks + h * group : NULL;
             float *tile = logits + group * positions_held, *q = tile + TILE * head_dim, *o = q + group * head_dim;
             if (bf16_io)
-                for (int i = 0; i < group * head_dim; i++) q[i] = bf16_value(((const uint16_t *)query)[first_row + i]);
+                for (int i = 0; i < group * head_dim; i++) q[i] = bf16_value(((const uint16_t *)query)[query_row + i]);
             else
-                q = (float *)query + first_row, o = (float *)out + first_row;
+                q = (float *)query + query_row, o = (float *)out + first_row;
             if (head_dim == 64)  /* a constant head_dim lets the compiler unroll the row loops */
                 attend_one(q, key_cache, value_cache, is_bf16, table, seq_lens[s], h, group, num_kv_heads, 64,
                            block_size, window, scale, soft_cap, sink, o, logits, tile, rows);

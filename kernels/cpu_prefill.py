@@ -19,8 +19,8 @@ from pdserve.kernels import cpu_native
 SOURCE = Path(__file__).with_name("cpu_prefill_bf16.c")
 
 _POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_PREFILL = {"pdserve_prefill_bf16": (_INT, [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT,
-                                            _INT, _INT, _INT, _INT, _INT, _FLOAT, _POINTER, _INT])}
+_PREFILL = {"pdserve_prefill_bf16": (_INT, [_POINTER, ctypes.c_int64, _POINTER, _POINTER, _POINTER, _INT, _POINTER,
+                                            _POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _POINTER, _INT])}
 
 
 def prefill_kernel():
@@ -58,10 +58,10 @@ def paged_prefill(
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim] bfloat16
     num_tokens, num_heads, head_dim = query.shape
-    q = query.contiguous()
+    q = query if cpu_native.heads_contiguous(query) else query.contiguous()  # q split from qkv: read in place
     tables, starts, lens = (cpu_native.int32_contiguous(t) for t in (block_tables, query_start_loc, seq_lens))
-    out = torch.empty_like(q)
-    status = prefill_kernel()(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype)
+    status = prefill_kernel()(q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
                               tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0], num_heads,
                               key_cache.shape[2], head_dim, key_cache.shape[1], sliding_window or 0, scale,
                               out.data_ptr(), torch.get_num_threads())

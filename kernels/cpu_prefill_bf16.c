@@ -5,7 +5,8 @@
  * attention rounds them.
  *
  * Shapes (row-major, contiguous):
- *   query        [T, Hq, D]      bfloat16, the new tokens of all sequences
+ *   query        [T, Hq, D]      bfloat16, the new tokens of all sequences; query_stride elements from one token's
+ *                                row to the next (heads and dims contiguous, as q split from one projection)
  *   key/value    [N, B, Hkv, D]  bfloat16
  *   block_tables [S, max_blocks] int32
  *   query_start  [S + 1]         int32: sequence s's query rows are [query_start[s], query_start[s + 1])
@@ -211,9 +212,9 @@ static inline __attribute__((always_inline)) void attend_rows(
 }
 
 /* Work item: query positions [first, first + POSITIONS) of one sequence and KV head, ROWS rows at a time. */
-static void attend_item(const uint16_t *query, uint16_t *out, const Sequence *seq, int kv_head, int first,
-                        int num_heads, int group, int head_dim, int window, float scale, const uint32_t *keys,
-                        const uint32_t *values) {
+static void attend_item(const uint16_t *query, int64_t query_stride, uint16_t *out, const Sequence *seq, int kv_head,
+                        int first, int num_heads, int group, int head_dim, int window, float scale,
+                        const uint32_t *keys, const uint32_t *values) {
     int positions = seq->count - first < POSITIONS ? seq->count - first : POSITIONS;
     int rows = positions * group;
     for (int row = 0; row < rows; row += ROWS) {
@@ -224,7 +225,7 @@ static void attend_item(const uint16_t *query, uint16_t *out, const Sequence *se
             int index = row + r < rows ? row + r : rows - 1;  /* past the item: the last row again, not stored */
             int token = seq->begin + first + index / group, head = kv_head * group + index % group;
             int position = seq->prefix + first + index / group;
-            query_rows[r] = (const uint32_t *)(query + ((int64_t)token * num_heads + head) * head_dim);
+            query_rows[r] = (const uint32_t *)(query + token * query_stride + (int64_t)head * head_dim);
             out_rows[r] = out + ((int64_t)token * num_heads + head) * head_dim;
             high[r] = position - seq->first_key;
             low[r] = window > 0 && position - window + 1 > seq->first_key ? position - window + 1 - seq->first_key : 0;
@@ -260,7 +261,8 @@ static int64_t plan_sequences(const int32_t *query_start, const int32_t *seq_len
     return offset;
 }
 
-int pdserve_prefill_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+int pdserve_prefill_bf16(const uint16_t *query, int64_t query_stride, const uint16_t *key_cache,
+                         const uint16_t *value_cache,
                          const int32_t *block_tables, int max_blocks, const int32_t *query_start,
                          const int32_t *seq_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                          int block_size, int window, float scale, uint16_t *out, int num_threads) {
@@ -296,8 +298,8 @@ int pdserve_prefill_bf16(const uint16_t *query, const uint16_t *key_cache, const
         for (int i = items - 1; i >= 0; i--) {  /* a sequence's last positions see the most keys: first */
             const Sequence *seq = seqs + work[i].seq;
             int64_t offset = seq->packed + (int64_t)work[i].kv_head * seq->padded * head_dim / 2;
-            attend_item(query, out, seq, work[i].kv_head, work[i].first, num_heads, group, head_dim, window, scale,
-                        keys + offset, values + offset);
+            attend_item(query, query_stride, out, seq, work[i].kv_head, work[i].first, num_heads, group, head_dim,
+                        window, scale, keys + offset, values + offset);
         }
     }
     free(seqs), free(keys), free(values), free(work);

@@ -179,3 +179,16 @@ def test_store_kv_leaves_other_dtypes_and_layouts_to_torch():
     assert not cpu_native.store_kv(key.transpose(1, 2).contiguous().transpose(1, 2), value, cache, cache.clone(),
                                    slots)  # a token's heads not contiguous
     assert not cache.any()
+
+
+def test_a_bf16_query_split_from_a_fused_projection_is_read_in_place():
+    """q as the engine has it, a view of [T, (Hq + 2 Hkv) D] rows: the same output as its contiguous copy."""
+    lens, num_heads, num_kv_heads, head_dim, block_size = CASES["gqa-3"]
+    query, key_cache, value_cache, tables, seq_lens = paged_case(lens, num_heads, num_kv_heads, head_dim, block_size,
+                                                                 torch.bfloat16)
+    fused = torch.randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim).bfloat16()
+    fused[:, :num_heads * head_dim] = query.flatten(1)
+    view = fused[:, :num_heads * head_dim].view(len(lens), num_heads, head_dim)
+    assert not view.is_contiguous()
+    got = cpu_native.paged_decode(view, key_cache, value_cache, tables, seq_lens, 0.17)
+    assert torch.equal(got, cpu_native.paged_decode(query, key_cache, value_cache, tables, seq_lens, 0.17))

@@ -126,3 +126,13 @@ def test_a_bf16_engine_prefills_on_it_and_matches_transformers(model_factory, mo
         assert_greedy_match(completion.token_ids, theirs, logits, f"{arch} bf16, prompt of {len(prompt)}",
                             completion.logprobs, dtype=torch.bfloat16)
     assert llm.kv_cache_manager.num_used_blocks == 0
+
+
+def test_a_query_split_from_a_fused_projection_is_read_in_place():
+    query, key_cache, value_cache, tables, starts, lens = prefill_case([40, 70], [90, 70], 9, 3, 64, 16)
+    fused = torch.randn(query.shape[0], 15 * 64).bfloat16()
+    fused[:, :576] = query.flatten(1)
+    view = fused[:, :576].view(-1, 9, 64)
+    assert not view.is_contiguous()
+    got = cpu_prefill.paged_prefill(view, key_cache, value_cache, tables, starts, lens, 0.125)
+    assert torch.equal(got, cpu_prefill.paged_prefill(query, key_cache, value_cache, tables, starts, lens, 0.125))
