@@ -15,6 +15,7 @@
  * Panels are split over OpenMP threads.
  */
 #include <stdint.h>
+#include "cpu_math.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -28,13 +29,7 @@
 
 int pdserve_gemm_bf16_panel_blocks(void) { return PANEL_BLOCKS; }
 
-int pdserve_gemm_bf16_supported(void) {
-#if defined(__AVX512BF16__)
-    return 1;
-#else
-    return 0;
-#endif
-}
+int pdserve_gemm_bf16_supported(void) { return built_with_avx512_bf16(); }
 
 #if defined(__AVX512BF16__)
 typedef struct {

@@ -4,6 +4,14 @@
 #define PDSERVE_CPU_MATH_H
 #include <stdint.h>
 
+static inline int built_with_avx512_bf16(void) {  /* 1 where this build runs AVX512-BF16 code (-march=native has it) */
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 static inline float bf16_value(uint16_t bits) {  /* exact */
     union { uint32_t u; float f; } value = { (uint32_t)bits << 16 };
     return value.f;

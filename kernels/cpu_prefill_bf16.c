@@ -29,13 +29,7 @@
 #include <immintrin.h>
 #endif
 
-int pdserve_prefill_bf16_supported(void) {
-#if defined(__AVX512BF16__)
-    return 1;
-#else
-    return 0;
-#endif
-}
+int pdserve_prefill_bf16_supported(void) { return built_with_avx512_bf16(); }
 
 #if defined(__AVX512BF16__)
 

@@ -38,13 +38,15 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def assert_matches_transformers(model_dir: str, prompts: list[list[int]], outputs, label: str = "") -> None:
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def assert_matches_transformers(model_dir: str, prompts: list[list[int]], outputs, label: str = "",
+                                dtype: torch.dtype = torch.float32) -> None:
+    """transformers in `dtype` on each prompt: the same greedy tokens (in bf16, within tests.engine.parity's rule)."""
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     for i, (prompt, output) in enumerate(zip(prompts, outputs)):
         theirs, logits = hf_greedy(reference, prompt, NEW_TOKENS)
         completion = output.outputs[0]
         assert_greedy_match(completion.token_ids, theirs, logits, f"{label}prompt {i} (len {len(prompt)})",
-                            completion.logprobs)
+                            completion.logprobs, dtype=dtype)
         assert completion.finish_reason == "length"
 
 

@@ -9,11 +9,10 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
-from pdserve import LLM, SamplingParams
+from pdserve import LLM
 from pdserve.kernels import cpu_native, cpu_prefill, torch_paged
-from tests.engine.parity import assert_greedy_match, hf_greedy
+from tests.engine.test_llm_parity import GREEDY_WITH_LOGPROBS, assert_matches_transformers
+from tests.kernels.test_cpu_native import paged_case
 
 pytestmark = pytest.mark.skipif(cpu_prefill.prefill_kernel() is None,
                                 reason=f"no native bf16 prefill kernel: {cpu_prefill.unavailable_reason()}")
@@ -21,23 +20,13 @@ pytestmark = pytest.mark.skipif(cpu_prefill.prefill_kernel() is None,
 
 def prefill_case(new: list[int], contexts: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, seed: int = 0):
-    """bf16 caches with each sequence's blocks scattered at random (and spare blocks that belong to no one), the
-    new tokens' queries, and the step's query offsets and context lengths."""
-    generator = torch.Generator().manual_seed(seed)
-    blocks = [(length + block_size - 1) // block_size for length in contexts]
-    num_blocks = sum(blocks) + 3
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=generator).bfloat16()
-    value_cache = torch.randn(shape, generator=generator).bfloat16()
-    owners = torch.randperm(num_blocks, generator=generator)
-    tables = torch.zeros(len(contexts), max(max(blocks), 1), dtype=torch.int32)
-    taken = 0
-    for row, count in enumerate(blocks):
-        tables[row, :count] = owners[taken:taken + count]
-        taken += count
-    query = torch.randn(sum(new), num_heads, head_dim, generator=generator).bfloat16()
+    """test_cpu_native's bf16 caches with each sequence's blocks scattered at random, the new tokens' queries, and
+    the step's query offsets and context lengths."""
+    _, key_cache, value_cache, tables, seq_lens = paged_case(contexts, num_heads, num_kv_heads, head_dim, block_size,
+                                                             torch.bfloat16, seed)
+    query = torch.randn(sum(new), num_heads, head_dim, generator=torch.Generator().manual_seed(seed)).bfloat16()
     starts = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
-    return query, key_cache, value_cache, tables, starts, torch.tensor(contexts, dtype=torch.int32)
+    return query, key_cache, value_cache, tables, starts, seq_lens
 
 
 CASES = {  # new tokens per sequence, context lengths, num_heads, num_kv_heads, head_dim, block_size
@@ -116,23 +105,7 @@ def test_a_bf16_engine_prefills_on_it_and_matches_transformers(model_factory, mo
     monkeypatch.setattr(cpu_prefill, "paged_prefill", lambda *args: calls.append(args[4].numel() - 1) or kernel(*args))
     llm = LLM(model_dir, dtype="bfloat16", block_size=4, num_kv_blocks=128, max_num_batched_tokens=16)
     prompts = [list(range(3, 3 + length)) for length in (5, 23, 40)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY_WITH_LOGPROBS)
     assert calls, "the bf16 prefill never reached the native kernel"
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    for prompt, output in zip(prompts, outputs):
-        theirs, logits = hf_greedy(reference, prompt, 8)
-        completion = output.outputs[0]
-        assert_greedy_match(completion.token_ids, theirs, logits, f"{arch} bf16, prompt of {len(prompt)}",
-                            completion.logprobs, dtype=torch.bfloat16)
+    assert_matches_transformers(model_dir, prompts, outputs, f"{arch} bf16, ", dtype=torch.bfloat16)
     assert llm.kv_cache_manager.num_used_blocks == 0
-
-
-def test_a_query_split_from_a_fused_projection_is_read_in_place():
-    query, key_cache, value_cache, tables, starts, lens = prefill_case([40, 70], [90, 70], 9, 3, 64, 16)
-    fused = torch.randn(query.shape[0], 15 * 64).bfloat16()
-    fused[:, :576] = query.flatten(1)
-    view = fused[:, :576].view(-1, 9, 64)
-    assert not view.is_contiguous()
-    got = cpu_prefill.paged_prefill(view, key_cache, value_cache, tables, starts, lens, 0.125)
-    assert torch.equal(got, cpu_prefill.paged_prefill(query, key_cache, value_cache, tables, starts, lens, 0.125))
