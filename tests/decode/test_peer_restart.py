@@ -5,7 +5,6 @@ engine's link to it says Hello again, and the next requests take about as long a
 from __future__ import annotations
 
 import random
-import socket
 import statistics
 import time
 
@@ -14,6 +13,7 @@ import pytest
 from pdserve.control.sockets import ClientSocket
 from pdserve.local_cluster import Driver, EngineProcess
 from tests.decode.test_disaggregated import ENGINE_ARGS, GREEDY, PROMPTS, assert_no_leaks, colocated_tokens
+from tests.decode.test_disaggregated import free_kv_addresses, start_together, stop_together
 from tests.router.test_migration_up import DEEP_LAYERS
 
 pytestmark = pytest.mark.hostile
@@ -23,12 +23,6 @@ SAMPLING = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
 # what a stale link cost before: each request waited out the decode engine's KV timeout
 KV_TIMEOUT_S = 30
 DECODE_ARGS = ("--kv-timeout", str(KV_TIMEOUT_S), "--kv-queue-timeout", str(KV_TIMEOUT_S))
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -75,11 +69,12 @@ def test_prefill_restarted_on_its_address_is_served_at_once(model_factory, tmp_p
     request through the restarted P_a is bracketed by a request of the same length through P_b, the unloaded
     time of that moment (the shared machine's load drifts too much for a time measured minutes apart)."""
     model_dir = model_factory("llama")
-    control, kv = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    prefill = start_prefill(model_dir, tmp_path, control, kv)
-    other = start_prefill(model_dir, tmp_path, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-peer", kv, *other.kv_peer_args(), *DECODE_ARGS,
-                           log_dir=tmp_path)
+    control, kv, other_kv = free_kv_addresses(3)
+    prefill, other, decode = start_together(  # at once: every address is known before any starts
+        lambda: start_prefill(model_dir, tmp_path, control, kv),
+        lambda: start_prefill(model_dir, tmp_path, "tcp://127.0.0.1:0", other_kv),
+        lambda: EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-peer", kv, "--kv-peer", other_kv, *DECODE_ARGS,
+                              log_dir=tmp_path))
     driver, reference = Driver(decode, prefill), Driver(decode, other)
     try:
         timed_one_by_one(driver, prompts(0)[:3], "warm")
@@ -116,8 +111,7 @@ def test_prefill_restarted_on_its_address_is_served_at_once(model_factory, tmp_p
     finally:
         driver.close()
         reference.close()
-        for process in (prefill, other, decode):
-            process.stop()
+        stop_together(prefill, other, decode)
 
 
 def test_prefill_frees_at_once_what_it_held_for_a_killed_decode_engine(model_factory, tmp_path):
@@ -127,10 +121,13 @@ def test_prefill_frees_at_once_what_it_held_for_a_killed_decode_engine(model_fac
     busy request's 400 tokens of the 2-layer one could end before the kill on a busy host, and D would then pull
     the queued prompts (P would hold nothing for it)."""
     model_dir = model_factory("llama", num_hidden_layers=DEEP_LAYERS)
-    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", log_dir=tmp_path)
-    decode_args = (*ENGINE_ARGS, "--max-num-seqs", "1", "--engine-id", "d0", "--control-address",
-                   f"tcp://127.0.0.1:{free_port()}", *prefill.kv_peer_args())
-    decode = EngineProcess("decode", model_dir, *decode_args, log_dir=tmp_path)
+    decode_control, kv = free_kv_addresses(2)
+    decode_args = (*ENGINE_ARGS, "--max-num-seqs", "1", "--engine-id", "d0", "--control-address", decode_control,
+                   "--kv-peer", kv)
+    prefill, decode = start_together(
+        lambda: EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", "--kv-address", kv,
+                              log_dir=tmp_path),
+        lambda: EngineProcess("decode", model_dir, *decode_args, log_dir=tmp_path))
     driver = Driver(decode, prefill)
     try:
         busy, *queued = prompts(3)[:4]
@@ -158,8 +155,7 @@ def test_prefill_frees_at_once_what_it_held_for_a_killed_decode_engine(model_fac
         assert_no_leaks(driver)
     finally:
         driver.close()
-        prefill.stop()
-        decode.stop()
+        stop_together(prefill, decode)
 
 
 def test_transfers_in_flight_when_prefill_dies_fail_at_once_and_its_restart_is_used(model_factory, tmp_path):
@@ -167,11 +163,12 @@ def test_transfers_in_flight_when_prefill_dies_fail_at_once_and_its_restart_is_u
     link's connection drops, so D recomputes the three at once instead of after --kv-timeout (30 s here). P then
     comes back on its addresses and serves the next request's KV."""
     model_dir = model_factory("llama")
-    control, kv = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    prefill = EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", "--control-address", control,
-                            "--kv-address", kv, "--fault", "stall:0", module="tests.decode.faulty_prefill",
-                            log_dir=tmp_path)
-    decode = EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-peer", kv, *DECODE_ARGS, log_dir=tmp_path)
+    control, kv = free_kv_addresses(2)
+    prefill, decode = start_together(
+        lambda: EngineProcess("prefill", model_dir, *ENGINE_ARGS, "--kv-streaming", "on", "--control-address", control,
+                              "--kv-address", kv, "--fault", "stall:0", module="tests.decode.faulty_prefill",
+                              log_dir=tmp_path),
+        lambda: EngineProcess("decode", model_dir, *ENGINE_ARGS, "--kv-peer", kv, *DECODE_ARGS, log_dir=tmp_path))
     driver = Driver(decode, prefill)
     try:
         for i, prompt in enumerate(PROMPTS[:3]):
@@ -194,5 +191,4 @@ def test_transfers_in_flight_when_prefill_dies_fail_at_once_and_its_restart_is_u
         assert_no_leaks(driver)
     finally:
         driver.close()
-        prefill.stop()
-        decode.stop()
+        stop_together(prefill, decode)
