@@ -26,10 +26,13 @@ logger = logging.getLogger(__name__)
 class TorchPagedMetadata:
     context: ForwardContext
     block_size: int
-    store: torch_paged.StorePlan
     # by sliding window (None: full attention), made by the first layer of the step that needs them
     decode_plans: dict[int | None, torch_paged.DecodePlan] = field(default_factory=dict)
     prefill_plans: dict[int | None, list[torch_paged.PrefillSequence]] = field(default_factory=dict)
+
+    @functools.cached_property
+    def store(self) -> torch_paged.StorePlan:  # the torch store's plan: made only where a layer stores through torch
+        return torch_paged.plan_store(self.context.slot_mapping)
 
     @functools.cached_property
     def native_decode_args(self) -> tuple[torch.Tensor, torch.Tensor]:  # int32 [S, max_blocks], [S], contiguous
@@ -92,7 +95,7 @@ class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
                 module.use_native_rotate(cpu_norm_rotary.rotate)
 
     def prepare(self, context: ForwardContext) -> TorchPagedMetadata:
-        return TorchPagedMetadata(context, self.block_size, torch_paged.plan_store(context.slot_mapping))
+        return TorchPagedMetadata(context, self.block_size)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, layer: Attention,
                  metadata: TorchPagedMetadata) -> None:
