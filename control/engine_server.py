@@ -14,7 +14,6 @@ import functools
 import logging
 import os
 import signal
-import threading
 import time
 from typing import Any
 
@@ -101,7 +100,9 @@ class EngineServer:
         self.control = ServerSocket(control_address, curve=curve.server if curve else None, hwm=CONTROL_REPLY_HWM,
                                     max_message_bytes=CONTROL_MESSAGE_BYTES)
         self.owners: dict[str, bytes] = {}  # request id -> control peer that sent it
-        self._stop = threading.Event()
+        # set by stop(), which also runs as the SIGTERM/SIGINT handler: a plain attribute, as a handler must take no
+        # lock (a second signal handled inside the first's Event.set would wait on that Event's lock forever)
+        self.stopping = False
         self.heartbeats: list[Heartbeat] = []  # one per router this engine registers with
         self.admissions: list[AdmissionWatch] = []  # one per router: did it admit this engine?
         self._contacted = False  # a router reached this engine (control socket or registration link)
@@ -114,7 +115,8 @@ class EngineServer:
         return self.control.address
 
     def stop(self, *_: Any) -> None:
-        self._stop.set()
+        """Leave the loop at its next turn (any thread, or a signal handler: any number of times)."""
+        self.stopping = True
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.stop)
@@ -125,7 +127,7 @@ class EngineServer:
         poller = zmq.Poller()
         registered: set = set()
         try:
-            while not self._stop.is_set():
+            while not self.stopping:
                 _poll_these(poller, registered, [self.control.socket, *self.kv_transfer.sockets()])
                 poller.poll(0 if self.engine.has_runnable_work() else IDLE_WAIT_MS)
                 self._guarded(self._drain_control)

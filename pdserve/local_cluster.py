@@ -37,6 +37,7 @@ class ChildProcess:
 
     process: subprocess.Popen
     log_path: Path
+    _terminated = False  # terminate() has sent SIGTERM
 
     def launch(self, command: list[str], what: str, env: dict | None = None) -> dict[str, str]:
         """Start `command`; the key=value pairs of its PDSERVE_READY line (RuntimeError with its log if none)."""
@@ -60,9 +61,15 @@ class ChildProcess:
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(timeout=30)
 
+    def terminate(self) -> None:
+        """SIGTERM, once: stop() after it waits for the exit without signalling again."""
+        if self.process.poll() is None and not self._terminated:
+            self._terminated = True
+            self.process.terminate()
+
     def stop(self) -> None:
         if self.process.poll() is None:
-            self.process.terminate()
+            self.terminate()
             try:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:

@@ -4,8 +4,11 @@ and the progress file the loop touches as it goes round."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -171,3 +174,40 @@ def test_the_loop_gives_up_its_core_after_each_step(monkeypatch):
     server.engine = server.kv_transfer = EngineOfSteps(events, server.stop)
     server.run()
     assert events == ["step", "yield"] * 3
+
+
+SIGNAL_STORM = """
+import os, signal, sys
+from pdserve.control.engine_server import EngineServer
+from tests.control.test_engine_server import IdleEngine
+
+for second_at in range(1, 40):  # the second SIGTERM lands at each line the first one's handling runs, in turn
+    lines = 0
+
+    def second_signal(frame, event, arg):
+        global lines
+        if event == "line":
+            lines += 1
+            if lines == second_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return second_signal
+
+    idle = IdleEngine()
+    server = EngineServer(engine=idle, kv_transfer=idle, control_address="tcp://127.0.0.1:0", engine_id="e0")
+    server.install_signal_handlers()
+    sys.settrace(second_signal)
+    os.kill(os.getpid(), signal.SIGTERM)
+    server.run()  # returns at once: it was told to stop
+    sys.settrace(None)
+    assert server.stopping
+print("every loop left")
+"""
+
+
+def test_a_second_sigterm_during_the_first_ones_handling_does_not_hang_the_engine():
+    """`pdserve engine` pressed Ctrl-C twice, a supervisor's repeated SIGTERM: the handler once set a threading.Event,
+    and a second signal handled while the first held that Event's lock waited on it forever (engines killed after
+    30 s instead of stopping). Run apart: a hang here is the subprocess's timeout, not the test run's."""
+    result = subprocess.run([sys.executable, "-c", SIGNAL_STORM], capture_output=True, text=True, timeout=60,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0 and "every loop left" in result.stdout, result.stderr[-2000:]

@@ -87,8 +87,7 @@ def start_at_free_kv_addresses(count: int, *starts: Callable[[list[str]], Engine
 def stop_together(*processes: EngineProcess) -> None:
     """SIGTERM to every process at once, then each one's bounded wait (EngineProcess.stop)."""
     for process in processes:
-        if process.process.poll() is None:
-            process.process.terminate()
+        process.terminate()
     for process in processes:
         process.stop()
 
