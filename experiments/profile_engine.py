@@ -31,6 +31,7 @@ PARTS = [
     ("pdserve.kernels.cpu_prefill", "paged_prefill", "prefill attention"),  # the native bf16 kernel, where it runs
     ("pdserve.kernels.torch_paged", "store_kv_planned", "KV store"),
     ("pdserve.kernels.torch_paged", "plan_decode", "decode plan"),
+    ("pdserve.engine.models.cpu_decode_layers", "NativeDecodeStep.__call__", "decode layers in one native call"),
     ("pdserve.engine.layers.norm", "RMSNorm.forward", "norms"),
     ("pdserve.engine.layers.rotary", "TableRotation.__call__", "rotary"),
     ("pdserve.engine.layers.sampler", "Sampler.__call__", "sampler"),

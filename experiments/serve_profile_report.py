@@ -10,9 +10,9 @@ import step_spans
 
 # the table's order: computation first, then the engine's own work, then the sockets
 PART_ORDER = [step_spans.GEMM, step_spans.ATTENTION, step_spans.GATHERS, step_spans.NORMS, step_spans.ROTARY,
-              step_spans.MODEL_REST, step_spans.SAMPLING, step_spans.RUNNER_INPUTS, step_spans.SCHEDULER,
-              step_spans.LOOP_OTHER, step_spans.ZMQ_IN, step_spans.KV_IN, step_spans.ZMQ_OUT, step_spans.YIELD,
-              step_spans.WAIT]
+              step_spans.NATIVE_LAYERS, step_spans.MODEL_REST, step_spans.SAMPLING, step_spans.RUNNER_INPUTS,
+              step_spans.SCHEDULER, step_spans.LOOP_OTHER, step_spans.ZMQ_IN, step_spans.KV_IN, step_spans.ZMQ_OUT,
+              step_spans.YIELD, step_spans.WAIT]
 ADDS_UP_WITHIN = 0.05  # the named parts cover the measured step to this share
 
 

@@ -23,6 +23,7 @@ ATTENTION = "attention (paged, with its metadata)"
 GATHERS = "gathers (index_select, embedding)"
 NORMS = "RMSNorm"
 ROTARY = "rotary"
+NATIVE_LAYERS = "decoder layers in one native call (decode steps)"
 MODEL_REST = "model: Python and element-wise ops"
 SAMPLING = "sampling"
 RUNNER_INPUTS = "model runner: step inputs"
@@ -155,6 +156,7 @@ def wrap_model(clock: StepClock, runner) -> None:
     from pdserve.engine.layers.linear import Linear
     from pdserve.engine.layers.norm import RMSNorm
     from pdserve.engine.layers.rotary import RotaryEmbedding
+    from pdserve.engine.models.cpu_decode_layers import NativeDecodeStep
 
     runner_type = type(runner)
     wrap_method(clock, runner_type, "prepare", RUNNER_INPUTS)
@@ -165,6 +167,7 @@ def wrap_model(clock: StepClock, runner) -> None:
     wrap_method(clock, Linear, "forward", GEMM)
     wrap_method(clock, RMSNorm, "forward", NORMS)
     wrap_method(clock, RotaryEmbedding, "forward", ROTARY)
+    wrap_method(clock, NativeDecodeStep, "__call__", NATIVE_LAYERS)
     for rotation in _rotation_types():
         wrap_method(clock, rotation, "__call__", ROTARY)
     wrap_method(clock, torch.nn.Embedding, "forward", GATHERS)

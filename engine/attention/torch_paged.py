@@ -17,6 +17,7 @@ from pdserve.engine.forward_context import ForwardContext
 from pdserve.engine.layers.attention import Attention
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.models import cpu_decode_layers
 from pdserve.kernels import cpu_native, cpu_norm_rotary, cpu_prefill, torch_paged
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
 
     def bind_layer_kernels(self, model: nn.Module) -> None:
         """bfloat16 RMSNorms and rotations in one native call each where cpu_norm_rotary.c builds (other dtypes
-        keep their torch code inside the same functions)."""
+        keep their torch code inside the same functions); then, where the model allows, decode steps through all
+        its layers in one native call (engine/models/cpu_decode_layers.py)."""
         if not cpu_norm_rotary.available():
             return
         for module in model.modules():
@@ -93,6 +95,8 @@ class TorchPagedBackend(AttentionBackend[TorchPagedMetadata]):
                 module.use_kernel(cpu_norm_rotary.add_rms_norm)
             elif isinstance(module, RotaryEmbedding):
                 module.use_native_rotate(cpu_norm_rotary.rotate)
+        if self.native_decode:
+            cpu_decode_layers.bind(model)
 
     def prepare(self, context: ForwardContext) -> TorchPagedMetadata:
         return TorchPagedMetadata(context, self.block_size)

@@ -98,12 +98,19 @@ class DecoderStack(nn.Module):
                                           config.rope_scaling)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # (hidden, rotation) -> (last layer's output, residual) for a decode step it takes in one call, else None:
+        # engine/models/cpu_decode_layers.py, bound by the CPU attention backend where the model allows it
+        self.native_decode: Callable[[torch.Tensor, Rotation], tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         rotation = self.rotary_emb(positions, hidden.dtype)
-        for layer in self.layers:
-            hidden, residual = layer(rotation, hidden, residual)
+        done = None if self.native_decode is None else self.native_decode(hidden, rotation)
+        if done is not None:
+            hidden, residual = done
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(rotation, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
