@@ -36,8 +36,6 @@ def bind(model: nn.Module) -> None:
 
 def ineligible_reason(stack: DecoderStack) -> str | None:
     """Why this stack's decode steps cannot run in one native call, or None when they can."""
-    if not cpu_decode_layers.available():
-        return "the native kernels are not built here"
     layers = list(stack.layers)
     if not layers or not all(type(layer) is DecoderLayer and type(layer.self_attn) is DecoderAttention
                              and type(layer.mlp) is GatedMLP for layer in layers):
@@ -56,6 +54,8 @@ def ineligible_reason(stack: DecoderStack) -> str | None:
         return "norms not on the native kernel"
     if len({norm.eps for norm in norms}) != 1 or len({attn.attn.scale for attn in attentions}) != 1:
         return "layers with different norm epsilons or attention scales"
+    if not cpu_decode_layers.available():  # last: the first call builds its library
+        return "the native kernels are not built here"
     return None
 
 
@@ -69,7 +69,7 @@ class NativeDecodeStep:
     def __call__(self, hidden: torch.Tensor, rotation: Rotation) -> tuple[torch.Tensor, torch.Tensor] | None:
         context = get_forward_context()
         if (context.num_decode_tokens != hidden.shape[0] or context.group_contexts or context.on_layer_stored
-                or hidden.dtype != torch.bfloat16 or not isinstance(rotation, TableRotation)
+                or context.slot_mapping.dtype != torch.int64 or hidden.dtype != torch.bfloat16 or not isinstance(rotation, TableRotation)
                 or rotation.native_rotate is None or not hasattr(context.attn_metadata, "native_decode_args")):
             return None
         layers = self._layers()
