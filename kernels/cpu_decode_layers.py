@@ -58,6 +58,8 @@ class LayerWeights:
     down_bias: torch.Tensor | None
     key_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D] bf16, contiguous
     value_cache: torch.Tensor
+    q_norm: torch.Tensor | None = None  # [D]: Qwen3's per-head norms of q and k before rotary
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,8 @@ class DecodeLayers:
                                   cache.shape[1], cache.shape[0] * cache.shape[1]], dtype=torch.int64)
         self.scratch_per_token = ((shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
                                   + (shape.num_heads + shape.num_kv_heads) * shape.head_dim
-                                  + shape.num_heads * shape.head_dim + 2 * shape.hidden + 3 * shape.intermediate)
+                                  + shape.num_heads * shape.head_dim + 2 * shape.hidden + 3 * shape.intermediate
+                                  + 2 * (shape.num_heads + shape.num_kv_heads) * shape.head_dim)
 
     def run(
         self,

@@ -1,7 +1,7 @@
 """Decode steps of a Llama-family model through all its decoder layers in one native call on the CPU
 (kernels/cpu_decode_layers.c), where the model and the step allow it; every other step runs the layers one by one.
 
-Which models: a DecoderStack whose every layer is the plain Llama layer (DecoderAttention without q/k norms, GatedMLP)
+Which models: a DecoderStack whose every layer is the plain Llama layer (DecoderAttention, q/k norms or not; GatedMLP)
 with bf16 weights packed for pdserve's bf16 product, the CPU backend's native norms and rotary bound, and attention
 with no sliding window, soft cap or sinks. Which steps: decode-only (one token per sequence), one block table for
 every layer, no per-layer KV streaming. The native call runs the same kernels in the same order, so its output
@@ -41,15 +41,14 @@ def ineligible_reason(stack: DecoderStack) -> str | None:
                              and type(layer.mlp) is GatedMLP for layer in layers):
         return "a layer other than the plain Llama attention and gated MLP"
     attentions = [layer.self_attn for layer in layers]
-    if any(attn.q_norm is not None for attn in attentions):
-        return "q/k norms"
     if any(attn.attn.sliding_window or attn.attn.soft_cap or attn.attn.sinks is not None for attn in attentions):
         return "a sliding window, soft cap or sinks"
     linears = [linear for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     if any(linear.native_weight is None for linear in linears):
         return "linears not on the bf16 kernel"
-    norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+    norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                   layer.self_attn.q_norm, layer.self_attn.k_norm) if norm is not None]
     if any(norm.kernel is not cpu_norm_rotary.add_rms_norm or norm.weight.dtype != torch.bfloat16 for norm in norms):
         return "norms not on the native kernel"
     if len({norm.eps for norm in norms}) != 1 or len({attn.attn.scale for attn in attentions}) != 1:
@@ -100,7 +99,8 @@ def _decode_layers(stack: DecoderStack) -> cpu_decode_layers.DecodeLayers:
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
             attn.qkv_proj.native_weight, attn.qkv_proj.bias, attn.o_proj.native_weight, attn.o_proj.bias,
             mlp.gate_up_proj.native_weight, mlp.gate_up_proj.bias, mlp.down_proj.native_weight, mlp.down_proj.bias,
-            attn.attn.key_cache, attn.attn.value_cache))
+            attn.attn.key_cache, attn.attn.value_cache,
+            None if attn.q_norm is None else attn.q_norm.weight, None if attn.k_norm is None else attn.k_norm.weight))
     first = stack.layers[0]
     attn = first.self_attn
     shape = cpu_decode_layers.StackShape(first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,

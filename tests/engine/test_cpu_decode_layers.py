@@ -41,7 +41,7 @@ def _generate(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
     return [(out.outputs[0].token_ids, out.outputs[0].logprobs) for out in outputs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: q/k norms
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("batched_tokens", [2048, 64])  # 64: prefill chunks share steps with decodes
 def test_one_call_equals_the_layers_one_by_one(model_factory, arch, threads, batched_tokens):
@@ -63,7 +63,6 @@ def test_one_call_equals_the_layers_one_by_one(model_factory, arch, threads, bat
 
 
 @pytest.mark.parametrize("arch, overrides, dtype, reason", [
-    ("qwen3", {}, "bfloat16", "q/k norms"),
     ("mistral", {"sliding_window": 8}, "bfloat16", "sliding window"),
     ("llama", {}, "float32", "linears not on the bf16 kernel"),
 ])

@@ -24,4 +24,4 @@ def test_both_ways_are_timed_in_turns(model_factory, capsys):
 
 def test_a_model_without_the_one_call_path_is_refused_with_a_sentence(model_factory):
     with pytest.raises(SystemExit, match="layer by layer"):
-        main(["--model", model_factory("qwen3"), "--rounds", "1"])
+        main(["--model", model_factory("mistral", sliding_window=8), "--rounds", "1"])
