@@ -21,7 +21,8 @@ SOURCE = Path(__file__).with_name("cpu_decode_layers.c")
 _POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _FUNCTIONS = {
     "pdserve_decode_layers_bf16": (_INT, [_POINTER, _POINTER, _INT, _POINTER, _FLOAT, _FLOAT, _POINTER, _POINTER,
-                                          _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT]),
+                                          _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT,
+                                          _INT]),
     "pdserve_decode_layers_bf16_fields": (_INT, []),
 }
 ERRORS = {-1: "a bf16 product refused its shape (an odd input width)",
@@ -77,10 +78,11 @@ class DecodeLayers:
     """The layers' addresses, read once; `run` takes one decode step through all of them."""
 
     def __init__(self, shape: StackShape, layers: list[LayerWeights]) -> None:
-        fields = cpu_native.functions(SOURCE, _FUNCTIONS)[1]()
+        self.call, fields_of = cpu_native.functions(SOURCE, _FUNCTIONS)
+        fields = fields_of()
         rows = [[_address(getattr(layer, name)) for name in LayerWeights.__dataclass_fields__] for layer in layers]
         if any(len(row) != fields for row in rows):
-            raise RuntimeError(f"cpu_decode_layers.c reads {fields} fields a layer: update kernels/cpu_decode_layers.py")
+            raise RuntimeError(f"cpu_decode_layers.c reads {fields} fields a layer: update LayerWeights to match")
         self.layers = layers  # keeps every addressed tensor alive
         self.table = torch.tensor(rows, dtype=torch.int64)  # [num_layers, fields]
         self.kernels = _kernel_addresses()
@@ -88,10 +90,10 @@ class DecodeLayers:
         self.shape = shape
         self.dims = torch.tensor([shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate,
                                   cache.shape[1], cache.shape[0] * cache.shape[1]], dtype=torch.int64)
-        self.scratch_per_token = ((shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
-                                  + (shape.num_heads + shape.num_kv_heads) * shape.head_dim
-                                  + shape.num_heads * shape.head_dim + 2 * shape.hidden + 3 * shape.intermediate
-                                  + 2 * (shape.num_heads + shape.num_kv_heads) * shape.head_dim)
+        # qkv, rotated | attended | normed and a residual | gate_up and act | q/k heads before and after their norms
+        heads, kv_heads = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        self.scratch_per_token = (heads + 2 * kv_heads + 3 * (heads + kv_heads) + heads + 2 * shape.hidden
+                                  + 3 * shape.intermediate)
 
     def run(
         self,
@@ -104,7 +106,7 @@ class DecodeLayers:
         tokens = hidden.shape[0]
         out, residual = torch.empty_like(hidden), torch.empty_like(hidden)
         scratch = torch.empty(tokens * self.scratch_per_token, dtype=torch.bfloat16)
-        status = cpu_native.functions(SOURCE, _FUNCTIONS)[0](
+        status = self.call(
             self.kernels.data_ptr(), self.table.data_ptr(), self.table.shape[0], self.dims.data_ptr(), self.shape.eps,
             self.shape.scale, hidden.data_ptr(), out.data_ptr(), residual.data_ptr(), scratch.data_ptr(),
             cos_sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),

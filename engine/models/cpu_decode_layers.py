@@ -68,8 +68,9 @@ class NativeDecodeStep:
     def __call__(self, hidden: torch.Tensor, rotation: Rotation) -> tuple[torch.Tensor, torch.Tensor] | None:
         context = get_forward_context()
         if (context.num_decode_tokens != hidden.shape[0] or context.group_contexts or context.on_layer_stored
-                or context.slot_mapping.dtype != torch.int64 or hidden.dtype != torch.bfloat16 or not isinstance(rotation, TableRotation)
-                or rotation.native_rotate is None or not hasattr(context.attn_metadata, "native_decode_args")):
+                or context.slot_mapping.dtype != torch.int64 or hidden.dtype != torch.bfloat16
+                or not isinstance(rotation, TableRotation) or rotation.native_rotate is None
+                or not hasattr(context.attn_metadata, "native_decode_args")):
             return None
         layers = self._layers()
         if layers is None:
