@@ -12,7 +12,11 @@
  *   packed  panels of [K/2][blocks][16][2] bfloat16, outputs past N zero
  *   bias    [N] bfloat16 or NULL
  *   y       [M, N] bfloat16: the float32 sum plus the bias, rounded to nearest even once
- * Panels are split over OpenMP threads.
+ * Threads split the rows where each gets at least ROW_SPLIT_MIN_ROWS of them (a prompt: each reads every panel,
+ * cheap beside its products), else the outputs in half panels (a decode step: each weight is read by one thread).
+ * Either way the split is even to 8 rows or 32 outputs, so no thread waits long for the other at the end: panels
+ * alone left up to one whole panel between them (9 panels over 2 threads: 5 against 4.5). Every output sums its
+ * products in the same order whatever the split, so the bytes do not depend on the thread count.
  */
 #include <stdint.h>
 #include "cpu_math.h"
@@ -26,6 +30,7 @@
 #define BLOCK 16                         /* outputs per 512-bit register of sums */
 #define PANEL_BLOCKS 4                   /* blocks per panel: the unit of packing, prefetch and threading */
 #define MIN_PARALLEL_PRODUCTS (1 << 17)  /* fewer multiply-adds (M * N * K) than this: one thread */
+#define ROW_SPLIT_MIN_ROWS 32            /* rows per thread from which threads split the rows */
 
 int pdserve_gemm_bf16_panel_blocks(void) { return PANEL_BLOCKS; }
 
@@ -104,6 +109,50 @@ static void panel_product(const Problem *p, int panel_index, int panels) {
         for (; r < p->M; r++) tile(p, panel, panel_blocks, n_panel, b, 1, r, 1, 0, 0, 1);
     }
 }
+
+/* every x row against half (`half` 0 or 1: blocks 0-1 or 2-3) of a full panel */
+static void half_panel_product(const Problem *p, int panel_index, int half) {
+    const uint16_t *panel = p->packed + panel_index * (int64_t)p->K * PANEL_BLOCKS * BLOCK;
+    int n_panel = panel_index * PANEL_BLOCKS * BLOCK, b0 = 2 * half, m = 0;
+    for (; m + 8 <= p->M; m += 8) tile(p, panel, PANEL_BLOCKS, n_panel, b0, 2, m, 8, 0, 0, 1);
+    for (; m + 4 <= p->M; m += 4) tile(p, panel, PANEL_BLOCKS, n_panel, b0, 2, m, 4, 0, 0, 1);
+    for (; m < p->M; m++) tile(p, panel, PANEL_BLOCKS, n_panel, b0, 2, m, 1, 0, 0, 1);
+}
+
+/* Output units [u0, u1) for every row: unit u < 2 * full is half u % 2 of full panel u / 2; unit 2 * full is the
+ * narrow last panel, if any. Whole panels go through panel_product, which prefetches the next one up to `end`. */
+static void units_product(const Problem *p, int u0, int u1, int full) {
+    if (u0 >= u1) return;
+    int end = (u1 - 1 < 2 * full ? (u1 - 1) / 2 : full) + 1;  /* past the last panel this thread touches */
+    int u = u0;
+    if (u % 2 == 1 && u < 2 * full) half_panel_product(p, u++ / 2, 1);
+    for (; u + 1 < u1 && u < 2 * full; u += 2) panel_product(p, u / 2, end);
+    if (u < u1 && u < 2 * full) half_panel_product(p, u++ / 2, 0);
+    if (u < u1) panel_product(p, full, end);  /* the narrow panel */
+}
+
+/* rows [m0, m1) against every panel */
+static void rows_product(const Problem *p, int m0, int m1, int panels) {
+    Problem part = *p;
+    part.x = p->x + (int64_t)m0 * p->K;
+    part.y = p->y + (int64_t)m0 * p->N;
+    part.M = m1 - m0;
+    for (int panel = 0; panel < panels; panel++) panel_product(&part, panel, panels);
+}
+
+/* thread `me` of `team`'s share of the product (see the split at the top) */
+static void share_product(const Problem *p, int me, int team, int panels) {
+    if (team == 1) {
+        for (int panel = 0; panel < panels; panel++) panel_product(p, panel, panels);
+    } else if (p->M >= ROW_SPLIT_MIN_ROWS * team) {  /* bounds on multiples of 8 rows; the last thread to M */
+        int m0 = (int)((int64_t)p->M * me / team) & ~7;
+        int m1 = me + 1 == team ? p->M : (int)((int64_t)p->M * (me + 1) / team) & ~7;
+        rows_product(p, m0, m1, panels);
+    } else {
+        int full = (p->N + BLOCK - 1) / BLOCK / PANEL_BLOCKS, units = 2 * full + (panels > full);  /* 4-block panels */
+        units_product(p, (int)((int64_t)units * me / team), (int)((int64_t)units * (me + 1) / team), full);
+    }
+}
 #endif
 
 /* y = x W^T (+ bias); returns 0, or -1 where this build lacks AVX512-BF16 or K is odd (nothing written) */
@@ -121,8 +170,7 @@ int pdserve_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t 
         team = omp_get_num_threads();
         me = omp_get_thread_num();
 #endif
-        int begin = (int)((int64_t)panels * me / team), end = (int)((int64_t)panels * (me + 1) / team);
-        for (int panel = begin; panel < end; panel++) panel_product(&problem, panel, end);
+        share_product(&problem, me, team, panels);
     }
     return 0;
 #else

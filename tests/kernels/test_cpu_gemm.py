@@ -44,19 +44,23 @@ def test_products_match_float64_sums(rows, out_features, in_features, bias):
     _assert_close_to_reference(out, _reference(x, weight, bias_values), in_features)
 
 
-def test_two_threads_give_the_bytes_one_thread_gives():
-    torch.manual_seed(0)
-    x, weight = torch.randn(13, 576, dtype=torch.bfloat16), torch.randn(3000, 576, dtype=torch.bfloat16)
+# (rows, outputs): outputs split in half panels (an odd count of panels, a narrow last one, a single full panel
+# and a narrow one) and rows split (from 32 a thread, with a remainder past a multiple of 8)
+@pytest.mark.parametrize("rows, out_features", [(13, 3000), (8, 576), (3, 1000), (9, 65), (64, 576), (203, 1000)])
+def test_more_threads_give_the_bytes_one_thread_gives(rows, out_features):
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, 576, dtype=torch.bfloat16), torch.randn(out_features, 576, dtype=torch.bfloat16)
     packed = cpu_gemm.pack_weight(weight)
     previous = torch.get_num_threads()
     try:
         results = []
-        for threads in (1, 2):
+        for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            results.append(cpu_gemm.linear(x, packed, 3000))
+            results.append(cpu_gemm.linear(x, packed, out_features))
     finally:
         torch.set_num_threads(previous)
-    assert torch.equal(results[0], results[1])
+    _assert_close_to_reference(results[0], _reference(x, weight, None), 576)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
 def test_a_row_is_the_same_in_any_batch():
