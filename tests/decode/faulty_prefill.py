@@ -4,7 +4,8 @@
 
 It wraps `KVSender.send_layer`, which every KVLayer message passes through, then runs the normal entry
 point. `action:N` acts on the N-th KVLayer message the engine sends: drop (never sent), corrupt (one
-payload byte flipped), delay (sent 2 s late) or stall (the engine hangs inside the send for good).
+payload byte flipped), delay (sent 2 s late; `delay:N:S` for S seconds) or stall (the engine hangs inside the
+send for good).
 """
 
 from __future__ import annotations
@@ -21,14 +22,19 @@ log = logging.getLogger("tests.faulty_prefill")
 ACTIONS = ("drop", "corrupt", "stall", "delay")
 
 
-def parse_faults(spec: str) -> dict[int, str]:
-    """"drop:3,corrupt:5" -> {3: "drop", 5: "corrupt"}."""
+DEFAULT_DELAY_S = 2.0
+
+
+def parse_faults(spec: str) -> dict[int, tuple[str, float]]:
+    """"drop:3,delay:5:4" -> {3: ("drop", 2.0), 5: ("delay", 4.0)}: (action, seconds of a delay)."""
     faults = {}
     for item in filter(None, spec.split(",")):
-        action, _, index = item.partition(":")
-        if action not in ACTIONS or not index.isdigit():
-            raise ValueError(f"--fault {spec!r}: use comma-separated drop:N, corrupt:N, stall:N or delay:N")
-        faults[int(index)] = action
+        action, _, rest = item.partition(":")
+        index, _, seconds = rest.partition(":")
+        if (action not in ACTIONS or not index.isdigit()
+                or (seconds and (action != "delay" or not seconds.replace(".", "", 1).isdigit()))):
+            raise ValueError(f"--fault {spec!r}: use comma-separated drop:N, corrupt:N, stall:N or delay:N[:SECONDS]")
+        faults[int(index)] = (action, float(seconds or DEFAULT_DELAY_S))
     return faults
 
 
@@ -37,15 +43,15 @@ def inject(faults: dict[int, str]) -> None:
     message_index = itertools.count()
 
     def faulty_send_layer(self, peer_id, msg, payload):
-        action = faults.get(next(message_index))
+        action, delay_s = faults.get(next(message_index), (None, 0.0))
         if action == "drop":
             return
         if action == "corrupt":
             payload = bytearray(payload)
             payload[len(payload) // 2] ^= 0x40
         elif action == "delay":
-            log.error("fault injection: delaying a KV send by 2 s")
-            time.sleep(2.0)
+            log.error("fault injection: delaying a KV send by %g s", delay_s)
+            time.sleep(delay_s)
         elif action == "stall":
             log.error("fault injection: stalling forever mid-transfer")
             while True:

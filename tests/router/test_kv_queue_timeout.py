@@ -3,11 +3,12 @@ that runs from the prompt being computed (the router relays the prefill engine's
 engine), and --kv-queue-timeout bounds the wait before it.
 
 Real engine processes and the router's app in this process. The prefill engine delays its first KV
-message by 2 s (tests/decode/faulty_prefill.py), inside its loop: prompt A's KV comes 2 s after A was
-computed, past --kv-timeout 1 s, so the decode engine recomputes A. Prompt B, sent while the prefill
-engine is stuck in A's send, waits ~2 s in its queue before it is computed; its KV then comes at once,
-so B's transfer must succeed, though its KVWant is older than 1 s. The margins are 1 s both ways: a CI run
-under load once saw A's KV accepted with --kv-timeout 1.5."""
+message by 4 s (tests/decode/faulty_prefill.py), inside its loop: prompt A's KV comes 4 s after A was
+computed, past --kv-timeout 2 s, so the decode engine recomputes A. Prompt B, sent while the prefill
+engine is stuck in A's send, waits ~4 s in its queue before it is computed; its KV then comes at once,
+so B's transfer must succeed, though its KVWant is older than 2 s. The margins are 2 s both ways: CI runs
+under load saw A's KV accepted with 1 s margins (the first token's relay to D, which starts A's clock,
+came late on a starved host)."""
 
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ def test_queue_time_at_the_prefill_engine_does_not_count_against_the_kv_timeout(
         async with router_server(tiny_model, tokenization) as (gateway, url):
             registration = ("--router-address", gateway.registry.registration_address)
             prefill, decode = start_together(
-                lambda: EngineProcess("prefill", tiny_model, *ENGINE_ARGS, *registration, "--fault", "delay:0",
+                lambda: EngineProcess("prefill", tiny_model, *ENGINE_ARGS, *registration, "--fault", "delay:0:4",
                                       log_dir=tmp_path, module="tests.decode.faulty_prefill"),
-                lambda: EngineProcess("decode", tiny_model, *ENGINE_ARGS, *registration, "--kv-timeout", "1",
+                lambda: EngineProcess("decode", tiny_model, *ENGINE_ARGS, *registration, "--kv-timeout", "2",
                                       log_dir=tmp_path))
             try:
                 await wait_until(lambda: gateway.registry.engines("prefill") and gateway.registry.engines("decode"),
