@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 
+from cpu_linear_kernel import LAYER_SHAPES, LAYERS  # the demo model's (out, in) per decoder layer, 30 layers
 from pdserve.kernels import cpu_gemm, cpu_native
 
-LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per decoder layer
-LAYERS = 30
 SIGNATURE = {"pdserve_gemm_bf16": (ctypes.c_int, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4)}
 
 

@@ -142,9 +142,7 @@ static void rows_product(const Problem *p, int m0, int m1, int panels) {
 
 /* thread `me` of `team`'s share of the product (see the split at the top) */
 static void share_product(const Problem *p, int me, int team, int panels) {
-    if (team == 1) {
-        for (int panel = 0; panel < panels; panel++) panel_product(p, panel, panels);
-    } else if (p->M >= ROW_SPLIT_MIN_ROWS * team) {  /* bounds on multiples of 8 rows; the last thread to M */
+    if (team == 1 || p->M >= ROW_SPLIT_MIN_ROWS * team) {  /* bounds on multiples of 8 rows; the last thread to M */
         int m0 = (int)((int64_t)p->M * me / team) & ~7;
         int m1 = me + 1 == team ? p->M : (int)((int64_t)p->M * (me + 1) / team) & ~7;
         rows_product(p, m0, m1, panels);
