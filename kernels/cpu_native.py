@@ -113,7 +113,7 @@ def build(compiler: str, source: Path = SOURCE) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]  # what a source may include
     key = hashlib.sha256("\0".join([source.read_text(), *headers, compiler, version, " ".join(FLAGS),
-                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+                                    platform.machine(), cpu_flags()]).encode()).hexdigest()[:16]
     directory = Path(os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "pdserve") / "kernels"
     target = directory / f"{source.stem}-{key}.so"
     if target.exists():
@@ -132,7 +132,8 @@ def build(compiler: str, source: Path = SOURCE) -> Path:
     return target
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's flags line of /proc/cpuinfo (else platform.processor()): part of a build's cache key."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):

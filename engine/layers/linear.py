@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.cpu_threads import one_cpu_thread
-from pdserve.kernels import cpu_gemm
+from pdserve.kernels import cpu_gemm, cpu_gemm_f32
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 # once into oneDNN's blocked layout (pack_linear_weights). torch's F.linear hands fp32 products to MKL, which
 # repacks the whole weight on every call: on the 2-core benchmark box the prepacked products of this model's
 # shapes ran 1.7-1.9x faster at 1-32 rows and 1.45x faster at 2048 rows (docs/results.md, offline throughput).
+# On CPUs without AVX-512, float32 linears run on pdserve's AVX2 kernel (kernels/cpu_gemm_f32.c) instead: a decode
+# step's linears ran 1.4-1.7x as fast as on oneDNN, a prompt's about 0.9x (docs/results.md, CPU kernels).
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # A float32 weight smaller than this stays on F.linear: at 1-128 rows its product ran 1.1-6x faster there than
 # packed (one call's fixed cost dominates), and at 512-2048 rows packed was at most 12% faster
@@ -63,12 +65,13 @@ class Linear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout, set by pack_linear_weights
-        self.native_weight: torch.Tensor | None = None  # pdserve's bf16 kernel's panels, set by pack_linear_weights
+        self.native_weight: torch.Tensor | None = None  # pdserve's kernel's panels (its dtype), by pack_linear_weights
 
     def pack_for_cpu(self, keep_weight: bool) -> bool:
-        """Pack the weight for pdserve's bf16 kernel, else reorder it for oneDNN; without keep_weight the plain
-        copy is released. False if the weight stays on F.linear (not on CPU, a dtype oneDNN lacks, a CPU without
-        its instructions, or a small float32 weight: MIN_PACKED_FP32_ELEMENTS)."""
+        """Pack the weight for pdserve's kernel of its dtype (bf16, or float32 where the CPU lacks AVX-512), else
+        reorder it for oneDNN; without keep_weight the plain copy is released. False if the weight stays on
+        F.linear (not on CPU, a dtype oneDNN lacks, a CPU without its instructions, or a small float32 weight on
+        oneDNN: MIN_PACKED_FP32_ELEMENTS)."""
         return _pack(self, keep_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
@@ -78,14 +81,16 @@ class Linear(nn.Module):
 
 
 def _pack(linear: nn.Module, keep_weight: bool) -> bool:
-    """Set linear.native_weight (pdserve's bf16 panels) or linear.packed_weight (oneDNN layout) from
-    linear.weight; see Linear.pack_for_cpu."""
+    """Set linear.native_weight (pdserve's panels) or linear.packed_weight (oneDNN layout) from linear.weight;
+    see Linear.pack_for_cpu."""
     weight = linear.weight
     linear.native_weight = linear.packed_weight = None
     if weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES:
         return False
     if cpu_gemm.supports(weight, linear.bias):
         linear.native_weight = cpu_gemm.pack_weight(weight.data)
+    elif cpu_gemm_f32.supports(weight, linear.bias):
+        linear.native_weight = cpu_gemm_f32.pack_weight(weight.data)
     elif not torch.backends.mkldnn.is_available() or (
             weight.dtype == torch.float32 and weight.numel() < MIN_PACKED_FP32_ELEMENTS):
         return False
@@ -102,7 +107,8 @@ def _pack(linear: nn.Module, keep_weight: bool) -> bool:
 
 def _packed_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
     if linear.native_weight is not None:
-        return cpu_gemm.linear(x, linear.native_weight, linear.out_features, linear.bias)
+        kernel = cpu_gemm if linear.native_weight.dtype == torch.bfloat16 else cpu_gemm_f32
+        return kernel.linear(x, linear.native_weight, linear.out_features, linear.bias)
     rows = x.numel() // x.shape[-1]
     padded = padded_rows(rows)
     if padded == rows:
@@ -204,7 +210,7 @@ def _log_linear_kernels(linears: list[Linear], any_bf16: bool) -> None:
     native = sum(linear.native_weight is not None for linear in linears)
     onednn = sum(linear.packed_weight is not None for linear in linears)
     if native or onednn:
-        logger.info("CPU linears: %d on pdserve's bf16 kernel, %d on oneDNN, %d on F.linear", native, onednn,
+        logger.info("CPU linears: %d on pdserve's kernels, %d on oneDNN, %d on F.linear", native, onednn,
                     len(linears) - native - onednn)
     if any_bf16 and not native and cpu_gemm.unavailable_reason():
         logger.info("bf16 linears run on oneDNN: pdserve's kernel is unavailable (%s)", cpu_gemm.unavailable_reason())

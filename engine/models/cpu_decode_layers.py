@@ -45,7 +45,7 @@ def ineligible_reason(stack: DecoderStack) -> str | None:
         return "a sliding window, soft cap or sinks"
     linears = [linear for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    if any(linear.native_weight is None for linear in linears):
+    if any(linear.native_weight is None or linear.native_weight.dtype != torch.bfloat16 for linear in linears):
         return "linears not on the bf16 kernel"
     norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm,
                                                    layer.self_attn.q_norm, layer.self_attn.k_norm) if norm is not None]

@@ -1,4 +1,5 @@
-"""Linear layers on CPU: weights reordered for oneDNN once at load, same products as F.linear."""
+"""Linear layers on CPU: weights reordered for oneDNN once at load, same products as F.linear; float32 ones on
+pdserve's AVX2 kernel where the CPU lacks AVX-512."""
 
 from __future__ import annotations
 
@@ -9,6 +10,14 @@ from torch import nn
 
 from pdserve import LLM
 from pdserve.engine.layers.linear import Linear, MergedLinear, pack_linear_weights
+from pdserve.kernels import cpu_gemm_f32
+
+
+@pytest.fixture(autouse=True)
+def float32_on_onednn(monkeypatch):
+    """The tests here are of oneDNN's path: float32 weights stay off pdserve's AVX2 kernel, which a CPU without
+    AVX-512 gives them (its own tests: tests/kernels/test_cpu_gemm_f32.py, and the last test here)."""
+    monkeypatch.setattr(cpu_gemm_f32, "runs_linears", lambda: False)
 
 
 def _filled(linear: Linear) -> Linear:
@@ -95,3 +104,19 @@ def test_transformers_backend_linears_run_packed(model_factory, pack_every_linea
     # released but still a Parameter, unless tied to the embedding (this model's lm_head is not)
     assert all(m.weight.numel() == 0 for m in linears if m.weight is not embedding)
     assert embedding.numel() > 0
+
+
+@pytest.mark.skipif(cpu_gemm_f32.packed_gemm() is None, reason="pdserve's float32 kernel does not run here")
+def test_a_cpu_without_avx512_runs_float32_models_on_pdserves_kernel(model_factory, monkeypatch):
+    """The same greedy tokens as on oneDNN, every linear on the kernel's panels and none left on oneDNN."""
+    model = model_factory("llama")
+    from pdserve import SamplingParams
+
+    prompts = [{"prompt_token_ids": [5, 9, 2, 7, 11, 3]}, {"prompt_token_ids": [1, 4]}]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(model, dtype="float32", num_kv_blocks=16).generate(prompts, params)]
+    monkeypatch.setattr(cpu_gemm_f32, "runs_linears", lambda: True)
+    llm = LLM(model, dtype="float32", num_kv_blocks=16)
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.native_weight is not None and m.packed_weight is None for m in linears)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
