@@ -23,9 +23,6 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
 #define BLOCK 16                         /* outputs per 512-bit register of sums */
 #define PANEL_BLOCKS 4                   /* blocks per panel: the unit of packing, prefetch and threading */
@@ -163,11 +160,8 @@ int pdserve_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t 
     if ((int64_t)M * N * K < MIN_PARALLEL_PRODUCTS || panels < 2) threads = 1;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int team = 1, me = 0;
-#if defined(_OPENMP)
-        team = omp_get_num_threads();
-        me = omp_get_thread_num();
-#endif
+        int team, me;
+        thread_place(&team, &me);
         share_product(&problem, me, team, panels);
     }
     return 0;

@@ -16,11 +16,9 @@
  * nor on the batch.
  */
 #include <stdint.h>
+#include "cpu_math.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#endif
-#if defined(_OPENMP)
-#include <omp.h>
 #endif
 
 #define BLOCK 8                          /* outputs per 256-bit register of sums */
@@ -124,11 +122,8 @@ int pdserve_gemm_f32(const float *x, const float *packed, const float *bias, flo
     if ((int64_t)M * N * K < MIN_PARALLEL_PRODUCTS || panels < 2) threads = 1;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int team = 1, me = 0;
-#if defined(_OPENMP)
-        team = omp_get_num_threads();
-        me = omp_get_thread_num();
-#endif
+        int team, me;
+        thread_place(&team, &me);
         int first = (int)((int64_t)panels * me / team), last = (int)((int64_t)panels * (me + 1) / team);
         for (int m0 = 0; m0 < M; m0 += ROW_CHUNK) {  /* a chunk of x stays in L2 while the panels pass */
             int m1 = m0 + ROW_CHUNK < M ? m0 + ROW_CHUNK : M;

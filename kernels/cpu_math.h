@@ -1,8 +1,22 @@
-/* What the native CPU kernels share: bfloat16 conversions, and exp in plain C that the compiler vectorizes (no libm
- * call in the loops) and on 16 AVX-512 lanes. */
+/* What the native CPU kernels share: a thread's place in its OpenMP team, bfloat16 conversions, and exp in plain C
+ * that the compiler vectorizes (no libm call in the loops) and on 16 AVX-512 lanes. */
 #ifndef PDSERVE_CPU_MATH_H
 #define PDSERVE_CPU_MATH_H
 #include <stdint.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+/* this thread's place in the running OpenMP team: *team threads, this one number *me (1 and 0 without OpenMP) */
+static inline void thread_place(int *team, int *me) {
+#if defined(_OPENMP)
+    *team = omp_get_num_threads();
+    *me = omp_get_thread_num();
+#else
+    *team = 1;
+    *me = 0;
+#endif
+}
 
 static inline int built_with_avx512_bf16(void) {  /* 1 where this build runs AVX512-BF16 code (-march=native has it) */
 #if defined(__AVX512BF16__)

@@ -10,6 +10,7 @@ import torch
 
 from pdserve.engine.layers.linear import Linear, pack_linear_weights
 from pdserve.kernels import cpu_gemm, cpu_native
+from tests.kernels.thread_counts import at_thread_counts
 
 pytestmark = pytest.mark.skipif(cpu_gemm.packed_gemm() is None,
                                 reason=f"pdserve's bf16 kernel does not run here: {cpu_gemm.unavailable_reason()}")
@@ -51,14 +52,7 @@ def test_more_threads_give_the_bytes_one_thread_gives(rows, out_features):
     torch.manual_seed(rows)
     x, weight = torch.randn(rows, 576, dtype=torch.bfloat16), torch.randn(out_features, 576, dtype=torch.bfloat16)
     packed = cpu_gemm.pack_weight(weight)
-    previous = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            results.append(cpu_gemm.linear(x, packed, out_features))
-    finally:
-        torch.set_num_threads(previous)
+    results = at_thread_counts(lambda: cpu_gemm.linear(x, packed, out_features))
     _assert_close_to_reference(results[0], _reference(x, weight, None), 576)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 

@@ -10,6 +10,7 @@ import torch
 
 from pdserve.engine.layers.linear import Linear, pack_linear_weights
 from pdserve.kernels import cpu_gemm_f32, cpu_native
+from tests.kernels.thread_counts import at_thread_counts
 
 pytestmark = pytest.mark.skipif(cpu_gemm_f32.packed_gemm() is None,
                                 reason=f"pdserve's float32 kernel does not run here: {cpu_gemm_f32.unavailable_reason()}")
@@ -50,14 +51,7 @@ def test_more_threads_give_the_bytes_one_thread_gives(rows, out_features):
     torch.manual_seed(rows)
     x, weight = torch.randn(rows, 576), torch.randn(out_features, 576)
     packed = cpu_gemm_f32.pack_weight(weight)
-    previous = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            results.append(cpu_gemm_f32.linear(x, packed, out_features))
-    finally:
-        torch.set_num_threads(previous)
+    results = at_thread_counts(lambda: cpu_gemm_f32.linear(x, packed, out_features))
     _assert_close_to_reference(results[0], _reference(x, weight, None), x, weight)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
