@@ -12,7 +12,10 @@ def test_profile_lists_the_timed_generate_and_its_ops(model_factory, capsys):
                  "--rows", "40"]) == 0
     out = capsys.readouterr().out
     assert "generate:" in out and "for 2 x 16 prompt tokens and 2 x 4 output tokens" in out
-    assert "Self CPU time total" in out and "linear" in out
+    assert "Self CPU time total" in out
+    # linears on oneDNN or F.linear are ops of the table; on pdserve's C kernels (bf16, or float32 without
+    # AVX-512) the profile says it cannot see them
+    assert "linear" in out.split("Self CPU time total")[0] or "linears run on pdserve's C kernels" in out
 
 
 def test_parts_time_the_engine_and_are_restored_after(model_factory, capsys):

@@ -47,5 +47,7 @@ def test_a_large_logprobs_answer_leaves_health_fast(tiny_model, tokenization, pa
                 answer = await busy
                 assert answer.status_code == 200, answer.text[:500]
                 assert len(answer.content) > min_bytes and check(answer.json())
-                assert len(latencies) > 3 and max(latencies) <= 1.0, latencies
+                # quiet, the slowest /health takes 3-15 ms; built on the loop, the 50 MB answer stalled it 3.9-5.3 s.
+                # 2 s: on a 2-core host whose other CI worker runs engines, one call once waited 1.1 s for a core
+                assert len(latencies) > 3 and max(latencies) <= 2.0, latencies
     asyncio.run(scenario())
