@@ -41,8 +41,12 @@ def _cache_in_tmp(tmp_path_factory):
 
 @pytest.fixture
 def pack_every_linear(monkeypatch):
-    """Small float32 weights run packed too (engine/layers/linear.MIN_PACKED_FP32_ELEMENTS): tests of the packed
-    path use the tiny models, whose weights are all below that size."""
+    """Float32 weights run on oneDNN's packed path, small ones too (engine/layers/linear.MIN_PACKED_FP32_ELEMENTS):
+    tests of that path use the tiny models, whose weights are all below that size, and run it on CPUs without
+    AVX-512 too, whose float32 linears otherwise take pdserve's kernel (oneDNN's path stays where no compiler builds
+    it, as in the slim container image)."""
     from pdserve.engine.layers import linear
+    from pdserve.kernels import cpu_gemm_f32
 
     monkeypatch.setattr(linear, "MIN_PACKED_FP32_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_gemm_f32, "runs_linears", lambda: False)

@@ -129,7 +129,9 @@ def _row_buffer(rows: int, x: torch.Tensor) -> torch.Tensor:  # [rows, in] of x'
     linear's own padding rows."""
     key = (x.shape[-1], x.dtype)
     buffer = _ROW_BUFFERS.get(key)
-    if buffer is None or buffer.shape[0] < rows:
+    # one made under inference_mode (an engine's step) cannot be written outside it (a caller's own forward)
+    stale = buffer is not None and buffer.is_inference() and not torch.is_inference_mode_enabled()
+    if buffer is None or stale or buffer.shape[0] < rows:
         buffer = _ROW_BUFFERS[key] = x.new_empty(rows, x.shape[-1])
     return buffer[:rows]
 
